@@ -1,0 +1,31 @@
+# Every target here is exactly what CI runs (see .ci/run); `make test` reproduces CI locally.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python >= 3.11) on PATH"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m mnemojax demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check mnemojax models tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

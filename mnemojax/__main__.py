@@ -1,0 +1,5 @@
+import sys
+
+from mnemojax._src.cli import main
+
+sys.exit(main())

@@ -1,0 +1,440 @@
+"""`mnemojax.resilient`: the decorator and the `ResilientStep` it returns."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from mnemojax._src import monitoring
+from mnemojax._src import sharding as shd
+from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
+from mnemojax._src.device_layer import JaxDeviceLayer
+from mnemojax._src.errors import (
+    BatchSplitError,
+    InvalidOptionError,
+    MathChangedWarning,
+    NonFiniteLossError,
+    RecoveryExhaustedError,
+    UnsupportedStateError,
+)
+from mnemojax._src.options import ResilienceOptions
+from mnemojax._src.proxy import DeviceProxy, host_batch
+from mnemojax._src.snapshot import SnapshotStore
+from mnemojax._src.state_source import gather_state
+from mnemojax._src.statistics import RecoveryRecord, Statistics
+from mnemojax._src.step_forms import NnxForm, PytreeForm, StepForm, form_for
+from mnemojax._src.topology import MeshPlan, plan_reduced_mesh, single_failure_plans
+
+log = logging.getLogger("mnemojax")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class ResilientStep(Generic[P, R]):
+    """A train step that survives device loss. Built by `mnemojax.resilient`.
+
+    Call it like the undecorated step: ``metrics = step(model, optimizer, batch)`` (Flax
+    NNX, updates both in place) or ``state, metrics = step(state, batch)`` (pure). `batch`
+    is the global batch as host arrays; it is split along the data axis of the current mesh.
+
+    Attributes:
+        statistics: live `Statistics` (steps run, mesh, snapshots, recoveries).
+        options: the `ResilienceOptions` in force.
+        mesh: the current mesh (changes after a recovery).
+    """
+
+    def __init__(self, fn: Callable[P, R], *, mesh: Mesh | None = None,
+                 options: ResilienceOptions | None = None, fault_injector=None,
+                 spare_devices: Sequence[Any] = ()):
+        if options is not None and not isinstance(options, ResilienceOptions):
+            raise InvalidOptionError(
+                f"options={options!r} is invalid: expected a mnemojax.ResilienceOptions")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise InvalidOptionError(f"mesh={mesh!r} is invalid: expected a jax.sharding.Mesh")
+        functools.update_wrapper(self, fn)
+        self.__wrapped__ = fn
+        self._fn = fn
+        self._mesh_arg = mesh
+        self.options = options or ResilienceOptions()
+        self._injector = fault_injector
+        self._spares_arg = tuple(spare_devices)
+        self._statistics = Statistics()
+        self._form: StepForm | None = None
+        self._last_written: list | None = None
+        self._step = 0
+        self._batches: collections.deque = collections.deque(
+            maxlen=max(self.options.snapshot.every_steps, 1) + 1)
+
+    def with_options(self, **changes) -> ResilientStep[P, R]:
+        """A new, unbuilt resilient step of the same function with some arguments changed
+        (``mesh``, ``options``, ``fault_injector``, ``spare_devices``)."""
+        kwargs = dict(mesh=self._mesh_arg, options=self.options,
+                      fault_injector=self._injector, spare_devices=self._spares_arg)
+        unknown = set(changes) - set(kwargs)
+        if unknown:
+            raise InvalidOptionError(f"with_options got unknown argument(s) {sorted(unknown)}")
+        kwargs.update(changes)
+        return ResilientStep(self._fn, **kwargs)
+
+    # -- public views -------------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._proxy.mesh if self._form is not None else self._mesh_arg
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    @property
+    def statistics(self) -> Statistics:
+        s = self._statistics
+        if self._form is not None:
+            s.mesh_shape = dict(self._proxy.mesh.shape)
+            s.mesh_devices = tuple(int(i) for i in self._proxy.plan.device_ids.flat)
+            s.spare_devices = tuple(self._proxy.spares)
+            s.dead_devices = tuple(sorted(self._proxy.dead))
+            s.compiles = self._compiler.compiles
+            if self._store is not None:
+                snap = self._store.latest()
+                s.snapshot_bytes = snap.nbytes if snap else 0
+                s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
+                s.snapshots_taken = self._store.taken
+                s.snapshots_replaced = self._store.replaced
+                s.snapshot_copy_median_s = self._store.median_copy_s()
+        return s
+
+    def wait_precompiled(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the fallback executables queued so far are compiled."""
+        return self._form is None or self._compiler.wait_precompiled(timeout_s)
+
+    def wait_snapshots(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the snapshot copy in flight (if any) is complete."""
+        return self._form is None or self._store is None or self._store.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Stops the background threads (snapshot copier, compiler)."""
+        if self._form is not None:
+            self._compiler.close()
+            for store in (self._store, self._grads_store):
+                if store is not None:
+                    store.close()
+
+    # -- building -------------------------------------------------------------------------
+    def _build(self, args: tuple) -> None:
+        opts = self.options
+        form = form_for(self._fn, args)
+        all_devices = {d.id: d for d in jax.devices()}
+        spares = [int(getattr(d, "id", d)) for d in self._spares_arg]
+        bad = [s for s in spares if s not in all_devices]
+        if bad:
+            raise InvalidOptionError(f"spare_devices={bad!r}: no such device ids")
+        mesh = self._mesh_arg
+        if mesh is None:
+            devices = [d for d in jax.devices() if d.id not in spares]
+            mesh = jax.make_mesh((len(devices),), (opts.data_axis,), devices=devices,
+                                 axis_types=(jax.sharding.AxisType.Auto,))
+        ids = shd.device_ids(mesh)
+        overlap = sorted(set(spares) & {int(i) for i in ids.flat})
+        if overlap:
+            raise InvalidOptionError(f"spare_devices={overlap!r} are already in the mesh")
+        plan = MeshPlan(ids, tuple(mesh.axis_names), "unchanged")
+        values = form.read() if isinstance(form, NnxForm) else form.read_from(args[0])
+        shapes = [tuple(np.shape(v)) for v in values]
+        shd.validate_specs(form.specs, shapes, form.leaf_paths, dict(mesh.shape))
+        layer = JaxDeviceLayer()
+        if self._injector is not None:
+            layer = self._injector.wrap(layer)
+        enable_persistent_cache(opts.compile.cache_dir)
+        self._layer = layer
+        self._proxy = DeviceProxy(layer, plan, mesh, spares, data_axis=opts.data_axis,
+                                  probe_timeout_s=opts.recovery.probe_timeout_s)
+        self._sharded_dims = shd.sharded_dims(form.specs, shapes)
+        self._compiler = StepCompiler(
+            form.pure, form.specs, [(s, np.asarray(v).dtype if not hasattr(v, "dtype")
+                                     else v.dtype) for s, v in zip(shapes, values, strict=True)],
+            data_axis=opts.data_axis, donate=opts.compile.donate_state)
+        snap = opts.snapshot
+        self._store = SnapshotStore(layer, form.leaf_entries,
+                                    budget_bytes=snap.host_memory_budget_bytes,
+                                    verify=snap.verify_checksums) if snap.every_steps else None
+        self._grads_store = None
+        self._batch_size: int | None = None
+        self._examples: int | None = None
+        self._form = form
+
+    # -- calling --------------------------------------------------------------------------
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if kwargs:
+            raise UnsupportedStateError(
+                f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
+        if self._form is None:
+            self._build(args)
+        form = self._form
+        if isinstance(form, NnxForm):
+            if len(args) != 3 or not form.matches(args[0], args[1]):
+                raise UnsupportedStateError(
+                    "this resilient step was built for another model/optimizer pair; decorate "
+                    "a new step (or use step.with_options()) for a different model")
+            leaves = form.read()
+        else:
+            if len(args) != 2:
+                raise UnsupportedStateError(
+                    f"the pure step form is step(state, batch); got {len(args)} arguments")
+            leaves = form.read_from(args[0])
+        batch = host_batch(args[-1])
+        self._check_batch(batch)
+        step = self._step + 1
+        self._batches.append((step, batch))
+        leaves = self._place_state(leaves)
+        new_leaves, metrics = self._run(step, leaves, batch)
+        self._commit(step, new_leaves, metrics)
+        if isinstance(form, PytreeForm):
+            return form.unflatten(new_leaves), metrics
+        form.write(new_leaves)
+        return metrics
+
+    def _check_batch(self, batch) -> None:
+        sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
+        if len(sizes) > 1:
+            raise BatchSplitError(
+                f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
+        size = sizes.pop() if sizes else None
+        if self._batch_size is None:
+            self._batch_size = size
+            self._examples = size
+
+    def _place_state(self, leaves: list) -> list:
+        if self._last_written is not None and len(leaves) == len(self._last_written) and all(
+                a is b for a, b in zip(leaves, self._last_written, strict=True)):
+            return leaves
+        exe = self._executable_now()
+        return [x if isinstance(x, jax.Array) and x.sharding == s else self._layer.put(x, s)
+                for x, s in zip(leaves, exe.state_shardings, strict=True)]
+
+    def _batch_struct(self, examples: int | None, batch):
+        def struct(x):
+            shape = x.shape if not x.ndim or examples is None else (examples, *x.shape[1:])
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+        return jax.tree.map(struct, batch)
+
+    def _executable_now(self, batch=None):
+        batch = batch if batch is not None else self._batches[-1][1]
+        exe, _ = self._compiler.get(self._proxy.plan, self._batch_struct(self._examples, batch))
+        return exe
+
+    def _run(self, step: int, leaves: list, batch) -> tuple[list, Any]:
+        """Runs `step`, recovering from device failures and retrying transient errors."""
+        rec_opts = self.options.recovery
+        recoveries = retries = 0
+        pending: tuple[RecoveryRecord, float] | None = None
+        while True:
+            exe = self._executable_now(batch)
+            try:
+                device_batch = self._proxy.place_batch(batch, exe.batch_shardings,
+                                                       self._examples)
+                t_run = time.perf_counter()
+                new_leaves, metrics = self._proxy.run(exe.compiled, leaves, device_batch, step)
+            except Exception as exc:
+                t_fault = time.perf_counter()
+                verdict = self._proxy.classify(exc)
+                if verdict.kind == "user":
+                    raise
+                if verdict.kind == "transient":
+                    retries += 1
+                    self._statistics.transient_retries += 1
+                    if retries > rec_opts.max_transient_retries:
+                        raise RecoveryExhaustedError(
+                            f"step {step}: transient error persisted after {retries - 1} "
+                            f"retries: {exc}", attempts=retries - 1, last_error=exc) from exc
+                    log.warning("mnemojax: step %d: transient error, retry %d: %s",
+                                step, retries, exc)
+                    time.sleep(rec_opts.retry_backoff_s * 2 ** (retries - 1))
+                    continue
+                recoveries += 1
+                if recoveries > rec_opts.max_recoveries_per_step:
+                    raise RecoveryExhaustedError(
+                        f"step {step}: gave up after {recoveries - 1} recoveries: {exc}",
+                        attempts=recoveries - 1, last_error=exc) from exc
+                log.warning("mnemojax: step %d: devices %s failed; recovering",
+                            step, list(verdict.failed))
+                if pending is not None:  # a second failure interrupted the last recovery
+                    self._statistics.recoveries.append(pending[0])
+                    pending[0].total_s = t_fault - pending[1]
+                leaves, record = self._recover(step, leaves, verdict, t_fault)
+                pending = (record, t_fault)
+                continue
+            if pending is not None:
+                record, t_fault = pending
+                now = time.perf_counter()
+                record.phases_s["replay"] += now - t_run
+                record.total_s = now - t_fault
+                self._statistics.recoveries.append(record)
+                monitoring.record_recovery(record)
+                self._schedule_precompile()
+            return new_leaves, metrics
+
+    def _recover(self, step: int, leaves: list, verdict, t_fault: float):
+        opts = self.options
+        proxy = self._proxy
+        old_plan = proxy.plan
+        phases = {"detect": verdict.detect_s}
+        t = time.perf_counter()
+        plan = plan_reduced_mesh(
+            old_plan.device_ids, old_plan.axis_names, proxy.dead, spares=proxy.spares,
+            data_axis=opts.data_axis, sharded_dims=self._sharded_dims,
+            batch_size=self._batch_size, batch_policy=opts.recovery.batch_policy,
+            min_devices=opts.recovery.min_devices)
+        phases["plan"] = time.perf_counter() - t
+        if plan.math_changed:
+            self._statistics.math_changed = True
+            warnings.warn(
+                f"mnemojax: step {step}: batch_policy='truncate_batch' continues with "
+                f"{plan.examples_per_step} of {self._batch_size} examples per step; the run no "
+                "longer computes what a failure-free run computes", MathChangedWarning,
+                stacklevel=4)
+        t = time.perf_counter()
+        if self._store is not None:
+            self._store.wait_idle(timeout_s=60)
+        host = gather_state(leaves, step - 1, proxy.dead,
+                            self._store.latest() if self._store else None, self._layer,
+                            live_ok=not opts.compile.donate_state)
+        phases["reshard"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._compiler.cancel_pending()
+        batch = self._batches[-1][1]
+        exe, how = self._compiler.get(plan, self._batch_struct(plan.examples_per_step, batch))
+        phases["compile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        new_leaves = [self._layer.put(h, s) for h, s in
+                      zip(host.leaves, exe.state_shardings, strict=True)]
+        jax.block_until_ready(new_leaves)
+        phases["reshard"] += time.perf_counter() - t
+        proxy.adopt(plan, exe.mesh)
+        self._examples = plan.examples_per_step
+        self._last_written = None
+        t = time.perf_counter()
+        for s, b in self._batches:  # replay completed steps newer than the source state
+            if host.step < s < step:
+                new_leaves, _ = self._run(s, new_leaves, b)
+        phases["replay"] = time.perf_counter() - t
+        nbytes = sum(h.nbytes for h in host.leaves)
+        record = RecoveryRecord(
+            step=step, failed_devices=tuple(sorted(set(verdict.failed))),
+            old_mesh_shape=old_plan.shape, new_mesh_shape=plan.shape,
+            new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
+            plan_kind=plan.kind, source=host.source, source_step=host.step,
+            steps_lost=step - 1 - host.step, precompiled=how != "compiled", executable=how,
+            phases_s=phases, total_s=0.0, bytes_moved=host.bytes_read + nbytes,
+            groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
+            groups={a: {"kept": list(c.kept), "added": list(c.added), "removed": list(c.removed)}
+                    for a, c in plan.groups.items()},
+            examples_per_step=plan.examples_per_step, math_changed=plan.math_changed)
+        log.warning("mnemojax: step %d: continuing on mesh %s (%s, state from %s)",
+                    step, plan.shape, plan.kind, host.source)
+        return new_leaves, record
+
+    def _commit(self, step: int, new_leaves: list, metrics) -> None:
+        opts = self.options
+        if opts.nonfinite == "raise":
+            loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
+            if loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1:
+                value = float(np.asarray(loss))
+                if not np.isfinite(value):
+                    raise NonFiniteLossError(
+                        f"step {step}: {opts.loss_key}={value}; the state of step {step - 1} "
+                        "is kept (nonfinite='raise')", step=step, value=value)
+        self._step = step
+        self._last_written = new_leaves
+        self._statistics.steps_run = step
+        every = opts.snapshot.every_steps
+        if self._store is not None and step % every == 0:
+            if opts.compile.donate_state:
+                self._store.wait_idle()  # the next step donates these buffers
+            self._store.submit(step, new_leaves)
+        grads_every = opts.snapshot.grads_every_steps
+        if grads_every and isinstance(metrics, dict) and "grads" in metrics \
+                and step % grads_every == 0:
+            if self._grads_store is None:
+                n = len(jax.tree.leaves(metrics["grads"]))
+                self._grads_store = SnapshotStore(
+                    self._layer, ["grads"] * n, name="grads",
+                    budget_bytes=opts.snapshot.host_memory_budget_bytes,
+                    verify=opts.snapshot.verify_checksums)
+            self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
+        if step == 1:
+            self._schedule_precompile()
+
+    def _schedule_precompile(self) -> None:
+        copts = self.options.compile
+        if not copts.precompile or copts.max_precompiled == 0:
+            return
+        proxy = self._proxy
+        plans = single_failure_plans(
+            proxy.plan.device_ids, proxy.plan.axis_names, spares=proxy.spares,
+            data_axis=self.options.data_axis, sharded_dims=self._sharded_dims,
+            batch_size=self._batch_size, batch_policy=self.options.recovery.batch_policy,
+            min_devices=self.options.recovery.min_devices)[:copts.max_precompiled]
+        batch = self._batches[-1][1]
+        for plan in plans:
+            self._compiler.precompile([plan], self._batch_struct(plan.examples_per_step, batch))
+        self._statistics.precompiled_meshes = len(plans)
+
+
+@overload
+def resilient(fn: Callable[P, R], /) -> ResilientStep[P, R]: ...
+
+
+@overload
+def resilient(*, mesh: Mesh | None = None, options: ResilienceOptions | None = None,
+              fault_injector=None, spare_devices: Sequence[Any] = ()
+              ) -> Callable[[Callable[P, R]], ResilientStep[P, R]]: ...
+
+
+def resilient(fn=None, /, *, mesh=None, options=None, fault_injector=None, spare_devices=()):
+    """Makes a train step survive device loss.
+
+    Use bare (``@mnemojax.resilient``) or with keywords
+    (``@mnemojax.resilient(mesh=mesh, options=...)``). Write the step un-jitted: mnemojax
+    compiles it with shardings from the model's ``nnx.with_partitioning`` annotations (or
+    the state arrays' `NamedSharding`s) on `mesh`.
+
+    Args:
+        fn: ``step(model, optimizer, batch) -> metrics`` (Flax NNX, in place) or
+            ``step(state, batch) -> (state, metrics)`` (any pytree of arrays).
+        mesh: the mesh to train on; default: all devices but the spares on one data axis.
+        options: `ResilienceOptions`.
+        fault_injector: a `mnemojax.testing.FaultInjector` to rehearse failures with.
+        spare_devices: devices (or ids) kept out of the mesh to swap in for failed ones.
+
+    Returns:
+        A `ResilientStep`, or a decorator that makes one.
+
+    Example::
+
+        @mnemojax.resilient(mesh=mesh)
+        def train_step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return {"loss": loss}
+    """
+    if fn is not None:
+        if not callable(fn):
+            raise InvalidOptionError(f"resilient() got {fn!r}, which is not callable")
+        return ResilientStep(fn, mesh=mesh, options=options, fault_injector=fault_injector,
+                             spare_devices=spare_devices)
+
+    def decorate(f):
+        return ResilientStep(f, mesh=mesh, options=options, fault_injector=fault_injector,
+                             spare_devices=spare_devices)
+
+    return decorate

@@ -1,0 +1,166 @@
+"""Executables per mesh: compiled on demand, or ahead of time in the background.
+
+Compile dominates recovery on CPU (7-10 s for the tiny GPT, DESIGN.md section 4), so after
+the first step the runtime compiles the step for every mesh that one more failure would
+produce, on a background thread, and a recovery takes the ready executable. JAX's persistent
+compilation cache backs the rest. On CPU the cache key includes the device assignment, so
+each reduced mesh needs its own entry; on GPU JAX strips it and one entry serves all
+meshes of a shape.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mnemojax._src import sharding as shd
+from mnemojax._src.topology import MeshPlan
+
+log = logging.getLogger("mnemojax")
+
+_cache_lock = threading.Lock()
+
+
+def enable_persistent_cache(cache_dir: str | None) -> None:
+    """Points JAX's persistent compilation cache at `cache_dir` unless the user set one."""
+    if cache_dir is None:
+        return
+    with _cache_lock:
+        if jax.config.jax_compilation_cache_dir is None:
+            jax.config.update("jax_compilation_cache_dir", cache_dir)
+
+
+@dataclasses.dataclass
+class Executable:
+    compiled: Any
+    mesh: Mesh
+    state_shardings: list[NamedSharding]
+    batch_shardings: Any
+    lower_s: float
+    compile_s: float
+    ahead_of_time: bool
+
+
+class StepCompiler:
+    """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch."""
+
+    def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
+                 *, data_axis: str, donate: bool):
+        self._pure = pure
+        self._specs = list(specs)
+        self._leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
+        self._data_axis = data_axis
+        self._donate = donate
+        self._ready: dict[tuple, Executable] = {}
+        self._futures: dict[tuple, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mnemojax-compile")
+        self.compiles = 0
+
+    @staticmethod
+    def key(plan: MeshPlan, batch_struct) -> tuple:
+        return (plan.key, tuple((tuple(s.shape), str(s.dtype)) for s in
+                                jax.tree.leaves(batch_struct)), jax.tree.structure(batch_struct))
+
+    def batch_shardings(self, mesh: Mesh, batch_struct):
+        return jax.tree.map(
+            lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._data_axis, len(s.shape))),
+            batch_struct)
+
+    def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
+        mesh = shd.mesh_from_plan(plan)
+        state_sh = shd.named(mesh, self._specs)
+        batch_sh = self.batch_shardings(mesh, batch_struct)
+        jitted = jax.jit(self._pure, in_shardings=(state_sh, batch_sh),
+                         out_shardings=(state_sh, None),
+                         donate_argnums=(0,) if self._donate else ())
+        args = (
+            [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+             for (shape, dtype), s in zip(self._leaf_structs, state_sh, strict=True)],
+            jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         batch_struct, batch_sh),
+        )
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            lowered = jitted.lower(*args)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        with self._lock:
+            self.compiles += 1
+        log.info("mnemojax: compiled step for mesh %s (%s): lower %.2fs compile %.2fs",
+                 plan.shape, "ahead of time" if ahead else "on demand", t1 - t0, t2 - t1)
+        return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead)
+
+    def get(self, plan: MeshPlan, batch_struct) -> tuple[Executable, str]:
+        """The executable for `plan`, and where it came from: ``"ready"`` (compiled ahead and
+        finished), ``"waited"`` (compiled ahead, still running: waited for it) or
+        ``"compiled"`` (compiled now, on the critical path)."""
+        k = self.key(plan, batch_struct)
+        with self._lock:
+            exe = self._ready.get(k)
+            future = self._futures.get(k)
+        if exe is not None:
+            return exe, "ready"
+        if future is not None:
+            exe = future.result()
+            return exe, "waited"
+        exe = self._compile(plan, batch_struct, ahead=False)
+        with self._lock:
+            self._ready[k] = exe
+        return exe, "compiled"
+
+    def precompile(self, plans: Sequence[MeshPlan], batch_struct) -> list[concurrent.futures.Future]:
+        """Compiles `plans` in the background, in order; already known ones are skipped."""
+        futures = []
+        for plan in plans:
+            k = self.key(plan, batch_struct)
+            with self._lock:
+                if k in self._ready or k in self._futures:
+                    continue
+                future = self._pool.submit(self._background, k, plan, batch_struct)
+                self._futures[k] = future
+            futures.append(future)
+        return futures
+
+    def _background(self, k, plan, batch_struct) -> Executable:
+        try:
+            exe = self._compile(plan, batch_struct, ahead=True)
+        except Exception:
+            with self._lock:
+                self._futures.pop(k, None)
+            raise
+        with self._lock:
+            self._ready[k] = exe
+            self._futures.pop(k, None)
+        return exe
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._futures)
+
+    def wait_precompiled(self, timeout_s: float | None = None) -> bool:
+        """Waits for the background compiles queued so far; True if all finished."""
+        with self._lock:
+            futures = list(self._futures.values())
+        done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
+        return not not_done
+
+    def cancel_pending(self) -> None:
+        with self._lock:
+            for k, f in list(self._futures.items()):
+                if f.cancel():
+                    self._futures.pop(k, None)
+
+    def close(self) -> None:
+        self.cancel_pending()
+        self._pool.shutdown(wait=True, cancel_futures=True)

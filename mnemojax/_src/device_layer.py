@@ -1,0 +1,76 @@
+"""The device layer: the narrow interface through which the runtime touches devices.
+
+Every execution, transfer and health probe goes through a `DeviceLayer`. In production it
+is `JaxDeviceLayer`, a thin pass-through to JAX. Interposers (such as
+`mnemojax.testing.FaultInjector`) wrap it the way an interception library wraps a driver:
+they see every operation with the devices it touches and can make it fail as real hardware
+would, without the runtime knowing they are there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Collection
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+
+class DeviceLayer(Protocol):
+    def execute(self, executable: Any, args: tuple, *, step: int,
+                devices: Collection[int]) -> Any:
+        """Dispatches `executable(*args)` on `devices`; returns its (future) outputs."""
+
+    def block(self, outputs: Any, *, step: int, devices: Collection[int]) -> Any:
+        """Waits for `outputs`; raises what the device raised."""
+
+    def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        """Places a host value on devices."""
+
+    def fetch(self, shard: jax.Shard) -> np.ndarray:
+        """Reads one addressable shard to a fresh host array (a copy, never a view)."""
+
+    def fetch_into(self, shard: jax.Shard, out: np.ndarray) -> None:
+        """Reads one addressable shard into a preallocated host buffer."""
+
+    def probe(self, device: jax.Device, timeout_s: float) -> bool:
+        """True if the device answers a tiny round trip within `timeout_s`."""
+
+
+class JaxDeviceLayer:
+    """The real device layer: plain JAX calls."""
+
+    def __init__(self):
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="mnemojax-probe")
+
+    def execute(self, executable, args, *, step, devices):
+        del step, devices
+        return executable(*args)
+
+    def block(self, outputs, *, step, devices):
+        del step, devices
+        return jax.block_until_ready(outputs)
+
+    def put(self, value, sharding):
+        return jax.device_put(value, sharding)
+
+    def fetch(self, shard):
+        return np.array(shard.data, copy=True)
+
+    def fetch_into(self, shard, out):
+        # On CPU `np.asarray` is a zero-copy view of the device buffer: copy it out now.
+        np.copyto(out, np.asarray(shard.data))
+
+    def probe(self, device, timeout_s):
+        def round_trip():
+            return float(np.asarray(jax.device_put(np.ones((), np.float32), device)))
+
+        future = self._probe_pool.submit(round_trip)
+        try:
+            return future.result(timeout=timeout_s) == 1.0
+        except concurrent.futures.TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - any error on a probe means the device is unusable
+            return False

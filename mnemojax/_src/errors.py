@@ -1,0 +1,87 @@
+"""The typed error hierarchy. Every error mnemojax raises derives from `MnemojaxError`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class MnemojaxError(Exception):
+    """Root of every error raised by mnemojax."""
+
+
+class MnemojaxWarning(UserWarning):
+    """Root of every warning issued by mnemojax (tests turn these into errors)."""
+
+
+class MathChangedWarning(MnemojaxWarning):
+    """A recovery policy changed the math of the step (for example fewer examples per step)."""
+
+
+class InvalidOptionError(MnemojaxError, ValueError):
+    """An option or argument has a value outside its legal range."""
+
+
+class UnsupportedStateError(MnemojaxError, TypeError):
+    """The step's state is neither a Flax NNX model/optimizer pair nor a pytree of arrays."""
+
+
+class ShardingMismatchError(MnemojaxError, ValueError):
+    """Sharding annotations name mesh axes that the mesh does not have, or do not divide."""
+
+
+class BatchSplitError(MnemojaxError, ValueError):
+    """The global batch cannot be split evenly along the data axis of the mesh."""
+
+
+class DeviceFailureError(MnemojaxError):
+    """One or more devices failed while running a step.
+
+    Attributes:
+        failed_devices: ids of the devices found dead.
+        step: the step that was running when the failure surfaced.
+    """
+
+    def __init__(self, message: str, *, failed_devices: Sequence[int], step: int):
+        super().__init__(message)
+        self.failed_devices = tuple(failed_devices)
+        self.step = step
+
+
+class MeshTooSmallError(MnemojaxError):
+    """Too few healthy devices remain to hold the model (or the configured minimum)."""
+
+    def __init__(self, message: str, *, healthy_devices: int, required: int):
+        super().__init__(message)
+        self.healthy_devices = healthy_devices
+        self.required = required
+
+
+class RecoveryExhaustedError(MnemojaxError):
+    """The recovery or retry budget ran out.
+
+    Attributes:
+        attempts: how many recoveries/retries were made for the failing step.
+        last_error: the exception that the last attempt ended with.
+    """
+
+    def __init__(self, message: str, *, attempts: int, last_error: BaseException | None):
+        super().__init__(message)
+        self.attempts = attempts
+        self.last_error = last_error
+
+
+class SnapshotCorruptError(MnemojaxError):
+    """A host snapshot failed its checksum; it is never restored."""
+
+
+class StateUnavailableError(MnemojaxError):
+    """No complete copy of the state survives (no live replica and no usable snapshot)."""
+
+
+class NonFiniteLossError(MnemojaxError, FloatingPointError):
+    """The step produced a NaN or Inf loss; the state of the previous step is kept."""
+
+    def __init__(self, message: str, *, step: int, value: float):
+        super().__init__(message)
+        self.step = step
+        self.value = value

@@ -1,0 +1,188 @@
+"""Fault injection that behaves like real hardware (public as `mnemojax.testing`).
+
+A `FaultInjector` interposes on the device layer, as an interception library sits between
+a program and its driver. It never calls into the recovery code: the runtime learns about
+a fault only the way it would learn about a real one, from a failing operation and from
+its own health probes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import Literal
+
+import jax
+
+from mnemojax._src.errors import InvalidOptionError
+
+Surface = Literal["dispatch", "block"]
+
+
+@dataclasses.dataclass
+class _Event:
+    kind: Literal["lose_devices", "transient"]
+    at_step: int
+    device_ids: tuple[int, ...] = ()
+    surface: Surface = "dispatch"
+    times: int = 1
+    fired_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectedFault:
+    """What the injector did, for tests and reports (the runtime never reads this)."""
+
+    kind: str
+    step: int
+    device_ids: tuple[int, ...]
+    time: float
+
+
+def _device_error(ids: Iterable[int], what: str) -> jax.errors.JaxRuntimeError:
+    ids = sorted(ids)
+    return jax.errors.JaxRuntimeError(
+        f"INTERNAL: {what} failed: device(s) {ids} are lost (hardware error reported by the "
+        "device runtime; injected by mnemojax.testing.FaultInjector)"
+    )
+
+
+class FaultInjector:
+    """Schedules faults that surface the way real device faults do.
+
+    Example::
+
+        faults = mnemojax.testing.FaultInjector().lose_devices(5, [3]).lose_devices(9, [6])
+        step = mnemojax.resilient(train_step, mesh=mesh, fault_injector=faults)
+
+    A lost device stays dead for the rest of the run: every execution, transfer or probe
+    that touches it fails from then on.
+    """
+
+    def __init__(self):
+        self._events: list[_Event] = []
+        self._dead: set[int] = set()
+        self._lock = threading.Lock()
+        self.injected: list[InjectedFault] = []
+
+    def lose_devices(self, at_step: int, device_ids: Collection[int], *,
+                     surface: Surface = "dispatch") -> FaultInjector:
+        """Devices `device_ids` die while step `at_step` runs.
+
+        Args:
+            at_step: the 1-based step during which the devices die.
+            device_ids: ids of the devices to kill.
+            surface: where the failure shows: ``"dispatch"`` (the launch fails) or
+                ``"block"`` (the launch returns, waiting on its results fails; any donated
+                inputs are gone by then).
+
+        Returns:
+            self, so calls chain.
+        """
+        if at_step < 1:
+            raise InvalidOptionError(f"at_step={at_step!r} is invalid: expected >= 1")
+        if not device_ids:
+            raise InvalidOptionError(f"device_ids={device_ids!r} is invalid: expected >= 1 id")
+        if surface not in ("dispatch", "block"):
+            raise InvalidOptionError(
+                f"surface={surface!r} is invalid: expected 'dispatch' or 'block'")
+        self._events.append(_Event("lose_devices", at_step, tuple(int(d) for d in device_ids),
+                                   surface))
+        return self
+
+    def transient_error(self, at_step: int, *, times: int = 1) -> FaultInjector:
+        """Step `at_step` fails `times` times with a transient UNAVAILABLE error."""
+        if at_step < 1 or times < 1:
+            raise InvalidOptionError(
+                f"at_step={at_step!r}, times={times!r} are invalid: expected both >= 1")
+        self._events.append(_Event("transient", at_step, times=times))
+        return self
+
+    @property
+    def dead_devices(self) -> frozenset[int]:
+        return frozenset(self._dead)
+
+    def wrap(self, layer):
+        """Returns `layer` with this injector interposed."""
+        return _InterposedLayer(layer, self)
+
+    # -- called by the interposed layer only ------------------------------------------
+    def _fire_due(self, step: int) -> list[_Event]:
+        fired = []
+        with self._lock:
+            for ev in self._events:
+                if ev.fired_at is None and ev.at_step <= step:
+                    ev.fired_at = time.perf_counter()
+                    if ev.kind == "lose_devices":
+                        self._dead.update(ev.device_ids)
+                    self.injected.append(InjectedFault(ev.kind, step, ev.device_ids, ev.fired_at))
+                    fired.append(ev)
+        return fired
+
+    def _take_transient(self, step: int) -> bool:
+        with self._lock:
+            for ev in self._events:
+                if ev.kind == "transient" and ev.at_step == step and ev.times > 0:
+                    ev.times -= 1
+                    return True
+        return False
+
+    def _surface_for(self, devices: Collection[int]) -> Surface:
+        hit = set(devices)
+        for ev in reversed(self._events):
+            if ev.kind == "lose_devices" and ev.fired_at is not None and hit & set(ev.device_ids):
+                return ev.surface
+        return "dispatch"
+
+
+class _InterposedLayer:
+    def __init__(self, inner, injector: FaultInjector):
+        self._inner = inner
+        self._inj = injector
+        self._poisoned: set[int] = set()  # id() of outputs whose wait must fail
+
+    def _dead_among(self, devices) -> set[int]:
+        return self._inj._dead & {int(d) for d in devices}
+
+    def execute(self, executable, args, *, step, devices):
+        self._inj._fire_due(step)
+        if self._inj._take_transient(step):
+            raise jax.errors.JaxRuntimeError(
+                "UNAVAILABLE: collective timed out waiting for peers (transient; injected by "
+                "mnemojax.testing.FaultInjector)")
+        dead = self._dead_among(devices)
+        if dead and self._inj._surface_for(dead) == "dispatch":
+            raise _device_error(dead, f"launching step {step}")
+        outputs = self._inner.execute(executable, args, step=step, devices=devices)
+        if dead:
+            self._poisoned.add(id(outputs))
+        return outputs
+
+    def block(self, outputs, *, step, devices):
+        if id(outputs) in self._poisoned:
+            self._poisoned.discard(id(outputs))
+            raise _device_error(self._dead_among(devices), f"waiting for step {step}")
+        return self._inner.block(outputs, step=step, devices=devices)
+
+    def put(self, value, sharding):
+        dead = self._dead_among(d.id for d in sharding.device_set)
+        if dead:
+            raise _device_error(dead, "host-to-device transfer")
+        return self._inner.put(value, sharding)
+
+    def fetch(self, shard):
+        if shard.device.id in self._inj._dead:
+            raise _device_error([shard.device.id], "device-to-host transfer")
+        return self._inner.fetch(shard)
+
+    def fetch_into(self, shard, out):
+        if shard.device.id in self._inj._dead:
+            raise _device_error([shard.device.id], "device-to-host transfer")
+        self._inner.fetch_into(shard, out)
+
+    def probe(self, device, timeout_s):
+        if device.id in self._inj._dead:
+            return False
+        return self._inner.probe(device, timeout_s)

@@ -1,0 +1,149 @@
+"""Frozen, keyword-only option dataclasses, nested by concern and validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from mnemojax._src.errors import InvalidOptionError
+
+BatchPolicy = Literal["keep_math", "truncate_batch"]
+NonFinitePolicy = Literal["raise", "ignore"]
+_BATCH_POLICIES = ("keep_math", "truncate_batch")
+_NONFINITE_POLICIES = ("raise", "ignore")
+
+
+def _check(cond: bool, name: str, value: object, legal: str) -> None:
+    if not cond:
+        raise InvalidOptionError(f"{name}={value!r} is invalid: expected {legal}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    _check(value in choices, name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapshotOptions:
+    """Host-memory snapshots of the training state.
+
+    Attributes:
+        every_steps: snapshot params, optimizer state, step counter and RNG state after
+            every N-th good step (0 disables snapshots). Recovery needs all of them at one
+            step, so they share this cadence.
+        grads_every_steps: also keep the step's gradients (the pytree under the metrics key
+            ``"grads"``, if the step returns one) as a separate entry every N steps; 0: never.
+        host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
+            memory; if the state does not fit, snapshots are disabled with a warning.
+        verify_checksums: check each buffer's CRC32 before restoring from it.
+    """
+
+    every_steps: int = 1
+    grads_every_steps: int = 0
+    host_memory_budget_bytes: int = 8 << 30
+    verify_checksums: bool = True
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
+        _check(self.grads_every_steps >= 0, "grads_every_steps", self.grads_every_steps, ">= 0")
+        _check(
+            self.host_memory_budget_bytes > 0,
+            "host_memory_budget_bytes",
+            self.host_memory_budget_bytes,
+            "> 0",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecoveryOptions:
+    """What a recovery may do.
+
+    Attributes:
+        batch_policy: when the surviving data-parallel width does not divide the global
+            batch. ``"keep_math"`` (default) uses the widest data axis that divides it and
+            keeps the other healthy devices idle; ``"truncate_batch"`` uses every surviving
+            replica and drops the trailing examples of each batch (changes the math: warned
+            and recorded in the statistics).
+        max_recoveries_per_step: give up with `RecoveryExhaustedError` after this many
+            recoveries while running one step.
+        max_transient_retries: retries in place of a transient runtime error, per step.
+        retry_backoff_s: first backoff before a transient retry; doubles per attempt.
+        min_devices: never continue on fewer devices than this (`MeshTooSmallError`).
+        probe_timeout_s: a device that does not answer a health probe in this time is dead.
+    """
+
+    batch_policy: BatchPolicy = "keep_math"
+    max_recoveries_per_step: int = 3
+    max_transient_retries: int = 3
+    retry_backoff_s: float = 0.05
+    min_devices: int = 1
+    probe_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        _check_choice("batch_policy", self.batch_policy, _BATCH_POLICIES)
+        _check(self.max_recoveries_per_step >= 1, "max_recoveries_per_step",
+               self.max_recoveries_per_step, ">= 1")
+        _check(self.max_transient_retries >= 0, "max_transient_retries",
+               self.max_transient_retries, ">= 0")
+        _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, ">= 0")
+        _check(self.min_devices >= 1, "min_devices", self.min_devices, ">= 1")
+        _check(self.probe_timeout_s > 0, "probe_timeout_s", self.probe_timeout_s, "> 0")
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mnemojax", "xla")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """Getting executables off the recovery path.
+
+    Attributes:
+        precompile: after the first step, compile in the background the step for every
+            mesh that the loss of one device would produce.
+        max_precompiled: at most this many fallback meshes are compiled ahead.
+        cache_dir: JAX's persistent compilation cache directory (None: leave JAX's setting
+            alone). Set once, when the first resilient step is built.
+        donate_state: donate the state buffers to the step. Saves one copy of the state
+            in device memory, but a step that fails after donation leaves no live state,
+            so recovery must use the host snapshot (keep ``every_steps=1``).
+    """
+
+    precompile: bool = True
+    max_precompiled: int = 8
+    cache_dir: str | None = dataclasses.field(default_factory=_default_cache_dir)
+    donate_state: bool = False
+
+    def __post_init__(self):
+        _check(self.max_precompiled >= 0, "max_precompiled", self.max_precompiled, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResilienceOptions:
+    """All options of `mnemojax.resilient`.
+
+    Attributes:
+        snapshot: host snapshot options.
+        recovery: recovery options.
+        compile: compile / executable options.
+        data_axis: the mesh axis along which the batch is split and replicas are dropped.
+        loss_key: metrics key checked for NaN/Inf (a scalar metrics value is checked itself).
+        nonfinite: ``"raise"`` (default): a non-finite loss raises `NonFiniteLossError`
+            and the previous state is kept; ``"ignore"``: no check.
+    """
+
+    snapshot: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)
+    recovery: RecoveryOptions = dataclasses.field(default_factory=RecoveryOptions)
+    compile: CompileOptions = dataclasses.field(default_factory=CompileOptions)
+    data_axis: str = "data"
+    loss_key: str = "loss"
+    nonfinite: NonFinitePolicy = "raise"
+
+    def __post_init__(self):
+        for name, cls in (("snapshot", SnapshotOptions), ("recovery", RecoveryOptions),
+                          ("compile", CompileOptions)):
+            value = getattr(self, name)
+            _check(isinstance(value, cls), name, value, f"a {cls.__name__}")
+        _check(bool(self.data_axis), "data_axis", self.data_axis, "a non-empty axis name")
+        _check_choice("nonfinite", self.nonfinite, _NONFINITE_POLICIES)

@@ -1,0 +1,121 @@
+"""The device proxy, in-process half: owns the mesh and device health, runs the step and
+classifies every error.
+
+The proxy is the only code that dispatches steps. It sees errors first and sorts them:
+
+* ``device_failure``: a JAX runtime error, and a health probe finds dead devices in the
+  mesh. Triggers recovery.
+* ``transient``: a JAX runtime error with a retryable status (UNAVAILABLE,
+  DEADLINE_EXCEEDED, ABORTED, CANCELLED, connection reset) and every device healthy.
+  Retried in place with backoff; the mesh does not change.
+* ``user``: everything else (shape and type errors, user exceptions, INVALID_ARGUMENT,
+  out of memory). Re-raised unchanged; never starts a recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from mnemojax._src.errors import BatchSplitError
+from mnemojax._src.topology import MeshPlan
+
+VerdictKind = Literal["device_failure", "transient", "user"]
+
+_TRANSIENT = re.compile(
+    r"UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|CANCELLED|Connection reset|timed out", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    failed: tuple[int, ...] = ()
+    detect_s: float = 0.0
+
+
+class DeviceProxy:
+    """Owns the current mesh, the set of dead devices and the spare pool."""
+
+    def __init__(self, layer, plan: MeshPlan, mesh: Mesh, spares, *, data_axis: str,
+                 probe_timeout_s: float):
+        self.layer = layer
+        self._data_axis = data_axis
+        self.plan = plan
+        self.mesh = mesh
+        self.spares: list[int] = [int(s) for s in spares]
+        self.dead: set[int] = set()
+        self._probe_timeout_s = probe_timeout_s
+        self._by_id = {d.id: d for d in jax.devices()}
+        self._devices = frozenset(int(i) for i in plan.device_ids.flat)
+
+    @property
+    def devices(self) -> frozenset[int]:
+        return self._devices
+
+    def adopt(self, plan: MeshPlan, mesh: Mesh) -> None:
+        """Switches to a new mesh; healthy devices it leaves out join the spare pool."""
+        self.plan, self.mesh = plan, mesh
+        self._devices = frozenset(int(i) for i in plan.device_ids.flat)
+        pool = [s for s in self.spares if s not in self._devices] + list(plan.idle)
+        self.spares = [d for d in dict.fromkeys(pool) if d not in self.dead
+                       and d not in self._devices]
+
+    def place_batch(self, host_batch, shardings, examples: int | None):
+        """Splits the global host batch over the mesh along the data axis."""
+        width = self.data_width()
+
+        def place(path, x, sharding):
+            if x.ndim and examples is not None and x.shape[0] != examples:
+                x = x[:examples]
+            if x.ndim and sharding.spec and x.shape[0] % width:
+                raise BatchSplitError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[0]} examples, "
+                    f"which the data axis of width {width} cannot split evenly")
+            return self.layer.put(x, sharding)
+
+        return jax.tree_util.tree_map_with_path(place, host_batch, shardings)
+
+    def data_width(self) -> int:
+        return int(self.mesh.shape.get(self._data_axis, 1))
+
+    def run(self, executable, leaves, device_batch, step: int):
+        """Runs one step and waits for it; whatever fails propagates to `classify`."""
+        out = self.layer.execute(executable, (leaves, device_batch), step=step,
+                                 devices=self._devices)
+        return self.layer.block(out, step=step, devices=self._devices)
+
+    def classify(self, exc: BaseException) -> Verdict:
+        """Sorts an exception raised by `run` or a transfer (see module docstring)."""
+        t0 = time.perf_counter()
+        if not isinstance(exc, jax.errors.JaxRuntimeError):
+            return Verdict("user")
+        newly_dead = self.probe_all()
+        failed_in_mesh = tuple(sorted(d for d in newly_dead if d in self._devices))
+        if failed_in_mesh:
+            return Verdict("device_failure", failed_in_mesh, time.perf_counter() - t0)
+        if newly_dead or _TRANSIENT.search(str(exc)):
+            return Verdict("transient", (), time.perf_counter() - t0)
+        return Verdict("user")
+
+    def probe_all(self) -> set[int]:
+        """Probes every mesh device and spare; returns (and records) the newly dead ones."""
+        newly = set()
+        for dev_id in sorted(self._devices | set(self.spares)):
+            if dev_id in self.dead:
+                continue
+            if not self.layer.probe(self._by_id[dev_id], self._probe_timeout_s):
+                newly.add(dev_id)
+        self.dead |= newly
+        self.spares = [s for s in self.spares if s not in self.dead]
+        return newly
+
+
+def host_batch(batch):
+    """The batch as a pytree of numpy arrays (host memory), validated."""
+    return jax.tree.map(np.asarray, batch)

@@ -1,0 +1,86 @@
+"""The one module that turns plans into `jax.sharding` objects and validates annotations."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mnemojax._src.errors import ShardingMismatchError
+from mnemojax._src.topology import MeshPlan
+
+
+def devices_by_id() -> dict[int, jax.Device]:
+    return {d.id: d for d in jax.devices()}
+
+
+def mesh_from_plan(plan: MeshPlan) -> Mesh:
+    """A GSPMD-style (`AxisType.Auto`) mesh over the plan's devices."""
+    by_id = devices_by_id()
+    devices = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(plan.device_ids)
+    return Mesh(devices, plan.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * devices.ndim)
+
+
+def device_ids(mesh: Mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+
+
+def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """(dimension, axis names) for every sharded dimension of a spec."""
+    out = []
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append((dim, names))
+    return out
+
+
+def validate_specs(
+    specs: Sequence[PartitionSpec],
+    shapes: Sequence[tuple[int, ...]],
+    paths: Sequence[str],
+    mesh_shape: Mapping[str, int],
+) -> None:
+    """Raises `ShardingMismatchError` naming the leaf if a spec does not fit the mesh."""
+    for spec, shape, path in zip(specs, shapes, paths, strict=True):
+        if len(spec) > len(shape):
+            raise ShardingMismatchError(
+                f"{path}: partition spec {spec} has more entries than the array has "
+                f"dimensions (shape {shape})"
+            )
+        for dim, names in spec_axes(spec):
+            unknown = [n for n in names if n not in mesh_shape]
+            if unknown:
+                raise ShardingMismatchError(
+                    f"{path}: partition spec {spec} names mesh axis {unknown[0]!r}, but the "
+                    f"mesh has axes {tuple(mesh_shape)}"
+                )
+            width = int(np.prod([mesh_shape[n] for n in names]))
+            if shape[dim] % width:
+                raise ShardingMismatchError(
+                    f"{path}: dimension {dim} of size {shape[dim]} is sharded over {names} "
+                    f"(width {width}), which does not divide it"
+                )
+
+
+def sharded_dims(specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...]]):
+    """Per mesh axis, the sizes of the array dimensions sharded along it (for the planner)."""
+    out: dict[str, set[int]] = {}
+    for spec, shape in zip(specs, shapes, strict=True):
+        for dim, names in spec_axes(spec):
+            for n in names:
+                out.setdefault(n, set()).add(shape[dim])
+    return out
+
+
+def batch_spec(mesh: Mesh, data_axis: str, ndim: int) -> PartitionSpec:
+    if data_axis in mesh.axis_names and ndim > 0:
+        return PartitionSpec(data_axis)
+    return PartitionSpec()
+
+
+def named(mesh: Mesh, specs: Sequence[PartitionSpec]) -> list[NamedSharding]:
+    return [NamedSharding(mesh, s) for s in specs]

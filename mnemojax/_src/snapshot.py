@@ -1,0 +1,231 @@
+"""Host-memory snapshots of the sharded training state.
+
+After a good step the runtime hands the step's output arrays to a `SnapshotStore`; a
+background thread copies them into preallocated host buffers while the next step runs.
+
+* Only addressable shards are copied, and of replicated shards only replica 0 (dedup).
+* Two buffers: the copy in flight never overwrites the last complete snapshot; a snapshot
+  becomes visible only once every shard is copied and checksummed.
+* Requests that arrive while a copy is in flight do not queue up: the newest replaces the
+  waiting one (the step never stalls on a snapshot).
+* Buffers are allocated once and reused: fresh memory is slow to touch on some VMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from mnemojax._src.errors import MnemojaxWarning, SnapshotCorruptError, StateUnavailableError
+
+log = logging.getLogger("mnemojax")
+
+IndexKey = tuple[tuple[int, int], ...]
+
+
+class SnapshotBudgetWarning(MnemojaxWarning):
+    """The snapshot buffers would exceed the host-memory budget; snapshots are off."""
+
+
+def index_key(index: tuple[slice, ...], shape: Sequence[int]) -> IndexKey:
+    """A hashable form of a shard's index into its global array."""
+    return tuple((s.start or 0, dim if s.stop is None else s.stop)
+                 for s, dim in zip(index, shape, strict=True))
+
+
+def _as_slices(key: IndexKey) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in key)
+
+
+@dataclasses.dataclass
+class LeafCopy:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    entry: str
+    shards: dict[IndexKey, np.ndarray]
+    crcs: dict[IndexKey, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class HostSnapshot:
+    """A complete, checksummed host copy of the state after `step`."""
+
+    step: int
+    leaves: list[LeafCopy]
+    verify: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for leaf in self.leaves for b in leaf.shards.values())
+
+    def nbytes_by_entry(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for leaf in self.leaves:
+            out[leaf.entry] = out.get(leaf.entry, 0) + sum(b.nbytes for b in leaf.shards.values())
+        return out
+
+    def shard(self, leaf: int, key: IndexKey) -> np.ndarray | None:
+        """The verified host copy of one shard, or None if this snapshot lacks it."""
+        copy = self.leaves[leaf]
+        buf = copy.shards.get(key)
+        if buf is None:
+            return None
+        if self.verify and zlib.crc32(buf) != copy.crcs[key]:
+            raise SnapshotCorruptError(
+                f"snapshot of step {self.step}: leaf {leaf} shard {key} fails its CRC32 check")
+        return buf
+
+    def assemble(self, leaf: int) -> np.ndarray:
+        """The whole global array of one leaf, from the verified shards."""
+        copy = self.leaves[leaf]
+        out = np.empty(copy.shape, copy.dtype)
+        covered = 0
+        for key in copy.shards:
+            block = self.shard(leaf, key)
+            out[_as_slices(key)] = block
+            covered += block.size
+        if covered < out.size:
+            raise StateUnavailableError(
+                f"snapshot of step {self.step} covers {covered} of {out.size} elements of "
+                f"leaf {leaf}")
+        return out
+
+
+def _plan_layout(leaves: Sequence[jax.Array]):
+    """Per leaf, the (shard, index key) pairs to copy: addressable replica-0 shards."""
+    layout = []
+    for x in leaves:
+        picks = [(s, index_key(s.index, x.shape)) for s in x.addressable_shards
+                 if s.replica_id == 0]
+        layout.append(picks)
+    return layout
+
+
+class SnapshotStore:
+    """Double-buffered asynchronous host snapshots (see module docstring)."""
+
+    def __init__(self, layer, entries: Sequence[str], *, budget_bytes: int,
+                 verify: bool = True, name: str = "state"):
+        self._layer = layer
+        self._entries = list(entries)
+        self._budget = budget_bytes
+        self._verify = verify
+        self._name = name
+        self._cv = threading.Condition()
+        self._pending: tuple[int, list] | None = None
+        self._busy = False
+        self._slots: list[HostSnapshot | None] = [None, None]
+        self._complete: int | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.disabled = False
+        self.taken = 0
+        self.replaced = 0
+        self.failed = 0
+        self.copy_seconds: list[float] = []
+
+    # -- producer side (training thread) -------------------------------------------
+    def submit(self, step: int, leaves: Sequence[jax.Array]) -> bool:
+        """Queues a snapshot of `leaves` (the state after `step`); never blocks."""
+        if self.disabled or self._closed:
+            return False
+        with self._cv:
+            if self._pending is not None:
+                self.replaced += 1
+            self._pending = (step, list(leaves))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"mnemojax-snapshot-{self._name}")
+                self._thread.start()
+            self._cv.notify_all()
+        return True
+
+    def latest(self) -> HostSnapshot | None:
+        """The newest complete snapshot, or None."""
+        with self._cv:
+            return None if self._complete is None else self._slots[self._complete]
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Waits until no copy is queued or in flight."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None and not self._busy,
+                                     timeout=timeout_s)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def median_copy_s(self) -> float:
+        return statistics.median(self.copy_seconds) if self.copy_seconds else 0.0
+
+    # -- worker side ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._closed:
+                    return
+                step, leaves = self._pending
+                self._pending = None
+                self._busy = True
+                target = 0 if self._complete is None else 1 - self._complete
+            try:
+                snap = self._copy(step, leaves, self._slots[target])
+            except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
+                log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
+                self.failed += 1
+                snap = None
+            with self._cv:
+                if snap is not None:
+                    self._slots[target] = snap
+                    self._complete = target
+                    self.taken += 1
+                self._busy = False
+                self._cv.notify_all()
+
+    def _copy(self, step, leaves, reuse: HostSnapshot | None) -> HostSnapshot | None:
+        t0 = time.perf_counter()
+        layout = _plan_layout(leaves)
+        if reuse is None or not self._same_layout(reuse, leaves, layout):
+            nbytes = sum(s.data.nbytes for picks in layout for s, _ in picks)
+            if 2 * nbytes > self._budget:
+                self.disabled = True
+                warnings.warn(
+                    f"mnemojax: {self._name} snapshots need 2 x {nbytes} bytes of host memory, "
+                    f"over host_memory_budget_bytes={self._budget}; snapshots are off",
+                    SnapshotBudgetWarning, stacklevel=2)
+                return None
+            reuse = HostSnapshot(step, [
+                LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry,
+                         {key: np.empty(s.data.shape, x.dtype) for s, key in picks})
+                for x, entry, picks in zip(leaves, self._entries, layout, strict=True)
+            ], verify=self._verify)
+        for leaf_copy, picks in zip(reuse.leaves, layout, strict=True):
+            for shard, key in picks:
+                buf = leaf_copy.shards[key]
+                self._layer.fetch_into(shard, buf)
+                leaf_copy.crcs[key] = zlib.crc32(buf)
+        reuse.step = step
+        self.copy_seconds.append(time.perf_counter() - t0)
+        return reuse
+
+    @staticmethod
+    def _same_layout(snap: HostSnapshot, leaves, layout) -> bool:
+        if len(snap.leaves) != len(leaves):
+            return False
+        for copy, x, picks in zip(snap.leaves, leaves, layout, strict=True):
+            if copy.shape != tuple(x.shape) or set(copy.shards) != {k for _, k in picks}:
+                return False
+        return True

@@ -1,0 +1,95 @@
+"""Where a recovery takes the state from.
+
+1. Just in time, from healthy replicas: every shard of the last completed step that still
+   has a copy on a surviving device is read from there. Nothing is lost, no snapshot needed.
+2. Shards whose every copy died come from the host snapshot of the *same* step.
+3. If some shard has no surviving copy and the snapshot is older (or the live state was
+   donated), the whole state comes from the snapshot; the steps since are replayed.
+
+A recovery never mixes steps. The host state is then placed on the new mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+import jax
+import numpy as np
+
+from mnemojax._src.errors import StateUnavailableError
+from mnemojax._src.snapshot import HostSnapshot, _as_slices, index_key
+
+
+@dataclasses.dataclass
+class HostState:
+    leaves: list[np.ndarray]
+    source: str
+    step: int
+    bytes_read: int
+
+
+class _NeedsRollback(Exception):
+    pass
+
+
+def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
+               snapshot: HostSnapshot | None, layer) -> HostState:
+    out, read, used_snapshot = [], 0, False
+    for i, x in enumerate(leaves):
+        host = np.empty(x.shape, x.dtype)
+        by_index: dict = {}
+        for shard in x.addressable_shards:
+            by_index.setdefault(index_key(shard.index, x.shape), []).append(shard)
+        for key, shards in by_index.items():
+            block = None
+            for shard in shards:
+                if shard.device.id in dead:
+                    continue
+                try:
+                    block = layer.fetch(shard)
+                    break
+                except jax.errors.JaxRuntimeError:
+                    continue  # that replica is unreadable too; try the next
+            if block is None:
+                if snapshot is None or snapshot.step != step:
+                    raise _NeedsRollback
+                block = snapshot.shard(i, key)
+                if block is None:  # the snapshot was laid out for another mesh
+                    block = snapshot.assemble(i)[_as_slices(key)]
+                used_snapshot = True
+            host[_as_slices(key)] = block
+            read += block.nbytes
+        out.append(host)
+    return HostState(out, "live_replicas+snapshot" if used_snapshot else "live_replicas",
+                     step, read)
+
+
+def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
+                 snapshot: HostSnapshot | None, layer, *, live_ok: bool) -> HostState:
+    """The newest complete state on the host, from live replicas and/or the snapshot.
+
+    Args:
+        leaves: the state arrays after `step` on the old mesh.
+        step: the last completed step.
+        dead: ids of dead devices (never read).
+        snapshot: the newest complete host snapshot, or None.
+        layer: the device layer to read shards through.
+        live_ok: False when the live state may have been donated.
+
+    Raises:
+        StateUnavailableError: no complete copy of any step survives.
+        SnapshotCorruptError: the snapshot needed fails its checksum.
+    """
+    if live_ok:
+        try:
+            return _from_live(leaves, step, dead, snapshot, layer)
+        except _NeedsRollback:
+            pass
+    if snapshot is None:
+        raise StateUnavailableError(
+            f"no complete copy of the state survives: the live copy of step {step} lost a "
+            "shard with every replica, and there is no host snapshot (enable "
+            "SnapshotOptions(every_steps=...))")
+    return HostState([snapshot.assemble(i) for i in range(len(snapshot.leaves))],
+                     "host_snapshot", snapshot.step, snapshot.nbytes)

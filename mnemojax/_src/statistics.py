@@ -1,0 +1,84 @@
+"""What a resilient step reports: steady-state counters and one record per recovery."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PHASES = ("detect", "plan", "reshard", "compile", "replay")
+
+
+@dataclasses.dataclass
+class RecoveryRecord:
+    """One recovery from a device failure.
+
+    Attributes:
+        step: the step that failed (and was replayed).
+        failed_devices: ids of the devices found dead.
+        old_mesh_shape / new_mesh_shape: mesh axis sizes before and after.
+        new_mesh_devices: device ids of the new mesh, flattened in mesh order.
+        plan_kind: ``spare_swap``, ``drop_replicas`` or ``shrink_model``.
+        source: where the state came from: ``live_replicas``, ``live_replicas+snapshot``
+            (shards with no surviving copy from the host snapshot of the same step) or
+            ``host_snapshot`` (all from an older snapshot; the steps since are replayed).
+        source_step: the step whose state was restored.
+        steps_lost: completed steps that had to be recomputed (0 = only the failed one).
+        precompiled: the executable for the new mesh was compiled ahead of time.
+        executable: ``ready``, ``waited`` (ahead-of-time compile still running) or
+            ``compiled`` (compiled on the critical path).
+        phases_s: seconds per phase (detect, plan, reshard, compile, replay).
+        total_s: from the failure surfacing to the replayed step's results being ready.
+        bytes_moved: bytes read from surviving devices or snapshots plus bytes placed on
+            the new mesh.
+        groups_kept / groups_changed: collective replica groups (per mesh axis) kept
+            unchanged / created, over all axes; `groups` has them per axis.
+        examples_per_step: examples per step on the new mesh.
+        math_changed: the new mesh computes something else than the failure-free run.
+    """
+
+    step: int
+    failed_devices: tuple[int, ...]
+    old_mesh_shape: dict[str, int]
+    new_mesh_shape: dict[str, int]
+    new_mesh_devices: tuple[int, ...]
+    plan_kind: str
+    source: str
+    source_step: int
+    steps_lost: int
+    precompiled: bool
+    executable: str
+    phases_s: dict[str, float]
+    total_s: float
+    bytes_moved: int
+    groups_kept: int
+    groups_changed: int
+    groups: dict[str, dict[str, list]]
+    examples_per_step: int | None
+    math_changed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Statistics:
+    """Live statistics of a `ResilientStep` (``step.statistics``)."""
+
+    steps_run: int = 0
+    mesh_shape: dict[str, int] = dataclasses.field(default_factory=dict)
+    mesh_devices: tuple[int, ...] = ()
+    spare_devices: tuple[int, ...] = ()
+    dead_devices: tuple[int, ...] = ()
+    snapshot_bytes: int = 0
+    snapshot_bytes_by_entry: dict[str, int] = dataclasses.field(default_factory=dict)
+    snapshots_taken: int = 0
+    snapshots_replaced: int = 0
+    snapshot_copy_median_s: float = 0.0
+    transient_retries: int = 0
+    compiles: int = 0
+    precompiled_meshes: int = 0
+    math_changed: bool = False
+    recoveries: list[RecoveryRecord] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

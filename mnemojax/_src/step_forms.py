@@ -1,0 +1,186 @@
+"""The two step forms, both reduced to one pure function on a flat list of arrays.
+
+* Flax NNX: ``step(model, optimizer, batch) -> metrics``, updating both in place.
+* Pure: ``step(state, batch) -> (state, metrics)`` on any pytree of arrays.
+
+The runtime only ever sees ``pure(leaves, batch) -> (leaves, metrics)``: the leaves are
+what gets sharded, snapshotted and resharded. Typed PRNG keys travel as their raw key data
+so every leaf is a plain numeric array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mnemojax._src.errors import UnsupportedStateError
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_raw(x):
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _leaf_path(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+
+
+def _entry_of(path, var) -> str:
+    """Which snapshot entry a leaf belongs to: params, opt_state or other."""
+    if isinstance(var, nnx.Param):
+        return "params"
+    if isinstance(var, nnx.optimizer.OptState):
+        return "opt_state"
+    return "other"
+
+
+class StepForm:
+    """A step reduced to ``pure(leaves, batch)``; subclasses read/write the user's state."""
+
+    kind: str
+    leaf_paths: list[str]
+    leaf_entries: list[str]
+    specs: list[PartitionSpec]
+    key_impls: list[Any]  # per leaf: the PRNG impl if the leaf is a typed key, else None
+
+    def pure(self, leaves, batch):
+        raise NotImplementedError
+
+    def _wrap_keys(self, leaves):
+        return [leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
+                for leaf, impl in zip(leaves, self.key_impls, strict=True)]
+
+
+class NnxForm(StepForm):
+    """``step(model, optimizer, batch) -> metrics``; updates model and optimizer in place."""
+
+    kind = "nnx"
+
+    def __init__(self, fn: Callable, model: nnx.Module, optimizer: nnx.Optimizer):
+        self.fn = fn
+        self.model, self.optimizer = model, optimizer
+        self.graphdef, state = nnx.split((model, optimizer))
+        self.treedef = jax.tree.structure(state)
+        flat = jax.tree_util.tree_flatten_with_path(
+            nnx.state((model, optimizer)), is_leaf=_is_var)[0]
+        self.live_vars = [v for _, v in flat]
+        self.leaf_paths = [_leaf_path(p) for p, _ in flat]
+        self.leaf_entries = [_entry_of(p, v) for p, v in flat]
+        values = [v.get_value() for v in self.live_vars]
+        self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
+        specs = jax.tree.leaves(nnx.get_partition_spec(state),
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if len(specs) != len(values):
+            raise UnsupportedStateError(
+                f"could not read one partition spec per state leaf ({len(specs)} specs for "
+                f"{len(values)} leaves)"
+            )
+        self.specs = specs
+
+    def matches(self, model, optimizer) -> bool:
+        return model is self.model and optimizer is self.optimizer
+
+    def read(self) -> list:
+        return [_to_raw(v.get_value()) for v in self.live_vars]
+
+    def write(self, leaves) -> None:
+        for var, leaf, impl in zip(self.live_vars, leaves, self.key_impls, strict=True):
+            var.set_value(leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl))
+
+    def pure(self, leaves, batch):
+        state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
+        model, optimizer = nnx.merge(self.graphdef, state)
+        metrics = self.fn(model, optimizer, batch)
+        new = jax.tree.leaves(nnx.state((model, optimizer)))
+        return [_to_raw(x) for x in new], metrics
+
+    def result(self, metrics):
+        return metrics
+
+
+class PytreeForm(StepForm):
+    """``step(state, batch) -> (state, metrics)`` on any pytree of arrays."""
+
+    kind = "pytree"
+
+    def __init__(self, fn: Callable, state: Any):
+        self.fn = fn
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
+        bad = [(p, x) for p, x in flat if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+        if bad:
+            path, value = bad[0]
+            raise UnsupportedStateError(
+                f"state leaf {_leaf_path(path)} is a {type(value).__name__} ({value!r:.60}); "
+                "the pure step form needs a pytree of arrays (or pass a Flax NNX model and "
+                "optimizer)"
+            )
+        self.leaf_paths = [_leaf_path(p) for p, _ in flat]
+        self.leaf_entries = ["state"] * len(flat)
+        values = [x for _, x in flat]
+        self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
+        self.specs = [
+            x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding)
+            else PartitionSpec()
+            for x in values
+        ]
+
+    def read_from(self, state) -> list:
+        leaves = jax.tree.leaves(state)
+        if len(leaves) != len(self.leaf_paths):
+            raise UnsupportedStateError(
+                f"the state passed has {len(leaves)} leaves; the step was built for "
+                f"{len(self.leaf_paths)}"
+            )
+        return [_to_raw(x) if hasattr(x, "dtype") else np.asarray(x) for x in leaves]
+
+    def unflatten(self, leaves):
+        return jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
+
+    def pure(self, leaves, batch):
+        out = self.fn(self.unflatten(leaves), batch)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise UnsupportedStateError(
+                f"a pure step must return (state, metrics); it returned {type(out).__name__}"
+            )
+        new_state, metrics = out
+        new = jax.tree.leaves(new_state)
+        if jax.tree.structure(new_state) != self.treedef:
+            raise UnsupportedStateError(
+                "the step returned a state with another structure than its input: "
+                f"{jax.tree.structure(new_state)} != {self.treedef}"
+            )
+        return [_to_raw(jnp.asarray(x)) for x in new], metrics
+
+
+def form_for(fn: Callable, args: tuple) -> StepForm:
+    """Picks the step form from the call's arguments."""
+    if len(args) == 3 and isinstance(args[0], nnx.Module):
+        if not isinstance(args[1], nnx.Optimizer):
+            raise UnsupportedStateError(
+                f"the NNX step form is step(model, optimizer, batch); the second argument is "
+                f"a {type(args[1]).__name__}, not an nnx.Optimizer"
+            )
+        return NnxForm(fn, args[0], args[1])
+    if len(args) == 2:
+        if isinstance(args[0], nnx.Module):
+            raise UnsupportedStateError(
+                "got step(model, batch): pass the optimizer too, step(model, optimizer, batch)"
+            )
+        return PytreeForm(fn, args[0])
+    raise UnsupportedStateError(
+        f"a resilient step is called as step(model, optimizer, batch) or step(state, batch); "
+        f"got {len(args)} positional arguments ({', '.join(type(a).__name__ for a in args)})"
+    )

@@ -1,0 +1,286 @@
+"""Pure topology planning: which devices survive and what the reduced mesh looks like.
+
+Nothing here touches JAX. A mesh is a numpy array of integer device ids plus axis names;
+`mnemojax._src.sharding` is the one module that turns a `MeshPlan` into a `jax.sharding.Mesh`.
+That keeps the planner testable on fake topologies of hundreds of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+
+from mnemojax._src.errors import InvalidOptionError, MeshTooSmallError
+
+PlanKind = Literal["unchanged", "spare_swap", "drop_replicas", "shrink_model"]
+Group = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """A plain description of a device: all the planner needs to know."""
+
+    id: int
+    process_index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisGroupChanges:
+    """Replica groups (the device sets one collective over this axis spans), old vs new."""
+
+    kept: tuple[Group, ...]
+    added: tuple[Group, ...]
+    removed: tuple[Group, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """The mesh to continue on.
+
+    Attributes:
+        device_ids: integer array of device ids, one entry per mesh position.
+        axis_names: the mesh axis names (unchanged by any plan).
+        kind: how the plan was made.
+        spares_used: reserved spare devices that joined the mesh.
+        idle: healthy devices that are not in the new mesh (kept as spares).
+        examples_per_step: examples of the global batch the step will use.
+        math_changed: True when the plan changes what one step computes.
+        groups: per mesh axis, which collective groups were kept, added or removed.
+    """
+
+    device_ids: np.ndarray
+    axis_names: tuple[str, ...]
+    kind: PlanKind
+    spares_used: tuple[int, ...] = ()
+    idle: tuple[int, ...] = ()
+    examples_per_step: int | None = None
+    math_changed: bool = False
+    groups: Mapping[str, AxisGroupChanges] = dataclasses.field(default_factory=dict)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.device_ids.shape, strict=True))
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity of the mesh: shape, axis names and device order."""
+        return (self.axis_names, self.device_ids.shape, tuple(int(i) for i in self.device_ids.flat))
+
+    def changed_group_count(self) -> int:
+        return sum(len(c.added) for c in self.groups.values())
+
+    def kept_group_count(self) -> int:
+        return sum(len(c.kept) for c in self.groups.values())
+
+
+def collective_groups(device_ids: np.ndarray, axis_names: Sequence[str]) -> dict[str, set[Group]]:
+    """The replica groups of each mesh axis: device tuples along that axis."""
+    out = {}
+    for i, name in enumerate(axis_names):
+        rows = np.moveaxis(device_ids, i, -1).reshape(-1, device_ids.shape[i])
+        out[name] = {tuple(int(d) for d in row) for row in rows}
+    return out
+
+
+def group_changes(old: np.ndarray, new: np.ndarray, axis_names: Sequence[str]):
+    before, after = collective_groups(old, axis_names), collective_groups(new, axis_names)
+    return {
+        a: AxisGroupChanges(
+            kept=tuple(sorted(before[a] & after[a])),
+            added=tuple(sorted(after[a] - before[a])),
+            removed=tuple(sorted(before[a] - after[a])),
+        )
+        for a in axis_names
+    }
+
+
+def _widest_dividing(limit: int, sizes: Iterable[int]) -> int:
+    """The largest w in [1, limit] dividing every size (0 if limit < 1)."""
+    sizes = [s for s in sizes if s]
+    for w in range(limit, 0, -1):
+        if all(s % w == 0 for s in sizes):
+            return w
+    return 0
+
+
+def plan_reduced_mesh(
+    device_ids: np.ndarray,
+    axis_names: Sequence[str],
+    failed: Collection[int],
+    *,
+    spares: Sequence[int] = (),
+    data_axis: str | None = "data",
+    sharded_dims: Mapping[str, Collection[int]] | None = None,
+    batch_size: int | None = None,
+    batch_policy: str = "keep_math",
+    min_devices: int = 1,
+) -> MeshPlan:
+    """Plans the mesh to continue on after `failed` devices died.
+
+    In order of preference:
+    1. ``spare_swap``: enough healthy spares: each failed device is replaced in place, the
+       mesh keeps its shape and only the groups through the failed devices change.
+    2. ``drop_replicas``: drop every data-parallel replica (slice along `data_axis`) that
+       holds a failed device; the healthy devices of dropped replicas and the spares form
+       new whole replicas where they can. The model axes stay whole. The data width is the
+       widest that divides the batch (``keep_math``) and every dimension sharded along the
+       data axis; extra replicas stay idle.
+    3. ``shrink_model``: no whole replica left: one model axis shrinks to the widest size
+       that fits the healthy devices and divides every dimension sharded along it.
+
+    Args:
+        device_ids: integer array of device ids, the current mesh.
+        axis_names: its axis names.
+        failed: ids of dead devices (ids outside the mesh and spares are ignored).
+        spares: reserved healthy devices, in order of preference.
+        data_axis: name of the data-parallel axis, or None.
+        sharded_dims: per axis name, the sizes of the array dimensions sharded along it.
+        batch_size: examples in the global batch (split along `data_axis`).
+        batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
+        min_devices: the plan must keep at least this many devices.
+
+    Returns:
+        The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
+
+    Raises:
+        MeshTooSmallError: too few healthy devices for any valid mesh.
+        InvalidOptionError: inconsistent arguments.
+    """
+    device_ids = np.asarray(device_ids, dtype=np.int64)
+    axis_names = tuple(axis_names)
+    if device_ids.ndim != len(axis_names):
+        raise InvalidOptionError(
+            f"axis_names={axis_names!r} do not match a mesh of shape {device_ids.shape}"
+        )
+    if data_axis is not None and data_axis not in axis_names:
+        data_axis = None
+    sharded_dims = {a: tuple(sharded_dims.get(a, ())) for a in axis_names} if sharded_dims else {
+        a: () for a in axis_names
+    }
+    failed = {int(f) for f in failed}
+    in_mesh = [int(d) for d in device_ids.flat]
+    failed_in_mesh = [d for d in in_mesh if d in failed]
+    healthy_spares = [int(s) for s in spares if int(s) not in failed and int(s) not in in_mesh]
+    batch_constraint = () if batch_size is None else (batch_size,)
+
+    def finish(new_ids, kind, *, used=(), examples=batch_size, math_changed=False):
+        new_ids = np.asarray(new_ids, dtype=np.int64)
+        chosen = {int(d) for d in new_ids.flat}
+        idle = tuple(d for d in in_mesh + healthy_spares if d not in failed and d not in chosen)
+        if new_ids.size < min_devices:
+            raise MeshTooSmallError(
+                f"the reduced mesh would have {new_ids.size} devices, fewer than "
+                f"min_devices={min_devices}",
+                healthy_devices=new_ids.size + len(idle),
+                required=min_devices,
+            )
+        return MeshPlan(
+            device_ids=new_ids,
+            axis_names=axis_names,
+            kind=kind,
+            spares_used=tuple(d for d in healthy_spares if d in chosen),
+            idle=idle,
+            examples_per_step=examples,
+            math_changed=math_changed,
+            groups=group_changes(device_ids, new_ids, axis_names)
+            if new_ids.ndim == device_ids.ndim
+            else {},
+        )
+
+    if not failed_in_mesh:
+        return finish(device_ids.copy(), "unchanged")
+
+    if len(healthy_spares) >= len(failed_in_mesh):
+        replacement = iter(healthy_spares)
+        swapped = np.vectorize(lambda d: next(replacement) if d in failed else d)(device_ids)
+        return finish(swapped, "spare_swap")
+
+    if data_axis is not None:
+        plan = _drop_replicas(
+            device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims,
+            batch_constraint, batch_policy,
+        )
+        if plan is not None:
+            new_ids, examples, math_changed = plan
+            return finish(new_ids, "drop_replicas", examples=examples, math_changed=math_changed)
+
+    return finish(
+        _shrink_model(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims),
+        "shrink_model",
+    )
+
+
+def _drop_replicas(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims,
+                   batch_constraint, batch_policy):
+    d = axis_names.index(data_axis)
+    by_replica = np.moveaxis(device_ids, d, 0)
+    replica_shape = by_replica.shape[1:]
+    survivors = [r for r in by_replica if not any(int(x) in failed for x in r.flat)]
+    # Healthy devices of dropped replicas, then spares, regrouped into whole new replicas.
+    pool = [int(x) for r in by_replica if any(int(y) in failed for y in r.flat)
+            for x in r.flat if int(x) not in failed] + list(healthy_spares)
+    size = math.prod(replica_shape)
+    fresh = [np.array(pool[i:i + size]).reshape(replica_shape)
+             for i in range(0, len(pool) - size + 1, size)]
+    candidates = survivors + fresh
+    data_dims = sharded_dims.get(data_axis, ())
+    if batch_policy == "keep_math":
+        width = _widest_dividing(len(candidates), (*batch_constraint, *data_dims))
+        examples = batch_constraint[0] if batch_constraint else None
+        math_changed = False
+    elif batch_policy == "truncate_batch":
+        width = _widest_dividing(len(candidates), data_dims)
+        examples = (batch_constraint[0] // width * width) if batch_constraint and width else None
+        math_changed = bool(batch_constraint) and width > 0 and examples != batch_constraint[0]
+    else:
+        raise InvalidOptionError(
+            f"batch_policy={batch_policy!r} is invalid: expected 'keep_math' or 'truncate_batch'"
+        )
+    if width == 0:
+        return None
+    return np.moveaxis(np.stack(candidates[:width]), 0, d), examples, math_changed
+
+
+def _shrink_model(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims):
+    healthy = [int(x) for x in device_ids.flat if int(x) not in failed] + list(healthy_spares)
+    model_axes = [a for a, n in zip(axis_names, device_ids.shape, strict=True)
+                  if a != data_axis and n > 1]
+    if len(model_axes) != 1:
+        raise MeshTooSmallError(
+            f"no whole data-parallel replica survives and the mesh has {len(model_axes)} model "
+            f"axes {model_axes!r} to shrink (exactly one is supported); {len(healthy)} healthy "
+            "devices remain",
+            healthy_devices=len(healthy),
+            required=math.prod(device_ids.shape),
+        )
+    axis = model_axes[0]
+    width = _widest_dividing(min(len(healthy), device_ids.shape[axis_names.index(axis)]),
+                             sharded_dims.get(axis, ()))
+    if width == 0:
+        raise MeshTooSmallError(
+            f"no healthy device left for model axis {axis!r}",
+            healthy_devices=len(healthy), required=1,
+        )
+    shape = [width if a == axis else 1 for a in axis_names]
+    return np.array(healthy[:width]).reshape(shape)
+
+
+def single_failure_plans(device_ids: np.ndarray, axis_names: Sequence[str], **kwargs) -> list[MeshPlan]:
+    """The distinct plans that the loss of any one device of the mesh would produce.
+
+    Used to compile fallback executables ahead of time. Plans that raise are skipped.
+    """
+    seen, plans = set(), []
+    for dev in np.asarray(device_ids).flat:
+        try:
+            plan = plan_reduced_mesh(device_ids, axis_names, {int(dev)}, **kwargs)
+        except MeshTooSmallError:
+            continue
+        if plan.key not in seen:
+            seen.add(plan.key)
+            plans.append(plan)
+    return plans

@@ -1,0 +1,33 @@
+"""Typed errors and warnings of mnemojax, rooted at `MnemojaxError` / `MnemojaxWarning`."""
+
+from mnemojax._src.errors import BatchSplitError as BatchSplitError
+from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
+from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
+from mnemojax._src.errors import MathChangedWarning as MathChangedWarning
+from mnemojax._src.errors import MeshTooSmallError as MeshTooSmallError
+from mnemojax._src.errors import MnemojaxError as MnemojaxError
+from mnemojax._src.errors import MnemojaxWarning as MnemojaxWarning
+from mnemojax._src.errors import NonFiniteLossError as NonFiniteLossError
+from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
+from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
+from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
+from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
+from mnemojax._src.errors import UnsupportedStateError as UnsupportedStateError
+from mnemojax._src.snapshot import SnapshotBudgetWarning as SnapshotBudgetWarning
+
+__all__ = [
+    "BatchSplitError",
+    "DeviceFailureError",
+    "InvalidOptionError",
+    "MathChangedWarning",
+    "MeshTooSmallError",
+    "MnemojaxError",
+    "MnemojaxWarning",
+    "NonFiniteLossError",
+    "RecoveryExhaustedError",
+    "ShardingMismatchError",
+    "SnapshotBudgetWarning",
+    "SnapshotCorruptError",
+    "StateUnavailableError",
+    "UnsupportedStateError",
+]
