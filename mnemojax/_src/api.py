@@ -212,6 +212,12 @@ class ResilientStep(Generic[P, R]):
         if self._batch_size is None:
             self._batch_size = size
             self._examples = size
+        width = self._proxy.data_width()
+        used = size if self._examples == self._batch_size else self._examples
+        if size is not None and used % width:
+            raise BatchSplitError(
+                f"the global batch has {size} examples, which the data axis "
+                f"{self.options.data_axis!r} of width {width} cannot split evenly")
 
     def _place_state(self, leaves: list) -> list:
         if self._last_written is not None and len(leaves) == len(self._last_written) and all(

@@ -128,6 +128,7 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.disabled = False
+        self.state_bytes: int | None = None
         self.taken = 0
         self.replaced = 0
         self.failed = 0
@@ -138,6 +139,17 @@ class SnapshotStore:
         """Queues a snapshot of `leaves` (the state after `step`); never blocks."""
         if self.disabled or self._closed:
             return False
+        if self.state_bytes is None:
+            # Checked once, on the training thread, so the warning reaches the caller.
+            self.state_bytes = sum(s.data.nbytes for picks in _plan_layout(leaves)
+                                   for s, _ in picks)
+            if 2 * self.state_bytes > self._budget:
+                self.disabled = True
+                warnings.warn(
+                    f"mnemojax: {self._name} snapshots need 2 x {self.state_bytes} bytes of "
+                    f"host memory, over host_memory_budget_bytes={self._budget}; snapshots "
+                    "are off", SnapshotBudgetWarning, stacklevel=3)
+                return False
         with self._cv:
             if self._pending is not None:
                 self.replaced += 1
@@ -199,14 +211,6 @@ class SnapshotStore:
         t0 = time.perf_counter()
         layout = _plan_layout(leaves)
         if reuse is None or not self._same_layout(reuse, leaves, layout):
-            nbytes = sum(s.data.nbytes for picks in layout for s, _ in picks)
-            if 2 * nbytes > self._budget:
-                self.disabled = True
-                warnings.warn(
-                    f"mnemojax: {self._name} snapshots need 2 x {nbytes} bytes of host memory, "
-                    f"over host_memory_budget_bytes={self._budget}; snapshots are off",
-                    SnapshotBudgetWarning, stacklevel=2)
-                return None
             reuse = HostSnapshot(step, [
                 LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry,
                          {key: np.empty(s.data.shape, x.dtype) for s, key in picks})

@@ -196,7 +196,10 @@ def plan_reduced_mesh(
 
     if len(healthy_spares) >= len(failed_in_mesh):
         replacement = iter(healthy_spares)
-        swapped = np.vectorize(lambda d: next(replacement) if d in failed else d)(device_ids)
+        swapped = device_ids.copy()
+        for pos, dev in np.ndenumerate(device_ids):
+            if int(dev) in failed:
+                swapped[pos] = next(replacement)
         return finish(swapped, "spare_swap")
 
     if data_axis is not None:

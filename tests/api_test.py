@@ -1,0 +1,209 @@
+"""The resilient step's contract: error classification, budgets, forms, statistics."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import mnemojax
+from mnemojax.errors import (
+    BatchSplitError,
+    InvalidOptionError,
+    MeshTooSmallError,
+    NonFiniteLossError,
+    RecoveryExhaustedError,
+    ShardingMismatchError,
+    UnsupportedStateError,
+)
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+pytestmark = pytest.mark.needs8
+
+
+def _step(faults=None, mesh=None, **opts):
+    return mnemojax.resilient(h.train_step, mesh=mesh or h.mesh_of((4, 2)),
+                              options=h.no_precompile(**opts), fault_injector=faults)
+
+
+def test_bare_and_keyword_forms_wrap_the_function():
+    bare = mnemojax.resilient(h.train_step)
+    keyed = mnemojax.resilient(options=h.no_precompile())(h.train_step)
+    for step in (bare, keyed):
+        assert isinstance(step, mnemojax.ResilientStep)
+        assert step.__wrapped__ is h.train_step and step.__name__ == "train_step"
+    variant = keyed.with_options(spare_devices=[7])
+    assert variant is not keyed and variant.options is keyed.options
+    with pytest.raises(InvalidOptionError, match="meshh"):
+        keyed.with_options(meshh=None)
+
+
+def test_shape_error_reaches_caller_unchanged_and_never_recovers():
+    model, optimizer = h.make_mlp()
+    step = _step(FaultInjector().lose_devices(5, [0]))
+    bad = {"x": np.zeros((24, h.DIN + 1), np.float32), "y": np.zeros((24,), np.int32)}
+    with pytest.raises(TypeError, match="dot_general"):
+        step(model, optimizer, bad)
+    assert step.statistics.recoveries == [] and step.statistics.steps_run == 0
+    step.close()
+
+
+def test_user_exception_is_raised_unchanged():
+    class Boom(Exception):
+        pass
+
+    def exploding(model, optimizer, batch):
+        raise Boom("from the user")
+
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(exploding, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    with pytest.raises(Boom, match="from the user"):
+        step(model, optimizer, h.make_batches(1)[0])
+    assert step.statistics.recoveries == []
+
+
+def test_nonfinite_loss_raises_and_keeps_previous_state():
+    model, optimizer = h.make_mlp()
+    step = _step()
+    batches = h.make_batches(2)
+    step(model, optimizer, batches[0])
+    before = h.host_state(model, optimizer)
+    poisoned = {"x": np.full_like(batches[1]["x"], np.nan), "y": batches[1]["y"]}
+    with pytest.raises(NonFiniteLossError) as info:
+        step(model, optimizer, poisoned)
+    assert info.value.step == 2 and np.isnan(info.value.value)
+    for a, b in zip(h.host_state(model, optimizer), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert step.statistics.recoveries == [] and step.statistics.steps_run == 1
+    step.close()
+
+
+def test_transient_error_is_retried_in_place():
+    faults = FaultInjector().transient_error(2, times=2)
+    got, step = h.resilient_run(h.make_batches(3), mesh=h.mesh_of((4, 2)), faults=faults)
+    h.assert_same_run(got, h.reference_run(h.make_batches(3)))
+    assert step.statistics.transient_retries == 2
+    assert step.statistics.recoveries == [] and step.statistics.mesh_shape == {"data": 4, "model": 2}
+
+
+def test_transient_retry_budget_ends_in_typed_error():
+    model, optimizer = h.make_mlp()
+    step = _step(FaultInjector().transient_error(1, times=5),
+                 recovery=mnemojax.RecoveryOptions(max_transient_retries=2, retry_backoff_s=0))
+    with pytest.raises(RecoveryExhaustedError) as info:
+        step(model, optimizer, h.make_batches(1)[0])
+    assert info.value.attempts == 2 and isinstance(info.value.last_error, jax.errors.JaxRuntimeError)
+    step.close()
+
+
+def test_min_devices_ends_in_typed_error():
+    model, optimizer = h.make_mlp()
+    step = _step(FaultInjector().lose_devices(2, [0]),
+                 recovery=mnemojax.RecoveryOptions(min_devices=8))
+    step(model, optimizer, h.make_batches(1)[0])
+    with pytest.raises(MeshTooSmallError, match="min_devices=8"):
+        step(model, optimizer, h.make_batches(2)[1])
+    step.close()
+
+
+def test_batch_that_cannot_be_split_names_the_size():
+    model, optimizer = h.make_mlp()
+    step = _step()
+    with pytest.raises(BatchSplitError, match="22 examples"):
+        step(model, optimizer, h.make_batches(1, batch=22)[0])
+    step.close()
+
+
+def test_annotation_naming_unknown_axis_is_rejected():
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((8,), ("data",)),
+                              options=h.no_precompile())
+    with pytest.raises(ShardingMismatchError, match="'model'"):
+        step(model, optimizer, h.make_batches(1)[0])
+
+
+def test_wrong_call_forms_are_typed_errors():
+    model, optimizer = h.make_mlp()
+    step = _step()
+    with pytest.raises(UnsupportedStateError, match="optimizer"):
+        step(model, h.make_batches(1)[0])
+    step2 = _step()
+    with pytest.raises(UnsupportedStateError, match="pytree of arrays"):
+        step2({"w": "not an array"}, h.make_batches(1)[0])
+
+
+def test_invalid_decorator_arguments():
+    with pytest.raises(InvalidOptionError, match="options="):
+        mnemojax.resilient(h.train_step, options={"snapshot": 1})
+    with pytest.raises(InvalidOptionError, match="mesh="):
+        mnemojax.resilient(h.train_step, mesh="4x2")
+
+
+def test_precompiled_executable_is_used_on_recovery():
+    opts = mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(cache_dir=None))
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts,
+                              fault_injector=FaultInjector().lose_devices(3, [6]))
+    batches = h.make_batches(4)
+    step(model, optimizer, batches[0])
+    assert step.wait_precompiled(timeout_s=120)
+    assert step.statistics.precompiled_meshes == 4  # one per data-parallel replica
+    for b in batches[1:]:
+        step(model, optimizer, b)
+    [rec] = step.statistics.recoveries
+    assert rec.precompiled and rec.executable == "ready"
+    # No compile on the critical path: the recovery is far below the compile it avoided.
+    assert step.statistics.compiles == 1 + 4
+    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                      h.Run([], h.reference_run(batches).state))
+    step.close()
+
+
+def test_statistics_report_mesh_and_snapshot_bytes():
+    got, step = h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)), settle=True)
+    stats = step.statistics
+    assert stats.steps_run == 2 and stats.mesh_shape == {"data": 4, "model": 2}
+    assert stats.mesh_devices == tuple(range(8))
+    state_bytes = sum(x.nbytes for x in got.state)
+    # Replica dedup: one copy of each shard, no more, no less.
+    assert stats.snapshot_bytes == state_bytes
+    assert set(stats.snapshot_bytes_by_entry) == {"params", "opt_state"}
+    assert stats.snapshots_taken >= 1
+
+
+def test_model_is_updated_in_place_like_nnx_jit():
+    model, optimizer = h.make_mlp()
+    step = _step()
+    kernel_before = np.asarray(model.l1.kernel.get_value()).copy()
+    step(model, optimizer, h.make_batches(1)[0])
+    assert not np.allclose(np.asarray(model.l1.kernel.get_value()), kernel_before)
+    assert int(optimizer.step.get_value()) == 1
+    assert isinstance(model.l1.kernel.get_value().sharding, jax.sharding.NamedSharding)
+    step.close()
+
+
+def test_replacing_model_between_calls_is_rejected():
+    model, optimizer = h.make_mlp()
+    step = _step()
+    step(model, optimizer, h.make_batches(1)[0])
+    other, other_opt = h.make_mlp(seed=1)
+    with pytest.raises(UnsupportedStateError, match="another model"):
+        step(other, other_opt, h.make_batches(1)[0])
+    step.close()
+
+
+def test_user_state_edit_between_steps_is_honoured():
+    """Writing a parameter between calls (e.g. loading weights) must not be ignored."""
+    model, optimizer = h.make_mlp()
+    step = _step()
+    batches = h.make_batches(2)
+    step(model, optimizer, batches[0])
+    model.l2.bias.set_value(model.l2.bias.get_value() + 1.0)
+    ref_model, ref_opt = h.make_mlp()
+    ref = nnx.jit(h.train_step)
+    ref(ref_model, ref_opt, batches[0])
+    ref_model.l2.bias.set_value(ref_model.l2.bias.get_value() + 1.0)
+    want = float(ref(ref_model, ref_opt, batches[1])["loss"])
+    got = float(step(model, optimizer, batches[1])["loss"])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    step.close()

@@ -1,0 +1,100 @@
+"""Shared test helpers: a tiny model, fixed batches, and the plain Flax/optax reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import mnemojax
+from models import MLP
+
+DIN, DHIDDEN, DOUT = 16, 64, 4
+BATCH = 24  # divisible by 4, 3, 2, 1 data replicas (and 8)
+
+
+def make_mlp(seed: int = 0, dropout: float = 0.0):
+    with nnx.use_eager_sharding(False):
+        model = MLP(DIN, DHIDDEN, DOUT, rngs=nnx.Rngs(seed), dropout=dropout)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer
+
+
+def loss_fn(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def make_batches(n: int, seed: int = 0, batch: int = BATCH):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(size=(batch, DIN)).astype(np.float32),
+             "y": rng.integers(0, DOUT, size=(batch,)).astype(np.int32)} for _ in range(n)]
+
+
+def _host(x) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def host_state(model, optimizer) -> list[np.ndarray]:
+    return [_host(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list[float]
+    state: list[np.ndarray]
+
+
+def reference_run(batches, *, dropout: float = 0.0) -> Run:
+    """The failure-free run, plain Flax + optax (no mnemojax), on one device."""
+    model, optimizer = make_mlp(dropout=dropout)
+    step = nnx.jit(train_step)
+    losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    return Run(losses, host_state(model, optimizer))
+
+
+def no_precompile(**kwargs) -> mnemojax.ResilienceOptions:
+    compile_opts = mnemojax.CompileOptions(precompile=False, cache_dir=None)
+    return mnemojax.ResilienceOptions(compile=compile_opts, **kwargs)
+
+
+def resilient_run(batches, *, mesh, faults=None, options=None, spare_devices=(),
+                  dropout: float = 0.0, settle: bool = False):
+    """Runs `batches` through a resilient step. `settle` waits for each snapshot before the
+    next step, so which source a recovery uses is deterministic."""
+    model, optimizer = make_mlp(dropout=dropout)
+    step = mnemojax.resilient(train_step, mesh=mesh, options=options or no_precompile(),
+                              fault_injector=faults, spare_devices=spare_devices)
+    try:
+        losses = []
+        for b in batches:
+            losses.append(float(step(model, optimizer, b)["loss"]))
+            if settle:
+                step.wait_snapshots()
+    finally:
+        step.close()
+    return Run(losses, host_state(model, optimizer)), step
+
+
+def assert_same_run(got: Run, want: Run, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(got.losses, want.losses, rtol=tol, atol=tol)
+    assert len(got.state) == len(want.state)
+    for a, b in zip(got.state, want.state, strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def mesh_of(shape, names=("data", "model"), devices=None):
+    devices = devices if devices is not None else jax.devices()[: int(np.prod(shape))]
+    return jax.make_mesh(shape, names, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

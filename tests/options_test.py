@@ -1,0 +1,43 @@
+"""Options are frozen, keyword-only and validated: a bad value names itself and the range."""
+
+import dataclasses
+
+import pytest
+
+import mnemojax
+from mnemojax.errors import InvalidOptionError
+
+
+@pytest.mark.parametrize("cls,field,value,legal", [
+    (mnemojax.SnapshotOptions, "every_steps", -1, ">= 0"),
+    (mnemojax.SnapshotOptions, "grads_every_steps", -2, ">= 0"),
+    (mnemojax.SnapshotOptions, "host_memory_budget_bytes", 0, "> 0"),
+    (mnemojax.RecoveryOptions, "batch_policy", "pad", "'keep_math'"),
+    (mnemojax.RecoveryOptions, "max_recoveries_per_step", 0, ">= 1"),
+    (mnemojax.RecoveryOptions, "retry_backoff_s", -0.1, ">= 0"),
+    (mnemojax.RecoveryOptions, "min_devices", 0, ">= 1"),
+    (mnemojax.RecoveryOptions, "probe_timeout_s", 0, "> 0"),
+    (mnemojax.CompileOptions, "max_precompiled", -1, ">= 0"),
+    (mnemojax.ResilienceOptions, "nonfinite", "skip", "'raise'"),
+    (mnemojax.ResilienceOptions, "data_axis", "", "non-empty"),
+    (mnemojax.ResilienceOptions, "snapshot", 5, "SnapshotOptions"),
+])
+def test_invalid_value_is_named(cls, field, value, legal):
+    with pytest.raises(InvalidOptionError) as info:
+        cls(**{field: value})
+    assert f"{field}={value!r}" in str(info.value) and legal in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_options_are_frozen_and_keyword_only():
+    opts = mnemojax.ResilienceOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.data_axis = "batch"
+    with pytest.raises(TypeError):
+        mnemojax.SnapshotOptions(3)
+
+
+def test_nested_defaults():
+    opts = mnemojax.ResilienceOptions(snapshot=mnemojax.SnapshotOptions(every_steps=5))
+    assert opts.snapshot.every_steps == 5
+    assert opts.recovery.batch_policy == "keep_math" and opts.compile.precompile
