@@ -160,7 +160,9 @@ def test_precompiled_executable_is_used_on_recovery():
 
 
 def test_statistics_report_mesh_and_snapshot_bytes():
-    got, step = h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)), settle=True)
+    every_step = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1))
+    got, step = h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)), settle=True,
+                                options=every_step)
     stats = step.statistics
     assert stats.steps_run == 2 and stats.mesh_shape == {"data": 4, "model": 2}
     assert stats.mesh_devices == tuple(range(8))
@@ -169,6 +171,16 @@ def test_statistics_report_mesh_and_snapshot_bytes():
     assert stats.snapshot_bytes == state_bytes
     assert set(stats.snapshot_bytes_by_entry) == {"params", "opt_state"}
     assert stats.snapshots_taken >= 1
+    # Every shard has 4 live replicas on (4, 2): the rare cadence applies.
+    assert not stats.unreplicated_state and stats.snapshot_every_steps == 1
+
+
+def test_snapshot_cadence_follows_replication():
+    _, replicated = h.resilient_run(h.make_batches(1), mesh=h.mesh_of((4, 2)))
+    assert replicated.statistics.snapshot_every_steps == 20  # the default every_steps
+    _, sharded = h.resilient_run(h.make_batches(1), mesh=h.mesh_of((1, 8)))
+    assert sharded.statistics.unreplicated_state
+    assert sharded.statistics.snapshot_every_steps == 1  # unreplicated_every_steps
 
 
 def test_model_is_updated_in_place_like_nnx_jit():

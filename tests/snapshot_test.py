@@ -80,10 +80,10 @@ class _GatedLayer(JaxDeviceLayer):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def fetch_into(self, shard, out):
+    def fetch_into(self, piece, device_id, out):
         self.entered.set()
         self.gate.wait(10)
-        super().fetch_into(shard, out)
+        super().fetch_into(piece, device_id, out)
 
 
 def test_copy_in_flight_never_replaces_the_complete_one(arrays):

@@ -28,7 +28,7 @@ from mnemojax._src.errors import (
 )
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy, host_batch
-from mnemojax._src.snapshot import SnapshotStore
+from mnemojax._src.snapshot import SnapshotStore, has_single_copy_shards
 from mnemojax._src.state_source import gather_state
 from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.step_forms import NnxForm, PytreeForm, StepForm, form_for
@@ -73,7 +73,8 @@ class ResilientStep(Generic[P, R]):
         self._last_written: list | None = None
         self._step = 0
         self._batches: collections.deque = collections.deque(
-            maxlen=max(self.options.snapshot.every_steps, 1) + 1)
+            maxlen=max(self.options.snapshot.every_steps,
+                       self.options.snapshot.unreplicated_every_steps, 1) + 1)
 
     def with_options(self, **changes) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -104,13 +105,13 @@ class ResilientStep(Generic[P, R]):
             s.spare_devices = tuple(self._proxy.spares)
             s.dead_devices = tuple(sorted(self._proxy.dead))
             s.compiles = self._compiler.compiles
-            if self._store is not None:
-                snap = self._store.latest()
-                s.snapshot_bytes = snap.nbytes if snap else 0
-                s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
-                s.snapshots_taken = self._store.taken
-                s.snapshots_replaced = self._store.replaced
-                s.snapshot_copy_median_s = self._store.median_copy_s()
+            s.precompiled_meshes = self._compiler.compiled_ahead
+            snap = self._store.latest()
+            s.snapshot_bytes = snap.nbytes if snap else 0
+            s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
+            s.snapshot_copy_median_s = self._store.median_copy_s()
+            s.snapshots_taken = self._store.taken
+            s.snapshots_replaced = self._store.replaced
         return s
 
     def wait_precompiled(self, timeout_s: float | None = None) -> bool:
@@ -119,10 +120,10 @@ class ResilientStep(Generic[P, R]):
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:
         """Blocks until the snapshot copy in flight (if any) is complete."""
-        return self._form is None or self._store is None or self._store.wait_idle(timeout_s)
+        return self._form is None or self._store.wait_idle(timeout_s)
 
     def close(self) -> None:
-        """Stops the background threads (snapshot copier, compiler)."""
+        """Stops the background threads (snapshot copiers, compiler)."""
         if self._form is not None:
             self._compiler.close()
             for store in (self._store, self._grads_store):
@@ -166,8 +167,11 @@ class ResilientStep(Generic[P, R]):
         snap = opts.snapshot
         self._store = SnapshotStore(layer, form.leaf_entries,
                                     budget_bytes=snap.host_memory_budget_bytes,
-                                    verify=snap.verify_checksums) if snap.every_steps else None
+                                    verify=snap.verify_checksums)
+        self._snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
         self._grads_store = None
+        self._exe_sig = None
+        self._exe = None
         self._batch_size: int | None = None
         self._examples: int | None = None
         self._form = form
@@ -234,9 +238,16 @@ class ResilientStep(Generic[P, R]):
         return jax.tree.map(struct, batch)
 
     def _executable_now(self, batch=None):
+        """The executable for the current mesh and this batch's shapes (cached per call
+        signature: the steady-state path does no lookups)."""
         batch = batch if batch is not None else self._batches[-1][1]
-        exe, _ = self._compiler.get(self._proxy.plan, self._batch_struct(self._examples, batch))
-        return exe
+        sig = (self._proxy.plan.key, self._examples,
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
+        if self._exe_sig != sig:
+            self._exe, _ = self._compiler.get(self._proxy.plan,
+                                              self._batch_struct(self._examples, batch))
+            self._exe_sig = sig
+        return self._exe
 
     def _run(self, step: int, leaves: list, batch) -> tuple[list, Any]:
         """Runs `step`, recovering from device failures and retrying transient errors."""
@@ -309,14 +320,13 @@ class ResilientStep(Generic[P, R]):
                 "longer computes what a failure-free run computes", MathChangedWarning,
                 stacklevel=4)
         t = time.perf_counter()
-        if self._store is not None:
-            self._store.wait_idle(timeout_s=60)
-        host = gather_state(leaves, step - 1, proxy.dead,
-                            self._store.latest() if self._store else None, self._layer,
+        self._store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
+        latest = self._store.latest()
+        host = gather_state(leaves, step - 1, proxy.dead, [latest] if latest else [],
+                            self._layer,
                             live_ok=not opts.compile.donate_state)
         phases["reshard"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._compiler.cancel_pending()
         batch = self._batches[-1][1]
         exe, how = self._compiler.get(plan, self._batch_struct(plan.examples_per_step, batch))
         phases["compile"] = time.perf_counter() - t
@@ -326,6 +336,7 @@ class ResilientStep(Generic[P, R]):
         jax.block_until_ready(new_leaves)
         phases["reshard"] += time.perf_counter() - t
         proxy.adopt(plan, exe.mesh)
+        self._snapshot_every = None  # re-chosen for the new mesh at the next commit
         self._examples = plan.examples_per_step
         self._last_written = None
         t = time.perf_counter()
@@ -362,11 +373,12 @@ class ResilientStep(Generic[P, R]):
         self._step = step
         self._last_written = new_leaves
         self._statistics.steps_run = step
-        every = opts.snapshot.every_steps
-        if self._store is not None and step % every == 0:
+        if self._snapshot_every is None:
+            self._snapshot_every = self._snapshot_cadence(new_leaves)
+        if self._snapshot_every and step % self._snapshot_every == 0:
+            self._store.submit(step, new_leaves)
             if opts.compile.donate_state:
                 self._store.wait_idle()  # the next step donates these buffers
-            self._store.submit(step, new_leaves)
         grads_every = opts.snapshot.grads_every_steps
         if grads_every and isinstance(metrics, dict) and "grads" in metrics \
                 and step % grads_every == 0:
@@ -379,6 +391,15 @@ class ResilientStep(Generic[P, R]):
             self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
         if step == 1:
             self._schedule_precompile()
+
+    def _snapshot_cadence(self, leaves) -> int:
+        """Snapshots are the only second copy of single-copy shards: take them more often."""
+        snap = self.options.snapshot
+        self._statistics.unreplicated_state = has_single_copy_shards(leaves)
+        every = snap.unreplicated_every_steps if self._statistics.unreplicated_state \
+            else snap.every_steps
+        self._statistics.snapshot_every_steps = every
+        return every
 
     def _schedule_precompile(self) -> None:
         copts = self.options.compile
@@ -393,7 +414,6 @@ class ResilientStep(Generic[P, R]):
         batch = self._batches[-1][1]
         for plan in plans:
             self._compiler.precompile([plan], self._batch_struct(plan.examples_per_step, batch))
-        self._statistics.precompiled_meshes = len(plans)
 
 
 @overload

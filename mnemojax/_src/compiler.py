@@ -65,6 +65,7 @@ class StepCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mnemojax-compile")
         self.compiles = 0
+        self.compiled_ahead = 0
 
     @staticmethod
     def key(plan: MeshPlan, batch_struct) -> tuple:
@@ -97,6 +98,7 @@ class StepCompiler:
         t2 = time.perf_counter()
         with self._lock:
             self.compiles += 1
+            self.compiled_ahead += int(ahead)
         log.info("mnemojax: compiled step for mesh %s (%s): lower %.2fs compile %.2fs",
                  plan.shape, "ahead of time" if ahead else "on demand", t1 - t0, t2 - t1)
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead)
@@ -111,9 +113,12 @@ class StepCompiler:
             future = self._futures.get(k)
         if exe is not None:
             return exe, "ready"
+        self.cancel_pending(keep=k)  # free the background worker for what is needed now
         if future is not None:
-            exe = future.result()
-            return exe, "waited"
+            if not future.cancel():  # already compiling: waiting beats starting over
+                return future.result(), "waited"
+            with self._lock:
+                self._futures.pop(k, None)
         exe = self._compile(plan, batch_struct, ahead=False)
         with self._lock:
             self._ready[k] = exe
@@ -155,10 +160,11 @@ class StepCompiler:
         done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
         return not not_done
 
-    def cancel_pending(self) -> None:
+    def cancel_pending(self, keep: tuple | None = None) -> None:
+        """Cancels background compiles that have not started (except `keep`)."""
         with self._lock:
             for k, f in list(self._futures.items()):
-                if f.cancel():
+                if k != keep and f.cancel():
                     self._futures.pop(k, None)
 
     def close(self) -> None:

@@ -31,8 +31,9 @@ class DeviceLayer(Protocol):
     def fetch(self, shard: jax.Shard) -> np.ndarray:
         """Reads one addressable shard to a fresh host array (a copy, never a view)."""
 
-    def fetch_into(self, shard: jax.Shard, out: np.ndarray) -> None:
-        """Reads one addressable shard into a preallocated host buffer."""
+    def fetch_into(self, piece: jax.Array, device_id: int, out: np.ndarray) -> None:
+        """Reads a single-device array (one shard, on `device_id`) into a preallocated
+        host buffer."""
 
     def probe(self, device: jax.Device, timeout_s: float) -> bool:
         """True if the device answers a tiny round trip within `timeout_s`."""
@@ -59,9 +60,10 @@ class JaxDeviceLayer:
     def fetch(self, shard):
         return np.array(shard.data, copy=True)
 
-    def fetch_into(self, shard, out):
+    def fetch_into(self, piece, device_id, out):
+        del device_id
         # On CPU `np.asarray` is a zero-copy view of the device buffer: copy it out now.
-        np.copyto(out, np.asarray(shard.data))
+        np.copyto(out, np.asarray(piece))
 
     def probe(self, device, timeout_s):
         def round_trip():

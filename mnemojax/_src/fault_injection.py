@@ -177,10 +177,10 @@ class _InterposedLayer:
             raise _device_error([shard.device.id], "device-to-host transfer")
         return self._inner.fetch(shard)
 
-    def fetch_into(self, shard, out):
-        if shard.device.id in self._inj._dead:
-            raise _device_error([shard.device.id], "device-to-host transfer")
-        self._inner.fetch_into(shard, out)
+    def fetch_into(self, piece, device_id, out):
+        if device_id in self._inj._dead:
+            raise _device_error([device_id], "device-to-host transfer")
+        self._inner.fetch_into(piece, device_id, out)
 
     def probe(self, device, timeout_s):
         if device.id in self._inj._dead:

@@ -27,10 +27,22 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 class SnapshotOptions:
     """Host-memory snapshots of the training state.
 
+    A snapshot is a full copy of params, optimizer state, step counter and RNG state (one
+    copy of every shard). How often one is needed depends on the mesh:
+
+    * when every shard has a copy on another device (a data axis replicates the state),
+      live replicas are the just-in-time source for any single failure; snapshots only
+      guard against losing every copy at once, so they can be rare (`every_steps`);
+    * when some shard has a single copy (a fully model-sharded mesh), the snapshot is its
+      only other copy: `unreplicated_every_steps` (default every step) keeps the loss to at
+      most one step.
+
+    The cadence is re-chosen whenever a recovery changes the mesh.
+
     Attributes:
-        every_steps: snapshot params, optimizer state, step counter and RNG state after
-            every N-th good step (0 disables snapshots). Recovery needs all of them at one
-            step, so they share this cadence.
+        every_steps: snapshot cadence when every shard is replicated (0: never).
+        unreplicated_every_steps: snapshot cadence when some shard has a single copy
+            (0: never).
         grads_every_steps: also keep the step's gradients (the pytree under the metrics key
             ``"grads"``, if the step returns one) as a separate entry every N steps; 0: never.
         host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
@@ -38,13 +50,16 @@ class SnapshotOptions:
         verify_checksums: check each buffer's CRC32 before restoring from it.
     """
 
-    every_steps: int = 1
+    every_steps: int = 20
+    unreplicated_every_steps: int = 1
     grads_every_steps: int = 0
     host_memory_budget_bytes: int = 8 << 30
     verify_checksums: bool = True
 
     def __post_init__(self):
         _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
+        _check(self.unreplicated_every_steps >= 0, "unreplicated_every_steps",
+               self.unreplicated_every_steps, "an int >= 0")
         _check(self.grads_every_steps >= 0, "grads_every_steps", self.grads_every_steps, ">= 0")
         _check(
             self.host_memory_budget_bytes > 0,

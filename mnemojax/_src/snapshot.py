@@ -100,14 +100,24 @@ class HostSnapshot:
         return out
 
 
-def _plan_layout(leaves: Sequence[jax.Array]):
-    """Per leaf, the (shard, index key) pairs to copy: addressable replica-0 shards."""
-    layout = []
+def _leaf_layout(x: jax.Array) -> list[tuple[int, IndexKey, int]]:
+    """(addressable position, index key, device id) of the shards to copy: replica 0 only."""
+    return [(i, index_key(s.index, x.shape), s.device.id)
+            for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
+
+
+def has_single_copy_shards(leaves: Sequence[jax.Array]) -> bool:
+    """True if some shard of some leaf is held by one device only (no live replica)."""
+    seen = set()
     for x in leaves:
-        picks = [(s, index_key(s.index, x.shape)) for s in x.addressable_shards
-                 if s.replica_id == 0]
-        layout.append(picks)
-    return layout
+        k = (x.sharding, x.shape)
+        if k in seen:
+            continue
+        seen.add(k)
+        keys = [index_key(s.index, x.shape) for s in x.addressable_shards]
+        if any(keys.count(key) == 1 for key in set(keys)):
+            return True
+    return False
 
 
 class SnapshotStore:
@@ -129,20 +139,25 @@ class SnapshotStore:
         self._closed = False
         self.disabled = False
         self.state_bytes: int | None = None
+        self._bytes_mesh = None
         self.taken = 0
         self.replaced = 0
         self.failed = 0
         self.copy_seconds: list[float] = []
+        self._layouts: dict = {}
 
     # -- producer side (training thread) -------------------------------------------
     def submit(self, step: int, leaves: Sequence[jax.Array]) -> bool:
         """Queues a snapshot of `leaves` (the state after `step`); never blocks."""
         if self.disabled or self._closed:
             return False
-        if self.state_bytes is None:
-            # Checked once, on the training thread, so the warning reaches the caller.
-            self.state_bytes = sum(s.data.nbytes for picks in _plan_layout(leaves)
-                                   for s, _ in picks)
+        mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
+        if self.state_bytes is None or mesh is not self._bytes_mesh:
+            # Checked once per mesh, on the training thread, so a warning reaches the caller.
+            self._bytes_mesh = mesh
+            self.state_bytes = sum(
+                x.dtype.itemsize * int(np.prod([b - a for a, b in key]))
+                for x in leaves for _, key, _ in self._layout(x))
             if 2 * self.state_bytes > self._budget:
                 self.disabled = True
                 warnings.warn(
@@ -207,19 +222,28 @@ class SnapshotStore:
                 self._busy = False
                 self._cv.notify_all()
 
+    def _layout(self, x: jax.Array):
+        # Shard objects are slow to build; the layout depends only on sharding and shape.
+        k = (x.sharding, x.shape)
+        layout = self._layouts.get(k)
+        if layout is None:
+            layout = self._layouts[k] = _leaf_layout(x)
+        return layout
+
     def _copy(self, step, leaves, reuse: HostSnapshot | None) -> HostSnapshot | None:
         t0 = time.perf_counter()
-        layout = _plan_layout(leaves)
+        layout = [self._layout(x) for x in leaves]
         if reuse is None or not self._same_layout(reuse, leaves, layout):
             reuse = HostSnapshot(step, [
                 LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry,
-                         {key: np.empty(s.data.shape, x.dtype) for s, key in picks})
+                         {key: np.empty([b - a for a, b in key], x.dtype)
+                          for _, key, _ in picks})
                 for x, entry, picks in zip(leaves, self._entries, layout, strict=True)
             ], verify=self._verify)
-        for leaf_copy, picks in zip(reuse.leaves, layout, strict=True):
-            for shard, key in picks:
+        for x, leaf_copy, picks in zip(leaves, reuse.leaves, layout, strict=True):
+            for i, key, device_id in picks:
                 buf = leaf_copy.shards[key]
-                self._layer.fetch_into(shard, buf)
+                self._layer.fetch_into(x.addressable_data(i), device_id, buf)
                 leaf_copy.crcs[key] = zlib.crc32(buf)
         reuse.step = step
         self.copy_seconds.append(time.perf_counter() - t0)
@@ -230,6 +254,6 @@ class SnapshotStore:
         if len(snap.leaves) != len(leaves):
             return False
         for copy, x, picks in zip(snap.leaves, leaves, layout, strict=True):
-            if copy.shape != tuple(x.shape) or set(copy.shards) != {k for _, k in picks}:
+            if copy.shape != tuple(x.shape) or set(copy.shards) != {k for _, k, _ in picks}:
                 return False
         return True

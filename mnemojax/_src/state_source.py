@@ -34,7 +34,7 @@ class _NeedsRollback(Exception):
 
 
 def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
-               snapshot: HostSnapshot | None, layer) -> HostState:
+               same_step: Sequence[HostSnapshot], layer) -> HostState:
     out, read, used_snapshot = [], 0, False
     for i, x in enumerate(leaves):
         host = np.empty(x.shape, x.dtype)
@@ -52,11 +52,7 @@ def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
                 except jax.errors.JaxRuntimeError:
                     continue  # that replica is unreadable too; try the next
             if block is None:
-                if snapshot is None or snapshot.step != step:
-                    raise _NeedsRollback
-                block = snapshot.shard(i, key)
-                if block is None:  # the snapshot was laid out for another mesh
-                    block = snapshot.assemble(i)[_as_slices(key)]
+                block = _from_snapshots(same_step, i, key)
                 used_snapshot = True
             host[_as_slices(key)] = block
             read += block.nbytes
@@ -65,31 +61,44 @@ def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
                      step, read)
 
 
+def _from_snapshots(snapshots: Sequence[HostSnapshot], leaf: int, key) -> np.ndarray:
+    for snap in snapshots:
+        block = snap.shard(leaf, key)
+        if block is not None:
+            return block
+    for snap in snapshots:  # laid out for another mesh: cut the shard out of the whole
+        return snap.assemble(leaf)[_as_slices(key)]
+    raise _NeedsRollback
+
+
 def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
-                 snapshot: HostSnapshot | None, layer, *, live_ok: bool) -> HostState:
-    """The newest complete state on the host, from live replicas and/or the snapshot.
+                 snapshots: Sequence[HostSnapshot], layer, *, live_ok: bool) -> HostState:
+    """The newest complete state on the host, from live replicas and/or snapshots.
 
     Args:
         leaves: the state arrays after `step` on the old mesh.
         step: the last completed step.
         dead: ids of dead devices (never read).
-        snapshot: the newest complete host snapshot, or None.
+        snapshots: complete host snapshots, any steps.
         layer: the device layer to read shards through.
         live_ok: False when the live state may have been donated.
 
     Raises:
         StateUnavailableError: no complete copy of any step survives.
-        SnapshotCorruptError: the snapshot needed fails its checksum.
+        SnapshotCorruptError: a snapshot needed fails its checksum.
     """
     if live_ok:
         try:
-            return _from_live(leaves, step, dead, snapshot, layer)
+            return _from_live(leaves, step, dead, [s for s in snapshots if s.step == step],
+                              layer)
         except _NeedsRollback:
             pass
-    if snapshot is None:
+    full = sorted(snapshots, key=lambda s: -s.step)
+    if not full:
         raise StateUnavailableError(
             f"no complete copy of the state survives: the live copy of step {step} lost a "
             "shard with every replica, and there is no host snapshot (enable "
             "SnapshotOptions(every_steps=...))")
-    return HostState([snapshot.assemble(i) for i in range(len(snapshot.leaves))],
-                     "host_snapshot", snapshot.step, snapshot.nbytes)
+    snap = full[0]
+    return HostState([snap.assemble(i) for i in range(len(snap.leaves))],
+                     "host_snapshot", snap.step, snap.nbytes)

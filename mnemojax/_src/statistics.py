@@ -70,13 +70,15 @@ class Statistics:
     spare_devices: tuple[int, ...] = ()
     dead_devices: tuple[int, ...] = ()
     snapshot_bytes: int = 0
+    snapshot_every_steps: int = 0
+    unreplicated_state: bool = False
     snapshot_bytes_by_entry: dict[str, int] = dataclasses.field(default_factory=dict)
     snapshots_taken: int = 0
     snapshots_replaced: int = 0
     snapshot_copy_median_s: float = 0.0
     transient_retries: int = 0
     compiles: int = 0
-    precompiled_meshes: int = 0
+    precompiled_meshes: int = 0  # executables compiled ahead of time so far
     math_changed: bool = False
     recoveries: list[RecoveryRecord] = dataclasses.field(default_factory=list)
 

@@ -8,6 +8,7 @@ That keeps the planner testable on fake topologies of hundreds of devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Literal
@@ -65,7 +66,7 @@ class MeshPlan:
     def shape(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.device_ids.shape, strict=True))
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple:
         """Hashable identity of the mesh: shape, axis names and device order."""
         return (self.axis_names, self.device_ids.shape, tuple(int(i) for i in self.device_ids.flat))

@@ -85,7 +85,7 @@ def test_spare_swapped_in_keeps_mesh_shape():
 def test_snapshot_cadence_rolls_back_and_replays_buffered_batches():
     """With snapshots every 3 steps on (1, 8), a loss at step 6 restores step 3 and
     replays steps 4 and 5 from the kept batches: same math, two steps recomputed."""
-    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=3))
+    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(unreplicated_every_steps=3))
     faults = FaultInjector().lose_devices(6, [7])
     got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((1, 8)), faults=faults,
                                 options=opts)
@@ -140,3 +140,10 @@ def test_pure_pytree_step():
     [rec] = step.statistics.recoveries
     assert rec.new_mesh_shape == {"data": 6}  # 7 survivors; 6 is the widest dividing 24
     assert int(state["count"]) == STEPS
+
+
+def test_no_surviving_copy_and_no_snapshot_is_a_typed_error():
+    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(unreplicated_every_steps=0))
+    with pytest.raises(mnemojax.errors.StateUnavailableError, match="no host snapshot"):
+        h.resilient_run(h.make_batches(3), mesh=h.mesh_of((1, 8)), options=opts,
+                        faults=FaultInjector().lose_devices(2, [4]))
