@@ -35,7 +35,7 @@ class GPTConfig:
     def param_count(self) -> int:
         d, f, v, t = self.d_model, self.d_ff, self.vocab_size, self.seq_len
         per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        return v * d + t * d + self.n_layers * per_layer + 2 * d + d * v
+        return v * d + t * d + self.n_layers * per_layer + 2 * d + d * v + v
 
 
 def _dense(din, dout, spec, rngs, bias_spec=None):

@@ -1,0 +1,44 @@
+"""Model + optimizer construction and the (un-jitted) language-model train step."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from models.gpt import GPT, GPTConfig
+
+
+def build_gpt(cfg: GPTConfig, *, seed: int = 0, learning_rate: float = 3e-3):
+    """A GPT and its AdamW optimizer, built without eager sharding (mnemojax or the caller
+    places the state on a mesh). Init is jitted: an eager build compiles many small
+    programs."""
+
+    @nnx.jit
+    def init():
+        model = GPT(cfg, rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.adamw(learning_rate, weight_decay=0.01),
+                                    wrt=nnx.Param)
+
+    with nnx.use_eager_sharding(False):
+        return init()
+
+
+def lm_loss(model, batch):
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def lm_train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def shard_onto(model, optimizer, mesh) -> None:
+    """Places model and optimizer state on `mesh` per their annotations (plain Flax)."""
+    state = nnx.state((model, optimizer))
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    nnx.update((model, optimizer), jax.device_put(state, shardings))
