@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow lint bench clean
+.PHONY: venv demo test test-slow lint bench bench-record clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python >= 3.11) on PATH"; exit 1; }
@@ -17,6 +17,12 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m mnemojax demo $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m mnemojax bench --preset tiny --out runs/bench-tiny $(ARGS)
+
+bench-record: $(STAMP)
+	$(BIN)/python -m mnemojax bench --preset gpt10m --out runs/bench-gpt10m $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
