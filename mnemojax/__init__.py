@@ -5,6 +5,7 @@ from mnemojax import testing as testing
 from mnemojax._src.api import ResilientStep as ResilientStep
 from mnemojax._src.api import resilient as resilient
 from mnemojax._src.options import CompileOptions as CompileOptions
+from mnemojax._src.options import PersistentOptions as PersistentOptions
 from mnemojax._src.options import RecoveryOptions as RecoveryOptions
 from mnemojax._src.options import ResilienceOptions as ResilienceOptions
 from mnemojax._src.options import SnapshotOptions as SnapshotOptions
@@ -20,6 +21,7 @@ __all__ = [
     "CompileOptions",
     "DeviceInfo",
     "MeshPlan",
+    "PersistentOptions",
     "RecoveryOptions",
     "RecoveryRecord",
     "ResilienceOptions",

@@ -1,6 +1,7 @@
 """Typed errors and warnings of mnemojax, rooted at `MnemojaxError` / `MnemojaxWarning`."""
 
 from mnemojax._src.errors import BatchSplitError as BatchSplitError
+from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
 from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
 from mnemojax._src.errors import MathChangedWarning as MathChangedWarning
@@ -8,6 +9,7 @@ from mnemojax._src.errors import MeshTooSmallError as MeshTooSmallError
 from mnemojax._src.errors import MnemojaxError as MnemojaxError
 from mnemojax._src.errors import MnemojaxWarning as MnemojaxWarning
 from mnemojax._src.errors import NonFiniteLossError as NonFiniteLossError
+from mnemojax._src.errors import PreemptionExit as PreemptionExit
 from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
 from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
@@ -17,6 +19,7 @@ from mnemojax._src.snapshot import SnapshotBudgetWarning as SnapshotBudgetWarnin
 
 __all__ = [
     "BatchSplitError",
+    "CheckpointMismatchError",
     "DeviceFailureError",
     "InvalidOptionError",
     "MathChangedWarning",
@@ -24,6 +27,7 @@ __all__ = [
     "MnemojaxError",
     "MnemojaxWarning",
     "NonFiniteLossError",
+    "PreemptionExit",
     "RecoveryExhaustedError",
     "ShardingMismatchError",
     "SnapshotBudgetWarning",

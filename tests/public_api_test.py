@@ -5,7 +5,8 @@ import mnemojax.errors
 import mnemojax.testing
 
 EXPECTED = {
-    "CompileOptions", "DeviceInfo", "MeshPlan", "RecoveryOptions", "RecoveryRecord",
+    "CompileOptions", "DeviceInfo", "MeshPlan", "PersistentOptions", "RecoveryOptions",
+    "RecoveryRecord",
     "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "errors",
     "plan_reduced_mesh", "resilient", "testing",
 }
@@ -20,6 +21,9 @@ def test_top_level_names():
 def test_errors_are_rooted():
     for name in mnemojax.errors.__all__:
         obj = getattr(mnemojax.errors, name)
+        if obj is mnemojax.errors.PreemptionExit:  # an exit, not an error
+            assert issubclass(obj, SystemExit)
+            continue
         root = mnemojax.errors.MnemojaxWarning if issubclass(obj, Warning) else (
             mnemojax.errors.MnemojaxError)
         assert issubclass(obj, root), name

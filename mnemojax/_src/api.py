@@ -18,18 +18,20 @@ from mnemojax._src import monitoring
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
 from mnemojax._src.device_layer import JaxDeviceLayer
+from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,
     InvalidOptionError,
     MathChangedWarning,
     NonFiniteLossError,
     RecoveryExhaustedError,
+    StateUnavailableError,
     UnsupportedStateError,
 )
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy, host_batch
 from mnemojax._src.snapshot import SnapshotStore, has_single_copy_shards
-from mnemojax._src.state_source import gather_state
+from mnemojax._src.state_source import HostState, gather_state
 from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.step_forms import NnxForm, PytreeForm, StepForm, form_for
 from mnemojax._src.topology import MeshPlan, plan_reduced_mesh, single_failure_plans
@@ -74,7 +76,8 @@ class ResilientStep(Generic[P, R]):
         self._step = 0
         self._batches: collections.deque = collections.deque(
             maxlen=max(self.options.snapshot.every_steps,
-                       self.options.snapshot.unreplicated_every_steps, 1) + 1)
+                       self.options.snapshot.unreplicated_every_steps,
+                       self.options.persistent.every_steps, 1) + 1)
 
     def with_options(self, **changes) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -129,6 +132,8 @@ class ResilientStep(Generic[P, R]):
             for store in (self._store, self._grads_store):
                 if store is not None:
                     store.close()
+            self._durability.emit("run_end", step=self._step, steps=self._step)
+            self._durability.close()
 
     # -- building -------------------------------------------------------------------------
     def _build(self, args: tuple) -> None:
@@ -169,6 +174,10 @@ class ResilientStep(Generic[P, R]):
                                     budget_bytes=snap.host_memory_budget_bytes,
                                     verify=snap.verify_checksums)
         self._snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
+        self._durability = Durability(opts, keys=form.leaf_keys, layer=layer)
+        self._durability.emit("run_start", config={
+            "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
+            "spares": spares})
         self._grads_store = None
         self._exe_sig = None
         self._exe = None
@@ -181,9 +190,11 @@ class ResilientStep(Generic[P, R]):
         if kwargs:
             raise UnsupportedStateError(
                 f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
+        t_call = time.perf_counter()
         if self._form is None:
             self._build(args)
         form = self._form
+        self._durability.check_preemption(self._step, self._last_written)
         if isinstance(form, NnxForm):
             if len(args) != 3 or not form.matches(args[0], args[1]):
                 raise UnsupportedStateError(
@@ -202,6 +213,8 @@ class ResilientStep(Generic[P, R]):
         leaves = self._place_state(leaves)
         new_leaves, metrics = self._run(step, leaves, batch)
         self._commit(step, new_leaves, metrics)
+        self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
+        self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
         if isinstance(form, PytreeForm):
             return form.unflatten(new_leaves), metrics
         form.write(new_leaves)
@@ -297,6 +310,7 @@ class ResilientStep(Generic[P, R]):
                 record.total_s = now - t_fault
                 self._statistics.recoveries.append(record)
                 monitoring.record_recovery(record)
+                self._emit_recovery(record)
                 self._schedule_precompile()
             return new_leaves, metrics
 
@@ -322,15 +336,19 @@ class ResilientStep(Generic[P, R]):
         t = time.perf_counter()
         self._store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
         latest = self._store.latest()
-        host = gather_state(leaves, step - 1, proxy.dead, [latest] if latest else [],
-                            self._layer,
-                            live_ok=not opts.compile.donate_state)
+        try:
+            host = gather_state(leaves, step - 1, proxy.dead, [latest] if latest else [],
+                                self._layer, live_ok=not opts.compile.donate_state)
+        except StateUnavailableError as exc:
+            host, unavailable = None, exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
         t = time.perf_counter()
         batch = self._batches[-1][1]
         exe, how = self._compiler.get(plan, self._batch_struct(plan.examples_per_step, batch))
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
+        if host is None:
+            host = self._from_persistent(step, exe, unavailable)
         new_leaves = [self._layer.put(h, s) for h, s in
                       zip(host.leaves, exe.state_shardings, strict=True)]
         jax.block_until_ready(new_leaves)
@@ -344,6 +362,9 @@ class ResilientStep(Generic[P, R]):
             if host.step < s < step:
                 new_leaves, _ = self._run(s, new_leaves, b)
         phases["replay"] = time.perf_counter() - t
+        if step - 1 - host.step:
+            self._durability.emit("wasted_progress", step=step, steps=step - 1 - host.step,
+                                  duration_s=phases["replay"])
         nbytes = sum(h.nbytes for h in host.leaves)
         record = RecoveryRecord(
             step=step, failed_devices=tuple(sorted(set(verdict.failed))),
@@ -359,6 +380,54 @@ class ResilientStep(Generic[P, R]):
         log.warning("mnemojax: step %d: continuing on mesh %s (%s, state from %s)",
                     step, plan.shape, plan.kind, host.source)
         return new_leaves, record
+
+    def _from_persistent(self, step: int, exe, unavailable: StateUnavailableError):
+        """The newest Orbax checkpoint, if the batches since it are still kept for replay."""
+        restored = self._durability.restore_latest(exe.state_shardings,
+                                                   self._compiler.leaf_structs)
+        if restored is None:
+            raise unavailable
+        saved_step, leaves = restored
+        kept = {s for s, _ in self._batches}
+        missing = [s for s in range(saved_step + 1, step) if s not in kept]
+        if missing:
+            raise StateUnavailableError(
+                f"the newest checkpoint is of step {saved_step}, but the batches of steps "
+                f"{missing[0]}..{missing[-1]} are no longer kept for replay") from unavailable
+        log.warning("mnemojax: step %d: no in-memory copy survives; restoring the persistent "
+                    "checkpoint of step %d", step, saved_step)
+        return HostState(list(leaves), "persistent", saved_step,
+                         sum(x.nbytes for x in leaves))
+
+    def restore(self, *args):
+        """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
+        the step counter to its step.
+
+        Call it with the step's state arguments before the first step: NNX
+        ``step.restore(model, optimizer) -> int`` (updates both in place, returns the
+        step restored, 0 if there is no checkpoint); pure ``state, k = step.restore(state)``.
+        Restores onto the current mesh, whatever mesh saved it.
+
+        Raises:
+            CheckpointMismatchError: the checkpoint belongs to another model.
+        """
+        if self._form is None:
+            self._build((*args, None))
+        if self._step:
+            raise UnsupportedStateError(
+                f"restore() must come before the first step; {self._step} steps have run")
+        leaves = self._form.read() if isinstance(self._form, NnxForm) \
+            else self._form.read_from(args[0])
+        shardings = shd.named(self._proxy.mesh, self._form.specs)
+        restored = self._durability.restore_latest(shardings, self._compiler.leaf_structs)
+        if restored is not None:
+            self._step, leaves = restored
+            self._statistics.steps_run = self._step
+            self._last_written = None
+        if isinstance(self._form, NnxForm):
+            self._form.write(leaves)
+            return self._step
+        return self._form.unflatten(leaves), self._step
 
     def _commit(self, step: int, new_leaves: list, metrics) -> None:
         opts = self.options
@@ -391,6 +460,17 @@ class ResilientStep(Generic[P, R]):
             self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
         if step == 1:
             self._schedule_precompile()
+
+    def _emit_recovery(self, record: RecoveryRecord) -> None:
+        d = self._durability
+        d.emit("fault", step=record.step, failed_devices=list(record.failed_devices),
+               classification="device_failure")
+        for phase, seconds in record.phases_s.items():
+            d.emit("recovery_phase", step=record.step, phase=phase, duration_s=seconds)
+        d.emit("recovery", step=record.step, duration_s=record.total_s,
+               steps_lost=record.steps_lost, source=record.source, plan=record.plan_kind,
+               executable=record.executable, new_mesh=record.new_mesh_shape,
+               bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
 
     def _snapshot_cadence(self, leaves) -> int:
         """Snapshots are the only second copy of single-copy shards: take them more often."""

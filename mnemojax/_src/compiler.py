@@ -56,7 +56,7 @@ class StepCompiler:
                  *, data_axis: str, donate: bool):
         self._pure = pure
         self._specs = list(specs)
-        self._leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
+        self.leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
         self._data_axis = data_axis
         self._donate = donate
         self._ready: dict[tuple, Executable] = {}
@@ -86,7 +86,7 @@ class StepCompiler:
                          donate_argnums=(0,) if self._donate else ())
         args = (
             [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
-             for (shape, dtype), s in zip(self._leaf_structs, state_sh, strict=True)],
+             for (shape, dtype), s in zip(self.leaf_structs, state_sh, strict=True)],
             jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          batch_struct, batch_sh),
         )

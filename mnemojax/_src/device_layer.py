@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from mnemojax._src.triggers import host_memory_fraction
+
 
 class DeviceLayer(Protocol):
     def execute(self, executable: Any, args: tuple, *, step: int,
@@ -37,6 +39,9 @@ class DeviceLayer(Protocol):
 
     def probe(self, device: jax.Device, timeout_s: float) -> bool:
         """True if the device answers a tiny round trip within `timeout_s`."""
+
+    def memory_fractions(self, devices: Collection[jax.Device], *, step: int) -> dict[str, float]:
+        """Memory in use over its limit: ``{"host": f, "device:<id>": f, ...}``."""
 
 
 class JaxDeviceLayer:
@@ -64,6 +69,18 @@ class JaxDeviceLayer:
         del device_id
         # On CPU `np.asarray` is a zero-copy view of the device buffer: copy it out now.
         np.copyto(out, np.asarray(piece))
+
+    def memory_fractions(self, devices, *, step):
+        del step
+        out = {}
+        host = host_memory_fraction()
+        if host is not None:
+            out["host"] = host
+        for d in devices:
+            stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+            if stats and stats.get("bytes_limit"):
+                out[f"device:{d.id}"] = stats["bytes_in_use"] / stats["bytes_limit"]
+        return out
 
     def probe(self, device, timeout_s):
         def round_trip():

@@ -85,3 +85,26 @@ class NonFiniteLossError(MnemojaxError, FloatingPointError):
         super().__init__(message)
         self.step = step
         self.value = value
+
+
+class CheckpointMismatchError(MnemojaxError, ValueError):
+    """A persistent checkpoint (or snapshot) belongs to another model."""
+
+
+class PreemptionExit(SystemExit):
+    """Raised from a step after a preemption notice, once the persistent checkpoint of the
+    last complete step is committed. Exits the process with status 0 unless caught.
+
+    Attributes:
+        step: the step saved.
+        directory: the checkpoint directory.
+    """
+
+    def __init__(self, message: str, *, step: int, directory: str):
+        super().__init__(0)
+        self.message = message
+        self.step = step
+        self.directory = directory
+
+    def __str__(self) -> str:
+        return self.message

@@ -23,11 +23,12 @@ Surface = Literal["dispatch", "block"]
 
 @dataclasses.dataclass
 class _Event:
-    kind: Literal["lose_devices", "transient"]
+    kind: Literal["lose_devices", "transient", "memory_pressure"]
     at_step: int
     device_ids: tuple[int, ...] = ()
     surface: Surface = "dispatch"
     times: int = 1
+    fraction: float = 0.0
     fired_at: float | None = None
 
 
@@ -100,6 +101,25 @@ class FaultInjector:
         self._events.append(_Event("transient", at_step, times=times))
         return self
 
+    def memory_pressure(self, at_step: int, *, fraction: float = 0.97,
+                        ramp_steps: int = 3) -> FaultInjector:
+        """From step `at_step - ramp_steps` host memory use climbs to `fraction` of its
+        limit at `at_step`, and stays there (as a leak that precedes an OOM would)."""
+        if at_step < 1 or not 0 < fraction <= 1 or ramp_steps < 1:
+            raise InvalidOptionError(
+                f"at_step={at_step!r}, fraction={fraction!r}, ramp_steps={ramp_steps!r} are "
+                "invalid: expected at_step >= 1, 0 < fraction <= 1, ramp_steps >= 1")
+        self._events.append(_Event("memory_pressure", at_step, times=ramp_steps,
+                                   fraction=fraction))
+        return self
+
+    def _memory_override(self, step: int) -> float | None:
+        for ev in self._events:
+            if ev.kind == "memory_pressure" and step >= ev.at_step - ev.times:
+                ramp = min(1.0, (step - (ev.at_step - ev.times)) / ev.times)
+                return ev.fraction * (0.5 + 0.5 * ramp)
+        return None
+
     @property
     def dead_devices(self) -> frozenset[int]:
         return frozenset(self._dead)
@@ -113,7 +133,7 @@ class FaultInjector:
         fired = []
         with self._lock:
             for ev in self._events:
-                if ev.fired_at is None and ev.at_step <= step:
+                if ev.fired_at is None and ev.at_step <= step and ev.kind != "memory_pressure":
                     ev.fired_at = time.perf_counter()
                     if ev.kind == "lose_devices":
                         self._dead.update(ev.device_ids)
@@ -181,6 +201,13 @@ class _InterposedLayer:
         if device_id in self._inj._dead:
             raise _device_error([device_id], "device-to-host transfer")
         self._inner.fetch_into(piece, device_id, out)
+
+    def memory_fractions(self, devices, *, step):
+        out = self._inner.memory_fractions(devices, step=step)
+        forced = self._inj._memory_override(step)
+        if forced is not None:
+            out["host"] = forced
+        return out
 
     def probe(self, device, timeout_s):
         if device.id in self._inj._dead:

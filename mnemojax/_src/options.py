@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from typing import Literal
 
 from mnemojax._src.errors import InvalidOptionError
@@ -135,6 +136,43 @@ class CompileOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PersistentOptions:
+    """The persistent tier: Orbax checkpoints, used when no in-memory copy survives.
+
+    Attributes:
+        directory: checkpoint directory (None: no persistent tier).
+        every_steps: asynchronous checkpoint every N steps (0: only just-in-time ones).
+        max_to_keep: checkpoints kept on disk.
+        preemption_signals: signals that announce a preemption: the running step finishes,
+            the last complete step is checkpointed, then the step raises `PreemptionExit`.
+            Empty: not watched.
+        memory_pressure_fraction: when host (or device) memory use is above this fraction
+            of its limit and rising, checkpoint at once and keep training (None: off).
+        memory_check_every_steps: how often memory use is sampled.
+    """
+
+    directory: str | None = None
+    every_steps: int = 0
+    max_to_keep: int = 2
+    preemption_signals: tuple[int, ...] = (signal.SIGTERM,)
+    memory_pressure_fraction: float | None = 0.92
+    memory_check_every_steps: int = 5
+
+    def __post_init__(self):
+        _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
+        _check(self.max_to_keep >= 1, "max_to_keep", self.max_to_keep, ">= 1")
+        valid = set(signal.valid_signals())
+        for sig in self.preemption_signals:
+            _check(sig in valid and sig not in (signal.SIGKILL, signal.SIGSTOP),
+                   "preemption_signals", self.preemption_signals, "catchable signal numbers")
+        if self.memory_pressure_fraction is not None:
+            _check(0 < self.memory_pressure_fraction <= 1, "memory_pressure_fraction",
+                   self.memory_pressure_fraction, "in (0, 1] or None")
+        _check(self.memory_check_every_steps >= 1, "memory_check_every_steps",
+               self.memory_check_every_steps, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ResilienceOptions:
     """All options of `mnemojax.resilient`.
 
@@ -142,6 +180,9 @@ class ResilienceOptions:
         snapshot: host snapshot options.
         recovery: recovery options.
         compile: compile / executable options.
+        persistent: the persistent (Orbax) tier.
+        event_log: path of a JSONL event log to append to (None: no log).
+        run_name: the ``run`` field of this step's events.
         data_axis: the mesh axis along which the batch is split and replicas are dropped.
         loss_key: metrics key checked for NaN/Inf (a scalar metrics value is checked itself).
         nonfinite: ``"raise"`` (default): a non-finite loss raises `NonFiniteLossError`
@@ -151,13 +192,16 @@ class ResilienceOptions:
     snapshot: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)
     recovery: RecoveryOptions = dataclasses.field(default_factory=RecoveryOptions)
     compile: CompileOptions = dataclasses.field(default_factory=CompileOptions)
+    persistent: PersistentOptions = dataclasses.field(default_factory=PersistentOptions)
+    event_log: str | None = None
+    run_name: str = "mnemojax"
     data_axis: str = "data"
     loss_key: str = "loss"
     nonfinite: NonFinitePolicy = "raise"
 
     def __post_init__(self):
         for name, cls in (("snapshot", SnapshotOptions), ("recovery", RecoveryOptions),
-                          ("compile", CompileOptions)):
+                          ("compile", CompileOptions), ("persistent", PersistentOptions)):
             value = getattr(self, name)
             _check(isinstance(value, cls), name, value, f"a {cls.__name__}")
         _check(bool(self.data_axis), "data_axis", self.data_axis, "a non-empty axis name")

@@ -38,6 +38,21 @@ def _leaf_path(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
+def _key_part(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _leaf_key(path, top_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A leaf's path as strings, for nested-dict checkpoints (top level renamed)."""
+    parts = [_key_part(k) for k in path] or ["state"]
+    if top_names and parts[0].isdigit() and int(parts[0]) < len(top_names):
+        parts[0] = top_names[int(parts[0])]
+    return tuple(parts)
+
+
 def _entry_of(path, var) -> str:
     """Which snapshot entry a leaf belongs to: params, opt_state or other."""
     if isinstance(var, nnx.Param):
@@ -52,6 +67,7 @@ class StepForm:
 
     kind: str
     leaf_paths: list[str]
+    leaf_keys: list[tuple[str, ...]]
     leaf_entries: list[str]
     specs: list[PartitionSpec]
     key_impls: list[Any]  # per leaf: the PRNG impl if the leaf is a typed key, else None
@@ -78,6 +94,7 @@ class NnxForm(StepForm):
             nnx.state((model, optimizer)), is_leaf=_is_var)[0]
         self.live_vars = [v for _, v in flat]
         self.leaf_paths = [_leaf_path(p) for p, _ in flat]
+        self.leaf_keys = [_leaf_key(p, ("model", "optimizer")) for p, _ in flat]
         self.leaf_entries = [_entry_of(p, v) for p, v in flat]
         values = [v.get_value() for v in self.live_vars]
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
@@ -128,6 +145,7 @@ class PytreeForm(StepForm):
                 "optimizer)"
             )
         self.leaf_paths = [_leaf_path(p) for p, _ in flat]
+        self.leaf_keys = [_leaf_key(p) for p, _ in flat]
         self.leaf_entries = ["state"] * len(flat)
         values = [x for _, x in flat]
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]

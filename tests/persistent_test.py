@@ -1,0 +1,166 @@
+"""The persistent tier: plain Orbax, any mesh, last resort, preemption and memory triggers."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mnemojax
+from mnemojax._src.events import read_events
+from mnemojax._src.persistent import PersistentTier
+from mnemojax.errors import CheckpointMismatchError, PreemptionExit
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+pytestmark = pytest.mark.needs8
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 7
+
+
+def _opts(tmp_path, **persistent):
+    return h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(tmp_path / "ckpt"), **persistent),
+        event_log=str(tmp_path / "events.jsonl"))
+
+
+def test_tier_restores_onto_a_smaller_mesh_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    host = [rng.normal(size=(8, 6)).astype(np.float32), np.arange(3, dtype=np.int32)]
+    keys = [("model", "w"), ("optimizer", "count")]
+    specs = [P(None, "model"), P()]
+    big, small = h.mesh_of((4, 2)), h.mesh_of((3, 2), devices=jax.devices()[2:8])
+    tier = PersistentTier(str(tmp_path), keys=keys, max_to_keep=2)
+    tier.save(4, [jax.device_put(x, NamedSharding(big, s)) for x, s in zip(host, specs,
+                                                                            strict=True)],
+              wait=True)
+    assert tier.latest_step() == 4
+    got = tier.restore(4, [NamedSharding(small, s) for s in specs],
+                       [(x.shape, x.dtype) for x in host])
+    for g, x in zip(got, host, strict=True):
+        assert g.sharding.mesh == small
+        np.testing.assert_array_equal(np.asarray(g), x)
+    tier.close()
+
+
+def test_checkpoint_is_plain_orbax(tmp_path):
+    """What the README shows: load a mnemojax checkpoint with orbax.checkpoint alone."""
+    import orbax.checkpoint as ocp
+
+    _, step = h.resilient_run(h.make_batches(3), mesh=h.mesh_of((4, 2)),
+                              options=_opts(tmp_path, every_steps=3))
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
+    assert mngr.latest_step() == 3
+    restored = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    kernel = restored["state"]["model"]["l1"]["kernel"]
+    assert kernel.shape == (h.DIN, h.DHIDDEN)
+    assert int(restored["state"]["optimizer"]["step"]) == 3
+
+
+def test_all_in_memory_copies_lost_falls_back_to_orbax(tmp_path):
+    """(1, 8) without snapshots: the lost shards exist nowhere in memory. The checkpoint
+    of step 3 is restored and steps 4 and 5 replayed: same final state as the reference."""
+    opts = h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(every_steps=0, unreplicated_every_steps=0),
+        persistent=mnemojax.PersistentOptions(directory=str(tmp_path / "ckpt"),
+                                              every_steps=3))
+    got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((1, 8)), options=opts,
+                                faults=FaultInjector().lose_devices(6, [2]))
+    h.assert_same_run(got, h.reference_run(h.make_batches(STEPS)))
+    [rec] = step.statistics.recoveries
+    assert rec.source == "persistent" and rec.source_step == 3 and rec.steps_lost == 2
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)),
+                    options=_opts(tmp_path, every_steps=2))
+    import optax
+    from flax import nnx
+
+    from models import MLP
+
+    with nnx.use_eager_sharding(False):
+        other = MLP(h.DIN, 2 * h.DHIDDEN, h.DOUT, rngs=nnx.Rngs(0))
+        other_opt = nnx.Optimizer(other, optax.adam(1e-2), wrt=nnx.Param)
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                              options=_opts(tmp_path))
+    with pytest.raises(CheckpointMismatchError, match="belongs to another model"):
+        step.restore(other, other_opt)
+    step.close()
+
+
+def test_memory_pressure_checkpoints_and_keeps_training(tmp_path):
+    opts = h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(tmp_path / "ckpt"),
+                                              memory_check_every_steps=1),
+        event_log=str(tmp_path / "events.jsonl"))
+    got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((4, 2)), options=opts,
+                                faults=FaultInjector().memory_pressure(5, fraction=0.97))
+    h.assert_same_run(got, h.reference_run(h.make_batches(STEPS)))
+    events = list(read_events(tmp_path / "events.jsonl"))
+    triggers = [e for e in events if e["kind"] == "preemption"]
+    assert triggers and "memory pressure" in triggers[0]["trigger"]
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_save"]
+    assert saved == [triggers[0]["step"]] and saved[0] <= 5
+    assert {"run_start", "step", "run_end"} <= {e["kind"] for e in events}
+
+
+def test_preemption_signal_in_process_checkpoints_then_exits(tmp_path):
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                              options=_opts(tmp_path))
+    batches = h.make_batches(4)
+    step(model, optimizer, batches[0])
+    step(model, optimizer, batches[1])
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives between steps 2 and 3
+    with pytest.raises(PreemptionExit) as info:
+        step(model, optimizer, batches[2])
+    assert info.value.code == 0 and info.value.step == 2  # step 3 never started
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    fresh, fresh_opt = h.make_mlp()
+    again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=_opts(tmp_path))
+    assert again.restore(fresh, fresh_opt) == 2
+    for a, b in zip(h.host_state(fresh, fresh_opt), h.host_state(model, optimizer),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    again.close()
+
+
+def _job(tmp_path, out, *extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.jobs.mlp_job", "--ckpt", str(tmp_path / "ckpt"),
+         "--steps", str(STEPS), "--out", str(out), "--events", str(tmp_path / "ev.jsonl"),
+         *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_to_a_running_job_then_restart_matches_reference(tmp_path):
+    first = _job(tmp_path, tmp_path / "unused.npz", "--step-sleep-s", "0.3")
+    second = None
+    try:
+        for line in first.stdout:
+            if line.startswith("step 3"):
+                first.send_signal(signal.SIGTERM)
+                break
+        assert first.wait(timeout=120) == 0  # a clean exit
+        second = _job(tmp_path, tmp_path / "final.npz")
+        out, _ = second.communicate(timeout=180)
+        assert second.returncode == 0, out
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    restored = int(out.split("restored ")[1].split()[0])
+    assert 3 <= restored < STEPS  # at most the step that was running when SIGTERM came
+    final = np.load(tmp_path / "final.npz")
+    want = h.reference_run(h.make_batches(STEPS))
+    for i, b in enumerate(want.state):
+        np.testing.assert_allclose(final[f"arr_{i}"], b, rtol=1e-5, atol=1e-5)
