@@ -65,8 +65,9 @@ def reference_run(batches, *, dropout: float = 0.0) -> Run:
 
 
 def no_precompile(**kwargs) -> mnemojax.ResilienceOptions:
-    compile_opts = mnemojax.CompileOptions(precompile=False, cache_dir=None)
-    return mnemojax.ResilienceOptions(compile=compile_opts, **kwargs)
+    """Options for tests: no background compiles, no persistent compilation cache."""
+    kwargs.setdefault("compile", mnemojax.CompileOptions(precompile=False, cache_dir=None))
+    return mnemojax.ResilienceOptions(**kwargs)
 
 
 def resilient_run(batches, *, mesh, faults=None, options=None, spare_devices=(),

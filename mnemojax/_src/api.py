@@ -115,6 +115,9 @@ class ResilientStep(Generic[P, R]):
             s.snapshot_copy_median_s = self._store.median_copy_s()
             s.snapshots_taken = self._store.taken
             s.snapshots_replaced = self._store.replaced
+            grads = self._grads_store.latest() if self._grads_store is not None else None
+            s.grads_snapshot_step = grads.step if grads else None
+            s.grads_snapshot_bytes = grads.nbytes if grads else 0
         return s
 
     def wait_precompiled(self, timeout_s: float | None = None) -> bool:
@@ -123,7 +126,9 @@ class ResilientStep(Generic[P, R]):
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:
         """Blocks until the snapshot copy in flight (if any) is complete."""
-        return self._form is None or self._store.wait_idle(timeout_s)
+        return self._form is None or all(
+            store.wait_idle(timeout_s) for store in (self._store, self._grads_store)
+            if store is not None)
 
     def close(self) -> None:
         """Stops the background threads (snapshot copiers, compiler)."""

@@ -76,6 +76,8 @@ class Statistics:
     snapshots_taken: int = 0
     snapshots_replaced: int = 0
     snapshot_copy_median_s: float = 0.0
+    grads_snapshot_step: int | None = None
+    grads_snapshot_bytes: int = 0
     transient_retries: int = 0
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far

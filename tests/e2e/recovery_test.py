@@ -147,3 +147,41 @@ def test_no_surviving_copy_and_no_snapshot_is_a_typed_error():
     with pytest.raises(mnemojax.errors.StateUnavailableError, match="no host snapshot"):
         h.resilient_run(h.make_batches(3), mesh=h.mesh_of((1, 8)), options=opts,
                         faults=FaultInjector().lose_devices(2, [4]))
+
+
+def test_donated_state_recovers_from_the_snapshot():
+    """With donation, a step that fails after launch has consumed its inputs: the live
+    state is gone and recovery must (and does) use the host snapshot of the last step."""
+    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1),
+                           compile=mnemojax.CompileOptions(precompile=False, cache_dir=None,
+                                                           donate_state=True))
+    faults = FaultInjector().lose_devices(4, [1], surface="block")
+    got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((4, 2)), faults=faults,
+                                options=opts)
+    h.assert_same_run(got, reference())
+    [rec] = step.statistics.recoveries
+    assert rec.source == "host_snapshot" and rec.source_step == 3 and rec.steps_lost == 0
+
+
+def _step_with_grads(model, optimizer, batch):
+    from flax import nnx
+
+    loss, grads = nnx.value_and_grad(h.loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grads": grads}
+
+
+def test_gradients_are_a_separate_snapshot_entry_with_their_own_cadence():
+    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1,
+                                                             grads_every_steps=2))
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(_step_with_grads, mesh=h.mesh_of((4, 2)), options=opts)
+    for b in h.make_batches(3):
+        step(model, optimizer, b)
+    step.wait_snapshots()
+    stats = step.statistics
+    assert stats.grads_snapshot_step == 2  # cadence 2: steps 2 (and 4, ...)
+    params_bytes = stats.snapshot_bytes_by_entry["params"]
+    assert stats.grads_snapshot_bytes == params_bytes  # one gradient per parameter
+    assert stats.snapshot_bytes_by_entry.keys() == {"params", "opt_state"}  # kept apart
+    step.close()
