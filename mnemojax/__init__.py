@@ -1,6 +1,7 @@
 """mnemojax: keep JAX training alive through device and host failures, with the same math."""
 
 from mnemojax import errors as errors
+from mnemojax import retry as retry
 from mnemojax import testing as testing
 from mnemojax._src.api import ResilientStep as ResilientStep
 from mnemojax._src.api import resilient as resilient
@@ -31,5 +32,6 @@ __all__ = [
     "errors",
     "plan_reduced_mesh",
     "resilient",
+    "retry",
     "testing",
 ]

@@ -9,11 +9,13 @@ from mnemojax._src.errors import MeshTooSmallError as MeshTooSmallError
 from mnemojax._src.errors import MnemojaxError as MnemojaxError
 from mnemojax._src.errors import MnemojaxWarning as MnemojaxWarning
 from mnemojax._src.errors import NonFiniteLossError as NonFiniteLossError
+from mnemojax._src.errors import NonFiniteSkipWarning as NonFiniteSkipWarning
 from mnemojax._src.errors import PreemptionExit as PreemptionExit
 from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
 from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
 from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
+from mnemojax._src.errors import StepHangError as StepHangError
 from mnemojax._src.errors import UnsupportedStateError as UnsupportedStateError
 from mnemojax._src.snapshot import SnapshotBudgetWarning as SnapshotBudgetWarning
 
@@ -27,11 +29,13 @@ __all__ = [
     "MnemojaxError",
     "MnemojaxWarning",
     "NonFiniteLossError",
+    "NonFiniteSkipWarning",
     "PreemptionExit",
     "RecoveryExhaustedError",
     "ShardingMismatchError",
     "SnapshotBudgetWarning",
     "SnapshotCorruptError",
     "StateUnavailableError",
+    "StepHangError",
     "UnsupportedStateError",
 ]

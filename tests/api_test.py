@@ -86,13 +86,54 @@ def test_transient_error_is_retried_in_place():
     assert step.statistics.recoveries == [] and step.statistics.mesh_shape == {"data": 4, "model": 2}
 
 
-def test_transient_retry_budget_ends_in_typed_error():
+def test_transient_retry_budget_and_backoff_with_injected_clock():
+    sleeps = []
     model, optimizer = h.make_mlp()
-    step = _step(FaultInjector().transient_error(1, times=5),
-                 recovery=mnemojax.RecoveryOptions(max_transient_retries=2, retry_backoff_s=0))
+    rec = mnemojax.RecoveryOptions(
+        retry_stop=mnemojax.retry.stop_after_attempt(2),
+        retry_backoff=mnemojax.retry.exponential_backoff(0.5, 3.0, 10.0),
+        sleep=sleeps.append)
+    step = _step(FaultInjector().transient_error(1, times=5), recovery=rec)
     with pytest.raises(RecoveryExhaustedError) as info:
         step(model, optimizer, h.make_batches(1)[0])
-    assert info.value.attempts == 2 and isinstance(info.value.last_error, jax.errors.JaxRuntimeError)
+    assert info.value.attempts == 2
+    assert isinstance(info.value.last_error, jax.errors.JaxRuntimeError)
+    assert sleeps == [0.5, 1.5]  # backoff before retries 1 and 2, nobody actually slept
+    step.close()
+
+
+def test_recovery_budget_by_time_with_injected_clock():
+    """'3 attempts or 10 minutes': the clock says 7 minutes pass per recovery, so the
+    second device loss in the same step exhausts the time budget."""
+    now = [0.0]
+
+    def clock():
+        now[0] += 420.0
+        return now[0]
+
+    rec = mnemojax.RecoveryOptions(
+        stop=mnemojax.retry.stop_after_attempt(3) | mnemojax.retry.stop_after_delay(600.0),
+        clock=clock)
+    faults = FaultInjector().lose_devices(2, [0]).lose_devices_during_recovery(2, [2])
+    model, optimizer = h.make_mlp()
+    step = _step(faults, recovery=rec)
+    step(model, optimizer, h.make_batches(1)[0])
+    with pytest.raises(RecoveryExhaustedError, match="recovery budget exhausted") as info:
+        step(model, optimizer, h.make_batches(2)[1])
+    assert info.value.attempts == 1
+    step.close()
+
+
+def test_run_wide_budget_stops_cascading_recoveries():
+    rec = mnemojax.RecoveryOptions(run_stop=mnemojax.retry.stop_after_attempt(1))
+    faults = FaultInjector().lose_devices(2, [0]).lose_devices(3, [2])
+    model, optimizer = h.make_mlp()
+    step = _step(faults, recovery=rec)
+    batches = h.make_batches(3)
+    step(model, optimizer, batches[0])
+    step(model, optimizer, batches[1])  # the first recovery is within budget
+    with pytest.raises(RecoveryExhaustedError, match="run-wide"):
+        step(model, optimizer, batches[2])
     step.close()
 
 

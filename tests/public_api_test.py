@@ -8,7 +8,7 @@ EXPECTED = {
     "CompileOptions", "DeviceInfo", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
     "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "errors",
-    "plan_reduced_mesh", "resilient", "testing",
+    "plan_reduced_mesh", "resilient", "retry", "testing",
 }
 
 

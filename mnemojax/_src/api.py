@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,12 +25,15 @@ from mnemojax._src.errors import (
     InvalidOptionError,
     MathChangedWarning,
     NonFiniteLossError,
+    NonFiniteSkipWarning,
     RecoveryExhaustedError,
     StateUnavailableError,
+    StepHangError,
     UnsupportedStateError,
 )
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy, host_batch
+from mnemojax._src.retry import Attempts
 from mnemojax._src.snapshot import SnapshotStore, has_single_copy_shards
 from mnemojax._src.state_source import HostState, gather_state
 from mnemojax._src.statistics import RecoveryRecord, Statistics
@@ -74,6 +78,8 @@ class ResilientStep(Generic[P, R]):
         self._form: StepForm | None = None
         self._last_written: list | None = None
         self._step = 0
+        self._step_times: collections.deque = collections.deque(maxlen=100)
+        self._run_recoveries: list[float] = []  # budget clock of every recovery this run
         self._batches: collections.deque = collections.deque(
             maxlen=max(self.options.snapshot.every_steps,
                        self.options.snapshot.unreplicated_every_steps,
@@ -216,7 +222,11 @@ class ResilientStep(Generic[P, R]):
         step = self._step + 1
         self._batches.append((step, batch))
         leaves = self._place_state(leaves)
-        new_leaves, metrics = self._run(step, leaves, batch)
+        new_leaves, metrics, finite = self._run(step, leaves, batch)
+        if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
+            self._batches.pop()
+            return (form.unflatten(leaves), metrics) if isinstance(form, PytreeForm) \
+                else metrics
         self._commit(step, new_leaves, metrics)
         self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
         self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
@@ -267,10 +277,12 @@ class ResilientStep(Generic[P, R]):
             self._exe_sig = sig
         return self._exe
 
-    def _run(self, step: int, leaves: list, batch) -> tuple[list, Any]:
-        """Runs `step`, recovering from device failures and retrying transient errors."""
-        rec_opts = self.options.recovery
-        recoveries = retries = 0
+    def _run(self, step: int, leaves: list, batch) -> tuple[list, Any, Any]:
+        """Runs `step`: recovers from device failures (a failure during a recovery starts
+        it again), retries transient errors in place, within the budgets."""
+        rec = self.options.recovery
+        retries = recoveries = 0
+        t_first: float | None = None  # budget clock at this step's first failure
         pending: tuple[RecoveryRecord, float] | None = None
         while True:
             exe = self._executable_now(batch)
@@ -278,52 +290,99 @@ class ResilientStep(Generic[P, R]):
                 device_batch = self._proxy.place_batch(batch, exe.batch_shardings,
                                                        self._examples)
                 t_run = time.perf_counter()
-                new_leaves, metrics = self._proxy.run(exe.compiled, leaves, device_batch, step)
+                out = self._proxy.run(exe.compiled, leaves, device_batch, step,
+                                      timeout_s=self._hang_timeout_s())
             except Exception as exc:
                 t_fault = time.perf_counter()
                 verdict = self._proxy.classify(exc)
                 if verdict.kind == "user":
                     raise
+                t_first = rec.clock() if t_first is None else t_first
                 if verdict.kind == "transient":
+                    self._check_budget(rec.retry_stop, retries, t_first, step, exc,
+                                       "transient-error retries")
                     retries += 1
                     self._statistics.transient_retries += 1
-                    if retries > rec_opts.max_transient_retries:
-                        raise RecoveryExhaustedError(
-                            f"step {step}: transient error persisted after {retries - 1} "
-                            f"retries: {exc}", attempts=retries - 1, last_error=exc) from exc
+                    self._durability.emit("fault", step=step, classification="transient",
+                                          detail=str(exc)[:200], retry=retries)
                     log.warning("mnemojax: step %d: transient error, retry %d: %s",
                                 step, retries, exc)
-                    time.sleep(rec_opts.retry_backoff_s * 2 ** (retries - 1))
+                    rec.sleep(rec.retry_backoff(retries))
                     continue
-                recoveries += 1
-                if recoveries > rec_opts.max_recoveries_per_step:
-                    raise RecoveryExhaustedError(
-                        f"step {step}: gave up after {recoveries - 1} recoveries: {exc}",
-                        attempts=recoveries - 1, last_error=exc) from exc
-                log.warning("mnemojax: step %d: devices %s failed; recovering",
-                            step, list(verdict.failed))
-                if pending is not None:  # a second failure interrupted the last recovery
-                    self._statistics.recoveries.append(pending[0])
-                    pending[0].total_s = t_fault - pending[1]
-                leaves, record = self._recover(step, leaves, verdict, t_fault)
+                if pending is not None:  # a failure in the replay ended the last recovery
+                    self._finish_recovery(pending[0], pending[1], t_fault)
+                leaves, record, recoveries = self._recover_within_budget(
+                    step, leaves, verdict, exc, t_fault, t_first, recoveries)
                 pending = (record, t_fault)
                 continue
+            t_run_end = time.perf_counter()
             if pending is not None:
                 record, t_fault = pending
-                now = time.perf_counter()
-                record.phases_s["replay"] += now - t_run
-                record.total_s = now - t_fault
-                self._statistics.recoveries.append(record)
-                monitoring.record_recovery(record)
-                self._emit_recovery(record)
+                record.phases_s["replay"] += t_run_end - t_run
+                self._finish_recovery(record, t_fault, t_run_end)
                 self._schedule_precompile()
-            return new_leaves, metrics
+            else:
+                self._step_times.append(t_run_end - t_run)
+            return out
 
-    def _recover(self, step: int, leaves: list, verdict, t_fault: float):
+    def _hang_timeout_s(self) -> float:
+        rec = self.options.recovery
+        if rec.hang_timeout_s is not None:
+            return rec.hang_timeout_s
+        if not self._step_times:
+            return rec.hang_floor_s
+        return max(rec.hang_floor_s, rec.hang_factor * statistics.median(self._step_times))
+
+    def _check_budget(self, rule, attempts: int, t_first: float, step: int, exc, what: str):
+        rec = self.options.recovery
+        elapsed = rec.clock() - t_first
+        if rule(Attempts(attempts, elapsed)):
+            raise RecoveryExhaustedError(
+                f"step {step}: {what} budget exhausted after {attempts} attempt(s) in "
+                f"{elapsed:.1f} s ({rule}); last error: {exc}", attempts=attempts,
+                last_error=exc) from exc
+
+    def _recover_within_budget(self, step, leaves, verdict, exc, t_fault, t_first, recoveries):
+        """Recovers; a device failure during the recovery itself starts it again."""
+        rec = self.options.recovery
+        failed = set(verdict.failed)
+        first_exc = exc
+        while True:
+            self._check_budget(rec.stop, recoveries, t_first, step, exc, "recovery")
+            run_first = self._run_recoveries[0] if self._run_recoveries else t_first
+            self._check_budget(rec.run_stop, len(self._run_recoveries), run_first, step,
+                               exc, "run-wide recovery")
+            recoveries += 1
+            self._run_recoveries.append(rec.clock())
+            log.warning("mnemojax: step %d: devices %s failed; recovering", step,
+                        sorted(failed))
+            try:
+                new_leaves, record = self._recover(step, leaves, failed, verdict.detect_s,
+                                                   t_fault)
+                record.hang = isinstance(first_exc, StepHangError)
+                return new_leaves, record, recoveries
+            except jax.errors.JaxRuntimeError as again:
+                exc = again
+                verdict = self._proxy.classify(exc)
+                if verdict.kind != "device_failure":
+                    raise
+                failed |= set(verdict.failed)
+                self._statistics.faults_during_recovery += 1
+                log.warning("mnemojax: step %d: devices %s failed during the recovery; "
+                            "starting it again", step, list(verdict.failed))
+
+    def _finish_recovery(self, record: RecoveryRecord, t_fault: float, t_end: float) -> None:
+        record.total_s = t_end - t_fault
+        self._statistics.recoveries.append(record)
+        monitoring.record_recovery(record)
+        self._emit_recovery(record)
+
+    def _recover(self, step: int, leaves: list, failed: set[int], detect_s: float,
+                 t_fault: float):
         opts = self.options
         proxy = self._proxy
         old_plan = proxy.plan
-        phases = {"detect": verdict.detect_s}
+        phases = {"detect": detect_s}
         t = time.perf_counter()
         plan = plan_reduced_mesh(
             old_plan.device_ids, old_plan.axis_names, proxy.dead, spares=proxy.spares,
@@ -340,11 +399,15 @@ class ResilientStep(Generic[P, R]):
                 stacklevel=4)
         t = time.perf_counter()
         self._store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
-        latest = self._store.latest()
         try:
-            host = gather_state(leaves, step - 1, proxy.dead, [latest] if latest else [],
+            host = gather_state(leaves, step - 1, proxy.dead, self._store.snapshots(),
                                 self._layer, live_ok=not opts.compile.donate_state)
+            self._statistics.corrupt_snapshots_detected += host.corrupt_snapshots
+            if host.corrupt_snapshots:
+                self._durability.emit("fault", step=step, classification="corrupt_snapshot",
+                                      snapshots=host.corrupt_snapshots)
         except StateUnavailableError as exc:
+            self._statistics.corrupt_snapshots_detected += exc.corrupt
             host, unavailable = None, exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -365,14 +428,14 @@ class ResilientStep(Generic[P, R]):
         t = time.perf_counter()
         for s, b in self._batches:  # replay completed steps newer than the source state
             if host.step < s < step:
-                new_leaves, _ = self._run(s, new_leaves, b)
+                new_leaves, _, _ = self._run(s, new_leaves, b)
         phases["replay"] = time.perf_counter() - t
         if step - 1 - host.step:
             self._durability.emit("wasted_progress", step=step, steps=step - 1 - host.step,
                                   duration_s=phases["replay"])
         nbytes = sum(h.nbytes for h in host.leaves)
         record = RecoveryRecord(
-            step=step, failed_devices=tuple(sorted(set(verdict.failed))),
+            step=step, failed_devices=tuple(sorted(failed)),
             old_mesh_shape=old_plan.shape, new_mesh_shape=plan.shape,
             new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
             plan_kind=plan.kind, source=host.source, source_step=host.step,
@@ -434,16 +497,31 @@ class ResilientStep(Generic[P, R]):
             return self._step
         return self._form.unflatten(leaves), self._step
 
+    def _accept(self, step: int, metrics, finite) -> bool:
+        """The non-finite policy: False means skip this batch (the state is unchanged)."""
+        opts = self.options
+        if opts.nonfinite == "ignore":
+            return True
+        loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
+        value = float(np.asarray(loss)) if hasattr(loss, "dtype") and np.size(loss) == 1 \
+            else 0.0
+        if np.isfinite(value) and bool(finite):
+            return True
+        what = (f"{opts.loss_key}={value}" if not np.isfinite(value)
+                else "the new state (from the gradients) has NaN/Inf")
+        if opts.nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"step {step}: {what}; the state of step {step - 1} is kept "
+                "(nonfinite='raise')", step=step, value=value)
+        self._statistics.skipped_batches.append(step)
+        self._durability.emit("fault", step=step, classification="nonfinite", detail=what)
+        warnings.warn(f"mnemojax: step {step}: {what}; batch skipped, the state of step "
+                      f"{step - 1} is kept (nonfinite='skip_batch')", NonFiniteSkipWarning,
+                      stacklevel=3)
+        return False
+
     def _commit(self, step: int, new_leaves: list, metrics) -> None:
         opts = self.options
-        if opts.nonfinite == "raise":
-            loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
-            if loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1:
-                value = float(np.asarray(loss))
-                if not np.isfinite(value):
-                    raise NonFiniteLossError(
-                        f"step {step}: {opts.loss_key}={value}; the state of step {step - 1} "
-                        "is kept (nonfinite='raise')", step=step, value=value)
         self._step = step
         self._last_written = new_leaves
         self._statistics.steps_run = step
@@ -469,7 +547,7 @@ class ResilientStep(Generic[P, R]):
     def _emit_recovery(self, record: RecoveryRecord) -> None:
         d = self._durability
         d.emit("fault", step=record.step, failed_devices=list(record.failed_devices),
-               classification="device_failure")
+               classification="device_failure", hang=record.hang)
         for phase, seconds in record.phases_s.items():
             d.emit("recovery_phase", step=record.step, phase=phase, duration_s=seconds)
         d.emit("recovery", step=record.step, duration_s=record.total_s,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
@@ -67,6 +68,14 @@ class StepCompiler:
         self.compiles = 0
         self.compiled_ahead = 0
 
+    def _checked(self, leaves, batch):
+        """The step, plus one fused flag: is every float in the new state finite? (NaN
+        gradients show up there even when the loss is finite.)"""
+        new, metrics = self._pure(leaves, batch)
+        flags = [jnp.all(jnp.isfinite(x)) for x in new
+                 if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return new, metrics, jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
     @staticmethod
     def key(plan: MeshPlan, batch_struct) -> tuple:
         return (plan.key, tuple((tuple(s.shape), str(s.dtype)) for s in
@@ -81,8 +90,8 @@ class StepCompiler:
         mesh = shd.mesh_from_plan(plan)
         state_sh = shd.named(mesh, self._specs)
         batch_sh = self.batch_shardings(mesh, batch_struct)
-        jitted = jax.jit(self._pure, in_shardings=(state_sh, batch_sh),
-                         out_shardings=(state_sh, None),
+        jitted = jax.jit(self._checked, in_shardings=(state_sh, batch_sh),
+                         out_shardings=(state_sh, None, None),
                          donate_argnums=(0,) if self._donate else ())
         args = (
             [jax.ShapeDtypeStruct(shape, dtype, sharding=s)

@@ -17,6 +17,10 @@ class MathChangedWarning(MnemojaxWarning):
     """A recovery policy changed the math of the step (for example fewer examples per step)."""
 
 
+class NonFiniteSkipWarning(MnemojaxWarning):
+    """A batch was skipped because the step produced NaN/Inf (nonfinite="skip_batch")."""
+
+
 class InvalidOptionError(MnemojaxError, ValueError):
     """An option or argument has a value outside its legal range."""
 
@@ -31,6 +35,15 @@ class ShardingMismatchError(MnemojaxError, ValueError):
 
 class BatchSplitError(MnemojaxError, ValueError):
     """The global batch cannot be split evenly along the data axis of the mesh."""
+
+
+class StepHangError(MnemojaxError):
+    """A step's results were not ready within the hang timeout; its devices are probed."""
+
+    def __init__(self, message: str, *, step: int, timeout_s: float):
+        super().__init__(message)
+        self.step = step
+        self.timeout_s = timeout_s
 
 
 class DeviceFailureError(MnemojaxError):
@@ -75,7 +88,15 @@ class SnapshotCorruptError(MnemojaxError):
 
 
 class StateUnavailableError(MnemojaxError):
-    """No complete copy of the state survives (no live replica and no usable snapshot)."""
+    """No complete copy of the state survives (no live replica and no usable snapshot).
+
+    Attributes:
+        corrupt: snapshots that were there but failed their checksums.
+    """
+
+    def __init__(self, message: str, *, corrupt: int = 0):
+        super().__init__(message)
+        self.corrupt = corrupt
 
 
 class NonFiniteLossError(MnemojaxError, FloatingPointError):

@@ -15,6 +15,7 @@ from collections.abc import Collection, Iterable
 from typing import Literal
 
 import jax
+import numpy as np
 
 from mnemojax._src.errors import InvalidOptionError
 
@@ -23,7 +24,8 @@ Surface = Literal["dispatch", "block"]
 
 @dataclasses.dataclass
 class _Event:
-    kind: Literal["lose_devices", "transient", "memory_pressure"]
+    kind: Literal["lose_devices", "lose_during_recovery", "transient", "memory_pressure",
+                  "hang", "corrupt_snapshot"]
     at_step: int
     device_ids: tuple[int, ...] = ()
     surface: Surface = "dispatch"
@@ -65,7 +67,10 @@ class FaultInjector:
     def __init__(self):
         self._events: list[_Event] = []
         self._dead: set[int] = set()
+        self._hung: set[int] = set()
+        self._failure_surfaced = False
         self._lock = threading.Lock()
+        self._released = threading.Event()
         self.injected: list[InjectedFault] = []
 
     def lose_devices(self, at_step: int, device_ids: Collection[int], *,
@@ -91,6 +96,29 @@ class FaultInjector:
                 f"surface={surface!r} is invalid: expected 'dispatch' or 'block'")
         self._events.append(_Event("lose_devices", at_step, tuple(int(d) for d in device_ids),
                                    surface))
+        return self
+
+    def lose_devices_during_recovery(self, at_step: int,
+                                     device_ids: Collection[int]) -> FaultInjector:
+        """Devices die at the first host-to-device transfer after a device failure has
+        surfaced at or after step `at_step`: in the middle of the recovery's reshard."""
+        self.lose_devices(at_step, device_ids)
+        self._events[-1].kind = "lose_during_recovery"
+        return self
+
+    def hang(self, at_step: int, device_ids: Collection[int]) -> FaultInjector:
+        """Devices stop answering during step `at_step`: the step never completes, probes
+        time out. Nothing is raised; only a watchdog can notice."""
+        self.lose_devices(at_step, device_ids)
+        self._events[-1].kind = "hang"
+        return self
+
+    def corrupt_snapshot(self, at_step: int) -> FaultInjector:
+        """When step `at_step` launches, one bit flips in every host buffer the latest
+        snapshot copy wrote (memory corruption after the copy was checksummed)."""
+        if at_step < 1:
+            raise InvalidOptionError(f"at_step={at_step!r} is invalid: expected >= 1")
+        self._events.append(_Event("corrupt_snapshot", at_step))
         return self
 
     def transient_error(self, at_step: int, *, times: int = 1) -> FaultInjector:
@@ -129,15 +157,25 @@ class FaultInjector:
         return _InterposedLayer(layer, self)
 
     # -- called by the interposed layer only ------------------------------------------
-    def _fire_due(self, step: int) -> list[_Event]:
+    def release_hung(self) -> None:
+        """Lets waits on hung devices return (call at the end of a test)."""
+        self._released.set()
+
+    def _fire(self, ev: _Event, step: int) -> None:
+        ev.fired_at = time.perf_counter()
+        if ev.kind in ("lose_devices", "lose_during_recovery"):
+            self._dead.update(ev.device_ids)
+        elif ev.kind == "hang":
+            self._dead.update(ev.device_ids)
+            self._hung.update(ev.device_ids)
+        self.injected.append(InjectedFault(ev.kind, step, ev.device_ids, ev.fired_at))
+
+    def _fire_due(self, step: int, kinds: tuple[str, ...]) -> list[_Event]:
         fired = []
         with self._lock:
             for ev in self._events:
-                if ev.fired_at is None and ev.at_step <= step and ev.kind != "memory_pressure":
-                    ev.fired_at = time.perf_counter()
-                    if ev.kind == "lose_devices":
-                        self._dead.update(ev.device_ids)
-                    self.injected.append(InjectedFault(ev.kind, step, ev.device_ids, ev.fired_at))
+                if ev.fired_at is None and ev.at_step <= step and ev.kind in kinds:
+                    self._fire(ev, step)
                     fired.append(ev)
         return fired
 
@@ -162,31 +200,44 @@ class _InterposedLayer:
         self._inner = inner
         self._inj = injector
         self._poisoned: set[int] = set()  # id() of outputs whose wait must fail
+        self._step = 0
+        self._generation = 0  # +1 per launch: which snapshot copy a buffer belongs to
+        self._filled: list = []  # (generation, host buffer) written by snapshot copies
 
     def _dead_among(self, devices) -> set[int]:
         return self._inj._dead & {int(d) for d in devices}
 
     def execute(self, executable, args, *, step, devices):
-        self._inj._fire_due(step)
+        self._step = step
+        self._generation += 1
+        for ev in self._inj._fire_due(step, ("lose_devices", "hang", "corrupt_snapshot")):
+            if ev.kind == "corrupt_snapshot":
+                self._corrupt_latest_copy()
         if self._inj._take_transient(step):
             raise jax.errors.JaxRuntimeError(
                 "UNAVAILABLE: collective timed out waiting for peers (transient; injected by "
                 "mnemojax.testing.FaultInjector)")
-        dead = self._dead_among(devices)
+        dead = self._dead_among(devices) - self._inj._hung
         if dead and self._inj._surface_for(dead) == "dispatch":
+            self._inj._failure_surfaced = True
             raise _device_error(dead, f"launching step {step}")
         outputs = self._inner.execute(executable, args, step=step, devices=devices)
-        if dead:
+        if dead or self._inj._hung & {int(d) for d in devices}:
             self._poisoned.add(id(outputs))
         return outputs
 
     def block(self, outputs, *, step, devices):
         if id(outputs) in self._poisoned:
             self._poisoned.discard(id(outputs))
+            if self._inj._hung & {int(d) for d in devices}:
+                self._inj._released.wait()  # a hung device never answers
+            self._inj._failure_surfaced = True
             raise _device_error(self._dead_among(devices), f"waiting for step {step}")
         return self._inner.block(outputs, step=step, devices=devices)
 
     def put(self, value, sharding):
+        if self._inj._failure_surfaced:
+            self._inj._fire_due(self._step, ("lose_during_recovery",))
         dead = self._dead_among(d.id for d in sharding.device_set)
         if dead:
             raise _device_error(dead, "host-to-device transfer")
@@ -201,6 +252,17 @@ class _InterposedLayer:
         if device_id in self._inj._dead:
             raise _device_error([device_id], "device-to-host transfer")
         self._inner.fetch_into(piece, device_id, out)
+        self._filled.append((self._generation, out))
+        del self._filled[:-4096]
+
+    def _corrupt_latest_copy(self) -> None:
+        older = [g for g, _ in self._filled if g < self._generation]
+        if not older:
+            return
+        latest = max(older)
+        for g, buf in self._filled:
+            if g == latest and buf.size:
+                buf.reshape(-1).view(np.uint8)[0] ^= 0x01
 
     def memory_fractions(self, devices, *, step):
         out = self._inner.memory_fractions(devices, step=step)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-from typing import Literal
+import time
+from collections.abc import Callable
+from typing import Any, Literal
 
+from mnemojax._src import retry
 from mnemojax._src.errors import InvalidOptionError
 
 BatchPolicy = Literal["keep_math", "truncate_batch"]
-NonFinitePolicy = Literal["raise", "ignore"]
+NonFinitePolicy = Literal["raise", "skip_batch", "ignore"]
 _BATCH_POLICIES = ("keep_math", "truncate_batch")
-_NONFINITE_POLICIES = ("raise", "ignore")
+_NONFINITE_POLICIES = ("raise", "skip_batch", "ignore")
 
 
 def _check(cond: bool, name: str, value: object, legal: str) -> None:
@@ -72,7 +75,7 @@ class SnapshotOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RecoveryOptions:
-    """What a recovery may do.
+    """What a recovery may do, and when to give up.
 
     Attributes:
         batch_policy: when the surviving data-parallel width does not divide the global
@@ -80,30 +83,50 @@ class RecoveryOptions:
             keeps the other healthy devices idle; ``"truncate_batch"`` uses every surviving
             replica and drops the trailing examples of each batch (changes the math: warned
             and recorded in the statistics).
-        max_recoveries_per_step: give up with `RecoveryExhaustedError` after this many
-            recoveries while running one step.
-        max_transient_retries: retries in place of a transient runtime error, per step.
-        retry_backoff_s: first backoff before a transient retry; doubles per attempt.
+        stop: when to stop recovering while running one step (composable rules from
+            `mnemojax.retry`, e.g. ``stop_after_attempt(3) | stop_after_delay(600)``); then
+            `RecoveryExhaustedError`.
+        run_stop: the same over the whole run: misconfigured triggers must not cascade
+            into endless recoveries.
+        retry_stop: when to stop retrying a transient error in place.
+        retry_backoff: seconds to wait before retry n (``exponential_backoff(...)``).
         min_devices: never continue on fewer devices than this (`MeshTooSmallError`).
         probe_timeout_s: a device that does not answer a health probe in this time is dead.
+        hang_timeout_s: a step whose results are not ready after this long is treated as
+            a failure (its devices are probed). None: ``hang_factor`` x the median step
+            time, at least ``hang_floor_s``.
+        hang_factor / hang_floor_s: the adaptive hang timeout.
+        clock / sleep: time sources (injectable so budget tests run instantly).
     """
 
     batch_policy: BatchPolicy = "keep_math"
-    max_recoveries_per_step: int = 3
-    max_transient_retries: int = 3
-    retry_backoff_s: float = 0.05
+    stop: Any = dataclasses.field(
+        default_factory=lambda: retry.stop_after_attempt(3) | retry.stop_after_delay(600.0))
+    run_stop: Any = dataclasses.field(default_factory=lambda: retry.stop_after_attempt(64))
+    retry_stop: Any = dataclasses.field(default_factory=lambda: retry.stop_after_attempt(3))
+    retry_backoff: Any = dataclasses.field(default_factory=retry.exponential_backoff)
     min_devices: int = 1
     probe_timeout_s: float = 10.0
+    hang_timeout_s: float | None = None
+    hang_factor: float = 50.0
+    hang_floor_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
 
     def __post_init__(self):
         _check_choice("batch_policy", self.batch_policy, _BATCH_POLICIES)
-        _check(self.max_recoveries_per_step >= 1, "max_recoveries_per_step",
-               self.max_recoveries_per_step, ">= 1")
-        _check(self.max_transient_retries >= 0, "max_transient_retries",
-               self.max_transient_retries, ">= 0")
-        _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, ">= 0")
+        for name in ("stop", "run_stop", "retry_stop"):
+            value = getattr(self, name)
+            _check(retry.is_stop_rule(value), name, value,
+                   "a stop rule (mnemojax.retry.stop_after_attempt(...) | ...)")
+        _check(callable(self.retry_backoff), "retry_backoff", self.retry_backoff,
+               "a callable attempt -> seconds (mnemojax.retry.exponential_backoff)")
         _check(self.min_devices >= 1, "min_devices", self.min_devices, ">= 1")
         _check(self.probe_timeout_s > 0, "probe_timeout_s", self.probe_timeout_s, "> 0")
+        _check(self.hang_timeout_s is None or self.hang_timeout_s > 0, "hang_timeout_s",
+               self.hang_timeout_s, "> 0 or None")
+        _check(self.hang_factor > 1, "hang_factor", self.hang_factor, "> 1")
+        _check(self.hang_floor_s > 0, "hang_floor_s", self.hang_floor_s, "> 0")
 
 
 def _default_cache_dir() -> str:
@@ -185,8 +208,11 @@ class ResilienceOptions:
         run_name: the ``run`` field of this step's events.
         data_axis: the mesh axis along which the batch is split and replicas are dropped.
         loss_key: metrics key checked for NaN/Inf (a scalar metrics value is checked itself).
-        nonfinite: ``"raise"`` (default): a non-finite loss raises `NonFiniteLossError`
-            and the previous state is kept; ``"ignore"``: no check.
+        nonfinite: what a NaN/Inf in the loss or in the new state (from non-finite
+            gradients) does. ``"raise"`` (default): `NonFiniteLossError`, the state of the
+            previous step is kept; ``"skip_batch"``: keep the previous state, skip the batch,
+            warn (`NonFiniteSkipWarning`) and record it in ``statistics.skipped_batches``;
+            ``"ignore"``: no check.
     """
 
     snapshot: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)

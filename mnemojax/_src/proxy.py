@@ -14,8 +14,11 @@ The proxy is the only code that dispatches steps. It sees errors first and sorts
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import queue
 import re
+import threading
 import time
 from typing import Literal
 
@@ -23,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mnemojax._src.errors import BatchSplitError
+from mnemojax._src.errors import BatchSplitError, StepHangError
 from mnemojax._src.topology import MeshPlan
 
 VerdictKind = Literal["device_failure", "transient", "user"]
@@ -53,6 +56,7 @@ class DeviceProxy:
         self._probe_timeout_s = probe_timeout_s
         self._by_id = {d.id: d for d in jax.devices()}
         self._devices = frozenset(int(i) for i in plan.device_ids.flat)
+        self._waiter = _Waiter()
 
     @property
     def devices(self) -> frozenset[int]:
@@ -84,22 +88,26 @@ class DeviceProxy:
     def data_width(self) -> int:
         return int(self.mesh.shape.get(self._data_axis, 1))
 
-    def run(self, executable, leaves, device_batch, step: int):
-        """Runs one step and waits for it; whatever fails propagates to `classify`."""
+    def run(self, executable, leaves, device_batch, step: int, *,
+            timeout_s: float | None = None):
+        """Runs one step and waits for it, at most `timeout_s` (then `StepHangError`);
+        whatever fails propagates to `classify`."""
         out = self.layer.execute(executable, (leaves, device_batch), step=step,
                                  devices=self._devices)
-        return self.layer.block(out, step=step, devices=self._devices)
+        if timeout_s is None:
+            return self.layer.block(out, step=step, devices=self._devices)
+        return self._waiter.wait(self.layer.block, out, step, self._devices, timeout_s)
 
     def classify(self, exc: BaseException) -> Verdict:
         """Sorts an exception raised by `run` or a transfer (see module docstring)."""
         t0 = time.perf_counter()
-        if not isinstance(exc, jax.errors.JaxRuntimeError):
+        if not isinstance(exc, jax.errors.JaxRuntimeError | StepHangError):
             return Verdict("user")
         newly_dead = self.probe_all()
         failed_in_mesh = tuple(sorted(d for d in newly_dead if d in self._devices))
         if failed_in_mesh:
             return Verdict("device_failure", failed_in_mesh, time.perf_counter() - t0)
-        if newly_dead or _TRANSIENT.search(str(exc)):
+        if newly_dead or isinstance(exc, StepHangError) or _TRANSIENT.search(str(exc)):
             return Verdict("transient", (), time.perf_counter() - t0)
         return Verdict("user")
 
@@ -114,6 +122,47 @@ class DeviceProxy:
         self.dead |= newly
         self.spares = [s for s in self.spares if s not in self.dead]
         return newly
+
+
+class _Waiter:
+    """Waits for step results on a daemon thread, so a hung device cannot hang the caller.
+
+    One long-lived thread serves every step (a thread per step would cost more). When a
+    wait times out, that thread is abandoned (it stays blocked on the hung device; as a
+    daemon it never blocks interpreter exit) and a fresh one serves the next steps.
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._requests: queue.SimpleQueue | None = None
+
+    def _start(self):
+        self._requests = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(self._requests,),
+                                        daemon=True, name="mnemojax-wait")
+        self._thread.start()
+
+    @staticmethod
+    def _serve(requests):
+        while True:
+            fn, args, future = requests.get()
+            try:
+                future.set_result(fn(*args[:1], step=args[1], devices=args[2]))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def wait(self, block, outputs, step, devices, timeout_s):
+        if self._thread is None:
+            self._start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._requests.put((block, (outputs, step, devices), future))
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._thread = None  # abandoned with the hung wait
+            raise StepHangError(
+                f"step {step}: results not ready after {timeout_s:.1f} s (hang timeout)",
+                step=step, timeout_s=timeout_s) from None
 
 
 def host_batch(batch):

@@ -135,6 +135,7 @@ class SnapshotStore:
         self._busy = False
         self._slots: list[HostSnapshot | None] = [None, None]
         self._complete: int | None = None
+        self._intact = [False, False]  # slot holds a finished copy not being overwritten
         self._thread: threading.Thread | None = None
         self._closed = False
         self.disabled = False
@@ -181,6 +182,18 @@ class SnapshotStore:
         with self._cv:
             return None if self._complete is None else self._slots[self._complete]
 
+    def snapshots(self) -> list[HostSnapshot]:
+        """The complete snapshots, newest first: the latest and, while no copy is writing
+        over it, the one before (a fallback if the latest fails its checksum)."""
+        with self._cv:
+            if self._complete is None:
+                return []
+            out = [self._slots[self._complete]]
+            other = 1 - self._complete
+            if self._intact[other] and self._slots[other] is not None:
+                out.append(self._slots[other])
+            return out
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Waits until no copy is queued or in flight."""
         with self._cv:
@@ -208,6 +221,7 @@ class SnapshotStore:
                 self._pending = None
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
+                self._intact[target] = False  # being overwritten from now on
             try:
                 snap = self._copy(step, leaves, self._slots[target])
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
@@ -217,6 +231,7 @@ class SnapshotStore:
             with self._cv:
                 if snap is not None:
                     self._slots[target] = snap
+                    self._intact[target] = True
                     self._complete = target
                     self.taken += 1
                 self._busy = False

@@ -12,12 +12,13 @@ A recovery never mixes steps. The host state is then placed on the new mesh.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection, Sequence
 
 import jax
 import numpy as np
 
-from mnemojax._src.errors import StateUnavailableError
+from mnemojax._src.errors import SnapshotCorruptError, StateUnavailableError
 from mnemojax._src.snapshot import HostSnapshot, _as_slices, index_key
 
 
@@ -27,6 +28,10 @@ class HostState:
     source: str
     step: int
     bytes_read: int
+    corrupt_snapshots: int = 0
+
+
+log = logging.getLogger("mnemojax")
 
 
 class _NeedsRollback(Exception):
@@ -34,7 +39,7 @@ class _NeedsRollback(Exception):
 
 
 def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
-               same_step: Sequence[HostSnapshot], layer) -> HostState:
+               same_step: Sequence[HostSnapshot], layer, corrupt: list) -> HostState:
     out, read, used_snapshot = [], 0, False
     for i, x in enumerate(leaves):
         host = np.empty(x.shape, x.dtype)
@@ -52,22 +57,28 @@ def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
                 except jax.errors.JaxRuntimeError:
                     continue  # that replica is unreadable too; try the next
             if block is None:
-                block = _from_snapshots(same_step, i, key)
+                block = _from_snapshots(same_step, i, key, corrupt)
                 used_snapshot = True
             host[_as_slices(key)] = block
             read += block.nbytes
         out.append(host)
     return HostState(out, "live_replicas+snapshot" if used_snapshot else "live_replicas",
-                     step, read)
+                     step, read, len(corrupt))
 
 
-def _from_snapshots(snapshots: Sequence[HostSnapshot], leaf: int, key) -> np.ndarray:
+def _from_snapshots(snapshots: Sequence[HostSnapshot], leaf: int, key,
+                    corrupt: list) -> np.ndarray:
     for snap in snapshots:
-        block = snap.shard(leaf, key)
-        if block is not None:
+        if any(snap is c for c in corrupt):
+            continue
+        try:
+            block = snap.shard(leaf, key)
+            if block is None:  # laid out for another mesh: cut the shard out of the whole
+                block = snap.assemble(leaf)[_as_slices(key)]
             return block
-    for snap in snapshots:  # laid out for another mesh: cut the shard out of the whole
-        return snap.assemble(leaf)[_as_slices(key)]
+        except SnapshotCorruptError as exc:
+            log.warning("mnemojax: %s; never restored", exc)
+            corrupt.append(snap)
     raise _NeedsRollback
 
 
@@ -87,18 +98,23 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
         StateUnavailableError: no complete copy of any step survives.
         SnapshotCorruptError: a snapshot needed fails its checksum.
     """
+    corrupt: list[HostSnapshot] = []
     if live_ok:
         try:
             return _from_live(leaves, step, dead, [s for s in snapshots if s.step == step],
-                              layer)
+                              layer, corrupt)
         except _NeedsRollback:
             pass
-    full = sorted(snapshots, key=lambda s: -s.step)
-    if not full:
-        raise StateUnavailableError(
-            f"no complete copy of the state survives: the live copy of step {step} lost a "
-            "shard with every replica, and there is no host snapshot (enable "
-            "SnapshotOptions(every_steps=...))")
-    snap = full[0]
-    return HostState([snap.assemble(i) for i in range(len(snap.leaves))],
-                     "host_snapshot", snap.step, snap.nbytes)
+    for snap in sorted(snapshots, key=lambda s: -s.step):
+        if any(snap is c for c in corrupt):
+            continue
+        try:
+            return HostState([snap.assemble(i) for i in range(len(snap.leaves))],
+                             "host_snapshot", snap.step, snap.nbytes, len(corrupt))
+        except SnapshotCorruptError as exc:
+            log.warning("mnemojax: %s; never restored", exc)
+            corrupt.append(snap)
+    raise StateUnavailableError(
+        f"no complete copy of the state survives: the live copy of step {step} lost a shard "
+        f"with every replica, and there is no host snapshot ({len(corrupt)} failed their "
+        "checksums; enable SnapshotOptions(every_steps=...))", corrupt=len(corrupt))

@@ -34,6 +34,7 @@ class RecoveryRecord:
             unchanged / created, over all axes; `groups` has them per axis.
         examples_per_step: examples per step on the new mesh.
         math_changed: the new mesh computes something else than the failure-free run.
+        hang: the failure was a hang noticed by the watchdog (no error was raised).
     """
 
     step: int
@@ -55,6 +56,7 @@ class RecoveryRecord:
     groups: dict[str, dict[str, list]]
     examples_per_step: int | None
     math_changed: bool
+    hang: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,6 +81,9 @@ class Statistics:
     grads_snapshot_step: int | None = None
     grads_snapshot_bytes: int = 0
     transient_retries: int = 0
+    faults_during_recovery: int = 0
+    corrupt_snapshots_detected: int = 0
+    skipped_batches: list[int] = dataclasses.field(default_factory=list)
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far
     math_changed: bool = False
