@@ -65,6 +65,16 @@ def test_corrupt_snapshot_is_never_restored():
     assert rec.source == "host_snapshot" and rec.source_step == 2 and rec.steps_lost == 1
 
 
+def test_corrupt_snapshot_that_is_never_needed_is_still_noticed():
+    faults = FaultInjector().corrupt_snapshot(3)
+    opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1))
+    got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((4, 2)), faults=faults,
+                                options=opts, settle=True)
+    h.assert_same_run(got, _reference())
+    assert step.statistics.corrupt_snapshots_scrubbed == 1
+    assert step.statistics.recoveries == []
+
+
 def _nan_batch(batch):
     return {"x": np.full_like(batch["x"], np.nan), "y": batch["y"]}
 

@@ -121,6 +121,7 @@ class ResilientStep(Generic[P, R]):
             s.snapshot_copy_median_s = self._store.median_copy_s()
             s.snapshots_taken = self._store.taken
             s.snapshots_replaced = self._store.replaced
+            s.corrupt_snapshots_scrubbed = self._store.corrupt_found
             grads = self._grads_store.latest() if self._grads_store is not None else None
             s.grads_snapshot_step = grads.step if grads else None
             s.grads_snapshot_bytes = grads.nbytes if grads else 0
@@ -181,11 +182,13 @@ class ResilientStep(Generic[P, R]):
                                      else v.dtype) for s, v in zip(shapes, values, strict=True)],
             data_axis=opts.data_axis, donate=opts.compile.donate_state)
         snap = opts.snapshot
-        self._store = SnapshotStore(layer, form.leaf_entries,
-                                    budget_bytes=snap.host_memory_budget_bytes,
-                                    verify=snap.verify_checksums)
-        self._snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
         self._durability = Durability(opts, keys=form.leaf_keys, layer=layer)
+        self._store = SnapshotStore(
+            layer, form.leaf_entries, budget_bytes=snap.host_memory_budget_bytes,
+            verify=snap.verify_checksums,
+            on_corrupt=lambda s: self._durability.emit("fault", step=s,
+                                                       classification="corrupt_snapshot"))
+        self._snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
         self._durability.emit("run_start", config={
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})

@@ -260,9 +260,13 @@ class _InterposedLayer:
         if not older:
             return
         latest = max(older)
+        flipped = 0
         for g, buf in self._filled:
             if g == latest and buf.size:
                 buf.reshape(-1).view(np.uint8)[0] ^= 0x01
+                flipped += 1
+        self._inj.injected.append(InjectedFault("corrupted_buffers", self._step, (flipped,),
+                                                time.perf_counter()))
 
     def memory_fractions(self, devices, *, step):
         out = self._inner.memory_fractions(devices, step=step)

@@ -62,6 +62,7 @@ class HostSnapshot:
     step: int
     leaves: list[LeafCopy]
     verify: bool = True
+    corrupt: bool = False  # a checksum failed (and was reported)
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +81,7 @@ class HostSnapshot:
         if buf is None:
             return None
         if self.verify and zlib.crc32(buf) != copy.crcs[key]:
+            self.corrupt = True
             raise SnapshotCorruptError(
                 f"snapshot of step {self.step}: leaf {leaf} shard {key} fails its CRC32 check")
         return buf
@@ -124,7 +126,7 @@ class SnapshotStore:
     """Double-buffered asynchronous host snapshots (see module docstring)."""
 
     def __init__(self, layer, entries: Sequence[str], *, budget_bytes: int,
-                 verify: bool = True, name: str = "state"):
+                 verify: bool = True, name: str = "state", on_corrupt=None):
         self._layer = layer
         self._entries = list(entries)
         self._budget = budget_bytes
@@ -146,6 +148,8 @@ class SnapshotStore:
         self.failed = 0
         self.copy_seconds: list[float] = []
         self._layouts: dict = {}
+        self._on_corrupt = on_corrupt  # called (step) from the copy thread
+        self.corrupt_found = 0
 
     # -- producer side (training thread) -------------------------------------------
     def submit(self, step: int, leaves: Sequence[jax.Array]) -> bool:
@@ -206,6 +210,9 @@ class SnapshotStore:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        for slot, intact in zip(self._slots, self._intact, strict=True):
+            if intact:
+                self._scrub(slot)  # a corruption that no restore or reuse met
 
     def median_copy_s(self) -> float:
         return statistics.median(self.copy_seconds) if self.copy_seconds else 0.0
@@ -221,7 +228,9 @@ class SnapshotStore:
                 self._pending = None
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
+                retiring = self._slots[target] if self._intact[target] else None
                 self._intact[target] = False  # being overwritten from now on
+            self._scrub(retiring)
             try:
                 snap = self._copy(step, leaves, self._slots[target])
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
@@ -236,6 +245,22 @@ class SnapshotStore:
                     self.taken += 1
                 self._busy = False
                 self._cv.notify_all()
+
+    def _scrub(self, snap: HostSnapshot | None) -> None:
+        """Checks a snapshot's checksums once more before its buffers are reused, so
+        memory corruption of a snapshot is noticed even if it is never restored."""
+        if snap is None or not self._verify or snap.corrupt:
+            return
+        for leaf in snap.leaves:
+            for key, buf in leaf.shards.items():
+                if zlib.crc32(buf) != leaf.crcs[key]:
+                    snap.corrupt = True
+                    self.corrupt_found += 1
+                    log.warning("mnemojax: snapshot of step %d failed its CRC32 check while "
+                                "being retired (host memory corruption)", snap.step)
+                    if self._on_corrupt is not None:
+                        self._on_corrupt(snap.step)
+                    return
 
     def _layout(self, x: jax.Array):
         # Shard objects are slow to build; the layout depends only on sharding and shape.
@@ -261,6 +286,7 @@ class SnapshotStore:
                 self._layer.fetch_into(x.addressable_data(i), device_id, buf)
                 leaf_copy.crcs[key] = zlib.crc32(buf)
         reuse.step = step
+        reuse.corrupt = False
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse
 

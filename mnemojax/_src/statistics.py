@@ -82,7 +82,8 @@ class Statistics:
     grads_snapshot_bytes: int = 0
     transient_retries: int = 0
     faults_during_recovery: int = 0
-    corrupt_snapshots_detected: int = 0
+    corrupt_snapshots_detected: int = 0  # found corrupt when a recovery needed them
+    corrupt_snapshots_scrubbed: int = 0  # found corrupt when retired (never needed)
     skipped_batches: list[int] = dataclasses.field(default_factory=list)
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far
