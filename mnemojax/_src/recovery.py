@@ -1,0 +1,178 @@
+"""The recovery pipeline of a resilient step: plan, source, reshard, compile, replay.
+
+A mixin of `ResilientStep` (it works on the step's proxy, stores, compiler and
+statistics); kept apart so that the call path and the recovery path each fit in one read.
+Every recovery is timed by phase (detect, plan, reshard, compile, replay) and recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import jax
+
+from mnemojax._src import monitoring
+from mnemojax._src.errors import (
+    MathChangedWarning,
+    RecoveryExhaustedError,
+    StateUnavailableError,
+    StepHangError,
+)
+from mnemojax._src.retry import Attempts
+from mnemojax._src.state_source import HostState, gather_state
+from mnemojax._src.statistics import RecoveryRecord
+from mnemojax._src.topology import plan_reduced_mesh
+
+log = logging.getLogger("mnemojax")
+
+
+class RecoveryMixin:
+    """Recovery methods of `ResilientStep` (see module docstring)."""
+
+    def _check_budget(self, rule, attempts: int, t_first: float, step: int, exc, what: str):
+        rec = self.options.recovery
+        elapsed = rec.clock() - t_first
+        if rule(Attempts(attempts, elapsed)):
+            raise RecoveryExhaustedError(
+                f"step {step}: {what} budget exhausted after {attempts} attempt(s) in "
+                f"{elapsed:.1f} s ({rule}); last error: {exc}", attempts=attempts,
+                last_error=exc) from exc
+
+    def _recover_within_budget(self, step, leaves, verdict, exc, t_fault, t_first, recoveries):
+        """Recovers; a device failure during the recovery itself starts it again."""
+        rec = self.options.recovery
+        failed = set(verdict.failed)
+        first_exc = exc
+        while True:
+            self._check_budget(rec.stop, recoveries, t_first, step, exc, "recovery")
+            run_first = self._run_recoveries[0] if self._run_recoveries else t_first
+            self._check_budget(rec.run_stop, len(self._run_recoveries), run_first, step,
+                               exc, "run-wide recovery")
+            recoveries += 1
+            self._run_recoveries.append(rec.clock())
+            log.warning("mnemojax: step %d: devices %s failed; recovering", step,
+                        sorted(failed))
+            try:
+                new_leaves, record = self._recover(step, leaves, failed, verdict.detect_s,
+                                                   t_fault)
+                record.hang = isinstance(first_exc, StepHangError)
+                return new_leaves, record, recoveries
+            except jax.errors.JaxRuntimeError as again:
+                exc = again
+                verdict = self._proxy.classify(exc)
+                if verdict.kind != "device_failure":
+                    raise
+                failed |= set(verdict.failed)
+                self._statistics.faults_during_recovery += 1
+                log.warning("mnemojax: step %d: devices %s failed during the recovery; "
+                            "starting it again", step, list(verdict.failed))
+
+    def _finish_recovery(self, record: RecoveryRecord, t_fault: float, t_end: float) -> None:
+        record.total_s = t_end - t_fault
+        self._statistics.recoveries.append(record)
+        monitoring.record_recovery(record)
+        self._emit_recovery(record)
+
+    def _recover(self, step: int, leaves: list, failed: set[int], detect_s: float,
+                 t_fault: float):
+        opts = self.options
+        proxy = self._proxy
+        old_plan = proxy.plan
+        phases = {"detect": detect_s}
+        t = time.perf_counter()
+        plan = plan_reduced_mesh(
+            old_plan.device_ids, old_plan.axis_names, proxy.dead, spares=proxy.spares,
+            data_axis=opts.data_axis, sharded_dims=self._sharded_dims,
+            batch_size=self._batch_size, batch_policy=opts.recovery.batch_policy,
+            min_devices=opts.recovery.min_devices)
+        phases["plan"] = time.perf_counter() - t
+        if plan.math_changed:
+            self._statistics.math_changed = True
+            warnings.warn(
+                f"mnemojax: step {step}: batch_policy='truncate_batch' continues with "
+                f"{plan.examples_per_step} of {self._batch_size} examples per step; the run no "
+                "longer computes what a failure-free run computes", MathChangedWarning,
+                stacklevel=4)
+        t = time.perf_counter()
+        self._store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
+        try:
+            host = gather_state(leaves, step - 1, proxy.dead, self._store.snapshots(),
+                                self._layer, live_ok=not opts.compile.donate_state)
+            self._statistics.corrupt_snapshots_detected += host.corrupt_snapshots
+            if host.corrupt_snapshots:
+                self._durability.emit("fault", step=step, classification="corrupt_snapshot",
+                                      snapshots=host.corrupt_snapshots)
+        except StateUnavailableError as exc:
+            self._statistics.corrupt_snapshots_detected += exc.corrupt
+            host, unavailable = None, exc  # last resort: the persistent tier, below
+        phases["reshard"] = time.perf_counter() - t
+        t = time.perf_counter()
+        batch = self._batches[-1][1]
+        exe, how = self._compiler.get(plan, self._batch_struct(plan.examples_per_step, batch))
+        phases["compile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if host is None:
+            host = self._from_persistent(step, exe, unavailable)
+        new_leaves = [self._layer.put(h, s) for h, s in
+                      zip(host.leaves, exe.state_shardings, strict=True)]
+        jax.block_until_ready(new_leaves)
+        phases["reshard"] += time.perf_counter() - t
+        proxy.adopt(plan, exe.mesh)
+        self._snapshot_every = None  # re-chosen for the new mesh at the next commit
+        self._examples = plan.examples_per_step
+        self._last_written = None
+        t = time.perf_counter()
+        for s, b in self._batches:  # replay completed steps newer than the source state
+            if host.step < s < step:
+                new_leaves, _, _ = self._run(s, new_leaves, b)
+        phases["replay"] = time.perf_counter() - t
+        if step - 1 - host.step:
+            self._durability.emit("wasted_progress", step=step, steps=step - 1 - host.step,
+                                  duration_s=phases["replay"])
+        nbytes = sum(h.nbytes for h in host.leaves)
+        record = RecoveryRecord(
+            step=step, failed_devices=tuple(sorted(failed)),
+            old_mesh_shape=old_plan.shape, new_mesh_shape=plan.shape,
+            new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
+            plan_kind=plan.kind, source=host.source, source_step=host.step,
+            steps_lost=step - 1 - host.step, precompiled=how != "compiled", executable=how,
+            phases_s=phases, total_s=0.0, bytes_moved=host.bytes_read + nbytes,
+            groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
+            groups={a: {"kept": list(c.kept), "added": list(c.added), "removed": list(c.removed)}
+                    for a, c in plan.groups.items()},
+            examples_per_step=plan.examples_per_step, math_changed=plan.math_changed)
+        log.warning("mnemojax: step %d: continuing on mesh %s (%s, state from %s)",
+                    step, plan.shape, plan.kind, host.source)
+        return new_leaves, record
+
+    def _from_persistent(self, step: int, exe, unavailable: StateUnavailableError):
+        """The newest Orbax checkpoint, if the batches since it are still kept for replay."""
+        restored = self._durability.restore_latest(exe.state_shardings,
+                                                   self._compiler.leaf_structs)
+        if restored is None:
+            raise unavailable
+        saved_step, leaves = restored
+        kept = {s for s, _ in self._batches}
+        missing = [s for s in range(saved_step + 1, step) if s not in kept]
+        if missing:
+            raise StateUnavailableError(
+                f"the newest checkpoint is of step {saved_step}, but the batches of steps "
+                f"{missing[0]}..{missing[-1]} are no longer kept for replay") from unavailable
+        log.warning("mnemojax: step %d: no in-memory copy survives; restoring the persistent "
+                    "checkpoint of step %d", step, saved_step)
+        return HostState(list(leaves), "persistent", saved_step,
+                         sum(x.nbytes for x in leaves))
+
+    def _emit_recovery(self, record: RecoveryRecord) -> None:
+        d = self._durability
+        d.emit("fault", step=record.step, failed_devices=list(record.failed_devices),
+               classification="device_failure", hang=record.hang)
+        for phase, seconds in record.phases_s.items():
+            d.emit("recovery_phase", step=record.step, phase=phase, duration_s=seconds)
+        d.emit("recovery", step=record.step, duration_s=record.total_s,
+               steps_lost=record.steps_lost, source=record.source, plan=record.plan_kind,
+               executable=record.executable, new_mesh=record.new_mesh_shape,
+               bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
+
