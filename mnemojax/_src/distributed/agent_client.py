@@ -1,0 +1,87 @@
+"""The worker's side of its agent: snapshot publishing, progress, phase, fetching copies.
+
+The worker writes each snapshot straight into the agent's shared memory (no socket copy),
+then sends a small ``published`` message, which is also the watchdog's progress signal and
+triggers buddy replication. No JAX here.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Sequence
+
+from mnemojax._src.distributed import protocol
+from mnemojax._src.distributed.errors import ChecksumError, SnapshotUnavailableError
+from mnemojax._src.distributed.shm import SnapshotBuffer
+
+
+class AgentClient:
+    """One worker's connection to its agent.
+
+    Args:
+        address: the agent's ``host:port`` (``MNEMOJAX_AGENT``).
+        headroom: slot capacity as a multiple of the first snapshot's size.
+    """
+
+    def __init__(self, address: str, *, headroom: float = 1.25):
+        self.address, self.headroom = address, headroom
+        self._sock = protocol.connect(address)
+        self._lock = threading.Lock()
+        self.buffer: SnapshotBuffer | None = None
+
+    def _ensure_capacity(self, nbytes: int) -> SnapshotBuffer:
+        if self.buffer is None or self.buffer.slot_bytes < nbytes:
+            with self._lock:
+                protocol.send_msg(self._sock, {"op": "alloc",
+                                               "nbytes": int(nbytes * self.headroom) + 4096})
+                reply, _ = protocol.recv_msg(self._sock)
+            if self.buffer is not None:
+                self.buffer.close()
+            self.buffer = SnapshotBuffer.attach(reply["name"])
+        return self.buffer
+
+    def publish(self, step: int, parts: Sequence[bytes | memoryview]) -> int:
+        """Writes the snapshot of ``step`` into shared memory and tells the agent.
+
+        Returns:
+            The payload's CRC32.
+        """
+        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        crc = self._ensure_capacity(nbytes).publish(step, parts)
+        with self._lock:
+            protocol.send_msg(self._sock, {"op": "published", "step": step})
+        return crc
+
+    def phase(self, phase: str) -> None:
+        """Tells the watchdog the phase (``compile``, ``recover``, ``train``)."""
+        with self._lock:
+            protocol.send_msg(self._sock, {"op": "phase", "phase": phase})
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+        self._sock.close()
+
+
+def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *,
+                   timeout_s: float = 30.0) -> tuple[bytearray, str]:
+    """Fetches worker ``origin``'s snapshot of ``step`` from the first agent that has it.
+
+    Returns:
+        (payload, address of the agent it came from).
+
+    Raises:
+        SnapshotUnavailableError: no agent returned a copy whose CRC32 checks.
+    """
+    errors = []
+    for addr in addresses:
+        try:
+            reply, data = protocol.request(addr, {"op": "get", "origin": origin, "step": step},
+                                           timeout_s=timeout_s)
+            if zlib.crc32(data) != reply["crc"]:
+                raise ChecksumError(f"copy from {addr} fails its CRC32 check")
+            return data, addr
+        except (OSError, ConnectionError, protocol.ProtocolError, ChecksumError) as e:
+            errors.append(f"{addr}: {e}")
+    raise SnapshotUnavailableError(f"no copy of worker {origin} step {step}: {errors}")

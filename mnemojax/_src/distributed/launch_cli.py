@@ -1,0 +1,57 @@
+"""``mnemojax launch``: start N workers with K CPU devices each, their agents and the
+coordination service, on 127.0.0.1. Usage::
+
+    mnemojax launch --nproc 4 --devices-per-proc 2 -- python train.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the ``launch`` options to ``parser``."""
+    parser.add_argument("--nproc", type=int, required=True, help="worker processes")
+    parser.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices per worker")
+    parser.add_argument("--heartbeat-s", type=int, default=10,
+                        help="coordination heartbeat timeout (>= 10 on small machines)")
+    parser.add_argument("--collective-timeout-s", type=int, default=20,
+                        help="bound on a CPU collective; a survivor blocked on a dead peer "
+                             "learns of the failure within this")
+    parser.add_argument("--hang-factor", type=float, default=10.0,
+                        help="hang = no step for this multiple of the median step time")
+    parser.add_argument("--hang-min-s", type=float, default=5.0, help="floor of the hang limit")
+    parser.add_argument("--agree-timeout-s", type=float, default=60.0,
+                        help="members not at the agreement barrier by then are evicted")
+    parser.add_argument("--no-recover", action="store_true",
+                        help="end the job at the first worker failure")
+    parser.add_argument("--timeout-s", type=float, default=None, help="kill the job after this")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- then the worker command, e.g. -- python train.py")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the job; returns its exit status (forwarded from the workers)."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("mnemojax launch: give the worker command after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launch %(message)s")
+    options = LaunchOptions(
+        nproc=args.nproc, devices_per_proc=args.devices_per_proc, heartbeat_s=args.heartbeat_s,
+        collective_timeout_s=args.collective_timeout_s, hang_factor=args.hang_factor,
+        hang_min_s=args.hang_min_s, agree_timeout_s=args.agree_timeout_s,
+        recover=not args.no_recover, job_timeout_s=args.timeout_s)
+    return Launcher(options, command).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mnemojax launch")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

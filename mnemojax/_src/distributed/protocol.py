@@ -1,0 +1,97 @@
+"""Framing for the loopback control and data connections (launcher, agents, workers).
+
+A message is ``!II`` (header length, payload length), a UTF-8 JSON header (a dict with an
+``op``), then the raw payload bytes. JSON keeps the control plane debuggable; the payload is
+binary so snapshots travel without encoding. No JAX here: the agent imports this.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+from mnemojax._src.distributed.errors import ProtocolError
+
+_PREFIX = struct.Struct("!II")
+MAX_HEADER = 1 << 20
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got}/{n} bytes")
+        got += k
+    return buf
+
+
+def send_msg(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    """Sends one framed message (header dict, optional binary payload)."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_PREFIX.pack(len(head), len(payload)) + head)
+    if len(payload):
+        sock.sendall(payload)
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    """Receives one framed message.
+
+    Raises:
+        ConnectionError: the peer closed the connection.
+        ProtocolError: the frame is malformed.
+    """
+    head_len, payload_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
+    if head_len > MAX_HEADER:
+        raise ProtocolError(f"header of {head_len} bytes is too large")
+    try:
+        header = json.loads(_recv_exact(sock, head_len))
+    except ValueError as e:
+        raise ProtocolError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or "op" not in header:
+        raise ProtocolError(f"header {header!r} has no op")
+    payload = _recv_exact(sock, payload_len) if payload_len else bytearray()
+    return header, payload
+
+
+def connect(address: str, timeout_s: float | None = 10.0) -> socket.socket:
+    """Opens a TCP connection to ``host:port`` with Nagle off (small control messages)."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def request(address: str, header: dict[str, Any], payload: bytes = b"", *,
+            timeout_s: float | None = 10.0) -> tuple[dict[str, Any], bytearray]:
+    """One request/response exchange on a fresh connection.
+
+    Raises:
+        ProtocolError: the reply carries ``{"op": "error"}`` (its ``message`` is included).
+    """
+    with connect(address, timeout_s) as sock:
+        send_msg(sock, header, payload)
+        reply, data = recv_msg(sock)
+    if reply.get("op") == "error":
+        raise ProtocolError(f"{header.get('op')} to {address} failed: {reply.get('message')}")
+    return reply, data
+
+
+def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[socket.socket, str]:
+    """A listening socket on a free port chosen by the OS; returns it and ``host:port``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    return sock, f"{host}:{sock.getsockname()[1]}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free now (bind port 0). Racy by nature; used for JAX's service."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,165 @@
+"""A double-buffered snapshot slot pair in POSIX shared memory (no JAX).
+
+The agent creates the segment and outlives the worker; the worker attaches and publishes.
+Layout: page 0 holds the headers, then two data slots of ``slot_bytes`` each. A slot header is
+``seq, step, nbytes, crc32, complete``. Publishing step k writes the slot that does *not* hold
+the newest complete snapshot: clear ``complete``, write the data, write step/size/CRC, then
+set ``complete`` and a new ``seq`` (the flip). So the newest complete snapshot is never
+overwritten, and the previous step stays readable in the other slot until the next publish.
+Readers copy, re-read the header (seqlock) and check the CRC, so a torn read is detected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from multiprocessing import resource_tracker, shared_memory
+
+from mnemojax._src.distributed.errors import ChecksumError, DistributedError
+
+MAGIC = b"MNJXSNP1"
+_GLOBAL = struct.Struct("<8sQ")  # magic, slot_bytes
+_SLOT = struct.Struct("<QqQII")  # seq, step, nbytes, crc32, complete
+_SLOT_HEADER_AT = 64
+DATA_AT = 4096
+NUM_SLOTS = 2
+
+
+def shm_unlink(name: str) -> None:
+    """Removes a segment by name without involving the resource tracker."""
+    os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
+
+
+def sweep(prefix: str) -> list[str]:
+    """Removes every segment whose name starts with ``prefix``; returns their names."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    shm_unlink(name)
+                    removed.append(name)
+    return removed
+
+
+class SnapshotBuffer:
+    """Two snapshot slots in one shared-memory segment.
+
+    Attributes:
+        name: the segment's name (pass it to `attach`).
+        slot_bytes: capacity of one slot.
+    """
+
+    def __init__(self, shm: shared_memory.SharedMemory, slot_bytes: int, owner: bool):
+        self._shm = shm
+        self.name = shm.name
+        self.slot_bytes = slot_bytes
+        self._owner = owner
+
+    @classmethod
+    def create(cls, slot_bytes: int, name: str | None = None) -> SnapshotBuffer:
+        """Creates a zeroed segment with two slots (the agent does this).
+
+        Args:
+            slot_bytes: capacity of one slot.
+            name: segment name; the launcher gives agents a job prefix so that it can remove
+                the segments of agents that were killed (SIGKILL runs no cleanup).
+        """
+        if slot_bytes < 1:
+            raise DistributedError(f"slot_bytes={slot_bytes} is invalid: expected >= 1")
+        shm = shared_memory.SharedMemory(name=name, create=True,
+                                         size=DATA_AT + NUM_SLOTS * slot_bytes)
+        # Unlinked explicitly by `close` (or by the launcher's sweep), not by the tracker.
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        _GLOBAL.pack_into(shm.buf, 0, MAGIC, slot_bytes)
+        for i in range(NUM_SLOTS):
+            _SLOT.pack_into(shm.buf, _SLOT_HEADER_AT + i * _SLOT.size, 0, -1, 0, 0, 0)
+        return cls(shm, slot_bytes, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> SnapshotBuffer:
+        """Attaches to an agent's segment (the worker does this)."""
+        shm = shared_memory.SharedMemory(name=name)
+        # Python 3.11 registers attached segments with this process's resource tracker,
+        # which would unlink the agent's segment when the worker dies. The agent owns it.
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        magic, slot_bytes = _GLOBAL.unpack_from(shm.buf, 0)
+        if magic != MAGIC:
+            shm.close()
+            raise DistributedError(f"shared memory {name!r} is not a mnemojax snapshot buffer")
+        return cls(shm, slot_bytes, owner=False)
+
+    def _header(self, i: int) -> tuple[int, int, int, int, int]:
+        return _SLOT.unpack_from(self._shm.buf, _SLOT_HEADER_AT + i * _SLOT.size)
+
+    def _set_header(self, i: int, seq: int, step: int, nbytes: int, crc: int, complete: int):
+        _SLOT.pack_into(self._shm.buf, _SLOT_HEADER_AT + i * _SLOT.size,
+                        seq, step, nbytes, crc, complete)
+
+    def publish(self, step: int, parts: Sequence[bytes | memoryview]) -> int:
+        """Writes one snapshot (the concatenation of ``parts``) and flips it to newest.
+
+        Returns:
+            The CRC32 of the payload.
+        """
+        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        if nbytes > self.slot_bytes:
+            raise DistributedError(f"snapshot of {nbytes} bytes exceeds the slot "
+                                   f"({self.slot_bytes} bytes)")
+        headers = [self._header(i) for i in range(NUM_SLOTS)]
+        newest = max(range(NUM_SLOTS), key=lambda i: (headers[i][4], headers[i][0]))
+        target = (newest + 1) % NUM_SLOTS
+        seq = max(h[0] for h in headers) + 1
+        self._set_header(target, seq, -1, 0, 0, 0)  # invalidate before touching the data
+        at, crc = DATA_AT + target * self.slot_bytes, 0
+        for part in parts:
+            view = memoryview(part).cast("B")
+            self._shm.buf[at:at + len(view)] = view
+            crc = zlib.crc32(view, crc)
+            at += len(view)
+        self._set_header(target, seq, step, nbytes, crc, 1)  # the flip
+        return crc
+
+    def holdings(self) -> dict[int, int]:
+        """Complete snapshots held: ``{step: slot}``."""
+        out = {}
+        for i in range(NUM_SLOTS):
+            _, step, _, _, complete = self._header(i)
+            if complete:
+                out[step] = i
+        return out
+
+    def read(self, step: int | None = None) -> tuple[int, bytes, int]:
+        """Copies out the newest complete snapshot, or the one of ``step``.
+
+        Returns:
+            (step, payload, crc32).
+
+        Raises:
+            ChecksumError: the copy does not match its CRC, or the slot changed while copying.
+            KeyError: no complete snapshot (of that step).
+        """
+        headers = [(i, *self._header(i)) for i in range(NUM_SLOTS)]
+        done = [h for h in headers if h[5] and (step is None or h[2] == step)]
+        if not done:
+            raise KeyError(step)
+        i, seq, s, nbytes, crc, _ = max(done, key=lambda h: h[1])
+        at = DATA_AT + i * self.slot_bytes
+        data = bytes(self._shm.buf[at:at + nbytes])
+        if self._header(i) != (seq, s, nbytes, crc, 1):
+            raise ChecksumError(f"slot {i} was rewritten while step {s} was being read")
+        if zlib.crc32(data) != crc:
+            raise ChecksumError(f"snapshot of step {s} fails its CRC32 check")
+        return s, data, crc
+
+    def close(self) -> None:
+        """Unmaps the segment; the owner also unlinks it."""
+        try:
+            self._shm.close()
+        finally:
+            if self._owner:
+                with contextlib.suppress(FileNotFoundError):
+                    shm_unlink(self._shm.name)

@@ -1,0 +1,434 @@
+"""Fast tests of the multi-process layer: no JAX world is started (see tests/e2e for that)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import pytest
+
+from mnemojax._src.distributed import coordination, protocol
+from mnemojax._src.distributed.agent import Agent
+from mnemojax._src.distributed.agent_client import AgentClient, fetch_snapshot
+from mnemojax._src.distributed.agreement import (
+    AgreementBook,
+    agreement_from_json,
+    agreement_to_json,
+    choose_resume_step,
+)
+from mnemojax._src.distributed.env import WorldSpec, first_slurm_host, world_from_env
+from mnemojax._src.distributed.errors import (
+    AgreementError,
+    ChecksumError,
+    DistributedError,
+    SnapshotUnavailableError,
+    UnsupportedJaxVersionError,
+    WorldConfigError,
+)
+from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
+from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack, unpack
+from mnemojax._src.distributed.watchdog import HangWatchdog, ReplicaStore
+from mnemojax._src.errors import InvalidOptionError, MnemojaxError
+
+# -- shared-memory double buffer --------------------------------------------------------------
+
+
+@pytest.fixture
+def buffer():
+    buf = SnapshotBuffer.create(1024)
+    yield buf
+    buf.close()
+
+
+def test_publish_flips_and_keeps_previous_step(buffer):
+    writer = SnapshotBuffer.attach(buffer.name)  # the worker's side
+    try:
+        assert buffer.holdings() == {}
+        for step in (1, 2, 3):
+            crc = writer.publish(step, [b"step-", str(step).encode()])
+        assert sorted(buffer.holdings()) == [2, 3]  # newest + the one before it
+        step, data, got_crc = buffer.read()
+        assert (step, data, got_crc) == (3, b"step-3", crc)
+        assert buffer.read(2)[1] == b"step-2"
+        with pytest.raises(KeyError):
+            buffer.read(1)
+    finally:
+        writer.close()
+    assert buffer.read()[0] == 3  # the worker detaching does not remove the agent's segment
+
+
+def test_torn_or_corrupt_slot_fails_crc(buffer):
+    buffer.publish(7, [b"x" * 100])
+    raw = shared_memory.SharedMemory(name=buffer.name)
+    resource_tracker.unregister(raw._name, "shared_memory")
+    try:
+        slot = buffer.holdings()[7]
+        raw.buf[DATA_AT + slot * buffer.slot_bytes] ^= 0xFF
+    finally:
+        raw.close()
+    with pytest.raises(ChecksumError, match="CRC32"):
+        buffer.read(7)
+
+
+def test_publish_over_capacity_is_typed(buffer):
+    with pytest.raises(DistributedError, match="exceeds the slot"):
+        buffer.publish(1, [b"x" * 2000])
+
+
+def test_attach_rejects_foreign_segment():
+    raw = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        with pytest.raises(DistributedError, match="not a mnemojax"):
+            SnapshotBuffer.attach(raw.name)
+    finally:
+        raw.close()
+        raw.unlink()
+
+
+# -- snapshot codec -----------------------------------------------------------------------------
+
+
+def _payload(step, worker, entries):
+    return b"".join(bytes(p) for p in pack(step, worker, entries))
+
+
+def test_codec_roundtrip_and_assemble_across_workers():
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    b = np.arange(3, dtype=np.int32)
+    p0 = _payload(5, 0, [ShardEntry(0, (4, 6), ((0, 4), (0, 3)), w[:, :3]),
+                         ShardEntry(1, (3,), ((0, 3),), b)])
+    p1 = _payload(5, 1, [ShardEntry(0, (4, 6), ((0, 4), (3, 6)), w[:, 3:])])
+    meta, entries = unpack(p0)
+    assert meta["step"] == 5 and meta["worker_id"] == 0 and len(entries) == 2
+    full = assemble([p0, p1], 2)
+    np.testing.assert_array_equal(full[0], w)
+    np.testing.assert_array_equal(full[1], b)
+    assert full[1].dtype == np.int32
+
+
+def test_assemble_refuses_missing_shards_and_mixed_steps():
+    w = np.ones((4,), np.float32)
+    half = _payload(5, 0, [ShardEntry(0, (4,), ((0, 2),), w[:2])])
+    with pytest.raises(SnapshotUnavailableError, match="not fully covered"):
+        assemble([half], 1)
+    other = _payload(6, 1, [ShardEntry(0, (4,), ((2, 4),), w[2:])])
+    with pytest.raises(SnapshotUnavailableError, match="mix steps"):
+        assemble([half, other], 1)
+
+
+# -- watchdog and replica store -------------------------------------------------------------------
+
+
+def test_watchdog_uses_median_and_exempts_non_train_phases():
+    wd = HangWatchdog(factor=5, min_s=1.0)
+    wd.set_phase("compile", 0.0)
+    assert wd.hung(1000.0) is None  # compiling is never a hang
+    wd.set_phase("train", 100.0)
+    for i, t in enumerate([105.0, 105.5, 106.0, 106.4, 106.9]):  # first interval skipped
+        wd.progress(i + 1, t)
+    assert wd.median_s() == pytest.approx(0.5)
+    assert wd.threshold_s() == pytest.approx(2.5)
+    assert wd.hung(108.0) is None
+    assert wd.hung(110.0) == pytest.approx(3.1)
+    wd.set_phase("recover", 110.0)
+    assert wd.hung(500.0) is None
+
+
+def test_watchdog_floor():
+    wd = HangWatchdog(factor=10, min_s=30.0)
+    wd.set_phase("train", 0.0)
+    for i in range(4):
+        wd.progress(i, 0.1 * i)
+    assert wd.threshold_s() == 30.0
+
+
+def test_replica_store_checks_crc_and_keeps_two_newest():
+    store = ReplicaStore(keep=2)
+    for step in (1, 2, 3):
+        data = f"s{step}".encode()
+        store.put(4, step, data, zlib.crc32(data))
+    assert store.holdings() == {4: [2, 3]}
+    assert store.get(4, 3)[0] == b"s3"
+    with pytest.raises(ChecksumError):
+        store.put(4, 9, b"abc", 123)
+    with pytest.raises(KeyError):
+        store.get(5, 1)
+
+
+# -- buddy transfer between two agents over loopback --------------------------------------------
+
+
+class _FakeLauncher:
+    """Accepts agent links and lets a test send commands to them."""
+
+    def __init__(self):
+        self.server, self.address = protocol.listen()
+        self.links: dict[int, socket.socket] = {}
+        self.addresses: dict[int, str] = {}
+        self.events: list[dict] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn):
+        try:
+            while True:
+                h, _ = protocol.recv_msg(conn)
+                if h["op"] == "hello":
+                    self.links[h["worker_id"]] = conn
+                    self.addresses[h["worker_id"]] = h["address"]
+                self.events.append(h)
+        except (OSError, ConnectionError):
+            return
+
+    def close(self):
+        for c in self.links.values():
+            c.close()
+        self.server.close()
+
+
+def _wait(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def two_agents():
+    fake = _FakeLauncher()
+    agents = [Agent(worker_id=i, launcher=fake.address, command=[]) for i in range(2)]
+    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    _wait(lambda: len(fake.addresses) == 2)
+    yield fake, agents
+    for i in list(fake.links):
+        protocol.send_msg(fake.links[i], {"op": "shutdown"})
+    for t in threads:
+        t.join(timeout=10)
+    fake.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_buddy_replication_and_serving(two_agents):
+    fake, agents = two_agents
+    protocol.send_msg(fake.links[0], {"op": "set_buddy", "buddy": fake.addresses[1]})
+    client = AgentClient(agents[0].address)
+    try:
+        for step in (1, 2, 3):
+            client.publish(step, [f"payload-{step}".encode() * 10])
+        _wait(lambda: protocol.request(agents[1].address, {"op": "holdings"})[0]["held"]
+              .get("0", [])[-1:] == [3])
+        data, addr = fetch_snapshot([agents[1].address], 0, 3)
+        assert bytes(data) == b"payload-3" * 10 and addr == agents[1].address
+        # The worker's own agent serves both slots; a missing step is a typed error.
+        held = protocol.request(agents[0].address, {"op": "holdings"})[0]["held"]
+        assert held["0"] == [2, 3]
+        data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2)  # first one dead
+        assert bytes(data) == b"payload-2" * 10
+        with pytest.raises(SnapshotUnavailableError):
+            fetch_snapshot([agents[1].address], 0, 1)
+        assert [e["step"] for e in fake.events if e["op"] == "progress"] == [1, 2, 3]
+    finally:
+        client.close()
+
+
+# -- agreement --------------------------------------------------------------------------------------
+
+
+def test_resume_step_is_newest_held_for_every_member():
+    holdings = {"a0": {0: [5, 6], 3: [4, 5]}, "a1": {1: [5, 6], 0: [5, 6]},
+                "a2": {2: [5, 6], 1: [5, 6]}}
+    assert choose_resume_step([0, 1, 2], holdings) == 6
+    assert choose_resume_step([0, 1, 2, 3], holdings) == 5  # 3's buddy copy lags
+    with pytest.raises(AgreementError):
+        choose_resume_step([0, 9], holdings)
+
+
+def test_book_barrier_waits_for_live_members_only():
+    book = AgreementBook(0, [0, 1, 2])
+    book.arrive(2, 0, last_step=6)
+    assert not book.complete() and book.missing() == [0, 1]
+    book.mark_dead(1)
+    assert book.missing() == [0]
+    book.arrive(0, 0, last_step=6)
+    assert book.complete()
+    holdings = {"x": {0: [5, 6], 1: [5, 6]}, "y": {2: [5, 6]}}
+    decision = book.decide(coordinator="127.0.0.1:9", holdings=holdings)
+    assert set(decision) == {0, 2}
+    assert decision[0].process_id == 0 and decision[2].process_id == 1
+    assert {a.resume_step for a in decision.values()} == {6}
+    assert decision[2].survivors == (0, 2) and decision[2].num_processes == 2
+    assert decision[0].sources[1] == ("x",)
+    assert book.decide(coordinator="other", holdings={}) is decision  # decided once
+    assert agreement_from_json(agreement_to_json(decision[2])) == decision[2]
+
+
+def test_book_rejects_wrong_generation_and_evicted():
+    book = AgreementBook(3, [0, 1])
+    with pytest.raises(AgreementError) as e:
+        book.arrive(0, 2, last_step=1)
+    assert e.value.generation == 2
+    book.mark_dead(1)
+    with pytest.raises(AgreementError, match="evicted"):
+        book.arrive(1, 3, last_step=1)
+    with pytest.raises(AgreementError, match="incomplete"):
+        AgreementBook(0, [0, 1]).decide(coordinator="c", holdings={})
+
+
+# -- environment --------------------------------------------------------------------------------------
+
+
+def test_world_from_mnemojax_env():
+    w = world_from_env({"MNEMOJAX_COORDINATOR": "127.0.0.1:1234", "MNEMOJAX_PROCESS_ID": "2",
+                        "MNEMOJAX_NUM_PROCESSES": "4", "MNEMOJAX_DEVICES_PER_PROC": "2",
+                        "MNEMOJAX_HEARTBEAT_S": "12", "MNEMOJAX_WORKER_ID": "3"})
+    assert (w.coordinator, w.process_id, w.num_processes, w.devices_per_proc) == (
+        "127.0.0.1:1234", 2, 4, 2)
+    assert w.heartbeat_s == 12 and w.collective_timeout_s == 20 and w.stable_id == 3
+
+
+def test_world_from_slurm_env():
+    w = world_from_env({"SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
+                        "SLURM_JOB_NODELIST": "gpu[003-010],cpu1"})
+    assert w.coordinator == "gpu003:" + str(8476 + 242)
+    assert (w.process_id, w.num_processes, w.stable_id) == (1, 8, 1)
+    assert first_slurm_host("node7") == "node7"
+    assert first_slurm_host("a[1,5-6]") == "a1"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({}, "no world"),
+    ({"MNEMOJAX_COORDINATOR": "h:1"}, "MNEMOJAX_PROCESS_ID"),
+    ({"MNEMOJAX_COORDINATOR": "h:1", "MNEMOJAX_PROCESS_ID": "4",
+      "MNEMOJAX_NUM_PROCESSES": "4"}, "process_id=4"),
+    ({"MNEMOJAX_COORDINATOR": "nohost", "MNEMOJAX_PROCESS_ID": "0",
+      "MNEMOJAX_NUM_PROCESSES": "1"}, "host:port"),
+    ({"MNEMOJAX_COORDINATOR": "h:1", "MNEMOJAX_PROCESS_ID": "x",
+      "MNEMOJAX_NUM_PROCESSES": "1"}, "integer"),
+    ({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0"}, "incomplete"),
+])
+def test_world_errors_are_typed(env, match):
+    with pytest.raises(WorldConfigError, match=match) as e:
+        world_from_env(env)
+    assert isinstance(e.value, MnemojaxError) and isinstance(e.value, ValueError)
+
+
+def test_worldspec_validates():
+    with pytest.raises(WorldConfigError):
+        WorldSpec(coordinator="h:1", process_id=0, num_processes=1, devices_per_proc=0)
+
+
+# -- the private-API guard: fails loudly when JAX changes what coordination.py uses ------------
+
+
+def test_private_jax_api_shape_is_what_coordination_relies_on():
+    coordination.check_jax_version()
+    coordination.check_private_api()
+    from jax._src.lib import _jax
+    doc = _jax.get_distributed_runtime_service.__doc__
+    assert "recoverable: bool | None" in doc, doc
+    doc = _jax.get_distributed_runtime_client.__doc__
+    for param in ("init_timeout", "heartbeat_timeout", "shutdown_timeout", "use_compression"):
+        assert f"{param}:" in doc, doc
+    assert "timeout_in_ms" in _jax.DistributedRuntimeClient.wait_at_barrier.__doc__
+    import jax.extend.backend
+    assert callable(jax.extend.backend.clear_backends)
+    from jax._src import xla_bridge
+    src = inspect.getsource(xla_bridge.make_cpu_client)
+    # Gloo collectives and the CPU client read these fields of global_state.
+    for field in ("global_state.client", "global_state.process_id", "global_state.num_processes"):
+        assert field in src, field
+
+
+@pytest.mark.parametrize("version", ["0.9.9", "0.11.0", "1.0.0"])
+def test_unsupported_jax_version_is_typed(version):
+    with pytest.raises(UnsupportedJaxVersionError) as e:
+        coordination.check_jax_version(version)
+    assert e.value.version == version and "0.11" in e.value.supported
+
+
+def test_supported_versions_pass():
+    for v in ("0.10.0", "0.10.2", "0.10.9.dev20261201"):
+        coordination.check_jax_version(v)
+
+
+# -- launcher and CLI (no JAX in the workers) ---------------------------------------------------------
+
+
+def test_launch_options_validate():
+    with pytest.raises(InvalidOptionError, match="nproc=0"):
+        LaunchOptions(nproc=0)
+    with pytest.raises(InvalidOptionError):
+        LaunchOptions(nproc=1, hang_factor=1.0)
+
+
+def test_cli_parses_command_after_double_dash():
+    from mnemojax._src.distributed import launch_cli
+    parser = argparse.ArgumentParser()
+    launch_cli.add_arguments(parser)
+    args = parser.parse_args(["--nproc", "4", "--devices-per-proc", "2", "--heartbeat-s", "12",
+                              "--", sys.executable, "train.py", "--lr", "1"])
+    assert args.nproc == 4 and args.devices_per_proc == 2 and args.heartbeat_s == 12
+    assert args.command[-3:] == ["train.py", "--lr", "1"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("code, recover, expected", [(0, True, 0), (3, False, 3)])
+def test_launcher_forwards_exit_status_and_leaves_nothing(tmp_path, code, recover, expected):
+    script = ("import os, sys; open(os.path.join(sys.argv[1], os.environ['MNEMOJAX_WORKER_ID']),"
+              " 'w').write(os.environ['MNEMOJAX_COORDINATOR']); sys.exit(int(sys.argv[2]))")
+    launcher = Launcher(LaunchOptions(nproc=2, recover=recover, job_timeout_s=60, grace_s=1),
+                        [sys.executable, "-c", script, str(tmp_path), str(code)])
+    assert launcher.run() == expected
+    if code == 0:
+        assert sorted(os.listdir(tmp_path)) == ["0", "1"]
+    pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
+    assert len(pids) == 4 and not any(_alive(p) for p in pids)
+
+
+def test_launcher_job_timeout_kills_everything(tmp_path):
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=3, grace_s=1),
+                        [sys.executable, "-c", "import time; time.sleep(600)"])
+    t = time.monotonic()
+    assert launcher.run() == 124
+    assert time.monotonic() - t < 30
+    pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
+    assert not any(_alive(p) for p in pids)
+
+
+def test_agent_process_does_not_import_jax():
+    from mnemojax._src.distributed.agent import agent_command
+    cmd = agent_command("--help")
+    probe = cmd[2].replace("from mnemojax._src.distributed.agent import main; "
+                           "sys.exit(main(sys.argv[1:]))",
+                           "import mnemojax._src.distributed.agent, "
+                           "mnemojax._src.distributed.agent_client; "
+                           "sys.exit(10 + ('jax' in sys.modules))")
+    assert probe != cmd[2]
+    result = subprocess.run([cmd[0], "-c", probe], timeout=60, check=False)
+    assert result.returncode == 10, "the agent imported jax"
