@@ -5,6 +5,7 @@ from mnemojax import retry as retry
 from mnemojax import testing as testing
 from mnemojax._src.api import ResilientStep as ResilientStep
 from mnemojax._src.api import resilient as resilient
+from mnemojax._src.distributed.session import initialize as initialize
 from mnemojax._src.options import CompileOptions as CompileOptions
 from mnemojax._src.options import PersistentOptions as PersistentOptions
 from mnemojax._src.options import RecoveryOptions as RecoveryOptions
@@ -30,6 +31,7 @@ __all__ = [
     "SnapshotOptions",
     "Statistics",
     "errors",
+    "initialize",
     "plan_reduced_mesh",
     "resilient",
     "retry",

@@ -8,6 +8,7 @@ EXPECTED = {
     "CompileOptions", "DeviceInfo", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
     "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "errors",
+    "initialize",
     "plan_reduced_mesh", "resilient", "retry", "testing",
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import statistics
@@ -18,6 +19,7 @@ from jax.sharding import Mesh
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
 from mnemojax._src.device_layer import JaxDeviceLayer
+from mnemojax._src.distributed import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,
@@ -144,6 +146,15 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     # -- building -------------------------------------------------------------------------
     def _build(self, args: tuple) -> None:
         opts = self.options
+        self._session = dist_session.current()
+        if self._session is not None:
+            # Every process compiles the same programs at the same time (barrier after
+            # each); background compiles and in-process snapshots would only get in the way:
+            # the agent holds the snapshots, outside this process.
+            opts = self.options = dataclasses.replace(
+                opts, compile=dataclasses.replace(opts.compile, precompile=False),
+                snapshot=dataclasses.replace(opts.snapshot, every_steps=0,
+                                             unreplicated_every_steps=0))
         form = form_for(self._fn, args)
         all_devices = {d.id: d for d in jax.devices()}
         spares = [int(getattr(d, "id", d)) for d in self._spares_arg]
@@ -218,6 +229,8 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._check_batch(batch)
         step = self._step + 1
         self._batches.append((step, batch))
+        if self._session is not None and self._exe is None:
+            self._compile_in_step(batch)
         leaves = self._place_state(leaves)
         new_leaves, metrics, finite = self._run(step, leaves, batch)
         if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
@@ -291,6 +304,11 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                                       timeout_s=self._hang_timeout_s())
             except Exception as exc:
                 t_fault = time.perf_counter()
+                if self._is_peer_failure(exc):
+                    reason = f"{type(exc).__name__}: {exc}"
+                    del exc  # hold nothing of the old world (see _recover_world)
+                    leaves = self._recover_world(step, reason, t_fault)
+                    continue
                 verdict = self._proxy.classify(exc)
                 if verdict.kind == "user":
                     raise
@@ -383,8 +401,16 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                       stacklevel=3)
         return False
 
+    def _compile_in_step(self, batch) -> None:
+        """Multi-process: compile, then wait until every process has (DESIGN §4)."""
+        self._session.phase("compile")
+        self._executable_now(batch)
+        self._session.compiled()
+
     def _commit(self, step: int, new_leaves: list, metrics) -> None:
         opts = self.options
+        if self._session is not None:
+            self._session.publish(step, new_leaves)
         self._step = step
         self._last_written = new_leaves
         self._statistics.steps_run = step

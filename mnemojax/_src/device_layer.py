@@ -60,7 +60,12 @@ class JaxDeviceLayer:
         return jax.block_until_ready(outputs)
 
     def put(self, value, sharding):
-        return jax.device_put(value, sharding)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # Multi-process: every process holds the same global host value and places only
+        # the pieces its own devices hold.
+        value = np.asarray(value)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
     def fetch(self, shard):
         return np.array(shard.data, copy=True)

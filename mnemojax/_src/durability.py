@@ -29,7 +29,7 @@ class Durability:
                  layer):
         popts = options.persistent
         self._popts = popts
-        self._layer = layer
+        self.layer = layer
         self.events = EventLog(options.event_log, options.run_name) if options.event_log \
             else None
         self.tier = PersistentTier(popts.directory, keys=keys, max_to_keep=popts.max_to_keep) \
@@ -68,7 +68,7 @@ class Durability:
             blocked = self.tier.save(step, leaves)
             self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=False)
         if self._memory is not None and step % self._popts.memory_check_every_steps == 0:
-            source = self._memory.observe(self._layer.memory_fractions(devices, step=step))
+            source = self._memory.observe(self.layer.memory_fractions(devices, step=step))
             if source is not None:
                 self.jit_checkpoints += 1
                 blocked = self.tier.save(step, leaves, wait=True)

@@ -12,18 +12,25 @@ import time
 import warnings
 
 import jax
+import numpy as np
 
 from mnemojax._src import monitoring
+from mnemojax._src import sharding as shd
+from mnemojax._src.compiler import StepCompiler
+from mnemojax._src.device_layer import JaxDeviceLayer
 from mnemojax._src.errors import (
     MathChangedWarning,
+    MeshTooSmallError,
     RecoveryExhaustedError,
     StateUnavailableError,
     StepHangError,
 )
+from mnemojax._src.proxy import DeviceProxy
 from mnemojax._src.retry import Attempts
+from mnemojax._src.snapshot import SnapshotStore
 from mnemojax._src.state_source import HostState, gather_state
 from mnemojax._src.statistics import RecoveryRecord
-from mnemojax._src.topology import plan_reduced_mesh
+from mnemojax._src.topology import MeshPlan, plan_reduced_mesh
 
 log = logging.getLogger("mnemojax")
 
@@ -176,3 +183,110 @@ class RecoveryMixin:
                executable=record.executable, new_mesh=record.new_mesh_shape,
                bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
 
+    # -- multi-process: a peer process died ----------------------------------------------
+    def _is_peer_failure(self, exc: BaseException) -> bool:
+        return (self._session is not None and self._session.can_recover
+                and isinstance(exc, jax.errors.JaxRuntimeError))
+
+    def _recover_world(self, step: int, reason: str, t_fault: float) -> list:
+        """A collective failed: agree with the survivors, re-initialise into their world,
+        rebuild the mesh over its devices, restore the agreed step from the agents (the
+        dead host's shards from its buddy) and replay up to `step` - 1."""
+        session = self._session
+        t0 = time.perf_counter()
+        old_plan = self._proxy.plan
+        before = session.world
+        self._drop_world_arrays()
+        log.warning("mnemojax: step %d: a peer process failed (%s); recovering the world",
+                    step, reason[:200])
+        rec = session.recover(last_step=self._step, reason=reason)
+        phases = {"detect": t0 - t_fault,
+                  "agree": rec.phases["detach"] + rec.phases["agree"]}
+        t = time.perf_counter()
+        plan = self._plan_world(old_plan)
+        phases["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._rebuild_runtime(plan)
+        batch = self._batches[-1][1]
+        self._compile_in_step(batch)
+        phases["compile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        leaves = session.restore(rec, self._executable_now(batch).state_shardings)
+        phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
+            time.perf_counter() - t)
+        resume = rec.agreement.resume_step
+        t = time.perf_counter()
+        self._step = resume
+        for s, b in list(self._batches):
+            if resume < s < step:
+                leaves, _, _ = self._run(s, leaves, b)
+                session.publish(s, leaves)
+                self._step = s
+        phases["replay"] = time.perf_counter() - t
+        dead = sorted(set(rec.agreement.previous_members) - set(rec.agreement.survivors))
+        record = RecoveryRecord(
+            step=step, failed_devices=(), old_mesh_shape=old_plan.shape,
+            new_mesh_shape=plan.shape,
+            new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
+            plan_kind="process_loss", source="agent_snapshots", source_step=resume,
+            steps_lost=step - 1 - resume, precompiled=False, executable="compiled",
+            phases_s=phases, total_s=time.perf_counter() - t_fault,
+            bytes_moved=sum(len(p) for p in rec.payloads), groups_kept=0,
+            groups_changed=len(plan.groups), groups={}, examples_per_step=self._examples,
+            math_changed=False, failed_processes=tuple(dead),
+            generation=rec.world.generation)
+        self._statistics.recoveries.append(record)
+        monitoring.record_recovery(record)
+        self._emit_recovery(record)
+        log.warning("mnemojax: world %d -> %d: processes %s lost; %d processes, mesh %s, "
+                    "resuming from step %d", before.generation, rec.world.generation, dead,
+                    rec.world.num_processes, plan.shape, resume)
+        return leaves
+
+    def _drop_world_arrays(self) -> None:
+        """Forgets every array and executable of the old world before it is torn down."""
+        self._last_written = None
+        self._exe = self._exe_sig = None
+        self._compiler.close()
+        self._store.close()
+        form = self._form
+        if hasattr(form, "live_vars"):
+            for var, (shape, dtype) in zip(form.live_vars, self._compiler.leaf_structs,
+                                           strict=True):
+                var.set_value(np.zeros(shape, dtype))
+
+    def _plan_world(self, old_plan) -> MeshPlan:
+        """The mesh over the new world's devices: model axes kept, data axis as wide as the
+        devices allow and the global batch divides (the math does not change)."""
+        axes = old_plan.axis_names
+        data = self.options.data_axis
+        others = [n for a, n in old_plan.shape.items() if a != data]
+        per_replica = int(np.prod(others)) if others else 1
+        devices = sorted(d.id for d in jax.devices())
+        limit = len(devices) // per_replica
+        width = next((w for w in range(limit, 0, -1)
+                      if not self._batch_size or self._batch_size % w == 0), 0)
+        if data not in axes or width == 0:
+            raise MeshTooSmallError(
+                f"the new world has {len(devices)} devices; a replica needs {per_replica}",
+                healthy_devices=len(devices), required=per_replica)
+        shape = [width if a == data else old_plan.shape[a] for a in axes]
+        ids = np.array(devices[: width * per_replica])
+        order = [axes.index(data)] + [i for i, a in enumerate(axes) if a != data]
+        grid = ids.reshape([shape[i] for i in order]).transpose(np.argsort(order))
+        return MeshPlan(grid, axes, "drop_replicas")
+
+    def _rebuild_runtime(self, plan: MeshPlan) -> None:
+        opts = self.options
+        layer = JaxDeviceLayer()
+        self._layer = layer
+        self._durability.layer = layer
+        self._proxy = DeviceProxy(layer, plan, shd.mesh_from_plan(plan), [],
+                                  data_axis=opts.data_axis,
+                                  probe_timeout_s=opts.recovery.probe_timeout_s)
+        self._compiler = StepCompiler(self._form.pure, self._form.specs,
+                                      self._compiler.leaf_structs, data_axis=opts.data_axis,
+                                      donate=opts.compile.donate_state)
+        self._store = SnapshotStore(layer, self._form.leaf_entries,
+                                    budget_bytes=opts.snapshot.host_memory_budget_bytes)
+        self._examples = self._batch_size

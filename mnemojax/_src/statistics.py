@@ -35,6 +35,9 @@ class RecoveryRecord:
         examples_per_step: examples per step on the new mesh.
         math_changed: the new mesh computes something else than the failure-free run.
         hang: the failure was a hang noticed by the watchdog (no error was raised).
+        failed_processes / generation: multi-process recoveries (``plan_kind ==
+            "process_loss"``): the worker ids lost and the new world's generation; their
+            phases are detect, agree, plan, compile, restore, replay.
     """
 
     step: int
@@ -57,6 +60,8 @@ class RecoveryRecord:
     examples_per_step: int | None
     math_changed: bool
     hang: bool = False
+    failed_processes: tuple[int, ...] = ()  # multi-process: workers lost (stable ids)
+    generation: int = 0  # multi-process: the world generation after the recovery
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

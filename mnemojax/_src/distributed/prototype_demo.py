@@ -27,8 +27,12 @@ from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
 def run_scenario(*, out: str, nproc: int = 3, devices_per_proc: int = 2, steps: int = 16,
                  fault: str = "worker", victim: int = 1, at_step: int = 6,
                  step_sleep_s: float = 0.2, collective_timeout_s: int = 10,
-                 heartbeat_s: int = 10, job_timeout_s: float = 280.0) -> dict:
-    """Runs one job with one fault; returns the report (timeline, phases, exit status)."""
+                 heartbeat_s: int = 10, job_timeout_s: float = 280.0,
+                 cmd: list[str] | None = None) -> dict:
+    """Runs one job with one fault; returns the report (timeline, phases, exit status).
+
+    `cmd` replaces the prototype worker (it must publish snapshots to its agent, as a
+    resilient step does, so the kill can be timed by the published step)."""
     os.makedirs(out, exist_ok=True)
     for f in glob.glob(os.path.join(out, "*")):
         os.remove(f)
@@ -44,8 +48,9 @@ def run_scenario(*, out: str, nproc: int = 3, devices_per_proc: int = 2, steps: 
             if fault == "host":
                 os.kill(launcher.agents[victim].pid, signal.SIGKILL)
 
-    cmd = [sys.executable, "-m", "mnemojax._src.distributed.prototype_train", "--steps",
-           str(steps), "--out", out, "--step-sleep-s", str(step_sleep_s)]
+    if cmd is None:
+        cmd = [sys.executable, "-m", "mnemojax._src.distributed.prototype_train", "--steps",
+               str(steps), "--out", out, "--step-sleep-s", str(step_sleep_s)]
     if fault == "hang":
         cmd += ["--hang-worker", str(victim), "--hang-at-step", str(at_step)]
     options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
@@ -72,7 +77,7 @@ def _report(out: str, rc: int, launcher_events: list[dict], state: dict) -> dict
     t0 = state["killed_at"]
     hang = [e for e in launcher_events if e["op"] == "hang"]
     if t0 is None and hang:
-        t0 = next(e["t"] for e in workers if e["op"] == "hanging")
+        t0 = next((e["t"] for e in workers if e["op"] == "hanging"), hang[0]["t"])
     if t0 is None:
         return report
     report["killed_step"] = state.get("killed_step")

@@ -1,0 +1,95 @@
+"""The worker's handle on the multi-process world, used by the resilient step.
+
+`initialize()` (public as `mnemojax.initialize`) joins the world that ``mnemojax launch``
+(or SLURM) describes in the environment; it must run before any JAX use. The resilient
+step then finds the session with `current()` and:
+
+* publishes its shards to the agent after every good step (`publish`);
+* on a peer failure, drops the old world's arrays and calls `recover`, which runs the
+  agreement protocol and the in-process re-initialisation and returns the agreed state;
+* waits at a barrier after every compile (`compiled`), so no peer enters a collective
+  while another still compiles (a false alarm on small machines, DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from mnemojax._src.distributed import coordination, snapshot_codec, state_transfer
+from mnemojax._src.distributed.agent_client import AgentClient
+from mnemojax._src.distributed.agreement import LauncherCoordinator
+from mnemojax._src.distributed.env import WorldSpec
+from mnemojax._src.distributed.recovery import WorldRecovery, recover_world
+
+log = logging.getLogger("mnemojax")
+
+_current: DistributedSession | None = None
+
+
+class DistributedSession:
+    """This worker's world, agent connection and coordinator."""
+
+    def __init__(self, world: WorldSpec):
+        self.world = world
+        self.agent = AgentClient(world.agent) if world.agent else None
+        self.coordinator = LauncherCoordinator(world.control, world.stable_id) \
+            if world.control else None
+
+    @property
+    def can_recover(self) -> bool:
+        return self.coordinator is not None and self.agent is not None
+
+    def phase(self, name: str) -> None:
+        if self.agent is not None:
+            self.agent.phase(name)
+
+    def compiled(self) -> None:
+        """Barrier after a compile, then tell the watchdog training resumed."""
+        coordination.barrier(f"mnemojax-compiled-{self.world.generation}")
+        self.phase("train")
+
+    def publish(self, step: int, leaves) -> None:
+        """Hands this worker's shards of the state after `step` to its agent (blocking:
+        the copy must finish before the next step may replace the arrays)."""
+        if self.agent is not None:
+            self.agent.publish(step, snapshot_codec.pack(
+                step, self.world.stable_id, state_transfer.local_shards(leaves)))
+
+    def recover(self, *, last_step: int, reason: str) -> WorldRecovery:
+        """Agrees with the survivors and joins the new world (see `recover_world`)."""
+        self.phase("recover")
+        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason,
+                            own_agent=self.world.agent)
+        self.world = rec.world
+        return rec
+
+    def restore(self, rec: WorldRecovery, shardings):
+        return state_transfer.restore_leaves(rec.payloads, shardings)
+
+    def finish(self) -> None:
+        self.phase("finish")
+
+
+def initialize() -> DistributedSession | None:
+    """Joins the multi-process world described by the environment, before any JAX use.
+
+    Under ``mnemojax launch`` (``MNEMOJAX_COORDINATOR`` set) or SLURM, joins the launcher's
+    coordination service as a client, with recoverability and bounded CPU collectives, and
+    returns the session the resilient step will use. Elsewhere returns None and changes
+    nothing (a single-process run).
+
+    Raises:
+        DistributedError: JAX's backend was already initialised.
+    """
+    global _current
+    if _current is not None:
+        return _current
+    if "MNEMOJAX_COORDINATOR" not in os.environ and "SLURM_PROCID" not in os.environ:
+        return None
+    _current = DistributedSession(coordination.initialize_worker())
+    return _current
+
+
+def current() -> DistributedSession | None:
+    return _current

@@ -1,0 +1,75 @@
+"""@mnemojax.resilient under `mnemojax launch`: 3 processes x 2 CPU devices, one dies.
+
+The job (`tests/jobs/mp_resilient_job.py`) is the user's view: `mnemojax.initialize()`,
+then a decorated NNX step on a (3, 2) data x model mesh. A worker is killed (or hangs);
+the survivors re-initialise in-process, take the lost shards from the agents (the buddy
+when the whole host died), continue on a (2, 2) mesh, and end allclose (1e-5) to a
+failure-free plain Flax run. Each job is bounded by the launcher's timeout, which kills
+every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from mnemojax._src.distributed.prototype_demo import run_scenario
+from tests import helpers as h
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return h.reference_run(h.make_batches(STEPS))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _run(tmp_path, reference, **kw):
+    out = str(tmp_path)
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out, "--steps",
+           str(STEPS)]
+    report = run_scenario(out=out, nproc=3, devices_per_proc=2, steps=STEPS, at_step=4,
+                          job_timeout_s=240, cmd=cmd, **kw)
+    assert report["rc"] == 0, report
+    final = np.load(tmp_path / "final.npz")
+    for i, want in enumerate(reference.state):
+        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
+    assert not any(_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert report["shm_left"] == [], "shared memory outlived the job"
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    [rec] = stats["recoveries"]
+    assert rec["plan_kind"] == "process_loss" and rec["generation"] == 1
+    assert rec["old_mesh_shape"] == {"data": 3, "model": 2}
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
+    assert rec["steps_lost"] <= 1
+    assert set(rec["phases_s"]) == {"detect", "agree", "plan", "compile", "restore", "replay"}
+    assert stats["steps_run"] == STEPS
+    return rec, report
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker1", "worker0"])
+def test_kill_worker(tmp_path, reference, victim):
+    rec, report = _run(tmp_path, reference, fault="worker", victim=victim)
+    assert rec["failed_processes"] == [victim]
+    assert report["launcher_knows_s"] < 1.0
+
+
+def test_kill_whole_host_takes_state_from_the_buddy(tmp_path, reference):
+    rec, _ = _run(tmp_path, reference, fault="host", victim=2)
+    assert rec["failed_processes"] == [2]
+
+
+def test_hung_worker_is_treated_as_failed(tmp_path, reference):
+    rec, _ = _run(tmp_path, reference, fault="hang", victim=1)
+    assert rec["failed_processes"] == [1]

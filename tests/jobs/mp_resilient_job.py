@@ -1,0 +1,57 @@
+"""A @mnemojax.resilient job for `mnemojax launch`: the MLP on a (processes x 2) mesh.
+
+python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
+    python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S]
+
+Process 0 of the final world writes DIR/final.npz (the state, gathered) and
+DIR/stats.json (the resilient step's statistics).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import mnemojax
+
+session = mnemojax.initialize()  # joins the launcher's world: before any JAX use
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from tests import helpers as h  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--step-sleep-s", type=float, default=0.2)
+    parser.add_argument("--hang-worker", type=int, default=-1, help="this worker hangs ...")
+    parser.add_argument("--hang-at-step", type=int, default=-1, help="... before this step")
+    args = parser.parse_args()
+    me = session.world.stable_id if session is not None else 0
+    mesh = h.mesh_of((jax.device_count() // 2, 2))
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile())
+    for k, batch in enumerate(h.make_batches(args.steps), start=1):
+        if me == args.hang_worker and k == args.hang_at_step and step.statistics.recoveries == []:
+            time.sleep(3600)  # a hung process: only the agent's watchdog can notice
+        step(model, optimizer, batch)
+        time.sleep(args.step_sleep_s)
+    full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+    if jax.process_index() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        np.savez(os.path.join(args.out, "final.npz"), *full)
+        with open(os.path.join(args.out, "stats.json"), "w") as f:
+            json.dump(step.statistics.as_dict(), f, default=list)
+    step.close()
+    if session is not None:
+        session.finish()
+
+
+if __name__ == "__main__":
+    main()
