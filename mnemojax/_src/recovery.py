@@ -174,8 +174,11 @@ class RecoveryMixin:
 
     def _emit_recovery(self, record: RecoveryRecord) -> None:
         d = self._durability
+        # Emitted at the end of the recovery, stamped with when the fault surfaced.
         d.emit("fault", step=record.step, failed_devices=list(record.failed_devices),
-               classification="device_failure", hang=record.hang)
+               failed_processes=list(record.failed_processes),
+               classification="device_failure", hang=record.hang,
+               time_s=time.time() - record.total_s)
         for phase, seconds in record.phases_s.items():
             d.emit("recovery_phase", step=record.step, phase=phase, duration_s=seconds)
         d.emit("recovery", step=record.step, duration_s=record.total_s,

@@ -35,7 +35,9 @@ def main() -> None:
     me = session.world.stable_id if session is not None else 0
     mesh = h.mesh_of((jax.device_count() // 2, 2))
     model, optimizer = h.make_mlp()
-    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile())
+    events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
+    step = mnemojax.resilient(h.train_step, mesh=mesh,
+                              options=h.no_precompile(event_log=events, run_name=f"w{me}"))
     for k, batch in enumerate(h.make_batches(args.steps), start=1):
         if me == args.hang_worker and k == args.hang_at_step and step.statistics.recoveries == []:
             time.sleep(3600)  # a hung process: only the agent's watchdog can notice

@@ -60,6 +60,7 @@ def run_scenario(*, out: str, nproc: int = 3, devices_per_proc: int = 2, steps: 
         target=on_event, args=(e,)).start() if e["op"] == "progress" else None)
     rc = launcher.run()
     report = _report(out, rc, launcher.events, state)
+    report["_t0"] = state["killed_at"]  # wall time of the kill (None: no kill)
     report["shm_left"] = [n for n in os.listdir("/dev/shm") if n.startswith(launcher.shm_prefix)]
     report["pids"] = [p.pid for p in launcher.agents.values()] + list(
         launcher.worker_pids.values())

@@ -1,0 +1,69 @@
+"""Measures multi-process recovery of the resilient job: kill -> detection -> next good step.
+
+python -m tests.jobs.mp_measure --fault worker --victim 1 --collective-timeout-s 10 [--nproc 3]
+
+Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
+published --at-step, and prints, in seconds from the kill: when the launcher knew (its
+agent saw the exit), when each survivor's step failed (detection), and when each survivor
+finished its first good step in the new world; plus each survivor's recovery phases.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+
+from mnemojax._src.distributed.prototype_demo import run_scenario
+from mnemojax._src.events import read_events
+
+
+def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
+            at_step: int = 4, steps: int = 10) -> dict:
+    out = tempfile.mkdtemp(prefix="mnemojax-mp-")
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
+           "--steps", str(steps)]
+    report = run_scenario(out=out, nproc=nproc, devices_per_proc=2, steps=steps,
+                          fault=fault, victim=victim, at_step=at_step, cmd=cmd,
+                          collective_timeout_s=collective_timeout_s, job_timeout_s=280)
+    t_kill = report.pop("_t0", None)
+    result = {"fault": fault, "victim": victim, "nproc": nproc,
+              "collective_timeout_s": collective_timeout_s, "rc": report["rc"],
+              "launcher_knows_s": report.get("launcher_knows_s"), "survivors": {}}
+    import glob
+    for path in sorted(glob.glob(f"{out}/mnemojax-events-w*.jsonl")):
+        events = list(read_events(path))
+        fault_ev = next((e for e in events if e["kind"] == "fault"), None)
+        rec = next((e for e in events if e["kind"] == "recovery"), None)
+        if fault_ev is None or rec is None:
+            continue
+        t0 = t_kill if t_kill is not None else fault_ev["time"]
+        after = [e for e in events if e["kind"] == "step" and e["time"] > rec["time"]]
+        phases = {e["phase"]: round(e["duration_s"], 3) for e in events
+                  if e["kind"] == "recovery_phase"}
+        result["survivors"][events[0]["run"]] = {
+            "detected_s": round(fault_ev["time"] - t0, 3),
+            "recovered_s": round(rec["time"] - t0, 3),
+            "next_good_step_s": round(after[0]["time"] - t0, 3) if after else None,
+            "phases_s": phases, "steps_lost": rec.get("steps_lost")}
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--fault", choices=("worker", "host", "hang"), default="worker")
+    p.add_argument("--victim", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--collective-timeout-s", type=int, default=10)
+    p.add_argument("--json", help="also write the result here (workers share stdout)")
+    args = p.parse_args()
+    r = measure(fault=args.fault, victim=args.victim, nproc=args.nproc,
+                collective_timeout_s=args.collective_timeout_s)
+    print(json.dumps(r, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return r["rc"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
