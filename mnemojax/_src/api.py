@@ -200,6 +200,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._grads_store = None
         self._exe_sig = None
         self._exe = None
+        self._precompile_due = False
         self._batch_size: int | None = None
         self._examples: int | None = None
         self._form = form
@@ -240,10 +241,16 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._commit(step, new_leaves, metrics)
         self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
         self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
-        if isinstance(form, PytreeForm):
-            return form.unflatten(new_leaves), metrics
-        form.write(new_leaves)
-        return metrics
+        result = (form.unflatten(new_leaves), metrics) if isinstance(form, PytreeForm) \
+            else metrics
+        if isinstance(form, NnxForm):
+            form.write(new_leaves)
+        if self._precompile_due:
+            # Last, once the step is fully committed: background lowering holds the GIL for
+            # long stretches and would delay the first step after a recovery by ~0.1 s.
+            self._precompile_due = False
+            self._schedule_precompile()
+        return result
 
     def _check_batch(self, batch) -> None:
         sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
@@ -335,7 +342,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 record, t_fault = pending
                 record.phases_s["replay"] += t_run_end - t_run
                 self._finish_recovery(record, t_fault, t_run_end)
-                self._schedule_precompile()
+                self._precompile_due = True
             else:
                 self._step_times.append(t_run_end - t_run)
             return out
@@ -431,7 +438,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                     verify=opts.snapshot.verify_checksums)
             self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
         if step == 1:
-            self._schedule_precompile()
+            self._precompile_due = True
 
     def _snapshot_cadence(self, leaves) -> int:
         """Snapshots are the only second copy of single-copy shards: take them more often."""

@@ -60,28 +60,34 @@ class JobConfig:
                 bad("faults.surface", f.surface, "'dispatch' or 'block'")
 
 
+def read_job_toml(path: Path, cls, *, what: str, overrides: dict, exclude=()) -> dict:
+    """The validated keyword arguments of `cls` from a job TOML file: unknown keys are
+    errors (typos must not pass), `[[faults]]` become `FaultSpec`s, the mesh a tuple."""
+    with path.open("rb") as f:
+        raw = tomllib.load(f)
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InvalidOptionError(f"{what} {str(path)!r}: unknown key(s) {unknown}")
+    faults = []
+    for f in raw.pop("faults", []):
+        extra = sorted(set(f) - {"step", "devices", "surface"})
+        if extra:
+            raise InvalidOptionError(f"{what} {str(path)!r}: unknown fault key(s) {extra}")
+        faults.append(FaultSpec(step=f.get("step", 0), devices=tuple(f.get("devices", ())),
+                                surface=f.get("surface", "dispatch")))
+    if "mesh" in raw:
+        raw["mesh"] = tuple(raw["mesh"])
+    return {**raw, "faults": tuple(faults)}
+
+
 def load_config(path: str | Path, **overrides) -> JobConfig:
-    """Reads and validates a job config. Unknown keys are errors (typos must not pass)."""
+    """Reads and validates a job config (the demo's)."""
     path = Path(path)
     if not path.is_file():
         candidate = REPO_CONFIGS / path.name
         if not candidate.is_file():
             raise InvalidOptionError(f"config file {str(path)!r} does not exist")
         path = candidate
-    with path.open("rb") as f:
-        raw = tomllib.load(f)
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in dataclasses.fields(JobConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise InvalidOptionError(f"config {str(path)!r}: unknown key(s) {unknown}")
-    faults = []
-    for f in raw.pop("faults", []):
-        extra = sorted(set(f) - {"step", "devices", "surface"})
-        if extra:
-            raise InvalidOptionError(f"config {str(path)!r}: unknown fault key(s) {extra}")
-        faults.append(FaultSpec(step=f.get("step", 0), devices=tuple(f.get("devices", ())),
-                                surface=f.get("surface", "dispatch")))
-    if "mesh" in raw:
-        raw["mesh"] = tuple(raw["mesh"])
-    return JobConfig(faults=tuple(faults), **raw)
+    return JobConfig(**read_job_toml(path, JobConfig, what="config", overrides=overrides))

@@ -63,7 +63,7 @@ class EventLog:
             raise ValueError(f"event kind={kind!r} is invalid: expected one of {sorted(KINDS)}")
         record = {"time": time.time() if time_s is None else time_s, "run": self.run,
                   "kind": kind, "step": step, "duration_s": duration_s, **fields}
-        line = json.dumps(record, default=_jsonable) + "\n"
+        line = json.dumps(record, default=jsonable) + "\n"
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
@@ -73,7 +73,8 @@ class EventLog:
             self._file.close()
 
 
-def _jsonable(x):
+def jsonable(x):
+    """`json.dumps` default: arrays to lists, sets and tuples to lists, else str."""
     if hasattr(x, "tolist"):
         return x.tolist()
     if isinstance(x, (set, frozenset, tuple)):

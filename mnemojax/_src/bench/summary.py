@@ -1,0 +1,203 @@
+"""The bench's figures: from the four runs' results to ``bench.json`` and the table."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from mnemojax._src.bench.runs import RUN_A, RUN_B, RUN_C
+
+RUN_D = "d_baseline_faults"
+TITLES = {RUN_A: "(a) no snapshots", RUN_B: "(b) snapshot/step",
+          RUN_C: "(c) mnemojax+faults", RUN_D: "(d) baseline+faults"}
+TARGETS = {"recovery_ratio_min": 20.0, "overhead_max": 1.01, "mnemojax_steps_lost_max": 1}
+
+
+def _max_diff(a, b) -> float | None:
+    import numpy as np
+
+    if a is None or b is None or len(a) != len(b):
+        return None
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True))
+
+
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else None
+
+
+def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule: str,
+                  baseline_final=None, goodput: dict | None = None,
+                  environment: dict | None = None) -> dict[str, Any]:
+    """Figures and ratios of one bench invocation (JSON-ready; final states dropped)."""
+    a, b, c, d = runs[RUN_A], runs[RUN_B], runs[RUN_C], runs[RUN_D]
+    m_rec, b_rec = c["recoveries"], d["recoveries"]
+    # mnemojax: from the start of the failed step's call (the fault cannot be earlier) to
+    # its replayed result; the runtime's own total_s (from the failure surfacing) apart.
+    m_mean = _mean(r["call_s"] for r in m_rec)
+    b_mean = _mean(r["recovery_s"] for r in b_rec)
+    per_fault = []
+    for mr, br in zip(m_rec, b_rec, strict=False):
+        per_fault.append({"step": mr["step"], "mnemojax_s": mr["call_s"],
+                          "mnemojax_runtime_total_s": mr["total_s"],
+                          "mnemojax_before_surfacing_s": mr["before_surfacing_s"],
+                          "baseline_s": br["recovery_s"],
+                          "ratio": br["recovery_s"] / mr["call_s"] if mr["call_s"] else None,
+                          "baseline_back_to_fault_step_s": br["back_to_fault_step_s"],
+                          "mnemojax_steps_lost": mr["steps_lost"],
+                          "baseline_steps_lost": br["steps_lost"],
+                          "baseline_restored_step": br["restored_step"]})
+    overhead = b["steady_step_s"] / a["steady_step_s"]
+    steady_d = statistics.median(d["step_times_s"][1:]) if len(d["step_times_s"]) > 1 else None
+    phases = {k: _mean(r["phases_s"].get(k, 0.0) for r in m_rec)
+              for k in ("detect", "plan", "reshard", "compile", "replay")} if m_rec else {}
+    b_phase = ({k: _mean(r["phases_s"][k] for r in b_rec) for k in b_rec[0]["phases_s"]}
+               if b_rec else {})
+    final = {name: runs[name].get("final_state") for name in (RUN_A, RUN_B, RUN_C)}
+    figures = {
+        "recovery_s": {"mnemojax": m_mean, "baseline": b_mean,
+                       "mnemojax_runtime_total": _mean(r["total_s"] for r in m_rec),
+                       "ratio": b_mean / m_mean if m_mean and b_mean else None},
+        "recovery_per_fault": per_fault,
+        "steps_lost": {"mnemojax": [r["steps_lost"] for r in m_rec],
+                       "baseline": [r["steps_lost"] for r in b_rec],
+                       "baseline_mean": _mean(r["steps_lost"] for r in b_rec),
+                       "baseline_half_interval": interval.steps / 2,
+                       "mnemojax_failed_step_replayed": len(m_rec)},
+        "steady_state": {"a_step_s": a["steady_step_s"], "b_step_s": b["steady_step_s"],
+                         "overhead_b_over_a": overhead,
+                         "baseline_step_s": steady_d,
+                         "block_steps": cfg.block_steps, "blocks": len(a["block_means_s"])},
+        "snapshot_bytes": b["snapshot_bytes"],
+        "checkpoint_bytes": save_cost.nbytes,
+        "peak_rss_bytes": {"a+b": a["peak_rss_bytes"], "c": c["peak_rss_bytes"],
+                           "d_max_worker": d["peak_rss_bytes"]},
+        "compile_off_critical_path": c["compiled_ahead"],
+        "precompile_waits": c["precompile_waits"],
+        "final_state_max_abs_diff_vs_a": {
+            "b": _max_diff(final[RUN_B], final[RUN_A]),
+            "c": _max_diff(final[RUN_C], final[RUN_A]),
+            "d": _max_diff(baseline_final, final[RUN_A])},
+    }
+    figures["targets_met"] = {
+        "recovery_ratio": bool(figures["recovery_s"]["ratio"]
+                               and figures["recovery_s"]["ratio"] >= TARGETS["recovery_ratio_min"]),
+        "overhead": overhead <= TARGETS["overhead_max"],
+        "mnemojax_steps_lost": all(r["steps_lost"] <= TARGETS["mnemojax_steps_lost_max"]
+                                   for r in m_rec)}
+    wall = {name: runs[name]["wall_s"] for name in TITLES}
+    return {
+        "preset": cfg.name,
+        "config": {"mesh": list(cfg.mesh), "steps": cfg.steps, "batch_size": cfg.batch_size,
+                   "model": dict(cfg.model), "faults": [
+                       {"step": f.step, "devices": list(f.devices), "surface": f.surface}
+                       for f in cfg.faults]},
+        "environment": environment or {},
+        "interval": {**interval.as_dict(), "mtbf_rule": mtbf_rule},
+        "save_cost": save_cost.as_dict(),
+        "wall_s": wall,
+        "figures": figures,
+        "goodput": goodput or {},
+        "targets": TARGETS,
+        "runs": {name: {k: v for k, v in runs[name].items() if k != "final_state"}
+                 for name in TITLES},
+        # The keys `mnemojax simulate --bench-json` reads (simulator/bench.py).
+        "step_time_s": a["steady_step_s"],
+        "snapshot_overhead_frac": max(0.0, min(overhead - 1.0, 0.99)),
+        "recovery": {"phases_s": phases},
+        "baseline": {"detect_s": b_phase.get("detect", 0.0),
+                     "restart_s": sum(b_phase.get(k, 0.0) for k in
+                                      ("relaunch", "start+import", "init")),
+                     "compile_s": b_phase.get("compile", 0.0),
+                     "checkpoint_save_s": save_cost.blocking_s,
+                     "checkpoint_restore_s": b_phase.get("restore", 0.0)},
+    }
+
+
+def _f(x, spec=".3f", none="-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def format_table(s: dict) -> str:
+    """The bench table: figures per run side by side, then the ratios against targets."""
+    f, iv, sc = s["figures"], s["interval"], s["save_cost"]
+    runs = s["runs"]
+    cfg = s["config"]
+    m = cfg["model"]
+    lines = ["", "=" * 96, f"mnemojax bench, preset {s['preset']}: GPT "
+             f"{s['environment'].get('model_params', 0):,} params (d_model {m['d_model']}, "
+             f"{m['n_layers']} layers, vocab {m['vocab_size']}, seq {m['seq_len']}); mesh "
+             f"{cfg['mesh'][0]}x{cfg['mesh'][1]}; {cfg['steps']} steps of {cfg['batch_size']}",
+             "faults: " + ", ".join(f"step {x['step']} device {x['devices']} ({x['surface']})"
+                                   for x in cfg["faults"])
+             + "; the baseline's process is SIGKILLed in the same steps", "=" * 96]
+    lines.append(f"baseline checkpoint interval: Young/Daly tau = sqrt(2 x {sc['blocking_s']:.3f} s"
+                 f" save x {iv['mtbf_s']:.1f} s MTBF) = {iv['interval_s']:.2f} s / "
+                 f"{iv['step_time_s'] * 1e3:.1f} ms per step = every {iv['steps']} steps"
+                 + (" (clamped)" if iv["clamped"] else ""))
+    lines.append(f"  MTBF: {iv['mtbf_rule']}; first save of a process blocked "
+                 f"{sc['first_blocking_s']:.2f} s, a committed save took {sc['total_s']:.2f} s")
+    w = f["precompile_waits"]
+    lines.append("(c) waited for background compiles (off the run's clock): " + ", ".join(
+        f"{x['seconds']:.1f} s {x['when']}" for x in w))
+    lines.append("")
+    hdr = f"{'figure':<44}" + "".join(f"{t:>21}" for t in TITLES.values())
+    lines += [hdr, "-" * len(hdr)]
+    rows = []
+    n = lambda name, key: runs[name].get(key)  # noqa: E731
+    rows.append(("wall time (s, own clock)", [f"{s['wall_s'][k]:.2f}" for k in TITLES]))
+    st = f["steady_state"]
+    rows.append(("steady step time (ms)", [_f(st["a_step_s"] * 1e3, ".2f"),
+                                           _f(st["b_step_s"] * 1e3, ".2f"),
+                                           _f(statistics.median(n(RUN_C, "step_times_s")[1:])
+                                              * 1e3, ".2f"),
+                                           _f(st["baseline_step_s"] and
+                                              st["baseline_step_s"] * 1e3, ".2f")]))
+    rec = f["recovery_s"]
+    rows.append(("recovery, fault -> next good step (s, mean)", ["-", "-",
+                                                                _f(rec["mnemojax"]),
+                                                                _f(rec["baseline"])]))
+    for pf in f["recovery_per_fault"]:
+        rows.append((f"  fault in step {pf['step']} (s)",
+                     ["-", "-", _f(pf["mnemojax_s"]), _f(pf["baseline_s"])]))
+        rows.append(("    of which runtime-timed (s, total_s)",
+                     ["-", "-", _f(pf["mnemojax_runtime_total_s"]), "-"]))
+        rows.append((f"  steps lost (baseline from ckpt {pf['baseline_restored_step']})",
+                     ["-", "-", str(pf["mnemojax_steps_lost"]), str(pf["baseline_steps_lost"])]))
+        rows.append(("  fault -> killed step done again (s)",
+                     ["-", "-", _f(pf["mnemojax_s"]), _f(pf["baseline_back_to_fault_step_s"])]))
+    g = s.get("goodput") or {}
+    rows.append(("goodput (% of wall, offline from events)",
+                 [_f(g.get(k, {}).get("goodput_pct"), ".1f") for k in TITLES]))
+    rows.append(("snapshot / checkpoint bytes (MB)",
+                 ["0", _f(f["snapshot_bytes"] / 1e6, ".2f"), _f(f["snapshot_bytes"] / 1e6, ".2f"),
+                  _f(f["checkpoint_bytes"] / 1e6, ".2f")]))
+    rss = f["peak_rss_bytes"]
+    rows.append(("peak RSS (MB; a+b share a process)",
+                 [_f(rss["a+b"] / 1e6, ".0f")] * 2 + [_f(rss["c"] / 1e6, ".0f"),
+                                                      _f(rss["d_max_worker"] / 1e6, ".0f")]))
+    ca = f["compile_off_critical_path"]
+    rows.append(("compile off the critical path (s)",
+                 ["-", "-", f"{ca['seconds_kept_off_critical_path']:.2f}", "0"]))
+    diff = f["final_state_max_abs_diff_vs_a"]
+    rows.append(("final state max |diff| vs (a)",
+                 ["0", _f(diff["b"], ".1e"), _f(diff["c"], ".1e"), _f(diff["d"], ".1e")]))
+    for label, cells in rows:
+        lines.append(f"{label:<44}" + "".join(f"{c:>21}" for c in cells))
+    lines.append("")
+    sl = f["steps_lost"]
+    ok = lambda b: "met" if b else "NOT met"  # noqa: E731
+    t = f["targets_met"]
+    lines.append(f"recovery: baseline / mnemojax = {_f(rec['ratio'], '.1f')}x "
+                 f"(target >= {s['targets']['recovery_ratio_min']:.0f}x: {ok(t['recovery_ratio'])})")
+    lines.append(f"steady-state overhead (b)/(a) = x{st['overhead_b_over_a']:.3f} "
+                 f"(target <= x{s['targets']['overhead_max']:.2f}: {ok(t['overhead'])}; median of "
+                 f"{st['blocks']} blocks of {st['block_steps']} steps, interleaved)")
+    lines.append(f"steps lost: mnemojax {sl['mnemojax']} (+ the failed step replayed) "
+                 f"(target <= 1: {ok(t['mnemojax_steps_lost'])}); baseline {sl['baseline']}, "
+                 f"mean {_f(sl['baseline_mean'], '.1f')} vs half interval "
+                 f"{sl['baseline_half_interval']:.1f}")
+    lines.append(f"compiled ahead in the background: {ca['executables']} executables, "
+                 f"{ca['seconds']:.1f} s; used by {ca['used_by_recoveries']} recoveries, "
+                 f"{ca['seconds_kept_off_critical_path']:.2f} s kept off the critical path")
+    return "\n".join(lines)

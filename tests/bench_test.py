@@ -1,0 +1,202 @@
+"""Tests of `mnemojax bench` (mnemojax/_src/bench): the classical baseline really restarts
+a process, the Young/Daly interval, preset validation, and the tiny bench end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mnemojax._src.bench import baseline, driver, interval, report
+from mnemojax._src.bench import cli as bench_cli
+from mnemojax._src.bench.config import load_preset
+from mnemojax._src.errors import InvalidOptionError
+from mnemojax._src.events import read_events
+
+RESTART_PRESET = """
+devices = 8
+mesh = [4, 2]
+steps = 14
+batch_size = 24
+block_steps = 4
+checkpoint_max_to_keep = 2
+worker_timeout_s = 240
+[model]
+vocab_size = 64
+seq_len = 16
+d_model = 32
+n_heads = 2
+n_layers = 1
+d_ff = 64
+[[faults]]
+step = 11
+devices = [3]
+"""
+
+
+# -- Young/Daly and presets (pure, fast) ------------------------------------------------
+
+
+def test_young_daly_interval():
+    assert interval.young_daly_interval_s(0.5, 400.0) == pytest.approx(20.0)
+    iv = interval.checkpoint_interval(0.5, 400.0, step_time_s=2.0, max_steps=100)
+    assert (iv.interval_s, iv.steps, iv.clamped) == (pytest.approx(20.0), 10, False)
+    assert iv.as_dict()["rule"].startswith("young_daly")
+    assert interval.checkpoint_interval(0.5, 400.0, 0.01, max_steps=100).steps == 100
+    assert interval.checkpoint_interval(0.5, 400.0, 0.01, max_steps=100).clamped
+    assert interval.checkpoint_interval(0.0, 400.0, 1.0, max_steps=100).steps == 1
+    # The interval grows as the square root of save cost and of MTBF.
+    assert interval.young_daly_interval_s(2.0, 400.0) == pytest.approx(20.0 * math.sqrt(4))
+
+
+@pytest.mark.parametrize("args, bad", [
+    ((-1.0, 10.0), "save_cost_s=-1.0"), ((1.0, 0.0), "mtbf_s=0.0"),
+    ((1.0, float("nan")), "mtbf_s=nan")])
+def test_young_daly_rejects_bad_inputs(args, bad):
+    with pytest.raises(InvalidOptionError, match=bad):
+        interval.young_daly_interval_s(*args)
+    with pytest.raises(InvalidOptionError, match="step_time_s=0"):
+        interval.checkpoint_interval(1.0, 10.0, 0, max_steps=5)
+
+
+def test_presets_load_and_the_record_preset_has_10m_params():
+    from models.gpt import GPTConfig
+
+    tiny, big = load_preset("tiny"), load_preset("gpt10m")
+    assert 13_000 <= GPTConfig(**tiny.model).param_count() <= 100_000
+    assert GPTConfig(**big.model).param_count() >= 10_000_000
+    assert len(tiny.faults) == len(big.faults) == 2
+
+
+def test_bad_preset_name_is_a_typed_error():
+    with pytest.raises(InvalidOptionError, match="'nope'"):
+        load_preset("nope")
+    parser = __import__("argparse").ArgumentParser()
+    bench_cli.add_arguments(parser)
+    with pytest.raises(InvalidOptionError, match="'huge'"):
+        bench_cli.run(parser.parse_args(["--preset", "huge"]))
+    with pytest.raises(InvalidOptionError, match="mtbf_s=-3.0"):
+        bench_cli.run(parser.parse_args(["--mtbf-s", "-3"]))
+
+
+def test_preset_validation_names_the_bad_value(tmp_path):
+    path = tmp_path / "bench_bad.toml"
+    path.write_text(RESTART_PRESET.replace("step = 11", "step = 40"))
+    with pytest.raises(InvalidOptionError, match="faults.step=40"):
+        load_preset(path)
+    path.write_text(RESTART_PRESET + "\ntypo = 1\n")
+    with pytest.raises(InvalidOptionError, match="typo"):
+        load_preset(path)
+
+
+# -- the baseline really restarts a process ----------------------------------------------
+
+
+@pytest.mark.needs8
+def test_baseline_restarts_a_process_and_resumes_from_the_checkpoint(tmp_path):
+    preset = tmp_path / "bench_restart.toml"
+    preset.write_text(RESTART_PRESET)
+    cfg = load_preset(preset)
+    events = tmp_path / "events.jsonl"
+    final = tmp_path / "final.npz"
+    result = baseline.run_baseline(cfg, preset=str(preset), out_dir=tmp_path,
+                                   events_path=events, interval_steps=4,
+                                   final_state=str(final), compile_cache=str(tmp_path / "xla"))
+    launches = result["launches"]
+    assert [x["returncode"] for x in launches] == [-signal.SIGKILL, 0]
+    assert len({x["pid"] for x in launches}) == 2 and os.getpid() not in result["pids"]
+    for x in launches:  # the killed process is really gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(x["pid"], 0)
+    log = [e for e in read_events(events) if e["run"] == "baseline"]
+    pids = {e["pid"] for e in log if e.get("pid")}
+    assert pids == {x["pid"] for x in launches}
+    restores = [e for e in log if e["kind"] == "checkpoint_restore"]
+    assert len(restores) == 1 and restores[0]["pid"] == launches[1]["pid"]
+    (rec,) = result["recoveries"]
+    assert rec["restored_step"] in (4, 8) and rec["restored_step"] == restores[0]["step"]
+    assert rec["steps_lost"] == 10 - rec["restored_step"]
+    assert result["steps_redone"] == rec["steps_lost"]
+    first_new = min(e["step"] for e in log if e["kind"] == "step"
+                    and e["pid"] == launches[1]["pid"])
+    assert first_new == rec["restored_step"] + 1
+    assert rec["recovery_s"] > sum(rec["phases_s"][k] for k in ("start+import", "init"))
+    acc = {a.run: a for a in report.account_log(events)}["baseline"]
+    assert acc.badput_s["restart"] > 0 and acc.badput_s["wasted_progress"] > 0
+
+    # The same job without the kill, in one process: the same final state.
+    ref = tmp_path / "ref.npz"
+    subprocess.run([sys.executable, "-m", baseline.WORKER_MODULE, "--preset", str(preset),
+                    "--ckpt-dir", str(tmp_path / "ref_ckpt"), "--events",
+                    str(tmp_path / "ref.jsonl"), "--interval", "4", "--final-state", str(ref),
+                    "--compile-cache", str(tmp_path / "xla")],
+                   check=True, timeout=240, capture_output=True)
+    with np.load(final) as got, np.load(ref) as want:
+        assert got.files == want.files
+        for k in want.files:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+# -- the tiny bench end to end ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-tiny")
+    cfg = load_preset("tiny")
+    driver.configure_devices(cfg.devices)
+    summary = driver.run_bench(cfg, preset="tiny", out_dir=out, progress=False)
+    return out, summary
+
+
+@pytest.mark.needs8
+def test_tiny_bench_writes_json_pngs_and_all_four_runs(tiny_bench):
+    out, s = tiny_bench
+    on_disk = json.loads((out / "bench.json").read_text())
+    assert set(on_disk["runs"]) == {"a_no_snapshots", "b_snapshots", "c_mnemojax_faults",
+                                    "d_baseline_faults"}
+    for png in ("steps_vs_time.png", "recovery_phases.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    f = on_disk["figures"]
+    assert f["recovery_s"]["ratio"] > 1  # a figure, not a target: no timing asserts
+    assert len(f["recovery_per_fault"]) == 2
+    assert f["steps_lost"]["mnemojax"] == [0, 0]
+    assert all(n >= 0 for n in f["steps_lost"]["baseline"])
+    assert f["steady_state"]["overhead_b_over_a"] > 0
+    assert f["snapshot_bytes"] > 0 and f["checkpoint_bytes"] > 0
+    assert f["compile_off_critical_path"]["used_by_recoveries"] == 2
+    # Same model and batches: the baseline's plain Flax run ends where (a) ends.
+    assert f["final_state_max_abs_diff_vs_a"]["d"] <= 1e-5
+    assert f["final_state_max_abs_diff_vs_a"]["c"] <= 1e-3  # another mesh, another order
+    assert len(s["runs"]["d_baseline_faults"]["pids"]) == 3
+    iv = on_disk["interval"]
+    assert 1 <= iv["steps"] <= 48 and iv["save_cost_s"] > 0 and "wall time" in iv["mtbf_rule"]
+    # The keys `mnemojax simulate --bench-json` reads.
+    from mnemojax._src.simulator.bench import load_bench_costs
+
+    costs = load_bench_costs(out / "bench.json")
+    assert "mnemojax.detect_s" in costs and "restart.startup_s" in costs
+
+
+@pytest.mark.needs8
+def test_tiny_bench_event_log_reports_every_run(tiny_bench, capsys):
+    out, s = tiny_bench
+    accounts = {a.run: a for a in report.account_log(out / "events.jsonl")}
+    assert set(accounts) == set(s["runs"])
+    for acc in accounts.values():
+        assert acc.steps == 48 and 0 < acc.goodput_pct <= 100
+        assert acc.overlap_s < 0.05 * acc.wall_s, (acc.run, acc.overlap_s)
+    assert accounts["c_mnemojax_faults"].faults == 2
+    assert accounts["c_mnemojax_faults"].badput_s["infra_recovery"] > 0
+    assert accounts["d_baseline_faults"].faults == 2
+    assert accounts["d_baseline_faults"].badput_s["restart"] > 0
+    from mnemojax._src.bench.summary import format_table
+
+    table = format_table(s)
+    assert "baseline / mnemojax" in table and "(d) baseline+faults" in table
