@@ -6,7 +6,7 @@ interruption, the next host return, the end of the current phase, the horizon. E
 interval between events is booked to exactly one place (a phase's category, or the
 strategy's running accounting), so the categories always sum to the horizon.
 
-Assumptions (see docs/simulator_notes.md):
+Assumptions (see WORKSPACE_NOTES.md, "Goodput simulator"):
   * An accelerator failure takes its whole host out of the job.
   * Missing hosts sit in distinct data-parallel replicas (exact while few are missing).
   * A failure during a recovery restarts that recovery (Daly's model); one during a wait
