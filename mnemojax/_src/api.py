@@ -393,7 +393,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
         value = float(np.asarray(loss)) if hasattr(loss, "dtype") and np.size(loss) == 1 \
             else 0.0
-        if np.isfinite(value) and bool(finite):
+        if np.isfinite(value) and _all_true(finite):
             return True
         what = (f"{opts.loss_key}={value}" if not np.isfinite(value)
                 else "the new state (from the gradients) has NaN/Inf")
@@ -462,6 +462,12 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         batch = self._batches[-1][1]
         for plan in plans:
             self._compiler.precompile([plan], self._batch_struct(plan.examples_per_step, batch))
+
+
+def _all_true(flags) -> bool:
+    """The per-device finiteness flags of this process's devices (a global flag under
+    multi-process is replicated, so every process reads the same)."""
+    return all(bool(np.asarray(s.data).all()) for s in flags.addressable_shards)
 
 
 @overload

@@ -68,13 +68,33 @@ class StepCompiler:
         self.compiles = 0
         self.compiled_ahead = 0
 
-    def _checked(self, leaves, batch):
-        """The step, plus one fused flag: is every float in the new state finite? (NaN
-        gradients show up there even when the loss is finite.)"""
-        new, metrics = self._pure(leaves, batch)
-        flags = [jnp.all(jnp.isfinite(x)) for x in new
-                 if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return new, metrics, jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+    def _checked_for(self, mesh: Mesh):
+        """The step, plus per-device flags: is every float of the new state's local shards
+        finite? (NaN gradients show up there even when the loss is finite.) Each device
+        checks only its own shards: no collective, unlike a global ``jnp.all`` per leaf
+        (measured: one all-reduce per leaf cost ~5 % of the demo step on CPU)."""
+        floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
+                  if jnp.issubdtype(dtype, jnp.inexact)]
+        everywhere = PartitionSpec(tuple(mesh.axis_names))
+
+        def local_flags(*xs):
+            ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+            return jnp.reshape(ok, (1,))
+
+        check = jax.shard_map(local_flags, mesh=mesh,
+                              in_specs=tuple(self._specs[i] for i in floats),
+                              out_specs=everywhere, check_vma=False)
+
+        def checked(leaves, batch):
+            new, metrics = self._pure(leaves, batch)
+            if not floats:
+                return new, metrics, jnp.ones((1,), bool)
+            if multi_process:  # every process must see the same verdict: one global flag
+                return new, metrics, jnp.all(check(*[new[i] for i in floats]))
+            return new, metrics, check(*[new[i] for i in floats])
+
+        multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        return checked
 
     @staticmethod
     def key(plan: MeshPlan, batch_struct) -> tuple:
@@ -90,7 +110,7 @@ class StepCompiler:
         mesh = shd.mesh_from_plan(plan)
         state_sh = shd.named(mesh, self._specs)
         batch_sh = self.batch_shardings(mesh, batch_struct)
-        jitted = jax.jit(self._checked, in_shardings=(state_sh, batch_sh),
+        jitted = jax.jit(self._checked_for(mesh), in_shardings=(state_sh, batch_sh),
                          out_shardings=(state_sh, None, None),
                          donate_argnums=(0,) if self._donate else ())
         args = (
