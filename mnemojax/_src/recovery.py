@@ -206,7 +206,10 @@ class RecoveryMixin:
         phases = {"detect": t0 - t_fault,
                   "agree": rec.phases["detach"] + rec.phases["agree"]}
         t = time.perf_counter()
-        plan = self._plan_world(old_plan)
+        try:
+            plan = self._plan_world(old_plan)
+        except MeshTooSmallError as exc:
+            self._persist_agreed_state(rec, exc)  # raises
         phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         self._rebuild_runtime(plan)
@@ -245,6 +248,29 @@ class RecoveryMixin:
                     "resuming from step %d", before.generation, rec.world.generation, dead,
                     rec.world.num_processes, plan.shape, resume)
         return leaves
+
+    def _persist_agreed_state(self, rec, exc: MeshTooSmallError):
+        """Too few processes survive to hold the model: the agreed state (every shard of
+        it, from the agents) goes to the persistent tier before the typed error. Rank 0
+        leaves the distributed world first, so Orbax runs as a single process."""
+        from mnemojax._src.distributed import coordination, snapshot_codec
+        from mnemojax._src.persistent import PersistentTier
+
+        step = rec.agreement.resume_step
+        directory = self.options.persistent.directory
+        where = "no persistent tier is configured (PersistentOptions(directory=...))"
+        if directory and rec.world.process_id == 0:
+            leaves = snapshot_codec.assemble(rec.payloads, len(self._form.leaf_keys))
+            coordination.detach_worker()
+            tier = PersistentTier(directory, keys=self._form.leaf_keys,
+                                  max_to_keep=self.options.persistent.max_to_keep)
+            tier.save(step, leaves, wait=True)
+            tier.close()
+            where = f"step {step} is checkpointed in {tier.directory}"
+        elif directory:
+            where = f"process 0 of the survivors checkpoints step {step} in {directory}"
+        raise MeshTooSmallError(f"{exc}; {where}", healthy_devices=exc.healthy_devices,
+                                required=exc.required) from exc
 
     def _drop_world_arrays(self) -> None:
         """Forgets every array and executable of the old world before it is torn down."""

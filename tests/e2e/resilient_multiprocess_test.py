@@ -73,3 +73,37 @@ def test_kill_whole_host_takes_state_from_the_buddy(tmp_path, reference):
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     rec, _ = _run(tmp_path, reference, fault="hang", victim=1)
     assert rec["failed_processes"] == [1]
+
+
+def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
+    """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices. After a
+    kill, 6 remain: the job ends with MeshTooSmallError (exit 3), and the agreed step is
+    in the persistent tier, equal to the failure-free run after that many steps."""
+    import orbax.checkpoint as ocp
+
+    out = str(tmp_path)
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out, "--steps",
+           str(STEPS), "--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")]
+    report = run_scenario(out=out, nproc=4, devices_per_proc=2, steps=STEPS, at_step=4,
+                          job_timeout_s=240, cmd=cmd, fault="worker", victim=3)
+    assert report["rc"] != 0
+    assert not any(_alive(p) for p in report["pids"]), "a process outlived the job"
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
+    saved = mngr.latest_step()
+    assert saved is not None and 4 <= saved < STEPS
+    state = mngr.restore(saved, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+    from flax import nnx
+
+    model, optimizer = h.make_mlp()  # the failure-free run, plain Flax, `saved` steps
+    ref_step = nnx.jit(h.train_step)
+    for b in h.make_batches(saved):
+        ref_step(model, optimizer, b)
+    got = state["model"]
+    for layer in ("l1", "l2"):
+        for name in ("kernel", "bias"):
+            np.testing.assert_allclose(
+                np.asarray(got[layer][name]),
+                np.asarray(getattr(getattr(model, layer), name).get_value()),
+                rtol=1e-5, atol=1e-5)
+    assert int(state["optimizer"]["step"]) == saved

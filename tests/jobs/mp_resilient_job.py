@@ -29,19 +29,27 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--step-sleep-s", type=float, default=0.2)
+    parser.add_argument("--model-axis", type=int, default=2, help="mesh (n / M, M)")
+    parser.add_argument("--ckpt", default=None, help="persistent tier directory")
     parser.add_argument("--hang-worker", type=int, default=-1, help="this worker hangs ...")
     parser.add_argument("--hang-at-step", type=int, default=-1, help="... before this step")
     args = parser.parse_args()
     me = session.world.stable_id if session is not None else 0
-    mesh = h.mesh_of((jax.device_count() // 2, 2))
+    mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
     model, optimizer = h.make_mlp()
     events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
     step = mnemojax.resilient(h.train_step, mesh=mesh,
-                              options=h.no_precompile(event_log=events, run_name=f"w{me}"))
+                              options=h.no_precompile(
+                                  event_log=events, run_name=f"w{me}",
+                                  persistent=mnemojax.PersistentOptions(directory=args.ckpt)))
     for k, batch in enumerate(h.make_batches(args.steps), start=1):
         if me == args.hang_worker and k == args.hang_at_step and step.statistics.recoveries == []:
             time.sleep(3600)  # a hung process: only the agent's watchdog can notice
-        step(model, optimizer, batch)
+        try:
+            step(model, optimizer, batch)
+        except mnemojax.errors.MeshTooSmallError as exc:
+            print(f"mnemojax job: {exc}", flush=True)
+            raise SystemExit(3) from exc
         time.sleep(args.step_sleep_s)
     full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
             for x in jax.tree.leaves(nnx.state((model, optimizer)))]
