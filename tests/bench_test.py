@@ -16,6 +16,7 @@ import pytest
 from mnemojax._src.bench import baseline, driver, interval, report
 from mnemojax._src.bench import cli as bench_cli
 from mnemojax._src.bench.config import load_preset
+from mnemojax._src.config import configure_devices
 from mnemojax._src.errors import InvalidOptionError
 from mnemojax._src.events import read_events
 
@@ -150,7 +151,7 @@ def test_baseline_restarts_a_process_and_resumes_from_the_checkpoint(tmp_path):
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-tiny")
     cfg = load_preset("tiny")
-    driver.configure_devices(cfg.devices)
+    configure_devices(cfg.devices, who="mnemojax bench")
     summary = driver.run_bench(cfg, preset="tiny", out_dir=out, progress=False)
     return out, summary
 

@@ -39,6 +39,7 @@ from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack, unpack
 from mnemojax._src.distributed.watchdog import HangWatchdog, ReplicaStore
 from mnemojax._src.errors import InvalidOptionError, MnemojaxError
+from tests.helpers import process_alive
 
 # -- shared-memory double buffer --------------------------------------------------------------
 
@@ -390,13 +391,6 @@ def test_cli_parses_command_after_double_dash():
     assert args.command[-3:] == ["train.py", "--lr", "1"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 @pytest.mark.parametrize("code, recover, expected", [(0, True, 0), (3, False, 3)])
 def test_launcher_forwards_exit_status_and_leaves_nothing(tmp_path, code, recover, expected):
@@ -408,7 +402,7 @@ def test_launcher_forwards_exit_status_and_leaves_nothing(tmp_path, code, recove
     if code == 0:
         assert sorted(os.listdir(tmp_path)) == ["0", "1"]
     pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
-    assert len(pids) == 4 and not any(_alive(p) for p in pids)
+    assert len(pids) == 4 and not any(process_alive(p) for p in pids)
 
 
 def test_launcher_job_timeout_kills_everything(tmp_path):
@@ -418,7 +412,7 @@ def test_launcher_job_timeout_kills_everything(tmp_path):
     assert launcher.run() == 124
     assert time.monotonic() - t < 30
     pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
 
 
 def test_agent_process_does_not_import_jax():

@@ -32,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mnemojax._src.demo import _configure_devices
+    from mnemojax._src.config import configure_devices
 
-    _configure_devices(8)
+    configure_devices(8, who="mnemojax chaos")
     report = run_chaos(steps=args.steps, seed=args.seed, fault_rate=args.fault_rate,
                        max_device_losses=args.max_device_losses)
     print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=2))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from mnemojax._src.errors import InvalidOptionError
+
+log = logging.getLogger("mnemojax")
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -39,25 +43,48 @@ class JobConfig:
         def bad(name, value, legal):
             raise InvalidOptionError(f"config {name}={value!r} is invalid: expected {legal}")
 
-        for name in ("devices", "steps", "batch_size", "overhead_steps", "overhead_rounds"):
+        for name in ("overhead_steps", "overhead_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 bad(name, value, "an int >= 1")
-        if len(self.mesh) != 2 or any(not isinstance(n, int) or n < 1 for n in self.mesh):
-            bad("mesh", list(self.mesh), "[data, model], two ints >= 1")
-        if math.prod(self.mesh) > self.devices:
-            bad("mesh", list(self.mesh), f"at most devices={self.devices} devices in all")
-        if self.batch_size % self.mesh[0]:
-            bad("batch_size", self.batch_size, f"a multiple of the data axis {self.mesh[0]}")
-        if not self.learning_rate > 0:
-            bad("learning_rate", self.learning_rate, "> 0")
-        for f in self.faults:
-            if not 1 <= f.step <= self.steps:
-                bad("faults.step", f.step, f"in [1, steps={self.steps}]")
-            if not f.devices or any(d < 0 or d >= self.devices for d in f.devices):
-                bad("faults.devices", list(f.devices), f"ids in [0, {self.devices})")
-            if f.surface not in ("dispatch", "block"):
-                bad("faults.surface", f.surface, "'dispatch' or 'block'")
+        check_job_fields(self, bad, first_fault_step=1)
+
+
+def check_job_fields(cfg, bad, *, first_fault_step: int) -> None:
+    """Checks the fields every job config has (devices, steps, mesh, batch, learning rate,
+    faults); `bad(name, value, legal)` raises."""
+    for name in ("devices", "steps", "batch_size"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            bad(name, value, "an int >= 1")
+    if len(cfg.mesh) != 2 or any(not isinstance(n, int) or n < 1 for n in cfg.mesh):
+        bad("mesh", list(cfg.mesh), "[data, model], two ints >= 1")
+    if math.prod(cfg.mesh) > cfg.devices:
+        bad("mesh", list(cfg.mesh), f"at most devices={cfg.devices} devices in all")
+    if cfg.batch_size % cfg.mesh[0]:
+        bad("batch_size", cfg.batch_size, f"a multiple of the data axis {cfg.mesh[0]}")
+    if not cfg.learning_rate > 0:
+        bad("learning_rate", cfg.learning_rate, "> 0")
+    for f in cfg.faults:
+        if not first_fault_step <= f.step <= cfg.steps:
+            bad("faults.step", f.step, f"in [{first_fault_step}, steps={cfg.steps}]")
+        if not f.devices or any(d < 0 or d >= cfg.devices for d in f.devices):
+            bad("faults.devices", list(f.devices), f"ids in [0, {cfg.devices})")
+        if f.surface not in ("dispatch", "block"):
+            bad("faults.surface", f.surface, "'dispatch' or 'block'")
+
+
+def configure_devices(n: int, *, who: str) -> None:
+    """Asks JAX for `n` CPU devices (before the backend starts) and checks there are `n`."""
+    import jax
+
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError as exc:  # a backend already exists (e.g. in a test session)
+            log.info("%s: keeping the existing backend (%s)", who, exc)
+    if len(jax.devices()) < n:
+        raise SystemExit(f"{who} needs {n} devices, found {len(jax.devices())}")
 
 
 def read_job_toml(path: Path, cls, *, what: str, overrides: dict, exclude=()) -> dict:

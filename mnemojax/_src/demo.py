@@ -11,13 +11,12 @@ import argparse
 import functools
 import json
 import logging
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from mnemojax._src.config import REPO_CONFIGS, load_config
+from mnemojax._src.config import REPO_CONFIGS, configure_devices, load_config
 
 log = logging.getLogger("mnemojax")
 
@@ -32,23 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _configure_devices(n: int) -> None:
-    import jax
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError as exc:  # a backend already exists (e.g. inside a test session)
-        log.info("mnemojax demo: keeping the existing backend (%s)", exc)
-    if len(jax.devices()) < n:
-        raise SystemExit(f"mnemojax demo needs {n} devices, found {len(jax.devices())}")
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, steps=args.steps)
-    _configure_devices(cfg.devices)
+    configure_devices(cfg.devices, who="mnemojax demo")
     report = run_job(cfg, precompile=not args.no_precompile, progress=not args.quiet)
     print(format_report(report))
     if args.json:

@@ -15,6 +15,7 @@ import pytest
 
 from mnemojax._src.distributed.prototype_demo import run_scenario
 from mnemojax._src.distributed.prototype_train import reference_params
+from tests.helpers import process_alive
 
 STEPS = 14
 
@@ -23,13 +24,6 @@ STEPS = 14
 def reference():
     return reference_params(STEPS)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _run(tmp_path, reference, **kw):
@@ -44,7 +38,7 @@ def _run(tmp_path, reference, **kw):
     for w in survivors.values():
         assert w["resume_step"] <= (report["killed_step"] or STEPS)
         assert "next_good_step_s" in w
-    assert not any(_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
     assert report["shm_left"] == [], "shared memory outlived the job"
     return report
 

@@ -27,13 +27,6 @@ def reference():
     return h.reference_run(h.make_batches(STEPS))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 def _run(tmp_path, reference, **kw):
     out = str(tmp_path)
@@ -45,7 +38,7 @@ def _run(tmp_path, reference, **kw):
     final = np.load(tmp_path / "final.npz")
     for i, want in enumerate(reference.state):
         np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    assert not any(_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
     assert report["shm_left"] == [], "shared memory outlived the job"
     stats = json.loads((tmp_path / "stats.json").read_text())
     [rec] = stats["recoveries"]
@@ -87,7 +80,7 @@ def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
     report = run_scenario(out=out, nproc=4, devices_per_proc=2, steps=STEPS, at_step=4,
                           job_timeout_s=240, cmd=cmd, fault="worker", victim=3)
     assert report["rc"] != 0
-    assert not any(_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
     mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
     saved = mngr.latest_step()
     assert saved is not None and 4 <= saved < STEPS

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from mnemojax._src.bench.config import PRESETS, load_preset
+from mnemojax._src.config import configure_devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_preset(args.preset, steps=args.steps, mtbf_s=args.mtbf_s)
     from mnemojax._src.bench import driver, summary
 
-    driver.configure_devices(cfg.devices)
+    configure_devices(cfg.devices, who="mnemojax bench")
     out = Path(args.out or f"runs/bench-{cfg.name}")
     s = driver.run_bench(cfg, preset=args.preset, out_dir=out, progress=not args.quiet)
     print(summary.format_table(s))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
-from mnemojax._src.config import REPO_CONFIGS, FaultSpec, read_job_toml
+from mnemojax._src.config import REPO_CONFIGS, FaultSpec, check_job_fields, read_job_toml
 from mnemojax._src.errors import InvalidOptionError
 
 PRESETS = ("tiny", "gpt10m")
@@ -62,7 +61,7 @@ class BenchConfig:
             raise InvalidOptionError(
                 f"bench preset {self.name!r}: {name}={value!r} is invalid: expected {legal}")
 
-        for name in ("devices", "steps", "batch_size", "block_steps", "checkpoint_max_to_keep"):
+        for name in ("block_steps", "checkpoint_max_to_keep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad(name, value, "an int >= 1")
@@ -70,14 +69,7 @@ class BenchConfig:
             bad("max_precompiled", self.max_precompiled, "an int >= 0")
         if not isinstance(self.calibration_saves, int) or self.calibration_saves < 2:
             bad("calibration_saves", self.calibration_saves, "an int >= 2")
-        if len(self.mesh) != 2 or any(not isinstance(n, int) or n < 1 for n in self.mesh):
-            bad("mesh", list(self.mesh), "[data, model], two ints >= 1")
-        if math.prod(self.mesh) > self.devices:
-            bad("mesh", list(self.mesh), f"at most devices={self.devices} devices in all")
-        if self.batch_size % self.mesh[0]:
-            bad("batch_size", self.batch_size, f"a multiple of the data axis {self.mesh[0]}")
-        if not self.learning_rate > 0:
-            bad("learning_rate", self.learning_rate, "> 0")
+        check_job_fields(self, bad, first_fault_step=2)  # step 1 compiles
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             bad("mtbf_s", self.mtbf_s, "> 0 seconds")
         if not self.worker_timeout_s > 0:
@@ -88,17 +80,9 @@ class BenchConfig:
             bad("model", dict(self.model), f"exactly the keys {list(_MODEL_KEYS)}")
         if not self.faults:
             bad("faults", [], "at least one fault")
-        steps_seen = set()
-        for f in self.faults:
-            if not 2 <= f.step <= self.steps:
-                bad("faults.step", f.step, f"in [2, steps={self.steps}] (step 1 compiles)")
-            if f.step in steps_seen:
-                bad("faults.step", f.step, "one fault per step")
-            steps_seen.add(f.step)
-            if not f.devices or any(d < 0 or d >= self.devices for d in f.devices):
-                bad("faults.devices", list(f.devices), f"ids in [0, {self.devices})")
-            if f.surface not in ("dispatch", "block"):
-                bad("faults.surface", f.surface, "'dispatch' or 'block'")
+        steps = [f.step for f in self.faults]
+        if len(set(steps)) != len(steps):
+            bad("faults.step", sorted(steps), "one fault per step")
 
     @property
     def fault_steps(self) -> tuple[int, ...]:

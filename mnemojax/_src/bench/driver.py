@@ -29,19 +29,6 @@ def _say(progress: bool, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def configure_devices(n: int) -> None:
-    """Asks JAX for `n` CPU devices (before the backend starts) and checks there are `n`."""
-    import jax
-
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        try:
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError as exc:  # a backend already exists (e.g. in a test session)
-            log.info("mnemojax bench: keeping the existing backend (%s)", exc)
-    if len(jax.devices()) < n:
-        raise SystemExit(f"mnemojax bench needs {n} devices, found {len(jax.devices())}")
-
-
 def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
               progress: bool = True) -> dict:
     """Runs the four runs and writes the outputs; returns the summary (``bench.json``)."""
