@@ -164,11 +164,7 @@ def failure_free_pair(cfg: BenchConfig, mesh, batches, events_path, *, cache_dir
         clock.resume()
         stats = step.statistics
         step.close()
-        clock.log.emit("snapshot", time_s=clock.now(), blocking=False,
-                       snapshots_taken=stats.snapshots_taken, nbytes=stats.snapshot_bytes,
-                       copy_median_s=stats.snapshot_copy_median_s)
-        clock.log.emit("run_end", time_s=clock.now(), step=cfg.steps, steps=cfg.steps)
-        clock.log.close()
+        _end_log(clock, stats, cfg.steps)
         out[name] = {
             "wall_s": clock.now() - clock.t0,
             "timeline": clock.timeline,
@@ -229,11 +225,7 @@ def run_with_faults(cfg: BenchConfig, mesh, batches, events_path, *, cache_dir,
     stats = step.statistics
     ahead = _compiled_s(step, ahead=True)
     step.close()
-    clock.log.emit("snapshot", time_s=clock.now(), blocking=False,
-                   snapshots_taken=stats.snapshots_taken, nbytes=stats.snapshot_bytes,
-                   copy_median_s=stats.snapshot_copy_median_s)
-    clock.log.emit("run_end", time_s=clock.now(), step=cfg.steps, steps=cfg.steps)
-    clock.log.close()
+    _end_log(clock, stats, cfg.steps)
     by_mesh = dict(ahead)
     used = [by_mesh.get(tuple(r.new_mesh_devices), 0.0) for r in stats.recoveries
             if r.executable in ("ready", "waited")]
@@ -299,3 +291,12 @@ def _log_recoveries(clock: RunClock, records, start: float, end: float) -> float
         fields = {k: v for k, v in rec.as_dict().items() if k not in ("step", "total_s")}
         clock.log.emit("recovery", step=rec.step, time_s=t, duration_s=rec.total_s, **fields)
     return productive
+
+
+def _end_log(clock, stats, steps: int) -> None:
+    """Closes a run's event log: the snapshot summary (off the critical path), run_end."""
+    clock.log.emit("snapshot", time_s=clock.now(), blocking=False,
+                   snapshots_taken=stats.snapshots_taken, nbytes=stats.snapshot_bytes,
+                   copy_median_s=stats.snapshot_copy_median_s)
+    clock.log.emit("run_end", time_s=clock.now(), step=steps, steps=steps)
+    clock.log.close()

@@ -108,13 +108,7 @@ class Agent:
 
     # -- requests from workers and peer agents --------------------------------------------
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        protocol.accept_loop(self._server, self._handle, stop=self._stop)
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:

@@ -106,13 +106,7 @@ class Launcher:
             self.on_event(event)
 
     def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+        protocol.accept_loop(self._server, self._handle)
 
     def _handle(self, conn: socket.socket) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 from typing import Any
 
 from mnemojax._src.distributed.errors import ProtocolError
@@ -95,3 +96,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def accept_loop(server, handle, *, stop=None) -> None:
+    """Accepts connections on `server` until it is closed (or `stop` is set), handing each
+    to `handle(conn)` on its own daemon thread."""
+    while stop is None or not stop.is_set():
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
