@@ -68,6 +68,21 @@ def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     assert rec["failed_processes"] == [1]
 
 
+def test_nan_batch_is_skipped_by_every_process_alike(tmp_path, reference):
+    """The finiteness verdict is global: every process skips the poisoned batch, and a
+    kill later in the run still recovers exactly."""
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
+           "--steps", str(STEPS), "--nan-at-step", "3"]
+    report = run_scenario(out=str(tmp_path), nproc=3, devices_per_proc=2, steps=STEPS,
+                          at_step=6, job_timeout_s=240, cmd=cmd, fault="worker", victim=1)
+    assert report["rc"] == 0, report
+    final = np.load(tmp_path / "final.npz")
+    for i, want in enumerate(reference.state):
+        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["skipped_batches"] == [3] and len(stats["recoveries"]) == 1
+
+
 def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
     """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices. After a
     kill, 6 remain: the job ends with MeshTooSmallError (exit 3), and the agreed step is

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import time
+import warnings
 
 import mnemojax
 
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--step-sleep-s", type=float, default=0.2)
     parser.add_argument("--model-axis", type=int, default=2, help="mesh (n / M, M)")
     parser.add_argument("--ckpt", default=None, help="persistent tier directory")
+    parser.add_argument("--nan-at-step", type=int, default=-1,
+                        help="feed a NaN batch before this step (nonfinite='skip_batch')")
     parser.add_argument("--hang-worker", type=int, default=-1, help="this worker hangs ...")
     parser.add_argument("--hang-at-step", type=int, default=-1, help="... before this step")
     args = parser.parse_args()
@@ -40,11 +43,16 @@ def main() -> None:
     events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
     step = mnemojax.resilient(h.train_step, mesh=mesh,
                               options=h.no_precompile(
-                                  event_log=events, run_name=f"w{me}",
+                                  event_log=events, run_name=f"w{me}", nonfinite="skip_batch",
                                   persistent=mnemojax.PersistentOptions(directory=args.ckpt)))
     for k, batch in enumerate(h.make_batches(args.steps), start=1):
         if me == args.hang_worker and k == args.hang_at_step and step.statistics.recoveries == []:
             time.sleep(3600)  # a hung process: only the agent's watchdog can notice
+        if k == args.nan_at_step:  # every process gets the same global batch
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
+                step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
+                                        "y": batch["y"]})
         try:
             step(model, optimizer, batch)
         except mnemojax.errors.MeshTooSmallError as exc:
