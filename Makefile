@@ -1,5 +1,5 @@
 # Every target here is exactly what CI runs (see .ci/run); `make test` reproduces CI locally.
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: venv demo test test-slow lint bench bench-record clean
 
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python >= 3.11) on PATH"; exit 1; }
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'

@@ -112,10 +112,13 @@ class DeviceProxy:
         return Verdict("user")
 
     def probe_all(self) -> set[int]:
-        """Probes every mesh device and spare; returns (and records) the newly dead ones."""
+        """Probes every mesh device and spare this process can reach; returns (and records)
+        the newly dead ones. (Other processes' devices are theirs to probe; their loss
+        shows up as a peer failure.)"""
         newly = set()
+        me = jax.process_index()
         for dev_id in sorted(self._devices | set(self.spares)):
-            if dev_id in self.dead:
+            if dev_id in self.dead or self._by_id[dev_id].process_index != me:
                 continue
             if not self.layer.probe(self._by_id[dev_id], self._probe_timeout_s):
                 newly.add(dev_id)
@@ -163,6 +166,13 @@ class _Waiter:
             raise StepHangError(
                 f"step {step}: results not ready after {timeout_s:.1f} s (hang timeout)",
                 step=step, timeout_s=timeout_s) from None
+
+
+def looks_transient(exc: BaseException) -> bool:
+    """A retryable status that is not a CPU collective failing on a peer (gloo reports a
+    dead peer as a connection reset or a timeout, which must not be retried in place)."""
+    text = str(exc)
+    return "gloo" not in text.lower() and bool(_TRANSIENT.search(text))
 
 
 def host_batch(batch):

@@ -25,7 +25,7 @@ from mnemojax._src.errors import (
     StateUnavailableError,
     StepHangError,
 )
-from mnemojax._src.proxy import DeviceProxy
+from mnemojax._src.proxy import DeviceProxy, looks_transient
 from mnemojax._src.retry import Attempts
 from mnemojax._src.snapshot import SnapshotStore
 from mnemojax._src.state_source import HostState, gather_state
@@ -188,8 +188,11 @@ class RecoveryMixin:
 
     # -- multi-process: a peer process died ----------------------------------------------
     def _is_peer_failure(self, exc: BaseException) -> bool:
+        """Under a session, a runtime error is a peer failure unless it is a retryable
+        status of this process (then it is retried in place: the peers wait for it in the
+        collective, up to the collective timeout)."""
         return (self._session is not None and self._session.can_recover
-                and isinstance(exc, jax.errors.JaxRuntimeError))
+                and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc))
 
     def _recover_world(self, step: int, reason: str, t_fault: float) -> list:
         """A collective failed: agree with the survivors, re-initialise into their world,

@@ -83,6 +83,22 @@ def test_nan_batch_is_skipped_by_every_process_alike(tmp_path, reference):
     assert stats["skipped_batches"] == [3] and len(stats["recoveries"]) == 1
 
 
+def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference):
+    """Worker 0's launch of step 4 fails once with UNAVAILABLE: it retries at once, its
+    peers wait in the collective, and no world recovery happens."""
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
+           "--steps", str(STEPS), "--transient-worker", "0", "--transient-at-step", "4"]
+    report = run_scenario(out=str(tmp_path), nproc=3, devices_per_proc=2, steps=STEPS,
+                          job_timeout_s=240, cmd=cmd, fault="none")
+    assert report["rc"] == 0, report
+    final = np.load(tmp_path / "final.npz")
+    for i, want in enumerate(reference.state):
+        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["transient_retries"] == 1 and stats["recoveries"] == []
+    assert stats["mesh_shape"] == {"data": 3, "model": 2}
+
+
 def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
     """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices. After a
     kill, 6 remain: the job ends with MeshTooSmallError (exit 3), and the agreed step is

@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None, help="persistent tier directory")
     parser.add_argument("--nan-at-step", type=int, default=-1,
                         help="feed a NaN batch before this step (nonfinite='skip_batch')")
+    parser.add_argument("--transient-worker", type=int, default=-1,
+                        help="this worker's step ... fails once with a retryable error")
+    parser.add_argument("--transient-at-step", type=int, default=-1, help="... at this step")
     parser.add_argument("--hang-worker", type=int, default=-1, help="this worker hangs ...")
     parser.add_argument("--hang-at-step", type=int, default=-1, help="... before this step")
     args = parser.parse_args()
@@ -41,7 +44,10 @@ def main() -> None:
     mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
     model, optimizer = h.make_mlp()
     events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
-    step = mnemojax.resilient(h.train_step, mesh=mesh,
+    faults = None
+    if me == args.transient_worker:
+        faults = mnemojax.testing.FaultInjector().transient_error(args.transient_at_step)
+    step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}", nonfinite="skip_batch",
                                   persistent=mnemojax.PersistentOptions(directory=args.ckpt)))
