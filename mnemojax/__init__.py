@@ -13,7 +13,6 @@ from mnemojax._src.options import ResilienceOptions as ResilienceOptions
 from mnemojax._src.options import SnapshotOptions as SnapshotOptions
 from mnemojax._src.statistics import RecoveryRecord as RecoveryRecord
 from mnemojax._src.statistics import Statistics as Statistics
-from mnemojax._src.topology import DeviceInfo as DeviceInfo
 from mnemojax._src.topology import MeshPlan as MeshPlan
 from mnemojax._src.topology import plan_reduced_mesh as plan_reduced_mesh
 
@@ -21,7 +20,6 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CompileOptions",
-    "DeviceInfo",
     "MeshPlan",
     "PersistentOptions",
     "RecoveryOptions",

@@ -108,6 +108,7 @@ def test_memory_pressure_checkpoints_and_keeps_training(tmp_path):
     assert triggers and "memory pressure" in triggers[0]["trigger"]
     saved = [e["step"] for e in events if e["kind"] == "checkpoint_save"]
     assert saved == [triggers[0]["step"]] and saved[0] <= 5
+    assert step.statistics.jit_checkpoints == 1
     assert {"run_start", "step", "run_end"} <= {e["kind"] for e in events}
 
 

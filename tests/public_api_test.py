@@ -5,7 +5,7 @@ import mnemojax.errors
 import mnemojax.testing
 
 EXPECTED = {
-    "CompileOptions", "DeviceInfo", "MeshPlan", "PersistentOptions", "RecoveryOptions",
+    "CompileOptions", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
     "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "errors",
     "initialize",

@@ -118,6 +118,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
             s.snapshots_taken = self._store.taken
             s.snapshots_replaced = self._store.replaced
             s.corrupt_snapshots_scrubbed = self._store.corrupt_found
+            s.jit_checkpoints = self._durability.jit_checkpoints
             grads = self._grads_store.latest() if self._grads_store is not None else None
             s.grads_snapshot_step = grads.step if grads else None
             s.grads_snapshot_bytes = grads.nbytes if grads else 0

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PHASES = ("detect", "plan", "reshard", "compile", "replay")
-
-
 @dataclasses.dataclass
 class RecoveryRecord:
     """One recovery from a device failure.
@@ -90,6 +87,7 @@ class Statistics:
     corrupt_snapshots_detected: int = 0  # found corrupt when a recovery needed them
     corrupt_snapshots_scrubbed: int = 0  # found corrupt when retired (never needed)
     skipped_batches: list[int] = dataclasses.field(default_factory=list)
+    jit_checkpoints: int = 0  # persistent checkpoints forced by memory pressure
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far
     math_changed: bool = False

@@ -22,14 +22,6 @@ Group = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    """A plain description of a device: all the planner needs to know."""
-
-    id: int
-    process_index: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class AxisGroupChanges:
     """Replica groups (the device sets one collective over this axis spans), old vs new."""
 

@@ -232,25 +232,6 @@ def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120) -> None:
     multihost_utils.live_devices.devices = None  # stale device map of the old world
 
 
-def reinitialize(new_world: WorldSpec, *, after_detach=None, init_timeout_s: int = 120) -> None:
-    """Re-initialises this process into a smaller (or renumbered) world, in process.
-
-    The caller has already agreed on ``new_world`` with the other survivors. Sequence:
-    detach (client shutdown, ``clear_backends``, ``clear_caches``), ``after_detach()`` (a
-    barrier: the launcher stops the old service once every survivor detached), attach to the
-    new service, reset ``live_devices``. Arrays of the old world are invalid afterwards.
-
-    Args:
-        new_world: this process's place in the new world.
-        after_detach: called between detach and attach (barrier hook), or None.
-        init_timeout_s: how long ``connect`` waits for every process of the new world.
-    """
-    detach_worker()
-    if after_detach is not None:
-        after_detach()
-    attach_worker(new_world, init_timeout_s=init_timeout_s)
-
-
 def barrier(name: str, timeout_s: float = 300.0) -> None:
     """Waits at a coordination-service barrier across the current world.
 
