@@ -53,6 +53,13 @@ def _leaf_key(path, top_names: tuple[str, ...] = ()) -> tuple[str, ...]:
     return tuple(parts)
 
 
+def _hookless(var: nnx.Variable) -> bool:
+    """True if `var`'s value accessors reduce to reading/writing its raw array."""
+    meta = var.get_metadata()
+    return ("on_get_value" not in meta and "on_set_value" not in meta
+            and isinstance(var.get_raw_value(), jax.Array))
+
+
 def _entry_of(path, var) -> str:
     """Which snapshot entry a leaf belongs to: params, opt_state or other."""
     if isinstance(var, nnx.Param):
@@ -107,15 +114,26 @@ class NnxForm(StepForm):
             )
         self.specs = specs
 
+        # get_value/set_value copy through jax.tree.map and look for hooks on every call
+        # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
+        # holding a plain array read and write the same through the raw accessors (0.13 ms).
+        self._plain = all(_hookless(v) for v in self.live_vars)
+
     def matches(self, model, optimizer) -> bool:
         return model is self.model and optimizer is self.optimizer
 
     def read(self) -> list:
+        if self._plain:
+            return [_to_raw(v.get_raw_value()) for v in self.live_vars]
         return [_to_raw(v.get_value()) for v in self.live_vars]
 
     def write(self, leaves) -> None:
         for var, leaf, impl in zip(self.live_vars, leaves, self.key_impls, strict=True):
-            var.set_value(leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl))
+            value = leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
+            if self._plain:
+                var.set_raw_value(value)
+            else:
+                var.set_value(value)
 
     def pure(self, leaves, batch):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
