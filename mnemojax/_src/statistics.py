@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+
 @dataclasses.dataclass
 class RecoveryRecord:
     """One recovery from a device failure.
