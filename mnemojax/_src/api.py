@@ -247,8 +247,9 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         if isinstance(form, NnxForm):
             form.write(new_leaves)
         if self._precompile_due:
-            # Last, once the step is fully committed: background lowering holds the GIL for
-            # long stretches and would delay the first step after a recovery by ~0.1 s.
+            # Last, once the step is fully committed: background lowering and compiling
+            # contend with the training thread (GIL, compile locks) and would otherwise
+            # delay the replayed step's commit (see bench/micro.py, item 3).
             self._precompile_due = False
             self._schedule_precompile()
         return result
