@@ -21,9 +21,11 @@ from mnemojax._src.distributed.agent import Agent
 from mnemojax._src.distributed.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.distributed.agreement import (
     AgreementBook,
+    CopyInfo,
     agreement_from_json,
     agreement_to_json,
     choose_resume_step,
+    missing_leaves,
 )
 from mnemojax._src.distributed.env import WorldSpec, first_slurm_host, world_from_env
 from mnemojax._src.distributed.errors import (
@@ -36,9 +38,16 @@ from mnemojax._src.distributed.errors import (
 )
 from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
 from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
-from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack, unpack
+from mnemojax._src.distributed.snapshot_codec import (
+    ShardEntry,
+    assemble,
+    pack,
+    read_meta,
+    unpack,
+)
 from mnemojax._src.distributed.watchdog import HangWatchdog, ReplicaStore
 from mnemojax._src.errors import InvalidOptionError, MnemojaxError
+from mnemojax.testing import corrupt_agent_copies
 from tests.helpers import process_alive
 
 # -- shared-memory double buffer --------------------------------------------------------------
@@ -99,8 +108,9 @@ def test_attach_rejects_foreign_segment():
 # -- snapshot codec -----------------------------------------------------------------------------
 
 
-def _payload(step, worker, entries):
-    return b"".join(bytes(p) for p in pack(step, worker, entries))
+def _payload(step, worker, entries, num_leaves=2, generation=0):
+    return b"".join(bytes(p) for p in pack(step, worker, entries, num_leaves=num_leaves,
+                                           generation=generation))
 
 
 def test_codec_roundtrip_and_assemble_across_workers():
@@ -111,6 +121,8 @@ def test_codec_roundtrip_and_assemble_across_workers():
     p1 = _payload(5, 1, [ShardEntry(0, (4, 6), ((0, 4), (3, 6)), w[:, 3:])])
     meta, entries = unpack(p0)
     assert meta["step"] == 5 and meta["worker_id"] == 0 and len(entries) == 2
+    assert read_meta(p1)["num_leaves"] == 2 and read_meta(p1)["shards"][0]["index"] == [
+        [0, 4], [3, 6]]
     full = assemble([p0, p1], 2)
     np.testing.assert_array_equal(full[0], w)
     np.testing.assert_array_equal(full[1], b)
@@ -119,10 +131,10 @@ def test_codec_roundtrip_and_assemble_across_workers():
 
 def test_assemble_refuses_missing_shards_and_mixed_steps():
     w = np.ones((4,), np.float32)
-    half = _payload(5, 0, [ShardEntry(0, (4,), ((0, 2),), w[:2])])
+    half = _payload(5, 0, [ShardEntry(0, (4,), ((0, 2),), w[:2])], num_leaves=1)
     with pytest.raises(SnapshotUnavailableError, match="not fully covered"):
         assemble([half], 1)
-    other = _payload(6, 1, [ShardEntry(0, (4,), ((2, 4),), w[2:])])
+    other = _payload(6, 1, [ShardEntry(0, (4,), ((2, 4),), w[2:])], num_leaves=1)
     with pytest.raises(SnapshotUnavailableError, match="mix steps"):
         assemble([half, other], 1)
 
@@ -164,6 +176,19 @@ def test_replica_store_checks_crc_and_keeps_two_newest():
         store.put(4, 9, b"abc", 123)
     with pytest.raises(KeyError):
         store.get(5, 1)
+
+
+def test_replica_store_verify_drops_a_copy_that_went_bad_after_the_put():
+    store = ReplicaStore(keep=2)
+    for step in (2, 3):
+        data = f"s{step}".encode()
+        store.put(4, step, data, zlib.crc32(data))
+    payload, crc = store.get(4, 3)
+    store._by_origin[4][3] = (b"s4", crc)  # a flipped bit in memory
+    good, bad = store.verify()
+    assert [(o, s) for o, s, _ in good] == [(4, 2)] and bad == [(4, 3)]
+    with pytest.raises(KeyError):
+        store.get(4, 3)  # never served again
 
 
 # -- buddy transfer between two agents over loopback --------------------------------------------
@@ -228,25 +253,42 @@ def two_agents():
     assert not any(t.is_alive() for t in threads)
 
 
+def _held(agent_address):
+    reply = protocol.request(agent_address, {"op": "holdings"})[0]
+    held = {}
+    for c in reply["copies"]:
+        held.setdefault(str(c["origin"]), []).append(c["step"])
+    return held, reply["corrupt"]
+
+
 def test_buddy_replication_and_serving(two_agents):
     fake, agents = two_agents
     protocol.send_msg(fake.links[0], {"op": "set_buddy", "buddy": fake.addresses[1]})
     client = AgentClient(agents[0].address)
+    w = np.arange(8, dtype=np.float32)
     try:
         for step in (1, 2, 3):
-            client.publish(step, [f"payload-{step}".encode() * 10])
-        _wait(lambda: protocol.request(agents[1].address, {"op": "holdings"})[0]["held"]
-              .get("0", [])[-1:] == [3])
+            client.publish(step, pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)],
+                                      num_leaves=1))
+        _wait(lambda: _held(agents[1].address)[0].get("0", [])[-1:] == [3])
         data, addr = fetch_snapshot([agents[1].address], 0, 3)
-        assert bytes(data) == b"payload-3" * 10 and addr == agents[1].address
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
+        assert addr == agents[1].address
         # The worker's own agent serves both slots; a missing step is a typed error.
-        held = protocol.request(agents[0].address, {"op": "holdings"})[0]["held"]
-        assert held["0"] == [2, 3]
+        assert _held(agents[0].address) == ({"0": [2, 3]}, [])
         data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2)  # first one dead
-        assert bytes(data) == b"payload-2" * 10
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 2)
         with pytest.raises(SnapshotUnavailableError):
-            fetch_snapshot([agents[1].address], 0, 1)
+            fetch_snapshot([agents[1].address], 0, 9)
         assert [e["step"] for e in fake.events if e["op"] == "progress"] == [1, 2, 3]
+        # A flipped bit in the shared memory: the agent no longer counts that copy, and
+        # serving it fails its CRC, so a survivor takes the buddy's.
+        assert corrupt_agent_copies(agents[0].buffer.name, step=3) == [3]
+        held, corrupt = _held(agents[0].address)
+        assert held == {"0": [2]} and [(c["origin"], c["step"]) for c in corrupt] == [(0, 3)]
+        data, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3)
+        assert addr == agents[1].address
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
     finally:
         client.close()
 
@@ -254,13 +296,30 @@ def test_buddy_replication_and_serving(two_agents):
 # -- agreement --------------------------------------------------------------------------------------
 
 
-def test_resume_step_is_newest_held_for_every_member():
-    holdings = {"a0": {0: [5, 6], 3: [4, 5]}, "a1": {1: [5, 6], 0: [5, 6]},
-                "a2": {2: [5, 6], 1: [5, 6]}}
-    assert choose_resume_step([0, 1, 2], holdings) == 6
-    assert choose_resume_step([0, 1, 2, 3], holdings) == 5  # 3's buddy copy lags
-    with pytest.raises(AgreementError):
-        choose_resume_step([0, 9], holdings)
+def _copy(origin, step, cols, generation=0, num_leaves=1):
+    """A copy of leaf 0 (shape (2, 6)) holding columns ``cols`` = (start, stop) pairs."""
+    return CopyInfo(origin, step, generation, num_leaves,
+                    tuple((0, (2, 6), ((0, 2), c)) for c in cols))
+
+
+def test_missing_leaves_counts_distinct_shards_once():
+    assert missing_leaves([_copy(0, 5, [(0, 3)]), _copy(1, 5, [(3, 6)])]) == []
+    # A replica of the same shard does not make up for a missing one.
+    assert missing_leaves([_copy(0, 5, [(0, 3)]), _copy(1, 5, [(0, 3)])]) == [0]
+    assert missing_leaves([_copy(0, 5, [(0, 6)], num_leaves=2)]) == [1]
+
+
+def test_resume_step_is_newest_step_whose_copies_cover_the_state():
+    holdings = {"a0": [_copy(0, 5, [(0, 3)]), _copy(0, 6, [(0, 3)]), _copy(2, 6, [])],
+                "a1": [_copy(1, 5, [(3, 6)]), _copy(0, 5, [(0, 3)])],
+                "a2": [_copy(1, 6, [(3, 6)])]}
+    assert choose_resume_step(holdings) == (6, 0)
+    del holdings["a2"]  # 1's step-6 shards are gone: step 5 is the newest complete one
+    assert choose_resume_step(holdings) == (5, 0)
+    assert choose_resume_step({"a0": [_copy(0, 6, [(0, 3)])]}) is None
+    # The same step replayed in a newer world is preferred (its own mesh, its own tiling).
+    holdings["a3"] = [_copy(0, 5, [(0, 6)], generation=1)]
+    assert choose_resume_step(holdings) == (5, 1)
 
 
 def test_book_barrier_waits_for_live_members_only():
@@ -271,15 +330,64 @@ def test_book_barrier_waits_for_live_members_only():
     assert book.missing() == [0]
     book.arrive(0, 0, last_step=6)
     assert book.complete()
-    holdings = {"x": {0: [5, 6], 1: [5, 6]}, "y": {2: [5, 6]}}
+    holdings = {"x": [_copy(0, 6, [(0, 3)]), _copy(1, 6, [(3, 6)]), _copy(0, 5, [(0, 6)])],
+                "y": [_copy(2, 6, [])]}
     decision = book.decide(coordinator="127.0.0.1:9", holdings=holdings)
     assert set(decision) == {0, 2}
     assert decision[0].process_id == 0 and decision[2].process_id == 1
     assert {a.resume_step for a in decision.values()} == {6}
     assert decision[2].survivors == (0, 2) and decision[2].num_processes == 2
-    assert decision[0].sources[1] == ("x",)
+    assert decision[0].sources == {0: ("x",), 1: ("x",), 2: ("y",)} and decision[0].lost == ()
+    homes = AgreementBook(0, [0, 1])
+    homes.arrive(0, 0, last_step=6)
+    homes.arrive(1, 0, last_step=6)
+    both = {"a0": [_copy(0, 6, [(0, 6)]), _copy(1, 6, [])], "a1": [_copy(1, 6, []), _copy(0, 6, [(0, 6)])]}
+    got = homes.decide(coordinator="c", holdings=both, homes={0: "a0", 1: "a1"})[0].sources
+    assert got == {0: ("a0", "a1"), 1: ("a1", "a0")}  # each worker's own agent first
     assert book.decide(coordinator="other", holdings={}) is decision  # decided once
     assert agreement_from_json(agreement_to_json(decision[2])) == decision[2]
+
+
+def test_book_member_dying_at_the_barrier_is_left_out():
+    book = AgreementBook(1, [0, 1, 2])
+    book.arrive(0, 1, last_step=4)
+    book.arrive(1, 1, last_step=4)
+    book.mark_dead(1)  # arrived, then died while waiting
+    assert book.missing() == [2] and 1 not in book.arrived
+    book.arrive(2, 1, last_step=4)
+    decision = book.decide(coordinator="c", holdings={"x": [_copy(0, 4, [(0, 6)])]})
+    assert set(decision) == {0, 2} and decision[2].generation == 2
+    book.mark_dead(2)  # after the decision: the next world's book handles it
+    assert set(book.decision) == {0, 2}
+
+
+def test_book_says_which_workers_state_is_lost():
+    book = AgreementBook(0, [0, 1, 2, 3])
+    for w in (2, 3):
+        book.arrive(w, 0, last_step=4)
+    book.mark_dead(0)
+    book.mark_dead(1)
+    holdings = {"a2": [_copy(2, 4, [(3, 6)]), _copy(1, 3, [(0, 3)])],
+                "a3": [_copy(3, 3, []), _copy(3, 4, [])]}
+    decision = book.decide(coordinator="c", holdings=holdings)
+    assert decision[2].resume_step == -1 and decision[3].lost == (0, 1)
+    # Worker 3 holds no shards in world 0: missing its step-4 copy would lose nothing.
+    del holdings["a3"][1]
+    again = AgreementBook(0, [0, 1, 2, 3])
+    for w in (2, 3):
+        again.arrive(w, 0, last_step=4)
+    again.mark_dead(0)
+    again.mark_dead(1)
+    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0, 1)
+    assert decision[2].sources == {} and decision[2].survivors == (2, 3)
+    # A second round over a world that never formed ({2, 3}): the newest copies are of
+    # world 0, so its members are the ones named.
+    again = AgreementBook(1, [2, 3])
+    for w in (2, 3):
+        again.arrive(w, 1, last_step=4)
+    decision = again.decide(coordinator="c", holdings=holdings,
+                            members_of={0: (0, 1, 2, 3), 1: (2, 3)})
+    assert decision[2].lost == (0, 1)
 
 
 def test_book_rejects_wrong_generation_and_evicted():

@@ -31,4 +31,5 @@ def test_errors_are_rooted():
 
 
 def test_testing_module():
-    assert mnemojax.testing.__all__ == ["FaultInjector", "InjectedFault"]
+    assert mnemojax.testing.__all__ == ["FaultInjector", "InjectedFault", "ProcessFault",
+                                        "corrupt_agent_copies", "run_scenario"]

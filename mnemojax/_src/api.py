@@ -241,7 +241,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 else metrics
         self._commit(step, new_leaves, metrics)
         self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
-        self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
+        self._after_commit(step, new_leaves)
         result = (form.unflatten(new_leaves), metrics) if isinstance(form, PytreeForm) \
             else metrics
         if isinstance(form, NnxForm):
@@ -253,6 +253,20 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
             self._precompile_due = False
             self._schedule_precompile()
         return result
+
+    def _after_commit(self, step: int, new_leaves: list) -> None:
+        """Checkpoints and triggers. Under a session, a peer failure inside a checkpoint's
+        collective loses only that checkpoint: the step is committed and published, and the
+        next step's collective fails the same way and recovers the world."""
+        try:
+            self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
+        except jax.errors.JaxRuntimeError as exc:
+            if not self._is_peer_failure(exc):
+                raise
+            log.warning("mnemojax: step %d: the checkpoint failed, a peer process failed "
+                        "(%s); the next step recovers", step, str(exc)[:200])
+            self._durability.emit("fault", step=step, classification="checkpoint_failed",
+                                  detail=str(exc)[:200])
 
     def _check_batch(self, batch) -> None:
         sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}

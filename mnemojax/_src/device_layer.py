@@ -81,7 +81,10 @@ class JaxDeviceLayer:
         host = host_memory_fraction()
         if host is not None:
             out["host"] = host
+        me = jax.process_index()
         for d in devices:
+            if d.process_index != me:  # another process's device: it samples its own
+                continue
             stats = d.memory_stats() if hasattr(d, "memory_stats") else None
             if stats and stats.get("bytes_limit"):
                 out[f"device:{d.id}"] = stats["bytes_in_use"] / stats["bytes_limit"]

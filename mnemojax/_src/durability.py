@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -32,6 +33,7 @@ class Durability:
         self.layer = layer
         self.events = EventLog(options.event_log, options.run_name) if options.event_log \
             else None
+        self._keys = keys
         self.tier = PersistentTier(popts.directory, keys=keys, max_to_keep=popts.max_to_keep) \
             if popts.directory else None
         self._preemption = PreemptionWatch(popts.preemption_signals) \
@@ -78,6 +80,23 @@ class Durability:
                 self.emit("preemption", step=step, trigger=f"memory pressure ({source})")
                 self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
         self.check_preemption(step, leaves)
+
+    def reopen_tier(self) -> None:
+        """A new Orbax manager for a new multi-process world (the old one's processes and
+        barriers belong to the world that failed). The old manager may be stuck in a save
+        whose collective lost a peer: it is closed on a daemon thread, never waited for."""
+        if self.tier is None:
+            return
+        old = self.tier
+        self.tier = PersistentTier(self._popts.directory, keys=self._keys,
+                                   max_to_keep=self._popts.max_to_keep)
+
+        def close_quietly():
+            try:
+                old.close()
+            except Exception as e:  # the save that lost its peer: the step is not committed
+                log.info("mnemojax: the old world's checkpoint manager closed with %s", e)
+        threading.Thread(target=close_quietly, daemon=True).start()
 
     def restore_latest(self, shardings, structs):
         """(step, leaves on `shardings`) of the newest checkpoint, or None."""

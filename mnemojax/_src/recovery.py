@@ -121,7 +121,7 @@ class RecoveryMixin:
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
         if host is None:
-            host = self._from_persistent(step, exe, unavailable)
+            host = self._from_persistent(step, exe.state_shardings, unavailable)
         new_leaves = [self._layer.put(h, s) for h, s in
                       zip(host.leaves, exe.state_shardings, strict=True)]
         jax.block_until_ready(new_leaves)
@@ -154,10 +154,9 @@ class RecoveryMixin:
                     step, plan.shape, plan.kind, host.source)
         return new_leaves, record
 
-    def _from_persistent(self, step: int, exe, unavailable: StateUnavailableError):
+    def _from_persistent(self, step: int, shardings, unavailable: StateUnavailableError):
         """The newest Orbax checkpoint, if the batches since it are still kept for replay."""
-        restored = self._durability.restore_latest(exe.state_shardings,
-                                                   self._compiler.leaf_structs)
+        restored = self._durability.restore_latest(shardings, self._compiler.leaf_structs)
         if restored is None:
             raise unavailable
         saved_step, leaves = restored
@@ -216,14 +215,20 @@ class RecoveryMixin:
         phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         self._rebuild_runtime(plan)
+        self._durability.reopen_tier()
         batch = self._batches[-1][1]
         self._compile_in_step(batch)
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
-        leaves = session.restore(rec, self._executable_now(batch).state_shardings)
+        shardings = self._executable_now(batch).state_shardings
+        if rec.agreement.resume_step < 0:
+            resume, leaves = self._world_from_persistent(step, rec, shardings)
+            source = "persistent"
+        else:
+            resume, leaves = rec.agreement.resume_step, session.restore(rec, shardings)
+            source = "agent_snapshots"
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
             time.perf_counter() - t)
-        resume = rec.agreement.resume_step
         t = time.perf_counter()
         self._step = resume
         for s, b in list(self._batches):
@@ -232,18 +237,19 @@ class RecoveryMixin:
                 session.publish(s, leaves)
                 self._step = s
         phases["replay"] = time.perf_counter() - t
-        dead = sorted(set(rec.agreement.previous_members) - set(rec.agreement.survivors))
+        dead = sorted(set(rec.members) - set(rec.agreement.survivors))
         record = RecoveryRecord(
             step=step, failed_devices=(), old_mesh_shape=old_plan.shape,
             new_mesh_shape=plan.shape,
             new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
-            plan_kind="process_loss", source="agent_snapshots", source_step=resume,
+            plan_kind="process_loss", source=source, source_step=resume,
             steps_lost=step - 1 - resume, precompiled=False, executable="compiled",
             phases_s=phases, total_s=time.perf_counter() - t_fault,
             bytes_moved=sum(len(p) for p in rec.payloads), groups_kept=0,
             groups_changed=len(plan.groups), groups={}, examples_per_step=self._examples,
             math_changed=False, failed_processes=tuple(dead),
-            generation=rec.world.generation)
+            generation=rec.world.generation, fetched_from=dict(rec.fetched_from),
+            agreement_rounds=rec.rounds)
         self._statistics.recoveries.append(record)
         monitoring.record_recovery(record)
         self._emit_recovery(record)
@@ -251,6 +257,21 @@ class RecoveryMixin:
                     "resuming from step %d", before.generation, rec.world.generation, dead,
                     rec.world.num_processes, plan.shape, resume)
         return leaves
+
+    def _world_from_persistent(self, step: int, rec, shardings) -> tuple[int, list]:
+        """No step's state survives in memory (`Agreement.lost`): every survivor restores
+        the newest Orbax checkpoint onto the new world's mesh, else a typed error."""
+        lost = list(rec.agreement.lost)
+        unavailable = StateUnavailableError(
+            f"step {step}: no live agent holds a verified copy of the shards of workers "
+            f"{lost} (their agents and ring buddies are gone, or the copies fail CRC32)")
+        if not self.options.persistent.directory:
+            raise StateUnavailableError(
+                f"{unavailable}, and no persistent tier is configured "
+                "(PersistentOptions(directory=...))")
+        host = self._from_persistent(step, shardings, unavailable)
+        leaves = [self._layer.put(h, s) for h, s in zip(host.leaves, shardings, strict=True)]
+        return host.step, leaves
 
     def _persist_agreed_state(self, rec, exc: MeshTooSmallError):
         """Too few processes survive to hold the model: the agreed state (every shard of
@@ -262,7 +283,10 @@ class RecoveryMixin:
         step = rec.agreement.resume_step
         directory = self.options.persistent.directory
         where = "no persistent tier is configured (PersistentOptions(directory=...))"
-        if directory and rec.world.process_id == 0:
+        if step < 0:
+            where = (f"no copy of the shards of workers {list(rec.agreement.lost)} survives, "
+                     "so there is no state to checkpoint")
+        elif directory and rec.world.process_id == 0:
             leaves = snapshot_codec.assemble(rec.payloads, len(self._form.leaf_keys))
             coordination.detach_worker()
             tier = PersistentTier(directory, keys=self._form.leaf_keys,

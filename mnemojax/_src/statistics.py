@@ -36,6 +36,10 @@ class RecoveryRecord:
         failed_processes / generation: multi-process recoveries (``plan_kind ==
             "process_loss"``): the worker ids lost and the new world's generation; their
             phases are detect, agree, plan, compile, restore, replay.
+        fetched_from: multi-process: origin worker id -> the agent its snapshot came from
+            (only the snapshots needed to cover the state).
+        agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after
+            a decision and the others agreed again).
     """
 
     step: int
@@ -60,6 +64,8 @@ class RecoveryRecord:
     hang: bool = False
     failed_processes: tuple[int, ...] = ()  # multi-process: workers lost (stable ids)
     generation: int = 0  # multi-process: the world generation after the recovery
+    fetched_from: dict[int, str] = dataclasses.field(default_factory=dict)
+    agreement_rounds: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

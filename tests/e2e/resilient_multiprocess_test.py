@@ -1,11 +1,15 @@
-"""@mnemojax.resilient under `mnemojax launch`: 3 processes x 2 CPU devices, one dies.
+"""@mnemojax.resilient under the launcher: 3 or 4 processes x 2 CPU devices, real faults.
 
 The job (`tests/jobs/mp_resilient_job.py`) is the user's view: `mnemojax.initialize()`,
-then a decorated NNX step on a (3, 2) data x model mesh. A worker is killed (or hangs);
-the survivors re-initialise in-process, take the lost shards from the agents (the buddy
-when the whole host died), continue on a (2, 2) mesh, and end allclose (1e-5) to a
-failure-free plain Flax run. Each job is bounded by the launcher's timeout, which kills
-every process it started.
+then a decorated NNX step on a (processes, 2) data x model mesh. `mnemojax.testing.
+run_scenario` does the faults to the processes from outside (SIGKILL of a worker or of a
+whole host, SIGSTOP, a flipped bit in an agent's shared memory, a kill during the
+agreement). Every recovery must end allclose (1e-5) to a failure-free plain Flax run;
+every other outcome is a typed error. Each job is bounded by the launcher's timeout, which
+kills every process it started; no process or shared-memory segment may outlive a job.
+
+In the (n, 2) mesh the parameters are replicated over the data axis, so worker 0 (data row
+0) owns every snapshot shard: losing worker 0's copies is what loses state.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
-from mnemojax._src.distributed.prototype_demo import run_scenario
+from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
 
 STEPS = 10
@@ -27,74 +32,129 @@ def reference():
     return h.reference_run(h.make_batches(STEPS))
 
 
+def _run(tmp_path, faults, *, nproc=3, extra=(), **kw) -> dict:
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
+           "--steps", str(STEPS), *extra]
+    report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=faults,
+                          job_timeout_s=240, **kw)
+    assert not report["unfired"], report["unfired"]
+    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert report["shm_left"] == [], "shared memory outlived the job"
+    return report
 
-def _run(tmp_path, reference, **kw):
-    out = str(tmp_path)
-    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out, "--steps",
-           str(STEPS)]
-    report = run_scenario(out=out, nproc=3, devices_per_proc=2, steps=STEPS, at_step=4,
-                          job_timeout_s=240, cmd=cmd, **kw)
-    assert report["rc"] == 0, report
+
+def _assert_exact(tmp_path, reference) -> dict:
     final = np.load(tmp_path / "final.npz")
     for i, want in enumerate(reference.state):
         np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
-    assert report["shm_left"] == [], "shared memory outlived the job"
     stats = json.loads((tmp_path / "stats.json").read_text())
-    [rec] = stats["recoveries"]
-    assert rec["plan_kind"] == "process_loss" and rec["generation"] == 1
-    assert rec["old_mesh_shape"] == {"data": 3, "model": 2}
-    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
-    assert rec["steps_lost"] <= 1
-    assert set(rec["phases_s"]) == {"detect", "agree", "plan", "compile", "restore", "replay"}
     assert stats["steps_run"] == STEPS
-    return rec, report
+    return stats
+
+
+def _one_recovery(tmp_path, reference, report, *, nproc=3) -> dict:
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    [rec] = stats["recoveries"]
+    assert rec["plan_kind"] == "process_loss" and rec["generation"] >= 1
+    assert rec["old_mesh_shape"] == {"data": nproc, "model": 2}
+    assert set(rec["phases_s"]) == {"detect", "agree", "plan", "compile", "restore", "replay"}
+    return rec
+
+
+def _launcher_events(report, op):
+    return [e for e in report["events"] if e["op"] == op]
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker1", "worker0"])
 def test_kill_worker(tmp_path, reference, victim):
-    rec, report = _run(tmp_path, reference, fault="worker", victim=victim)
-    assert rec["failed_processes"] == [victim]
-    assert report["launcher_knows_s"] < 1.0
+    report = _run(tmp_path, [ProcessFault("kill", victim, 4)])
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["failed_processes"] == [victim] and rec["steps_lost"] <= 1
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
+    assert report["launcher_knows_s"] < 1.0  # the agent sees the exit at once
+    # The dead worker's agent survived: its own copy is served from there.
+    assert rec["fetched_from"][str(victim)] == report["agents"][victim]
 
 
 def test_kill_whole_host_takes_state_from_the_buddy(tmp_path, reference):
-    rec, _ = _run(tmp_path, reference, fault="host", victim=2)
-    assert rec["failed_processes"] == [2]
+    report = _run(tmp_path, [ProcessFault("host", 0, 4)])
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["failed_processes"] == [0]
+    assert rec["fetched_from"]["0"] == report["agents"][1]  # 0's ring buddy
 
 
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
-    rec, _ = _run(tmp_path, reference, fault="hang", victim=1)
+    report = _run(tmp_path, [ProcessFault("hang", 1, 4)])
+    rec = _one_recovery(tmp_path, reference, report)
     assert rec["failed_processes"] == [1]
+
+
+def test_corrupt_copy_is_never_restored(tmp_path, reference):
+    """A bit flips in every snapshot worker 0's agent holds, then worker 0 dies: its agent
+    reports the copies corrupt (CRC32) and the state comes from the buddy, exact."""
+    report = _run(tmp_path, [ProcessFault("corrupt", 0, 4)])
+    rec = _one_recovery(tmp_path, reference, report)
+    [fired] = report["fired"]
+    assert fired["corrupted_steps"], fired
+    corrupt = {(e["origin"], e["step"]) for e in _launcher_events(report, "corrupt_copy")}
+    assert {(0, s) for s in fired["corrupted_steps"]} <= corrupt
+    assert rec["source_step"] in fired["corrupted_steps"]  # the newest step, not an older one
+    assert rec["fetched_from"]["0"] == report["agents"][1]
+
+
+def test_second_failure_during_the_agreement(tmp_path, reference):
+    """Worker 1 dies; worker 2 dies once it has arrived at the survivors' agreement. The
+    others agree again without it (a second round when the decision already included it)
+    and end exact on a (2, 2) mesh."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 4), ProcessFault("kill_in_agreement", 2)],
+                  nproc=4, agree_timeout_s=15)
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    lost = {w for rec in stats["recoveries"] for w in rec["failed_processes"]}
+    assert lost == {1, 2}
+    assert stats["recoveries"][-1]["new_mesh_shape"] == {"data": 2, "model": 2}
+    assert stats["mesh_shape"] == {"data": 2, "model": 2}
+
+
+def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
+    """Hosts 0 and 1 die together: worker 0's shards were on its agent and on its buddy,
+    agent 1. Every survivor raises StateUnavailableError naming worker 0 (exit 4)."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4)
+    assert report["rc"] == 4, report
+    # One decision, or two when worker 1 reached the agreement before its host died.
+    decided = _launcher_events(report, "decided")[-1]
+    assert decided["resume_step"] == -1 and decided["lost"] == [0]
+    for w in (2, 3):
+        text = (tmp_path / f"error-w{w}.txt").read_text()
+        assert text.startswith("StateUnavailableError") and "workers [0]" in text
+
+
+def test_every_copy_lost_falls_back_to_the_checkpoint(tmp_path, reference):
+    """The same double loss with an Orbax checkpoint every 2 steps: the survivors restore
+    the newest checkpoint onto their (2, 2) mesh, replay the kept batches, end exact."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4,
+                  extra=("--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2"))
+    rec = _one_recovery(tmp_path, reference, report, nproc=4)
+    assert rec["source"] == "persistent" and rec["failed_processes"] == [0, 1]
+    assert rec["source_step"] in (2, 4) and rec["new_mesh_shape"] == {"data": 2, "model": 2}
 
 
 def test_nan_batch_is_skipped_by_every_process_alike(tmp_path, reference):
     """The finiteness verdict is global: every process skips the poisoned batch, and a
     kill later in the run still recovers exactly."""
-    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
-           "--steps", str(STEPS), "--nan-at-step", "3"]
-    report = run_scenario(out=str(tmp_path), nproc=3, devices_per_proc=2, steps=STEPS,
-                          at_step=6, job_timeout_s=240, cmd=cmd, fault="worker", victim=1)
+    report = _run(tmp_path, [ProcessFault("kill", 1, 6)], extra=("--nan-at-step", "3"))
     assert report["rc"] == 0, report
-    final = np.load(tmp_path / "final.npz")
-    for i, want in enumerate(reference.state):
-        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    stats = json.loads((tmp_path / "stats.json").read_text())
+    stats = _assert_exact(tmp_path, reference)
     assert stats["skipped_batches"] == [3] and len(stats["recoveries"]) == 1
 
 
 def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference):
     """Worker 0's launch of step 4 fails once with UNAVAILABLE: it retries at once, its
     peers wait in the collective, and no world recovery happens."""
-    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
-           "--steps", str(STEPS), "--transient-worker", "0", "--transient-at-step", "4"]
-    report = run_scenario(out=str(tmp_path), nproc=3, devices_per_proc=2, steps=STEPS,
-                          job_timeout_s=240, cmd=cmd, fault="none")
+    report = _run(tmp_path, [], extra=("--transient-worker", "0", "--transient-at-step", "4"))
     assert report["rc"] == 0, report
-    final = np.load(tmp_path / "final.npz")
-    for i, want in enumerate(reference.state):
-        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    stats = json.loads((tmp_path / "stats.json").read_text())
+    stats = _assert_exact(tmp_path, reference)
     assert stats["transient_retries"] == 1 and stats["recoveries"] == []
     assert stats["mesh_shape"] == {"data": 3, "model": 2}
 
@@ -105,20 +165,15 @@ def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
     in the persistent tier, equal to the failure-free run after that many steps."""
     import orbax.checkpoint as ocp
 
-    out = str(tmp_path)
-    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out, "--steps",
-           str(STEPS), "--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")]
-    report = run_scenario(out=out, nproc=4, devices_per_proc=2, steps=STEPS, at_step=4,
-                          job_timeout_s=240, cmd=cmd, fault="worker", victim=3)
-    assert report["rc"] != 0
-    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
+    report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
+                  extra=("--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")))
+    assert report["rc"] == 3, report
+    assert (tmp_path / "error-w0.txt").read_text().startswith("MeshTooSmallError")
     mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
     saved = mngr.latest_step()
     assert saved is not None and 4 <= saved < STEPS
     state = mngr.restore(saved, args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))["state"]
-    from flax import nnx
-
     model, optimizer = h.make_mlp()  # the failure-free run, plain Flax, `saved` steps
     ref_step = nnx.jit(h.train_step)
     for b in h.make_batches(saved):

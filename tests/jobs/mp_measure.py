@@ -1,6 +1,6 @@
 """Measures multi-process recovery of the resilient job: kill -> detection -> next good step.
 
-python -m tests.jobs.mp_measure --fault worker --victim 1 --collective-timeout-s 10 [--nproc 3]
+python -m tests.jobs.mp_measure --fault kill --victim 1 --collective-timeout-s 10 [--nproc 3]
 
 Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
 published --at-step, and prints, in seconds from the kill: when the launcher knew (its
@@ -13,8 +13,8 @@ import json
 import sys
 import tempfile
 
-from mnemojax._src.distributed.prototype_demo import run_scenario
 from mnemojax._src.events import read_events
+from mnemojax.testing import ProcessFault, run_scenario
 
 
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
@@ -22,10 +22,10 @@ def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps)]
-    report = run_scenario(out=out, nproc=nproc, devices_per_proc=2, steps=steps,
-                          fault=fault, victim=victim, at_step=at_step, cmd=cmd,
+    report = run_scenario(cmd, nproc=nproc, devices_per_proc=2,
+                          faults=[ProcessFault(fault, victim, at_step)],
                           collective_timeout_s=collective_timeout_s, job_timeout_s=280)
-    t_kill = report.pop("_t0", None)
+    t_kill = report["t0"]
     result = {"fault": fault, "victim": victim, "nproc": nproc,
               "collective_timeout_s": collective_timeout_s, "rc": report["rc"],
               "launcher_knows_s": report.get("launcher_knows_s"), "survivors": {}}
@@ -50,7 +50,7 @@ def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--fault", choices=("worker", "host", "hang"), default="worker")
+    p.add_argument("--fault", choices=("kill", "host", "hang", "corrupt"), default="kill")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--collective-timeout-s", type=int, default=10)

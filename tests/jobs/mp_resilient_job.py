@@ -1,10 +1,13 @@
 """A @mnemojax.resilient job for `mnemojax launch`: the MLP on a (processes x 2) mesh.
 
 python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
-    python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S]
+    python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
+    [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
+    [--transient-worker W --transient-at-step K]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
-DIR/stats.json (the resilient step's statistics).
+DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
+status 3 (MeshTooSmallError) or 4 (StateUnavailableError) and its text in DIR/error-wI.txt.
 """
 
 import argparse
@@ -24,6 +27,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from tests import helpers as h  # noqa: E402
 
+EXIT_CODES = {"MeshTooSmallError": 3, "StateUnavailableError": 4}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -37,8 +42,8 @@ def main() -> None:
     parser.add_argument("--transient-worker", type=int, default=-1,
                         help="this worker's step ... fails once with a retryable error")
     parser.add_argument("--transient-at-step", type=int, default=-1, help="... at this step")
-    parser.add_argument("--hang-worker", type=int, default=-1, help="this worker hangs ...")
-    parser.add_argument("--hang-at-step", type=int, default=-1, help="... before this step")
+    parser.add_argument("--ckpt-every", type=int, default=0,
+                        help="Orbax checkpoint every N steps (with --ckpt)")
     args = parser.parse_args()
     me = session.world.stable_id if session is not None else 0
     mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
@@ -50,10 +55,9 @@ def main() -> None:
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}", nonfinite="skip_batch",
-                                  persistent=mnemojax.PersistentOptions(directory=args.ckpt)))
+                                  persistent=mnemojax.PersistentOptions(
+                                      directory=args.ckpt, every_steps=args.ckpt_every)))
     for k, batch in enumerate(h.make_batches(args.steps), start=1):
-        if me == args.hang_worker and k == args.hang_at_step and step.statistics.recoveries == []:
-            time.sleep(3600)  # a hung process: only the agent's watchdog can notice
         if k == args.nan_at_step:  # every process gets the same global batch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
@@ -61,9 +65,13 @@ def main() -> None:
                                         "y": batch["y"]})
         try:
             step(model, optimizer, batch)
-        except mnemojax.errors.MeshTooSmallError as exc:
-            print(f"mnemojax job: {exc}", flush=True)
-            raise SystemExit(3) from exc
+        except (mnemojax.errors.MeshTooSmallError,
+                mnemojax.errors.StateUnavailableError) as exc:
+            print(f"mnemojax job: {type(exc).__name__}: {exc}", flush=True)
+            code = EXIT_CODES[type(exc).__name__]
+            with open(os.path.join(args.out, f"error-w{me}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            raise SystemExit(code) from exc
         time.sleep(args.step_sleep_s)
     full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
             for x in jax.tree.leaves(nnx.state((model, optimizer)))]

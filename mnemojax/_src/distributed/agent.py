@@ -36,9 +36,11 @@ import threading
 import time
 
 from mnemojax._src.distributed import protocol
+from mnemojax._src.distributed.agreement import CopyInfo
 from mnemojax._src.distributed.env import AGENT
 from mnemojax._src.distributed.errors import ChecksumError
 from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.distributed.watchdog import HangWatchdog, ReplicaStore
 
 logger = logging.getLogger("mnemojax")
@@ -153,12 +155,36 @@ class Agent:
         if op == "get":
             return self._get(h["origin"], h["step"])
         if op == "holdings":
-            held = {str(o): s for o, s in self.replicas.holdings().items()}
-            with self._lock:
-                if self.buffer is not None:
-                    held[str(self.worker_id)] = sorted(self.buffer.holdings())
-            return {"op": "holdings", "held": held}, b""
+            copies, corrupt = self._verified_copies()
+            return {"op": "holdings", "copies": copies, "corrupt": corrupt}, b""
         return {"op": "error", "message": f"unknown op {op!r}"}, b""
+
+    def _verified_copies(self) -> tuple[list[dict], list[dict]]:
+        """Every copy held (own slots, buddies' replicas), each checked against its CRC32
+        now, with what it covers; a corrupt copy is listed apart and never counted."""
+        found, corrupt = [], []
+        with self._lock:
+            if self.buffer is not None:
+                for step in sorted(self.buffer.holdings()):
+                    try:
+                        found.append((self.worker_id, self.buffer.read(step)[1]))
+                    except (ChecksumError, KeyError) as e:
+                        corrupt.append({"origin": self.worker_id, "step": step,
+                                        "error": str(e)})
+        good, bad = self.replicas.verify()
+        found += [(origin, payload) for origin, _, payload in good]
+        corrupt += [{"origin": o, "step": s, "error": "replica fails its CRC32 check"}
+                    for o, s in bad]
+        copies = []
+        for origin, payload in found:
+            try:
+                copies.append(CopyInfo.from_meta(origin, read_meta(payload)).to_json())
+            except (ValueError, KeyError, TypeError) as e:  # not a snapshot payload
+                corrupt.append({"origin": origin, "step": None, "error": f"metadata: {e}"})
+        for c in corrupt:
+            logger.warning("agent %d: corrupt copy of worker %s step %s: %s", self.worker_id,
+                           c["origin"], c["step"], c["error"])
+        return copies, corrupt
 
     def _get(self, origin: int, step: int):
         try:

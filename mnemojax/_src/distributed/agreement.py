@@ -10,13 +10,20 @@ Protocol (one round per failure; ``generation`` counts worlds, 0 at launch):
    which it is killed: an evicted member can never come back into a later world).
 2. The coordinator then decides once for everyone (**atomic:** every survivor of world g gets
    the same `Agreement`, or every call raises `AgreementError`): the survivors in old rank
-   order become ranks 0..n-1 of world g+1; the resume step is the newest step s for which a
-   complete, checksummed copy of *every* old member's snapshot is held by a live agent (its
-   own agent or its ring buddy), so a recovery never mixes steps across hosts.
+   order become ranks 0..n-1 of world g+1; the resume step is the newest step s whose
+   copies on live agents (a worker's own agent or its ring buddy), each verified against its
+   CRC32 when the agents are asked, cover every element of every leaf (`choose_resume_step`),
+   so a recovery never mixes steps across hosts and never restores a corrupt copy. A worker
+   whose shards are all replicated elsewhere need not have a copy. When no step is complete,
+   the decision says which workers' state is lost (``resume_step == -1``).
    Every arrival has detached, so the coordinator then stops world g's service (service
    last) and has already started world g+1's.
 3. Each survivor joins world g+1 (its ``connect`` is itself a barrier over world g+1),
    restores state of step s from the agents named in ``sources``, and replays from s+1.
+
+A member that dies while waiting at the barrier leaves it (it is not put into world g+1). One
+that dies after the decision never joins world g+1: the others' ``connect`` times out and they
+agree again, over world g+1 (a second round; `recovery.recover_world`).
 
 `Coordinator` is the small interface the worker uses; `LauncherCoordinator` implements it
 against the launcher on one machine (a later issue can put the same two calls on etcd).
@@ -26,7 +33,8 @@ against the launcher on one machine (a later issue can put the same two calls on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from mnemojax._src.distributed import protocol
@@ -43,11 +51,17 @@ class Agreement:
         process_id: the caller's rank in the new world.
         num_processes: size of the new world.
         coordinator: ``host:port`` of the new world's coordination service.
-        resume_step: the step whose state every survivor restores (then replays s+1...).
+        resume_step: the step whose state every survivor restores (then replays s+1...);
+            -1 when no step's state is complete anywhere (see ``lost``).
         survivors: worker ids in new rank order.
         previous_members: worker ids of the old world in old rank order.
-        sources: ``worker_id -> agent addresses`` holding that worker's snapshot of
-            ``resume_step`` (first = preferred).
+        sources: ``origin worker id -> agent addresses`` holding a verified copy of that
+            worker's snapshot of ``resume_step`` (first = preferred). Only the origins whose
+            shards are needed: together they cover every leaf.
+        lost: when ``resume_step == -1``, the old members whose shards no live agent holds
+            a verified copy of (their agent and ring buddy are gone, or the copies are
+            corrupt). The survivors still form the new world, then fall back to the
+            persistent tier or raise a typed error.
     """
 
     generation: int
@@ -59,6 +73,7 @@ class Agreement:
     survivors: tuple[int, ...]
     previous_members: tuple[int, ...]
     sources: Mapping[int, tuple[str, ...]]
+    lost: tuple[int, ...] = ()
 
 
 class Coordinator(Protocol):
@@ -75,28 +90,75 @@ class Coordinator(Protocol):
         """
 
 
-def choose_resume_step(members: Sequence[int],
-                       holdings: Mapping[str, Mapping[int, Sequence[int]]]) -> int:
-    """The newest step with a copy of every member's snapshot somewhere live.
+@dataclasses.dataclass(frozen=True)
+class CopyInfo:
+    """What one verified snapshot copy covers (from its metadata, `snapshot_codec.read_meta`).
 
-    Args:
-        members: worker ids of the old world.
-        holdings: ``agent address -> {origin worker id -> steps held}`` of the live agents.
-
-    Raises:
-        AgreementError: some step is not covered for every member (generation -1 here).
+    Attributes:
+        origin: the worker whose shards these are.
+        step / generation: the step, and the world (one mesh) that produced it.
+        num_leaves: leaves in the whole state.
+        shards: ``(leaf, global shape, index)`` per shard, index ``((start, stop), ...)``.
     """
-    per_member = []
-    for m in members:
-        steps = set()
-        for held in holdings.values():
-            steps.update(held.get(m, ()))
-        per_member.append(steps)
-    common = set.intersection(*per_member) if per_member else set()
-    if not common:
-        raise AgreementError(f"no step is held for every member {list(members)}: "
-                             f"{dict(holdings)}", generation=-1)
-    return max(common)
+
+    origin: int
+    step: int
+    generation: int
+    num_leaves: int
+    shards: tuple[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]], ...]
+
+    @classmethod
+    def from_meta(cls, origin: int, meta: Mapping) -> CopyInfo:
+        return cls(origin, int(meta["step"]), int(meta.get("generation", 0)),
+                   int(meta["num_leaves"]),
+                   tuple((int(m["leaf"]), tuple(m["shape"]), tuple(tuple(i) for i in m["index"]))
+                         for m in meta["shards"]))
+
+    def to_json(self) -> dict:
+        return {"origin": self.origin, "step": self.step, "generation": self.generation,
+                "num_leaves": self.num_leaves,
+                "shards": [[leaf, list(shape), [list(i) for i in index]]
+                           for leaf, shape, index in self.shards]}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> CopyInfo:
+        return cls(int(d["origin"]), int(d["step"]), int(d["generation"]), int(d["num_leaves"]),
+                   tuple((int(leaf), tuple(shape), tuple(tuple(i) for i in index))
+                         for leaf, shape, index in d["shards"]))
+
+
+def missing_leaves(copies: Iterable[CopyInfo]) -> list[int]:
+    """Leaves not fully covered by the shards of ``copies`` (all of one step and world).
+
+    Shards of one mesh are equal or disjoint, so a leaf is covered when its distinct shards'
+    volumes add up to the leaf's size.
+    """
+    copies = list(copies)
+    if not copies:
+        return []
+    boxes: dict[int, set] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for c in copies:
+        for leaf, shape, index in c.shards:
+            boxes.setdefault(leaf, set()).add(index)
+            shapes[leaf] = shape
+    return [leaf for leaf in range(copies[0].num_leaves)
+            if leaf not in boxes or sum(math.prod(b - a for a, b in index)
+                                        for index in boxes[leaf]) < math.prod(shapes[leaf])]
+
+
+def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]]) -> tuple[int, int] | None:
+    """The newest (step, generation) whose verified copies on live agents cover every leaf.
+
+    Copies of the same step from a newer world (a replayed step) are preferred. None: no
+    step is complete anywhere.
+    """
+    groups: dict[tuple[int, int], list[CopyInfo]] = {}
+    for copies in holdings.values():
+        for c in copies:
+            groups.setdefault((c.step, c.generation), []).append(c)
+    complete = [key for key, copies in groups.items() if not missing_leaves(copies)]
+    return max(complete) if complete else None
 
 
 class AgreementBook:
@@ -110,7 +172,10 @@ class AgreementBook:
         self.decision: dict[int, Agreement] | None = None
 
     def mark_dead(self, worker_id: int) -> None:
-        if worker_id in self.members and worker_id not in self.arrived:
+        """A member died. Before the decision it leaves the barrier even if it had arrived
+        (a survivor that dies while waiting is not put into the new world)."""
+        if worker_id in self.members and self.decision is None:
+            self.arrived.pop(worker_id, None)
             self.dead.add(worker_id)
 
     def arrive(self, worker_id: int, generation: int, last_step: int) -> None:
@@ -130,23 +195,52 @@ class AgreementBook:
     def complete(self) -> bool:
         return bool(self.arrived) and not self.missing()
 
-    def decide(self, *, coordinator: str,
-               holdings: Mapping[str, Mapping[int, Sequence[int]]]) -> dict[int, Agreement]:
-        """Decides the new world once (idempotent); ``holdings`` come from live agents."""
+    def decide(self, *, coordinator: str, holdings: Mapping[str, Sequence[CopyInfo]],
+               homes: Mapping[int, str] | None = None,
+               members_of: Mapping[int, Sequence[int]] | None = None) -> dict[int, Agreement]:
+        """Decides the new world once (idempotent).
+
+        Args:
+            coordinator: the new world's coordination service.
+            holdings: the verified copies held by the live agents (address -> copies).
+            homes: worker id -> its own agent; a worker's own agent is listed first among
+                the sources of its snapshot (a buddy also serves its own worker's).
+            members_of: generation -> its members, to name the lost workers when the
+                newest copies come from an older world (default: this world's members).
+        """
         if self.decision is not None:
             return self.decision
         if not self.complete():
             raise AgreementError(f"barrier incomplete, waiting for {self.missing()}",
                                  generation=self.generation)
-        step = choose_resume_step(self.members, holdings)
+        chosen = choose_resume_step(holdings)
         survivors = tuple(m for m in self.members if m in self.arrived)
-        sources = {m: tuple(a for a, held in holdings.items() if step in held.get(m, ()))
-                   for m in self.members}
+        step, sources, lost = -1, {}, ()
+        if chosen is not None:
+            step = chosen[0]
+            for addr, copies in holdings.items():
+                for c in copies:
+                    if (c.step, c.generation) == chosen:
+                        sources.setdefault(c.origin, []).append(addr)
+        else:
+            every = [c for copies in holdings.values() for c in copies]
+            newest = max(((c.step, c.generation) for c in every), default=None)
+            members = (members_of or {}).get(newest[1], self.members) if newest \
+                else self.members
+            present = {c.origin for c in every if (c.step, c.generation) == newest}
+            # A worker that holds no shards in that world (all its shards are replicas of
+            # others') loses nothing; its layout is the same at every step of a world.
+            empty = {c.origin for c in every if newest and c.generation == newest[1]
+                     and not c.shards}
+            lost = tuple(m for m in members if m not in present and m not in empty)
+        homes = homes or {}
+        sources = {o: tuple(sorted(a, key=lambda addr, o=o: addr != homes.get(o)))
+                   for o, a in sorted(sources.items())}
         self.decision = {
             w: Agreement(generation=self.generation + 1, worker_id=w, process_id=i,
                          num_processes=len(survivors), coordinator=coordinator,
                          resume_step=step, survivors=survivors, previous_members=self.members,
-                         sources=sources)
+                         sources=sources, lost=lost)
             for i, w in enumerate(survivors)}
         return self.decision
 
@@ -160,6 +254,7 @@ def agreement_to_json(a: Agreement) -> dict:
 def agreement_from_json(d: Mapping) -> Agreement:
     return Agreement(**{**d, "survivors": tuple(d["survivors"]),
                         "previous_members": tuple(d["previous_members"]),
+                        "lost": tuple(d.get("lost", ())),
                         "sources": {int(k): tuple(v) for k, v in d["sources"].items()}})
 
 

@@ -166,16 +166,24 @@ def configure_process(world: WorldSpec) -> None:
         jax.config.update("jax_num_cpu_devices", world.devices_per_proc)
 
 
+def _client_error(*status) -> None:
+    logger.warning("coordination client error: %s", status)
+
+
 def _connect(world: WorldSpec, init_timeout_s: int) -> None:
     from jax._src import distributed
     from jax._src.lib import _jax
     state = distributed.global_state
     if state.client is not None:
         raise DistributedError("this process already has a distributed client")
+    # With any error callback set, a failed connect (a member of the new world died after
+    # the agreement) raises in Python instead of aborting the process (the default callback
+    # is a fatal log). jaxlib 0.10 cannot pass the absl status to Python (the call fails
+    # with std::bad_cast before reaching the callback), so the callback itself never runs.
     client = _jax.get_distributed_runtime_client(
         world.coordinator, world.process_id, init_timeout=init_timeout_s,
         heartbeat_timeout=world.heartbeat_s, shutdown_timeout=world.heartbeat_s,
-        use_compression=True)
+        missed_heartbeat_callback=_client_error, use_compression=True)
     client.connect()
     # The fields jax.distributed.initialize would set; no preemption sync manager (it
     # depends on the client and would have to be rebuilt on every re-initialisation).
@@ -230,6 +238,20 @@ def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120) -> None:
     from jax.experimental import multihost_utils
     _connect(world, init_timeout_s)
     multihost_utils.live_devices.devices = None  # stale device map of the old world
+    _forget_orbax_client()
+
+
+def _forget_orbax_client() -> None:
+    """Orbax caches the distributed client of the first world it saw (for its commit
+    signals); after a re-initialisation its saves would talk to a stopped service."""
+    import sys
+    module = sys.modules.get("orbax.checkpoint._src.futures.signaling_client")
+    cached = getattr(module, "get_signaling_client", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    elif module is not None:
+        logger.warning("orbax's signaling client cache moved: checkpoints after a world "
+                       "re-initialisation may fail")
 
 
 def barrier(name: str, timeout_s: float = 300.0) -> None:

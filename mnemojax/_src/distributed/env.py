@@ -23,6 +23,7 @@ CONTROL = "MNEMOJAX_CONTROL"  # launcher's agreement endpoint, host:port
 AGENT = "MNEMOJAX_AGENT"  # this worker's agent, host:port
 GENERATION = "MNEMOJAX_GENERATION"
 WORKER_ID = "MNEMOJAX_WORKER_ID"  # stable id of the host slot (process id at launch)
+ATTACH_TIMEOUT_S = "MNEMOJAX_ATTACH_TIMEOUT_S"
 SLURM_DEFAULT_PORT = 8476
 
 
@@ -42,6 +43,8 @@ class WorldSpec:
         generation: world generation (0 at launch, +1 per re-initialisation).
         worker_id: stable id of this worker's host slot (its process id at launch; kept
             when a re-initialisation renumbers the processes). None: same as process_id.
+        attach_timeout_s: how long joining a survivors' world may wait for its members;
+            when one died after the agreement, the others agree again after this long.
     """
 
     coordinator: str
@@ -54,6 +57,7 @@ class WorldSpec:
     agent: str | None = None
     generation: int = 0
     worker_id: int | None = None
+    attach_timeout_s: int = 60
 
     @property
     def stable_id(self) -> int:
@@ -125,6 +129,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> WorldSpec:
         agent=env.get(AGENT) or None,
         generation=_int(env, GENERATION) or 0,
         worker_id=_int(env, WORKER_ID),
+        attach_timeout_s=_int(env, ATTACH_TIMEOUT_S) or 60,
     )
     if env.get(COORDINATOR):
         pid, n = _int(env, PROCESS_ID), _int(env, NUM_PROCESSES)

@@ -11,6 +11,7 @@ group) and its worker in the same group, both with PDEATHSIG (set in the child):
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from mnemojax._src.distributed import coordination, env, protocol
 from mnemojax._src.distributed.agent import agent_command
-from mnemojax._src.distributed.agreement import AgreementBook, agreement_to_json
+from mnemojax._src.distributed.agreement import AgreementBook, CopyInfo, agreement_to_json
 from mnemojax._src.distributed.errors import AgreementError, DistributedError
 from mnemojax._src.distributed.shm import sweep
 from mnemojax._src.errors import InvalidOptionError
@@ -46,7 +47,9 @@ class LaunchOptions:
         hang_factor: hang = no step for this multiple of the median step time.
         hang_min_s: floor of the hang threshold; raised to ``collective_timeout_s + 10`` so a
             survivor blocked on a dead peer's collective is never mistaken for a hung one.
-        agree_timeout_s: members not at the agreement barrier by then are evicted (killed).
+        agree_timeout_s: members not at the agreement barrier by then are evicted (killed);
+            also how long survivors wait to join the new world before agreeing again
+            (a member died after the decision).
         recover: False: any worker failure ends the job (the failure's exit status).
         job_timeout_s: kill everything after this long (None: no limit).
         grace_s: SIGTERM-to-SIGKILL grace at cleanup.
@@ -94,6 +97,7 @@ class Launcher:
         self._cv = threading.Condition()
         self._services: dict[int, coordination.CoordinationService] = {}
         self._book = AgreementBook(0, range(options.nproc))
+        self._worlds: dict[int, tuple[int, ...]] = {0: self._book.members}  # gen -> members
         self._failed_code: int | None = None
         self._server, self.control = protocol.listen()
         self.shm_prefix = f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
@@ -159,8 +163,7 @@ class Launcher:
             for m in self._links:  # survivors may now block for up to the collective timeout
                 if m != w:
                     self._command(m, {"op": "pause_watchdog"})
-            if self._failed_code is None:
-                self._failed_code = 128 - code if code < 0 else code
+            self._failed_code = 128 - code if code < 0 else code  # the newest failure
 
     def _request(self, h: dict) -> dict:
         op, w = h["op"], h["worker_id"]
@@ -189,26 +192,46 @@ class Launcher:
                 self._cv.wait(timeout=min(left, 0.5))
             if book.decision is None:
                 self._decide(book)
+            if w not in book.decision:  # it died while waiting: it is not in the new world
+                raise AgreementError(f"worker {w} died during the agreement",
+                                     generation=book.generation)
             return book.decision[w]
 
-    def _decide(self, book: AgreementBook) -> None:
-        holdings = {}
-        for addr in self.agent_addr.values():
+    def _holdings(self) -> dict[str, list[CopyInfo]]:
+        """Asks every live agent, at once, for its copies (each CRC-checked by the agent)."""
+        def ask(addr):
             try:
-                reply, _ = protocol.request(addr, {"op": "holdings"}, timeout_s=5)
-                holdings[addr] = {int(o): s for o, s in reply["held"].items()}
+                return protocol.request(addr, {"op": "holdings"}, timeout_s=60)[0]
             except (OSError, ConnectionError, protocol.ProtocolError):
+                return None  # an agent that cannot answer holds nothing we can use
+        addrs = list(self.agent_addr.values())
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(addrs))) as pool:
+            replies = list(pool.map(ask, addrs))
+        holdings = {}
+        for addr, reply in zip(addrs, replies, strict=True):
+            if reply is None:
                 continue
+            holdings[addr] = [CopyInfo.from_json(c) for c in reply["copies"]]
+            for bad in reply["corrupt"]:
+                self._record({"op": "corrupt_copy", "agent": addr, **bad})
+        return holdings
+
+    def _decide(self, book: AgreementBook) -> None:
+        holdings = self._holdings()
         survivors = [m for m in book.members if m in book.arrived]
         service = self._start_service(book.generation + 1, len(survivors))
         try:
-            decision = book.decide(coordinator=service.address, holdings=holdings)
+            decision = book.decide(coordinator=service.address, holdings=holdings,
+                                   homes=self.agent_addr, members_of=self._worlds)
         except AgreementError:
             service.shutdown()
             raise
+        first = decision[survivors[0]]
         self._record({"op": "decided", "generation": book.generation + 1,
-                      "survivors": survivors, "resume_step": decision[survivors[0]].resume_step})
+                      "survivors": survivors, "resume_step": first.resume_step,
+                      "lost": list(first.lost)})
         self._book = AgreementBook(book.generation + 1, survivors)
+        self._worlds[book.generation + 1] = tuple(survivors)
         old = self._services.pop(book.generation, None)
         if old is not None:  # service last: every survivor detached before it arrived
             old.shutdown()
@@ -238,6 +261,7 @@ class Launcher:
                 env.NUM_PROCESSES: str(o.nproc), env.WORKER_ID: str(w), env.GENERATION: "0",
                 env.DEVICES_PER_PROC: str(o.devices_per_proc), env.HEARTBEAT_S: str(o.heartbeat_s),
                 env.COLLECTIVE_TIMEOUT_S: str(o.collective_timeout_s), env.CONTROL: self.control,
+                env.ATTACH_TIMEOUT_S: str(max(1, round(o.agree_timeout_s))),
                 "JAX_PLATFORMS": "cpu"}
 
     def _start(self) -> None:

@@ -1,8 +1,8 @@
 """The worker's recovery sequence after a peer failure (the lead's resilient step calls it).
 
 `recover_world` runs steps 1-3 of the agreement protocol (see `agreement`) and the in-process
-re-initialisation of DESIGN §4, then fetches every old worker's snapshot of the agreed step
-from the live agents. The caller then rebuilds its mesh over ``jax.devices()``, restores
+re-initialisation of DESIGN §4, then fetches the snapshots of the agreed step that cover the
+state from the live agents. The caller then rebuilds its mesh over ``jax.devices()``, restores
 (`state_transfer.restore_leaves`), compiles, waits at `coordination.barrier` and replays.
 """
 
@@ -27,9 +27,12 @@ class WorldRecovery:
     Attributes:
         agreement: what the survivors agreed on.
         world: this process's place in the new world.
-        payloads: every old worker's snapshot of ``agreement.resume_step`` (CRC-checked).
+        payloads: the snapshots of ``agreement.resume_step`` named in its ``sources``
+            (CRC-checked); together they cover every leaf.
         phases: seconds per phase: ``detach``, ``agree``, ``attach``, ``fetch``.
         fetched_from: old worker id -> agent address its copy came from.
+        rounds: agreement rounds it took (more than 1 when a survivor died after a decision).
+        members: worker ids of the world that failed (before the first round).
     """
 
     agreement: Agreement
@@ -37,6 +40,8 @@ class WorldRecovery:
     payloads: list[bytearray]
     phases: dict[str, float]
     fetched_from: dict[int, str]
+    rounds: int = 1
+    members: tuple[int, ...] = ()
 
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
@@ -50,7 +55,12 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
 
     Barrier semantics: `Coordinator.agree` returns once every live member of ``world`` has
     arrived (or was declared dead); every survivor gets the same agreement or an
-    `AgreementError`. Joining the new world is a second barrier (``connect``).
+    `AgreementError`. Joining the new world is a second barrier (``connect``): when a member
+    of the new world died after the decision, it times out (``world.attach_timeout_s``) for
+    every survivor alike, and they agree again over the new world (another round).
+
+    When ``agreement.resume_step == -1`` (no step's state survives, `Agreement.lost`), the
+    new world is joined but nothing is fetched: the caller falls back or raises.
 
     Args:
         coordinator: the agreement service (`LauncherCoordinator` under ``mnemojax launch``).
@@ -59,32 +69,45 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         reason: what was seen (logged by the coordinator).
         own_agent: this worker's agent, preferred as a source for its own snapshot.
     """
-    phases = {}
+    phases = {"detach": 0.0, "agree": 0.0, "attach": 0.0}
     t = time.perf_counter()
     coordinator.report_failure(generation=world.generation, reason=reason[:500])
     coordination.detach_worker()
     phases["detach"] = time.perf_counter() - t
-    t = time.perf_counter()
-    agreement = coordinator.agree(generation=world.generation, last_step=last_step)
-    phases["agree"] = time.perf_counter() - t
-    new_world = dataclasses.replace(
-        world, coordinator=agreement.coordinator, process_id=agreement.process_id,
-        num_processes=agreement.num_processes, generation=agreement.generation,
-        worker_id=world.stable_id)
-    t = time.perf_counter()
-    coordination.attach_worker(new_world)
-    phases["attach"] = time.perf_counter() - t
+    rounds, members = 0, None
+    while True:
+        rounds += 1
+        t = time.perf_counter()
+        agreement = coordinator.agree(generation=world.generation, last_step=last_step)
+        members = members or agreement.previous_members
+        phases["agree"] += time.perf_counter() - t
+        world = dataclasses.replace(
+            world, coordinator=agreement.coordinator, process_id=agreement.process_id,
+            num_processes=agreement.num_processes, generation=agreement.generation,
+            worker_id=world.stable_id)
+        t = time.perf_counter()
+        try:
+            coordination.attach_worker(world, init_timeout_s=world.attach_timeout_s)
+            phases["attach"] += time.perf_counter() - t
+            break
+        except RuntimeError as e:  # a member of the new world never came (connect timed out)
+            phases["attach"] += time.perf_counter() - t
+            logger.warning("world %d did not form within %d s (a member died after the "
+                           "agreement?): %s; agreeing again", world.generation,
+                           world.attach_timeout_s, e)
+            coordinator.report_failure(generation=world.generation,
+                                       reason=f"world did not form: {e}"[:500])
     t = time.perf_counter()
     payloads, fetched_from = [], {}
-    for origin in agreement.previous_members:
-        addrs = list(agreement.sources[origin])
+    for origin, addrs in agreement.sources.items():
+        addrs = list(addrs)
         if own_agent in addrs and origin == world.stable_id:
             addrs.remove(own_agent)
             addrs.insert(0, own_agent)
         payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step)
         payloads.append(payload)
     phases["fetch"] = time.perf_counter() - t
-    logger.info("world %d: ranks %s, resume from step %d (%s)", agreement.generation,
-                agreement.survivors, agreement.resume_step,
+    logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
+                agreement.generation, agreement.survivors, agreement.resume_step, rounds,
                 ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
-    return WorldRecovery(agreement, new_world, payloads, phases, fetched_from)
+    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)

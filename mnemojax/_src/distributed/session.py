@@ -54,7 +54,8 @@ class DistributedSession:
         the copy must finish before the next step may replace the arrays)."""
         if self.agent is not None:
             self.agent.publish(step, snapshot_codec.pack(
-                step, self.world.stable_id, state_transfer.local_shards(leaves)))
+                step, self.world.stable_id, state_transfer.local_shards(leaves),
+                num_leaves=len(leaves), generation=self.world.generation))
 
     def recover(self, *, last_step: int, reason: str) -> WorldRecovery:
         """Agrees with the survivors and joins the new world (see `recover_world`)."""

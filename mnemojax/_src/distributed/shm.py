@@ -155,6 +155,21 @@ class SnapshotBuffer:
             raise ChecksumError(f"snapshot of step {s} fails its CRC32 check")
         return s, data, crc
 
+    def flip_bit(self, step: int | None = None) -> list[int]:
+        """Flips one bit in the middle of every complete snapshot (or only ``step``'s),
+        leaving the headers alone: what a memory error does. For fault injection.
+
+        Returns:
+            The steps whose copies are now corrupt.
+        """
+        hit = []
+        for i in range(NUM_SLOTS):
+            _, s, nbytes, _, complete = self._header(i)
+            if complete and nbytes and (step is None or s == step):
+                self._shm.buf[DATA_AT + i * self.slot_bytes + nbytes // 2] ^= 0x10
+                hit.append(s)
+        return sorted(hit)
+
     def close(self) -> None:
         """Unmaps the segment; the owner also unlinks it."""
         try:

@@ -85,3 +85,20 @@ class ReplicaStore:
 
     def holdings(self) -> dict[int, list[int]]:
         return {o: sorted(h) for o, h in self._by_origin.items() if h}
+
+    def verify(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int]]]:
+        """Checks every copy against its CRC32 again (memory can flip after the put).
+
+        Returns:
+            ``(origin, step, payload)`` of the good copies, and ``(origin, step)`` of the
+            corrupt ones, which are dropped (never served).
+        """
+        good, bad = [], []
+        for origin, held in self._by_origin.items():
+            for step, (payload, crc) in list(held.items()):
+                if zlib.crc32(payload) == crc:
+                    good.append((origin, step, payload))
+                else:
+                    bad.append((origin, step))
+                    del held[step]
+        return good, bad

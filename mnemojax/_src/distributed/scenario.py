@@ -1,0 +1,149 @@
+"""Run a multi-process job under the launcher and inject process faults from outside.
+
+The faults are done to the processes the way real ones happen, never through a hook in the
+recovery code: ``kill`` is a SIGKILL of the worker, ``host`` also kills its agent (the whole
+host is gone, with its copy of the snapshot), ``hang`` stops the worker (SIGSTOP: no error,
+no progress; only the agent's watchdog can notice), ``corrupt`` flips a bit in every
+snapshot the worker's agent holds in shared memory and then kills the worker (its own copy
+must not be restored), and ``kill_in_agreement`` kills the worker once it has arrived at
+the survivors' agreement of an earlier fault (a failure during the recovery).
+
+A fault fires when its victim has published ``at_step`` (the agent's ``progress`` event),
+or for ``kill_in_agreement`` when the victim calls ``agree``. ``python -m mnemojax launch``
+is the same launcher without the faults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+
+from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.errors import InvalidOptionError
+
+KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFault:
+    """One fault done to worker ``victim`` once it has published step ``at_step``.
+
+    Attributes:
+        kind: ``kill``, ``host``, ``hang``, ``corrupt`` or ``kill_in_agreement`` (module
+            docstring).
+        victim: the worker's stable id (its process id at launch).
+        at_step: the step after which it fires (ignored by ``kill_in_agreement``).
+    """
+
+    kind: str
+    victim: int
+    at_step: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidOptionError(f"kind={self.kind!r} is not a process fault: "
+                                     f"expected one of {KINDS}")
+        if self.victim < 0 or self.at_step < 0:
+            raise InvalidOptionError(f"victim={self.victim}, at_step={self.at_step}: "
+                                     "expected both >= 0")
+
+
+def corrupt_agent_copies(segment: str, step: int | None = None) -> list[int]:
+    """Flips a bit in the snapshots held in an agent's shared-memory segment.
+
+    Args:
+        segment: the segment's name (``/dev/shm/<segment>``).
+        step: only this step's copy (default: every complete copy).
+
+    Returns:
+        The steps whose copies are now corrupt.
+    """
+    buffer = SnapshotBuffer.attach(segment)
+    try:
+        return buffer.flip_bit(step)
+    finally:
+        buffer.close()
+
+
+def _segment_of(launcher: Launcher, worker: int) -> str | None:
+    """The newest shared-memory segment of ``worker``'s agent (it grows by re-creating)."""
+    names = glob.glob(f"/dev/shm/{launcher.shm_prefix}w{worker}_*")
+    if not names:
+        return None
+    return os.path.basename(max(names, key=lambda n: int(n.rsplit("_", 1)[1])))
+
+
+def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
+                 faults: Sequence[ProcessFault] = (), collective_timeout_s: int = 10,
+                 heartbeat_s: int = 10, agree_timeout_s: float = 30.0,
+                 hang_min_s: float = 3.0, job_timeout_s: float = 280.0,
+                 extra_env: dict[str, str] | None = None) -> dict:
+    """Runs ``cmd`` on ``nproc`` workers under the launcher, firing ``faults``.
+
+    Every process is ended by the launcher's cleanup, also on the job timeout.
+
+    Returns:
+        ``rc`` (the job's exit status), ``fired`` (each fault with its step and wall time),
+        ``events`` (the launcher's), ``agents`` (worker id -> agent address), ``pids`` (every
+        agent and worker started), ``shm_left`` (segments of this job still in /dev/shm),
+        ``t0`` (wall time of the first fault) and ``launcher_knows_s`` (from the first
+        fault to the launcher learning of it).
+    """
+    pending = list(faults)
+    fired: list[dict] = []
+    lock = threading.Lock()
+    launcher: Launcher | None = None
+
+    def fire(fault: ProcessFault, event: dict) -> None:
+        worker = launcher.worker_pids.get(fault.victim)
+        record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
+                  "t": time.time()}
+        if fault.kind == "corrupt":
+            segment = _segment_of(launcher, fault.victim)
+            record["corrupted_steps"] = corrupt_agent_copies(segment) if segment else []
+        fired.append(record)
+        if fault.kind == "hang":
+            os.kill(worker, signal.SIGSTOP)
+            return
+        os.kill(worker, signal.SIGKILL)
+        if fault.kind == "host":
+            os.kill(launcher.agents[fault.victim].pid, signal.SIGKILL)
+
+    def on_event(event: dict) -> None:
+        op = event["op"]
+        if op not in ("progress", "agree"):
+            return
+        with lock:
+            for fault in pending:
+                due = (op == "agree" and fault.kind == "kill_in_agreement"
+                       and event["worker_id"] == fault.victim) or (
+                    op == "progress" and fault.kind != "kill_in_agreement"
+                    and event["worker_id"] == fault.victim and event["step"] >= fault.at_step)
+                if due:
+                    pending.remove(fault)
+                    threading.Thread(target=fire, args=(fault, event), daemon=True).start()
+                    return
+
+    options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
+                            heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,
+                            agree_timeout_s=agree_timeout_s, hang_factor=10.0,
+                            hang_min_s=hang_min_s, job_timeout_s=job_timeout_s)
+    launcher = Launcher(options, list(cmd), extra_env=extra_env, on_event=on_event)
+    rc = launcher.run()
+    t0 = min((f["t"] for f in fired), default=None)
+    knows = [e["t"] for e in launcher.events if t0 is not None and e["t"] >= t0
+             and e["op"] in ("worker_exit", "agent_lost", "hang")]
+    return {
+        "rc": rc, "fired": fired, "unfired": [dataclasses.asdict(f) for f in pending],
+        "events": launcher.events, "t0": t0,
+        "launcher_knows_s": round(min(knows) - t0, 3) if knows else None,
+        "agents": {e["worker_id"]: e["address"] for e in launcher.events if e["op"] == "hello"},
+        "pids": [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values()),
+        "shm_left": [n for n in os.listdir("/dev/shm") if n.startswith(launcher.shm_prefix)],
+    }
