@@ -37,6 +37,7 @@ from mnemojax._src.distributed.errors import (
     WorldConfigError,
 )
 from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.scenario import process_alive
 from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
 from mnemojax._src.distributed.snapshot_codec import (
     ShardEntry,
@@ -48,7 +49,6 @@ from mnemojax._src.distributed.snapshot_codec import (
 from mnemojax._src.distributed.watchdog import HangWatchdog, ReplicaStore
 from mnemojax._src.errors import InvalidOptionError, MnemojaxError
 from mnemojax.testing import corrupt_agent_copies
-from tests.helpers import process_alive
 
 # -- shared-memory double buffer --------------------------------------------------------------
 

@@ -96,6 +96,32 @@ def test_nan_skip_batch_policy_keeps_state_and_says_so():
                       h.Run([], _reference().state))
 
 
+def test_device_loss_in_a_nan_step_recovers_then_skips_the_batch():
+    """The step fed a NaN batch also loses a device: it recovers onto the new mesh, then
+    skips the batch; the model keeps the recovered state (not the old mesh's arrays)."""
+    batches = h.make_batches(STEPS)
+    poisoned = list(batches)
+    poisoned.insert(3, _nan_batch(batches[0]))
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                              fault_injector=FaultInjector().lose_devices(4, [5]),
+                              options=h.no_precompile(nonfinite="skip_batch"))
+    with pytest.warns(NonFiniteSkipWarning, match="batch skipped"):
+        for b in poisoned[:4]:
+            step(model, optimizer, b)
+    # Right after the skip, the model holds the recovered arrays, none on the lost device.
+    devices = {d.id for d in model.l1.kernel.get_value().sharding.device_set}
+    assert 5 not in devices and len(devices) == 6
+    for b in poisoned[4:]:
+        step(model, optimizer, b)
+    step.close()
+    [rec] = step.statistics.recoveries
+    assert rec.step == 4 and 5 not in rec.new_mesh_devices
+    assert step.statistics.skipped_batches == [4] and step.statistics.steps_run == STEPS
+    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                      h.Run([], _reference().state))
+
+
 def test_nan_in_gradients_with_finite_loss_is_caught():
     def poisoned_grads(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(h.loss_fn)(model, batch)

@@ -99,12 +99,3 @@ def mesh_of(shape, names=("data", "model"), devices=None):
     devices = devices if devices is not None else jax.devices()[: int(np.prod(shape))]
     return jax.make_mesh(shape, names, devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -202,6 +202,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._exe_sig = None
         self._exe = None
         self._precompile_due = False
+        self._run_inputs: list | None = None  # the state the last `_run` ran on
         self._batch_size: int | None = None
         self._examples: int | None = None
         self._form = form
@@ -237,8 +238,13 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         new_leaves, metrics, finite = self._run(step, leaves, batch)
         if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
             self._batches.pop()
-            return (form.unflatten(leaves), metrics) if isinstance(form, PytreeForm) \
-                else metrics
+            kept = self._run_inputs  # the state of step - 1: recovered, if a recovery ran
+            if isinstance(form, PytreeForm):
+                return form.unflatten(kept), metrics
+            if kept is not leaves:
+                form.write(kept)
+                self._last_written = kept
+            return metrics
         self._commit(step, new_leaves, metrics)
         self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
         self._after_commit(step, new_leaves)
@@ -361,6 +367,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 self._precompile_due = True
             else:
                 self._step_times.append(t_run_end - t_run)
+            self._run_inputs = leaves  # what this step ran on (after any recovery)
             return out
 
     def _hang_timeout_s(self) -> float:

@@ -22,25 +22,103 @@ log = logging.getLogger("mnemojax")
 KINDS = ("lose", "lose_block", "lose_twice", "hang", "transient", "corrupt", "memory", "nan")
 
 
+PROCESS_KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "nan", "transient")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps (default 300; 40 with --processes)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fault-rate", type=float, default=0.06,
-                        help="probability of a fault per step")
+    parser.add_argument("--fault-rate", type=float, default=None,
+                        help="probability of a fault per step (default 0.06; 0.12 with "
+                             "--processes)")
     parser.add_argument("--max-device-losses", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=0,
+                        help="N >= 2: run N worker processes x 2 CPU devices under the "
+                             "launcher and do process faults to them (kill, whole host, hang, "
+                             "corrupt copy, kill during the agreement) besides NaN batches "
+                             "and transient errors")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.processes:
+        report = run_chaos_processes(
+            nproc=args.processes, steps=args.steps or 40, seed=args.seed,
+            fault_rate=0.12 if args.fault_rate is None else args.fault_rate)
+        print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+        return 0 if report["ok"] else 1
     from mnemojax._src.config import configure_devices
 
     configure_devices(8, who="mnemojax chaos")
-    report = run_chaos(steps=args.steps, seed=args.seed, fault_rate=args.fault_rate,
+    report = run_chaos(steps=args.steps or 300, seed=args.seed,
+                       fault_rate=0.06 if args.fault_rate is None else args.fault_rate,
                        max_device_losses=args.max_device_losses)
     print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0 if report["ok"] else 1
+
+
+def build(seed: int):
+    """The chaos model (a small MLP) and its SGD optimizer (SGD keeps the reduction-order
+    differences between meshes tiny)."""
+    import optax
+    from flax import nnx
+
+    from models import MLP
+
+    with nnx.use_eager_sharding(False):
+        model = MLP(16, 64, 4, rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+
+
+def train_step(model, optimizer, batch):
+    import optax
+    from flax import nnx
+
+    def loss_fn(m):
+        logits = m(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def clean_batches(seed: int, steps: int) -> list[dict]:
+    """The global batches of a chaos run (24 examples: every data width up to 4 divides)."""
+    import numpy as np
+
+    data = np.random.default_rng(seed + 1)
+    return [{"x": data.normal(size=(24, 16)).astype(np.float32),
+             "y": data.integers(0, 4, size=(24,)).astype(np.int32)} for _ in range(steps)]
+
+
+def reference_leaves(seed: int, batches) -> list:
+    """The failure-free run, plain Flax on one device: its state leaves."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    model, optimizer = build(seed)
+    step = nnx.jit(train_step)
+    for batch in batches:
+        step(model, optimizer, batch)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+
+def compare(got, want) -> tuple[bool, float]:
+    """(allclose at 1e-5 leaf by leaf, the largest absolute difference)."""
+    import numpy as np
+
+    if len(got) != len(want):
+        return False, float("inf")
+    max_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want, strict=True))
+    return all(np.allclose(a, b, rtol=1e-5, atol=1e-5)
+               for a, b in zip(got, want, strict=True)), max_diff
 
 
 def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
@@ -54,32 +132,14 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
             f"{max_device_losses!r}: expected steps >= 1, 0 <= fault_rate <= 1, losses >= 0")
     import jax
     import numpy as np
-    import optax
     from flax import nnx
 
     import mnemojax
     from mnemojax._src.events import read_events
-    from models import MLP
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="mnemojax-chaos-"))
     rng = np.random.default_rng(seed)
-    data = np.random.default_rng(seed + 1)
-    clean = [{"x": data.normal(size=(24, 16)).astype(np.float32),
-              "y": data.integers(0, 4, size=(24,)).astype(np.int32)} for _ in range(steps)]
-
-    def build():
-        with nnx.use_eager_sharding(False):
-            model = MLP(16, 64, 4, rngs=nnx.Rngs(seed))
-            return model, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
-
-    def train_step(model, optimizer, batch):
-        def loss_fn(m):
-            logits = m(batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return {"loss": loss}
+    clean = clean_batches(seed, steps)
 
     faults = mnemojax.testing.FaultInjector()
     options = mnemojax.ResilienceOptions(
@@ -91,7 +151,7 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
                                               memory_check_every_steps=1))
     mesh = jax.make_mesh((4, 2), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    model, optimizer = build()
+    model, optimizer = build(seed)
     step = mnemojax.resilient(train_step, mesh=mesh, options=options, fault_injector=faults)
     planned: list[dict] = []
     losses_left = max_device_losses
@@ -147,15 +207,8 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
     wall_s = time.perf_counter() - t0
     stats = step.statistics
 
-    ref_model, ref_opt = build()
-    ref_step = nnx.jit(train_step)
-    for batch in clean:
-        ref_step(ref_model, ref_opt, batch)
     got = [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
-    want = [np.asarray(x) for x in jax.tree.leaves(nnx.state((ref_model, ref_opt)))]
-    max_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want, strict=True))
-    exact = all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want,
-                                                                         strict=True))
+    exact, max_diff = compare(got, reference_leaves(seed, clean))
 
     events = list(read_events(tmp / "events.jsonl"))
     problems = _unaccounted(planned, faults.injected, events)
@@ -205,6 +258,146 @@ def _unaccounted(planned, injected, events) -> list[str]:
     return problems
 
 
+def draw_process_schedule(*, nproc: int, steps: int, seed: int, fault_rate: float) -> dict:
+    """A random schedule every fault of which the run must survive exactly.
+
+    At most ``nproc - 1`` processes are lost (the (1, 2) mesh still holds the model), one
+    host at a time (a host and its ring buddy lost together is a typed error, tested apart),
+    process faults at least 5 steps apart. A transient error goes to a worker that lives to
+    the end.
+
+    Returns:
+        ``faults`` (`ProcessFault` s), ``nan_steps``, ``transients`` ((worker, step) pairs)
+        and ``planned`` (one dict per fault, for the report).
+    """
+    import numpy as np
+
+    from mnemojax._src.distributed.scenario import ProcessFault
+
+    rng = np.random.default_rng(seed)
+    alive = list(range(nproc))
+    faults, nan_steps, transient_steps, planned = [], [], [], []
+    last = -10
+    for k in range(2, steps - 1):
+        if rng.random() >= fault_rate:
+            continue
+        kind = str(rng.choice(PROCESS_KINDS))
+        need = 2 if kind == "kill_in_agreement" else 1
+        if kind not in ("nan", "transient") and (len(alive) - need < 1 or k - last < 5):
+            kind = "nan" if rng.random() < 0.5 else "transient"
+        if kind == "nan":
+            nan_steps.append(k)
+            planned.append({"step": k, "kind": kind})
+        elif kind == "transient":
+            transient_steps.append(k)
+        else:
+            victims = [int(v) for v in rng.choice(alive, size=need, replace=False)]
+            if kind == "kill_in_agreement":
+                faults += [ProcessFault("kill", victims[0], k),
+                           ProcessFault("kill_in_agreement", victims[1])]
+            else:
+                faults.append(ProcessFault(kind, victims[0], k))
+            alive = [w for w in alive if w not in victims]
+            planned.append({"step": k, "kind": kind, "victims": victims})
+            last = k
+    transients = [(int(rng.choice(alive)), k) for k in transient_steps]
+    planned += [{"step": k, "kind": "transient", "victims": [w]} for w, k in transients]
+    return {"faults": faults, "nan_steps": nan_steps, "transients": transients,
+            "planned": sorted(planned, key=lambda p: p["step"])}
+
+
+def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float = 0.12,
+                        workdir: str | None = None, job_timeout_s: float = 600.0) -> dict:
+    """Runs the chaos job on ``nproc`` processes under the launcher (see
+    `draw_process_schedule`); returns a report with ``ok`` and what went wrong if not."""
+    if nproc < 2 or steps < 8 or not 0 <= fault_rate <= 1:
+        from mnemojax._src.errors import InvalidOptionError
+
+        raise InvalidOptionError(
+            f"processes={nproc!r}, steps={steps!r}, fault_rate={fault_rate!r}: expected "
+            "processes >= 2, steps >= 8, 0 <= fault_rate <= 1")
+    import numpy as np
+
+    from mnemojax._src.distributed.scenario import process_alive, run_scenario
+    from mnemojax._src.events import read_events
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="mnemojax-chaos-mp-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    plan = draw_process_schedule(nproc=nproc, steps=steps, seed=seed, fault_rate=fault_rate)
+    cmd = [sys.executable, "-m", "mnemojax._src.chaos_worker", "--out", str(tmp),
+           "--seed", str(seed), "--steps", str(steps),
+           "--nan-steps", ",".join(map(str, plan["nan_steps"])),
+           "--transients", ",".join(f"{w}:{k}" for w, k in plan["transients"])]
+    t0 = time.perf_counter()
+    report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=plan["faults"],
+                          job_timeout_s=job_timeout_s)
+    wall_s = time.perf_counter() - t0
+    with open(tmp / "launcher-events.jsonl", "w") as f:  # for the post-mortem
+        f.writelines(json.dumps(e, default=str) + "\n" for e in report["events"])
+    exact, max_diff, stats = False, None, {}
+    if report["rc"] == 0 and (tmp / "final.npz").exists():
+        final = np.load(tmp / "final.npz")
+        got = [final[f"arr_{i}"] for i in range(len(final.files))]
+        exact, max_diff = compare(got, reference_leaves(seed, clean_batches(seed, steps)))
+        stats = json.loads((tmp / "stats.json").read_text())
+    events = [e for path in sorted(tmp.glob("events-w*.jsonl")) for e in read_events(path)]
+    problems = _unaccounted_processes(plan, report, events, stats)
+    if report["rc"] != 0:
+        problems.insert(0, f"the job exited with status {report['rc']}")
+    if any(process_alive(p) for p in report["pids"]):
+        problems.append("a process outlived the job")
+    if report["shm_left"]:
+        problems.append(f"shared memory outlived the job: {report['shm_left']}")
+    return {
+        "ok": exact and not problems,
+        "seed": seed, "processes": nproc, "steps": steps, "wall_s": round(wall_s, 1),
+        "faults_planned": len(plan["planned"]),
+        "by_kind": {kd: sum(p["kind"] == kd for p in plan["planned"]) for kd in PROCESS_KINDS},
+        "recoveries": len(stats.get("recoveries", [])),
+        "lost_processes": sorted({w for r in stats.get("recoveries", [])
+                                  for w in r["failed_processes"]}),
+        "transient_retries": stats.get("transient_retries"),
+        "skipped_batches": stats.get("skipped_batches"),
+        "final_mesh": stats.get("mesh_shape"),
+        "state_matches_reference": exact, "max_param_diff": max_diff,
+        "unaccounted": problems, "faults": plan["planned"], "workdir": str(tmp),
+    }
+
+
+def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
+                           stats: dict) -> list[str]:
+    """Every fault must have left its trace: in the workers' event logs (recoveries, NaN
+    batches, transient retries) or the launcher's (corrupt copies, hangs, evictions)."""
+    problems = []
+    fired = {(f["kind"], f["victim"]) for f in report["fired"]}
+    for f in report["unfired"]:
+        problems.append(f"{f['kind']} of worker {f['victim']} never fired")
+    lost = {w for e in events if e["kind"] == "fault"
+            for w in e.get("failed_processes", [])}
+    for kind, victim in fired:
+        if victim not in lost:
+            problems.append(f"{kind} of worker {victim}: no recovery lists it as lost")
+    launcher = report["events"]
+    for f in report["fired"]:
+        if f["kind"] == "corrupt" and f.get("corrupted_steps") and not any(
+                e["op"] == "corrupt_copy" and e.get("origin") == f["victim"] for e in launcher):
+            problems.append(f"corrupt copies of worker {f['victim']} were never reported")
+        if f["kind"] == "hang" and not any(
+                e["op"] in ("hang", "evicted") and e["worker_id"] == f["victim"]
+                for e in launcher):
+            problems.append(f"the hang of worker {f['victim']} was neither seen by the "
+                            "watchdog nor ended by an eviction")
+    if stats and stats.get("skipped_batches") != plan["nan_steps"]:
+        problems.append(f"NaN batches at {plan['nan_steps']}, skipped "
+                        f"{stats.get('skipped_batches')}")
+    for worker, step in plan["transients"]:
+        if not any(e["kind"] == "fault" and e.get("classification") == "transient"
+                   and e["step"] == step and e.get("run") == f"w{worker}" for e in events):
+            problems.append(f"the transient error of worker {worker} at step {step} is "
+                            "not in its event log")
+    return problems
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(run(argparse.Namespace(steps=60, seed=0, fault_rate=0.1, max_device_losses=4,
-                                    json=None)))
+                                    processes=0, json=None)))

@@ -335,6 +335,8 @@ class RecoveryMixin:
     def _rebuild_runtime(self, plan: MeshPlan) -> None:
         opts = self.options
         layer = JaxDeviceLayer()
+        if self._injector is not None:  # rehearsed faults go on in the new world
+            layer = self._injector.wrap(layer)
         self._layer = layer
         self._durability.layer = layer
         self._proxy = DeviceProxy(layer, plan, shd.mesh_from_plan(plan), [],

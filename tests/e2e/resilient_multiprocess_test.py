@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mnemojax._src.distributed.scenario import process_alive
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
 
@@ -38,7 +39,7 @@ def _run(tmp_path, faults, *, nproc=3, extra=(), **kw) -> dict:
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=faults,
                           job_timeout_s=240, **kw)
     assert not report["unfired"], report["unfired"]
-    assert not any(h.process_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
     assert report["shm_left"] == [], "shared memory outlived the job"
     return report
 

@@ -71,6 +71,15 @@ def corrupt_agent_copies(segment: str, step: int | None = None) -> list[int]:
         buffer.close()
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _segment_of(launcher: Launcher, worker: int) -> str | None:
     """The newest shared-memory segment of ``worker``'s agent (it grows by re-creating)."""
     names = glob.glob(f"/dev/shm/{launcher.shm_prefix}w{worker}_*")

@@ -1,0 +1,77 @@
+"""One worker of ``mnemojax chaos --processes N`` (the launcher runs it; not by hand).
+
+The chaos model and batches (`chaos.build`, `chaos.clean_batches`) under `@mnemojax.resilient`
+on a (processes, 2) data x model mesh. The faults a process does to itself come from the
+command line: NaN batches (every worker feeds the same one) and transient errors of one
+worker's launches. Process 0 of the final world writes ``final.npz`` (the state, gathered)
+and ``stats.json``; every worker writes its event log ``events-w<id>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+import mnemojax
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mnemojax._src.chaos_worker")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--nan-steps", default="", help="comma-separated steps fed a NaN batch")
+    p.add_argument("--transients", default="",
+                   help="comma-separated WORKER:STEP: that worker's launch fails once")
+    p.add_argument("--step-sleep-s", type=float, default=0.05)
+    args = p.parse_args(argv)
+    session = mnemojax.initialize()  # before any JAX use
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from mnemojax._src import chaos
+
+    me = session.world.stable_id if session is not None else 0
+    nan_steps = {int(k) for k in args.nan_steps.split(",") if k}
+    faults = mnemojax.testing.FaultInjector()
+    for item in filter(None, args.transients.split(",")):
+        worker, step_k = (int(x) for x in item.split(":"))
+        if worker == me:
+            faults.transient_error(step_k)
+    mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model, optimizer = chaos.build(args.seed)
+    step = mnemojax.resilient(chaos.train_step, mesh=mesh, fault_injector=faults,
+                              options=mnemojax.ResilienceOptions(
+                                  nonfinite="skip_batch", run_name=f"w{me}",
+                                  event_log=os.path.join(args.out, f"events-w{me}.jsonl"),
+                                  compile=mnemojax.CompileOptions(precompile=False,
+                                                                  cache_dir=None)))
+    for k, batch in enumerate(chaos.clean_batches(args.seed, args.steps), start=1):
+        if k in nan_steps:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
+                step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
+                                        "y": batch["y"]})
+        step(model, optimizer, batch)
+        time.sleep(args.step_sleep_s)
+    full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+    if jax.process_index() == 0:
+        np.savez(os.path.join(args.out, "final.npz"), *full)
+        with open(os.path.join(args.out, "stats.json"), "w") as f:
+            json.dump(step.statistics.as_dict(), f, default=list)
+    step.close()
+    if session is not None:
+        session.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
