@@ -63,7 +63,7 @@ def test_process_chaos_run_is_exact_and_accounted(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 2, 5, 6, 7, 8, 9, 11])
+@pytest.mark.parametrize("seed", [0, 2, 5, 6, 7, 9, 13, 31])
 def test_process_chaos_soak(seed, tmp_path):
     report = run_chaos_processes(nproc=4, steps=40, seed=seed, workdir=str(tmp_path))
     assert report["ok"], report

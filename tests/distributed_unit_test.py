@@ -293,6 +293,29 @@ def test_buddy_replication_and_serving(two_agents):
         client.close()
 
 
+def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
+    """The agent would hold ~4 x the payload (two own slots, two of the ring neighbour's):
+    over the budget the worker stops publishing, says so once, and writes nothing."""
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed.session import DistributedSession
+    from mnemojax.errors import SnapshotBudgetWarning
+
+    _, agents = two_agents
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1, agent=agents[0].address))
+    leaves = [jnp.ones((256,), jnp.float32)]  # 1 KiB of shards, plus metadata
+    try:
+        assert session.publish(1, leaves, budget_bytes=1 << 20)
+        with pytest.warns(SnapshotBudgetWarning, match="host_memory_budget_bytes=4000"):
+            assert not session.publish(2, leaves, budget_bytes=4000)
+        assert session.publish_refused
+        assert not session.publish(3, leaves, budget_bytes=1 << 20)  # for good
+        assert _held(agents[0].address)[0] == {"0": [1]}
+    finally:
+        session.agent.close()
+
+
 # -- agreement --------------------------------------------------------------------------------------
 
 
@@ -337,15 +360,29 @@ def test_book_barrier_waits_for_live_members_only():
     assert decision[0].process_id == 0 and decision[2].process_id == 1
     assert {a.resume_step for a in decision.values()} == {6}
     assert decision[2].survivors == (0, 2) and decision[2].num_processes == 2
-    assert decision[0].sources == {0: ("x",), 1: ("x",), 2: ("y",)} and decision[0].lost == ()
+    # Worker 2's copy holds no shards: nothing of it to fetch.
+    assert decision[0].sources == {0: ("x",), 1: ("x",)} and decision[0].lost == ()
     homes = AgreementBook(0, [0, 1])
     homes.arrive(0, 0, last_step=6)
     homes.arrive(1, 0, last_step=6)
-    both = {"a0": [_copy(0, 6, [(0, 6)]), _copy(1, 6, [])], "a1": [_copy(1, 6, []), _copy(0, 6, [(0, 6)])]}
+    both = {"a0": [_copy(0, 6, [(0, 3)]), _copy(1, 6, [(3, 6)])],
+            "a1": [_copy(1, 6, [(3, 6)]), _copy(0, 6, [(0, 3)])]}
     got = homes.decide(coordinator="c", holdings=both, homes={0: "a0", 1: "a1"})[0].sources
     assert got == {0: ("a0", "a1"), 1: ("a1", "a0")}  # each worker's own agent first
     assert book.decide(coordinator="other", holdings={}) is decision  # decided once
     assert agreement_from_json(agreement_to_json(decision[2])) == decision[2]
+
+
+def test_resume_step_is_not_newer_than_any_survivors_last_step():
+    """Worker 2 holds no shards and its step 6 failed after worker 0's succeeded: resuming
+    from 6 would skip worker 2 ahead of its own state, so the survivors resume from 5."""
+    book = AgreementBook(0, [0, 1, 2])
+    book.arrive(0, 0, last_step=6)
+    book.arrive(2, 0, last_step=5)
+    book.mark_dead(1)
+    holdings = {"x": [_copy(0, 5, [(0, 6)]), _copy(0, 6, [(0, 6)]), _copy(2, 5, [])]}
+    assert choose_resume_step(holdings) == (6, 0)
+    assert book.decide(coordinator="c", holdings=holdings)[2].resume_step == 5
 
 
 def test_book_member_dying_at_the_barrier_is_left_out():
@@ -534,3 +571,12 @@ def test_agent_process_does_not_import_jax():
     assert probe != cmd[2]
     result = subprocess.run([cmd[0], "-c", probe], timeout=60, check=False)
     assert result.returncode == 10, "the agent imported jax"
+
+
+def test_process_fault_names_a_bad_kind_or_victim():
+    from mnemojax.testing import ProcessFault
+
+    with pytest.raises(InvalidOptionError, match="kind='explode'"):
+        ProcessFault("explode", 1, 3)
+    with pytest.raises(InvalidOptionError, match="victim=-1"):
+        ProcessFault("kill", -1, 3)

@@ -118,6 +118,8 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
             s.snapshots_taken = self._store.taken
             s.snapshots_replaced = self._store.replaced
             s.corrupt_snapshots_scrubbed = self._store.corrupt_found
+            s.snapshots_over_budget = self._store.disabled or (
+                self._session is not None and self._session.publish_refused)
             s.jit_checkpoints = self._durability.jit_checkpoints
             grads = self._grads_store.latest() if self._grads_store is not None else None
             s.grads_snapshot_step = grads.step if grads else None
@@ -440,7 +442,11 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     def _commit(self, step: int, new_leaves: list, metrics) -> None:
         opts = self.options
         if self._session is not None:
-            self._session.publish(step, new_leaves)
+            refused = self._session.publish_refused
+            self._session.publish(step, new_leaves,
+                                  budget_bytes=opts.snapshot.host_memory_budget_bytes)
+            if self._session.publish_refused and not refused:
+                self._durability.emit("fault", step=step, classification="snapshot_budget")
         self._step = step
         self._last_written = new_leaves
         self._statistics.steps_run = step

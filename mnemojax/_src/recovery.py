@@ -160,16 +160,20 @@ class RecoveryMixin:
         if restored is None:
             raise unavailable
         saved_step, leaves = restored
-        kept = {s for s, _ in self._batches}
-        missing = [s for s in range(saved_step + 1, step) if s not in kept]
-        if missing:
-            raise StateUnavailableError(
-                f"the newest checkpoint is of step {saved_step}, but the batches of steps "
-                f"{missing[0]}..{missing[-1]} are no longer kept for replay") from unavailable
+        self._check_replayable(saved_step, step, "the newest checkpoint", unavailable)
         log.warning("mnemojax: step %d: no in-memory copy survives; restoring the persistent "
                     "checkpoint of step %d", step, saved_step)
         return HostState(list(leaves), "persistent", saved_step,
                          sum(x.nbytes for x in leaves))
+
+    def _check_replayable(self, source_step: int, step: int, what: str, cause=None) -> None:
+        """The batches of steps source_step+1 .. step-1 must still be kept for the replay."""
+        kept = {s for s, _ in self._batches}
+        missing = [s for s in range(source_step + 1, step) if s not in kept]
+        if missing:
+            raise StateUnavailableError(
+                f"{what} is of step {source_step}, but the batches of steps "
+                f"{missing[0]}..{missing[-1]} are no longer kept for replay") from cause
 
     def _emit_recovery(self, record: RecoveryRecord) -> None:
         d = self._durability
@@ -225,6 +229,8 @@ class RecoveryMixin:
             resume, leaves = self._world_from_persistent(step, rec, shardings)
             source = "persistent"
         else:
+            self._check_replayable(rec.agreement.resume_step, step,
+                                   "the newest state the survivors hold")
             resume, leaves = rec.agreement.resume_step, session.restore(rec, shardings)
             source = "agent_snapshots"
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
@@ -234,7 +240,8 @@ class RecoveryMixin:
         for s, b in list(self._batches):
             if resume < s < step:
                 leaves, _, _ = self._run(s, leaves, b)
-                session.publish(s, leaves)
+                session.publish(s, leaves,
+                                budget_bytes=self.options.snapshot.host_memory_budget_bytes)
                 self._step = s
         phases["replay"] = time.perf_counter() - t
         dead = sorted(set(rec.members) - set(rec.agreement.survivors))

@@ -94,6 +94,7 @@ class Statistics:
     corrupt_snapshots_detected: int = 0  # found corrupt when a recovery needed them
     corrupt_snapshots_scrubbed: int = 0  # found corrupt when retired (never needed)
     skipped_batches: list[int] = dataclasses.field(default_factory=list)
+    snapshots_over_budget: bool = False  # host_memory_budget_bytes refused the snapshots
     jit_checkpoints: int = 0  # persistent checkpoints forced by memory pressure
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far

@@ -147,16 +147,23 @@ def missing_leaves(copies: Iterable[CopyInfo]) -> list[int]:
                                         for index in boxes[leaf]) < math.prod(shapes[leaf])]
 
 
-def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]]) -> tuple[int, int] | None:
+def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]], *,
+                       max_step: int | None = None) -> tuple[int, int] | None:
     """The newest (step, generation) whose verified copies on live agents cover every leaf.
 
     Copies of the same step from a newer world (a replayed step) are preferred. None: no
     step is complete anywhere.
+
+    Args:
+        holdings: agent address -> the verified copies it holds.
+        max_step: no newer step than this (the oldest survivor's last completed step: a
+            survivor whose step failed after a peer's succeeded must not be skipped ahead).
     """
     groups: dict[tuple[int, int], list[CopyInfo]] = {}
     for copies in holdings.values():
         for c in copies:
-            groups.setdefault((c.step, c.generation), []).append(c)
+            if max_step is None or c.step <= max_step:
+                groups.setdefault((c.step, c.generation), []).append(c)
     complete = [key for key, copies in groups.items() if not missing_leaves(copies)]
     return max(complete) if complete else None
 
@@ -213,14 +220,14 @@ class AgreementBook:
         if not self.complete():
             raise AgreementError(f"barrier incomplete, waiting for {self.missing()}",
                                  generation=self.generation)
-        chosen = choose_resume_step(holdings)
+        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()))
         survivors = tuple(m for m in self.members if m in self.arrived)
         step, sources, lost = -1, {}, ()
         if chosen is not None:
             step = chosen[0]
             for addr, copies in holdings.items():
-                for c in copies:
-                    if (c.step, c.generation) == chosen:
+                for c in copies:  # a copy with no shards adds nothing to fetch
+                    if (c.step, c.generation) == chosen and c.shards:
                         sources.setdefault(c.origin, []).append(addr)
         else:
             every = [c for copies in holdings.values() for c in copies]

@@ -45,7 +45,7 @@ class WorldRecovery:
 
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
-                  reason: str = "", own_agent: str | None = None) -> WorldRecovery:
+                  reason: str = "") -> WorldRecovery:
     """Detaches, agrees, joins the survivors' world and fetches the agreed state.
 
     Detaching comes first: dropping this process's backend closes its gloo connections, so a
@@ -67,7 +67,6 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         world: this process's current world.
         last_step: the newest step this process completed and published.
         reason: what was seen (logged by the coordinator).
-        own_agent: this worker's agent, preferred as a source for its own snapshot.
     """
     phases = {"detach": 0.0, "agree": 0.0, "attach": 0.0}
     t = time.perf_counter()
@@ -99,11 +98,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
                                        reason=f"world did not form: {e}"[:500])
     t = time.perf_counter()
     payloads, fetched_from = [], {}
-    for origin, addrs in agreement.sources.items():
-        addrs = list(addrs)
-        if own_agent in addrs and origin == world.stable_id:
-            addrs.remove(own_agent)
-            addrs.insert(0, own_agent)
+    for origin, addrs in agreement.sources.items():  # each worker's own agent first
         payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step)
         payloads.append(payload)
     phases["fetch"] = time.perf_counter() - t

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 from mnemojax._src.distributed import coordination, snapshot_codec, state_transfer
 from mnemojax._src.distributed.agent_client import AgentClient
 from mnemojax._src.distributed.agreement import LauncherCoordinator
 from mnemojax._src.distributed.env import WorldSpec
 from mnemojax._src.distributed.recovery import WorldRecovery, recover_world
+from mnemojax._src.snapshot import SnapshotBudgetWarning
 
 log = logging.getLogger("mnemojax")
 
@@ -35,6 +37,7 @@ class DistributedSession:
         self.agent = AgentClient(world.agent) if world.agent else None
         self.coordinator = LauncherCoordinator(world.control, world.stable_id) \
             if world.control else None
+        self.publish_refused = False  # over the host-memory budget (see `publish`)
 
     @property
     def can_recover(self) -> bool:
@@ -49,19 +52,39 @@ class DistributedSession:
         coordination.barrier(f"mnemojax-compiled-{self.world.generation}")
         self.phase("train")
 
-    def publish(self, step: int, leaves) -> None:
+    def publish(self, step: int, leaves, *, budget_bytes: int | None = None) -> bool:
         """Hands this worker's shards of the state after `step` to its agent (blocking:
-        the copy must finish before the next step may replace the arrays)."""
-        if self.agent is not None:
-            self.agent.publish(step, snapshot_codec.pack(
-                step, self.world.stable_id, state_transfer.local_shards(leaves),
-                num_leaves=len(leaves), generation=self.world.generation))
+        the copy must finish before the next step may replace the arrays).
+
+        The agent keeps two slots of this worker's snapshot and two of its ring
+        predecessor's, so about 4 x the payload of host memory. Over ``budget_bytes``,
+        publishing stops for good with a `SnapshotBudgetWarning` (never an OOM of the host):
+        a later loss of this worker's shards then falls back to the persistent tier.
+
+        Returns:
+            Whether the snapshot was published.
+        """
+        if self.agent is None or self.publish_refused:
+            return False
+        parts = snapshot_codec.pack(
+            step, self.world.stable_id, state_transfer.local_shards(leaves),
+            num_leaves=len(leaves), generation=self.world.generation)
+        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        if budget_bytes is not None and 4 * nbytes > budget_bytes:
+            self.publish_refused = True
+            warnings.warn(
+                f"mnemojax: this worker's snapshots need about 4 x {nbytes} bytes of its "
+                f"host's memory (two slots of its own, two of its ring neighbour's), over "
+                f"host_memory_budget_bytes={budget_bytes}; they are no longer published",
+                SnapshotBudgetWarning, stacklevel=3)
+            return False
+        self.agent.publish(step, parts)
+        return True
 
     def recover(self, *, last_step: int, reason: str) -> WorldRecovery:
         """Agrees with the survivors and joins the new world (see `recover_world`)."""
         self.phase("recover")
-        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason,
-                            own_agent=self.world.agent)
+        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason)
         self.world = rec.world
         return rec
 
