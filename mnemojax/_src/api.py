@@ -51,7 +51,9 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
 
     Attributes:
         statistics: live `Statistics` (steps run, mesh, snapshots, recoveries).
-        options: the `ResilienceOptions` in force.
+        options: the `ResilienceOptions` in force. Under ``mnemojax.initialize()`` (several
+            processes) background compiles and in-process snapshots are off: the agents
+            hold the snapshots. `with_options` starts from the options as given.
         mesh: the current mesh (changes after a recovery).
     """
 
@@ -67,7 +69,8 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self.__wrapped__ = fn
         self._fn = fn
         self._mesh_arg = mesh
-        self.options = options or ResilienceOptions()
+        self.options = options or ResilienceOptions()  # in effect (see `_build`)
+        self._given_options = self.options  # as given: what `with_options` copies
         self._injector = fault_injector
         self._spares_arg = tuple(spare_devices)
         self._statistics = Statistics()
@@ -84,7 +87,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     def with_options(self, **changes) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
         (``mesh``, ``options``, ``fault_injector``, ``spare_devices``)."""
-        kwargs = dict(mesh=self._mesh_arg, options=self.options,
+        kwargs = dict(mesh=self._mesh_arg, options=self._given_options,
                       fault_injector=self._injector, spare_devices=self._spares_arg)
         unknown = set(changes) - set(kwargs)
         if unknown:
@@ -188,7 +191,8 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._compiler = StepCompiler(
             form.pure, form.specs, [(s, np.asarray(v).dtype if not hasattr(v, "dtype")
                                      else v.dtype) for s, v in zip(shapes, values, strict=True)],
-            data_axis=opts.data_axis, donate=opts.compile.donate_state)
+            data_axis=opts.data_axis, donate=opts.compile.donate_state,
+            check_state=opts.check_state and opts.nonfinite != "ignore")
         snap = opts.snapshot
         self._durability = Durability(opts, keys=form.leaf_keys, layer=layer)
         self._store = SnapshotStore(

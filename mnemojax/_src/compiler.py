@@ -54,12 +54,13 @@ class StepCompiler:
     """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch."""
 
     def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
-                 *, data_axis: str, donate: bool):
+                 *, data_axis: str, donate: bool, check_state: bool = True):
         self._pure = pure
         self._specs = list(specs)
         self.leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
         self._data_axis = data_axis
         self._donate = donate
+        self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -74,7 +75,7 @@ class StepCompiler:
         checks only its own shards: no collective, unlike a global ``jnp.all`` per leaf
         (compared in ``python -m mnemojax._src.bench.micro``)."""
         floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
-                  if jnp.issubdtype(dtype, jnp.inexact)]
+                  if self._check_state and jnp.issubdtype(dtype, jnp.inexact)]
         everywhere = PartitionSpec(tuple(mesh.axis_names))
 
         def local_flags(*xs):

@@ -349,9 +349,10 @@ class RecoveryMixin:
         self._proxy = DeviceProxy(layer, plan, shd.mesh_from_plan(plan), [],
                                   data_axis=opts.data_axis,
                                   probe_timeout_s=opts.recovery.probe_timeout_s)
-        self._compiler = StepCompiler(self._form.pure, self._form.specs,
-                                      self._compiler.leaf_structs, data_axis=opts.data_axis,
-                                      donate=opts.compile.donate_state)
+        self._compiler = StepCompiler(
+            self._form.pure, self._form.specs, self._compiler.leaf_structs,
+            data_axis=opts.data_axis, donate=opts.compile.donate_state,
+            check_state=opts.check_state and opts.nonfinite != "ignore")
         self._store = SnapshotStore(layer, self._form.leaf_entries,
                                     budget_bytes=opts.snapshot.host_memory_budget_bytes)
         self._examples = self._batch_size
