@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     from flax import nnx
-    from jax.experimental import multihost_utils
 
     from mnemojax._src import chaos
 
@@ -61,16 +60,28 @@ def main(argv: list[str] | None = None) -> int:
                                         "y": batch["y"]})
         step(model, optimizer, batch)
         time.sleep(args.step_sleep_s)
+    finish_job(args.out, nnx.state((model, optimizer)), step, session)
+    return 0
+
+
+def finish_job(out: str, state, step, session) -> None:
+    """Ends a multi-process job: process 0 of the final world writes ``out/final.npz`` (the
+    state's leaves, gathered) and ``out/stats.json`` (the step's statistics); then the
+    step and the session are closed."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
     full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+            for x in jax.tree.leaves(state)]
     if jax.process_index() == 0:
-        np.savez(os.path.join(args.out, "final.npz"), *full)
-        with open(os.path.join(args.out, "stats.json"), "w") as f:
+        os.makedirs(out, exist_ok=True)
+        np.savez(os.path.join(out, "final.npz"), *full)
+        with open(os.path.join(out, "stats.json"), "w") as f:
             json.dump(step.statistics.as_dict(), f, default=list)
     step.close()
     if session is not None:
         session.finish()
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ status 3 (MeshTooSmallError) or 4 (StateUnavailableError) and its text in DIR/er
 """
 
 import argparse
-import json
 import os
 import time
 import warnings
@@ -23,8 +22,8 @@ session = mnemojax.initialize()  # joins the launcher's world: before any JAX us
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 
+from mnemojax._src.chaos_worker import finish_job  # noqa: E402
 from tests import helpers as h  # noqa: E402
 
 EXIT_CODES = {"MeshTooSmallError": 3, "StateUnavailableError": 4}
@@ -73,16 +72,7 @@ def main() -> None:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
         time.sleep(args.step_sleep_s)
-    full = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            for x in jax.tree.leaves(nnx.state((model, optimizer)))]
-    if jax.process_index() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        np.savez(os.path.join(args.out, "final.npz"), *full)
-        with open(os.path.join(args.out, "stats.json"), "w") as f:
-            json.dump(step.statistics.as_dict(), f, default=list)
-    step.close()
-    if session is not None:
-        session.finish()
+    finish_job(args.out, nnx.state((model, optimizer)), step, session)
 
 
 if __name__ == "__main__":
