@@ -54,7 +54,8 @@ def test_process_schedule_is_always_survivable(seed):
 
 def test_process_chaos_run_is_exact_and_accounted(tmp_path):
     """Seed 3: a whole host, a corrupt copy, a hang, a NaN batch and two transient errors."""
-    report = run_chaos_processes(nproc=4, steps=40, seed=3, workdir=str(tmp_path))
+    report = run_chaos_processes(nproc=4, steps=40, seed=3, workdir=str(tmp_path),
+                                 job_timeout_s=240)
     assert report["ok"], report
     assert {k for k, n in report["by_kind"].items() if n} == {
         "host", "corrupt", "hang", "nan", "transient"}
@@ -65,6 +66,7 @@ def test_process_chaos_run_is_exact_and_accounted(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 2, 5, 6, 7, 9, 13, 31])
 def test_process_chaos_soak(seed, tmp_path):
-    report = run_chaos_processes(nproc=4, steps=40, seed=seed, workdir=str(tmp_path))
+    report = run_chaos_processes(nproc=4, steps=40, seed=seed, workdir=str(tmp_path),
+                                 job_timeout_s=240)
     assert report["ok"], report
     assert report["faults_planned"] >= 3

@@ -20,6 +20,7 @@ from mnemojax._src.distributed import coordination, protocol
 from mnemojax._src.distributed.agent import Agent
 from mnemojax._src.distributed.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.distributed.agreement import (
+    Agreement,
     AgreementBook,
     CopyInfo,
     agreement_from_json,
@@ -37,6 +38,7 @@ from mnemojax._src.distributed.errors import (
     WorldConfigError,
 )
 from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.recovery import recover_world
 from mnemojax._src.distributed.scenario import process_alive
 from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
 from mnemojax._src.distributed.snapshot_codec import (
@@ -170,7 +172,7 @@ def test_replica_store_checks_crc_and_keeps_two_newest():
     for step in (1, 2, 3):
         data = f"s{step}".encode()
         store.put(4, step, data, zlib.crc32(data))
-    assert store.holdings() == {4: [2, 3]}
+    assert sorted((o, s) for o, s, _ in store.verify()[0]) == [(4, 2), (4, 3)]
     assert store.get(4, 3)[0] == b"s3"
     with pytest.raises(ChecksumError):
         store.put(4, 9, b"abc", 123)
@@ -580,3 +582,56 @@ def test_process_fault_names_a_bad_kind_or_victim():
         ProcessFault("explode", 1, 3)
     with pytest.raises(InvalidOptionError, match="victim=-1"):
         ProcessFault("kill", -1, 3)
+
+
+def test_resume_step_must_be_replayable_by_every_survivor():
+    """A survivor that keeps only the batches from step 6 on cannot resume from step 4: with
+    nothing newer complete in memory, the decision says so (then Orbax or a typed error)."""
+    book = AgreementBook(0, [0, 1])
+    book.arrive(0, 0, last_step=6, first_replayable=6)
+    book.arrive(1, 0, last_step=6, first_replayable=3)
+    holdings = {"x": [_copy(0, 4, [(0, 3)]), _copy(1, 4, [(3, 6)])]}
+    assert choose_resume_step(holdings, min_step=5) is None
+    decision = book.decide(coordinator="c", holdings=holdings)[0]
+    assert decision.resume_step == -1 and decision.lost == ()
+    assert "older than step 5" in decision.why
+
+
+class _Coordinator:
+    """Decides world g+1 with both workers, then (a member having died) world g+2."""
+
+    def __init__(self):
+        self.calls = []
+
+    def report_failure(self, *, generation, reason):
+        self.calls.append(("report", generation))
+
+    def agree(self, *, generation, last_step, first_replayable=None):
+        self.calls.append(("agree", generation))
+        members = (0, 1) if generation == 0 else (0,)
+        return Agreement(generation=generation + 1, worker_id=0, process_id=0,
+                         num_processes=len(members), coordinator=f"127.0.0.1:{9000 + generation}",
+                         resume_step=-1, survivors=members, previous_members=(0, 1, 2),
+                         sources={}, lost=(2,), why="test")
+
+
+def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
+    """connect of world 1 times out (a member died after the decision): the survivor
+    reports it and agrees again over world 1; world 2 forms."""
+    attached = []
+
+    def attach(world, *, init_timeout_s):
+        attached.append((world.generation, init_timeout_s))
+        if world.generation == 1:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker", attach)
+    coordinator = _Coordinator()
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
+                      attach_timeout_s=7)
+    rec = recover_world(coordinator, world, last_step=4, reason="peer died")
+    assert rec.rounds == 2 and rec.world.generation == 2 and rec.world.num_processes == 1
+    assert rec.members == (0, 1, 2)  # the world that failed, not the one that never formed
+    assert attached == [(1, 7), (2, 7)]
+    assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]

@@ -241,10 +241,13 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         if self._session is not None and self._exe is None:
             self._compile_in_step(batch)
         leaves = self._place_state(leaves)
+        if self._session is not None and self._step == 0:
+            self._publish(0, leaves)  # a peer lost in the first step needs the initial state
         new_leaves, metrics, finite = self._run(step, leaves, batch)
+        kept, self._run_inputs = self._run_inputs, None  # do not keep a second state alive
         if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
             self._batches.pop()
-            kept = self._run_inputs  # the state of step - 1: recovered, if a recovery ran
+            # ``kept`` is the state of step - 1: the recovered one, if a recovery ran.
             if isinstance(form, PytreeForm):
                 return form.unflatten(kept), metrics
             if kept is not leaves:
@@ -342,7 +345,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 if self._is_peer_failure(exc):
                     reason = f"{type(exc).__name__}: {exc}"
                     del exc  # hold nothing of the old world (see _recover_world)
-                    leaves = self._recover_world(step, reason, t_fault)
+                    leaves = self._recover_world_again_and_again(step, reason, t_fault)
                     continue
                 verdict = self._proxy.classify(exc)
                 if verdict.kind == "user":
@@ -446,11 +449,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     def _commit(self, step: int, new_leaves: list, metrics) -> None:
         opts = self.options
         if self._session is not None:
-            refused = self._session.publish_refused
-            self._session.publish(step, new_leaves,
-                                  budget_bytes=opts.snapshot.host_memory_budget_bytes)
-            if self._session.publish_refused and not refused:
-                self._durability.emit("fault", step=step, classification="snapshot_budget")
+            self._publish(step, new_leaves)
         self._step = step
         self._last_written = new_leaves
         self._statistics.steps_run = step
@@ -472,6 +471,14 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
             self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
         if step == 1:
             self._precompile_due = True
+
+    def _publish(self, step: int, leaves: list) -> None:
+        """Multi-process: this worker's shards of the state after `step` to its agent."""
+        refused = self._session.publish_refused
+        self._session.publish(step, leaves,
+                              budget_bytes=self.options.snapshot.host_memory_budget_bytes)
+        if self._session.publish_refused and not refused:
+            self._durability.emit("fault", step=step, classification="snapshot_budget")
 
     def _snapshot_cadence(self, leaves) -> int:
         """Snapshots are the only second copy of single-copy shards: take them more often."""

@@ -377,6 +377,9 @@ def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
     for kind, victim in fired:
         if victim not in lost:
             problems.append(f"{kind} of worker {victim}: no recovery lists it as lost")
+    unplanned = sorted(lost - {victim for _, victim in fired})
+    if unplanned:
+        problems.append(f"workers {unplanned} were lost without a fault done to them")
     launcher = report["events"]
     for f in report["fired"]:
         if f["kind"] == "corrupt" and f.get("corrupted_steps") and not any(

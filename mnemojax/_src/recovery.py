@@ -197,6 +197,25 @@ class RecoveryMixin:
         return (self._session is not None and self._session.can_recover
                 and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc))
 
+    def _recover_world_again_and_again(self, step: int, reason: str, t_fault: float) -> list:
+        """`_recover_world`, again whenever a peer dies while it runs (in the new world's
+        compile barrier, restore or replay): each time over the world that failed, within
+        the recovery budget."""
+        rec = self.options.recovery
+        attempts, t_first = 0, rec.clock()
+        while True:
+            attempts += 1
+            try:
+                return self._recover_world(step, reason, t_fault)
+            except jax.errors.JaxRuntimeError as again:
+                if not self._is_peer_failure(again):
+                    raise
+                self._check_budget(rec.stop, attempts, t_first, step, again, "recovery")
+                reason = f"during the recovery: {type(again).__name__}: {again}"
+            self._statistics.faults_during_recovery += 1  # the exception is gone here
+            log.warning("mnemojax: step %d: a peer failed during the recovery; recovering "
+                        "the world again", step)
+
     def _recover_world(self, step: int, reason: str, t_fault: float) -> list:
         """A collective failed: agree with the survivors, re-initialise into their world,
         rebuild the mesh over its devices, restore the agreed step from the agents (the
@@ -208,7 +227,8 @@ class RecoveryMixin:
         self._drop_world_arrays()
         log.warning("mnemojax: step %d: a peer process failed (%s); recovering the world",
                     step, reason[:200])
-        rec = session.recover(last_step=self._step, reason=reason)
+        rec = session.recover(last_step=self._step, reason=reason,
+                              first_replayable=self._batches[0][0] if self._batches else None)
         phases = {"detect": t0 - t_fault,
                   "agree": rec.phases["detach"] + rec.phases["agree"]}
         t = time.perf_counter()
@@ -228,9 +248,7 @@ class RecoveryMixin:
         if rec.agreement.resume_step < 0:
             resume, leaves = self._world_from_persistent(step, rec, shardings)
             source = "persistent"
-        else:
-            self._check_replayable(rec.agreement.resume_step, step,
-                                   "the newest state the survivors hold")
+        else:  # the agreement chose a step every survivor can replay from
             resume, leaves = rec.agreement.resume_step, session.restore(rec, shardings)
             source = "agent_snapshots"
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
@@ -240,8 +258,7 @@ class RecoveryMixin:
         for s, b in list(self._batches):
             if resume < s < step:
                 leaves, _, _ = self._run(s, leaves, b)
-                session.publish(s, leaves,
-                                budget_bytes=self.options.snapshot.host_memory_budget_bytes)
+                self._publish(s, leaves)
                 self._step = s
         phases["replay"] = time.perf_counter() - t
         dead = sorted(set(rec.members) - set(rec.agreement.survivors))
@@ -268,10 +285,7 @@ class RecoveryMixin:
     def _world_from_persistent(self, step: int, rec, shardings) -> tuple[int, list]:
         """No step's state survives in memory (`Agreement.lost`): every survivor restores
         the newest Orbax checkpoint onto the new world's mesh, else a typed error."""
-        lost = list(rec.agreement.lost)
-        unavailable = StateUnavailableError(
-            f"step {step}: no live agent holds a verified copy of the shards of workers "
-            f"{lost} (their agents and ring buddies are gone, or the copies fail CRC32)")
+        unavailable = StateUnavailableError(f"step {step}: {rec.agreement.why}")
         if not self.options.persistent.directory:
             raise StateUnavailableError(
                 f"{unavailable}, and no persistent tier is configured "

@@ -79,6 +79,15 @@ def test_kill_worker(tmp_path, reference, victim):
     assert rec["fetched_from"] == {"0": report["agents"][0]}
 
 
+def test_kill_during_the_first_step_resumes_from_the_initial_state(tmp_path, reference):
+    """The initial state is published before step 1 (step 0), so a peer lost in the very
+    first step costs nothing but that step."""
+    report = _run(tmp_path, [ProcessFault("kill", 0, 0)])
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["failed_processes"] == [0] and rec["source_step"] == 0
+    assert rec["step"] in (1, 2)  # step 1, or step 2 if step 1 completed before the kill
+
+
 def test_kill_whole_host_takes_state_from_the_buddy(tmp_path, reference):
     report = _run(tmp_path, [ProcessFault("host", 0, 4)])
     rec = _one_recovery(tmp_path, reference, report)
@@ -105,18 +114,18 @@ def test_corrupt_copy_is_never_restored(tmp_path, reference):
     assert rec["fetched_from"] == {"0": report["agents"][1]}
 
 
-def test_second_failure_during_the_agreement(tmp_path, reference):
-    """Worker 1 dies; worker 2 dies once it has arrived at the survivors' agreement. The
-    others agree again without it (a second round when the decision already included it)
-    and end exact on a (2, 2) mesh."""
-    report = _run(tmp_path, [ProcessFault("kill", 1, 4), ProcessFault("kill_in_agreement", 2)],
-                  nproc=4, agree_timeout_s=15)
-    assert report["rc"] == 0, report
-    stats = _assert_exact(tmp_path, reference)
-    lost = {w for rec in stats["recoveries"] for w in rec["failed_processes"]}
-    assert lost == {1, 2}
-    assert stats["recoveries"][-1]["new_mesh_shape"] == {"data": 2, "model": 2}
-    assert stats["mesh_shape"] == {"data": 2, "model": 2}
+def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, reference):
+    """Worker 1 dies; worker 2 dies as soon as the launcher has decided a world with it.
+    That world never forms: the others' connect times out and they agree again without
+    it (round 2), then end exact on a (2, 2) mesh."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 4),
+                             ProcessFault("kill_after_decision", 2)],
+                  nproc=4, agree_timeout_s=20)
+    rec = _one_recovery(tmp_path, reference, report, nproc=4)
+    assert rec["failed_processes"] == [1, 2] and rec["agreement_rounds"] == 2
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[0, 2, 3], [0, 3]]
 
 
 def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):

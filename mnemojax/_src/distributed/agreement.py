@@ -23,7 +23,8 @@ Protocol (one round per failure; ``generation`` counts worlds, 0 at launch):
 
 A member that dies while waiting at the barrier leaves it (it is not put into world g+1). One
 that dies after the decision never joins world g+1: the others' ``connect`` times out and they
-agree again, over world g+1 (a second round; `recovery.recover_world`).
+agree again, over world g+1 (a second round; `recovery.recover_world`). One that dies after
+world g+1 formed is an ordinary failure of world g+1 (the resilient step recovers again).
 
 `Coordinator` is the small interface the worker uses; `LauncherCoordinator` implements it
 against the launcher on one machine (a later issue can put the same two calls on etcd).
@@ -53,6 +54,8 @@ class Agreement:
         coordinator: ``host:port`` of the new world's coordination service.
         resume_step: the step whose state every survivor restores (then replays s+1...);
             -1 when no step's state is complete anywhere (see ``lost``).
+        resume_generation: the world that produced those copies (a step replayed in a
+            newer world has copies of both; the fetched payloads must all be of this one).
         survivors: worker ids in new rank order.
         previous_members: worker ids of the old world in old rank order.
         sources: ``origin worker id -> agent addresses`` holding a verified copy of that
@@ -62,6 +65,7 @@ class Agreement:
             a verified copy of (their agent and ring buddy are gone, or the copies are
             corrupt). The survivors still form the new world, then fall back to the
             persistent tier or raise a typed error.
+        why: when ``resume_step == -1``, why no in-memory state can be used.
     """
 
     generation: int
@@ -74,6 +78,8 @@ class Agreement:
     previous_members: tuple[int, ...]
     sources: Mapping[int, tuple[str, ...]]
     lost: tuple[int, ...] = ()
+    resume_generation: int = 0
+    why: str = ""
 
 
 class Coordinator(Protocol):
@@ -82,8 +88,12 @@ class Coordinator(Protocol):
     def report_failure(self, *, generation: int, reason: str) -> None:
         """Tells the coordinator this worker saw a failure in world ``generation``."""
 
-    def agree(self, *, generation: int, last_step: int) -> Agreement:
+    def agree(self, *, generation: int, last_step: int,
+              first_replayable: int | None = None) -> Agreement:
         """Barrier over the live members of world ``generation``; returns the decision.
+
+        ``first_replayable``: the oldest step whose batch the caller still keeps (it can
+        resume from any step at or after ``first_replayable - 1``).
 
         Call after detaching from world ``generation``. Atomic: every survivor gets the same
         decision (its own rank in it), or every call raises `AgreementError`.
@@ -148,7 +158,8 @@ def missing_leaves(copies: Iterable[CopyInfo]) -> list[int]:
 
 
 def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]], *,
-                       max_step: int | None = None) -> tuple[int, int] | None:
+                       max_step: int | None = None,
+                       min_step: int | None = None) -> tuple[int, int] | None:
     """The newest (step, generation) whose verified copies on live agents cover every leaf.
 
     Copies of the same step from a newer world (a replayed step) are preferred. None: no
@@ -158,11 +169,14 @@ def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]], *,
         holdings: agent address -> the verified copies it holds.
         max_step: no newer step than this (the oldest survivor's last completed step: a
             survivor whose step failed after a peer's succeeded must not be skipped ahead).
+        min_step: no older step than this (every survivor must still keep the batches to
+            replay from it).
     """
     groups: dict[tuple[int, int], list[CopyInfo]] = {}
     for copies in holdings.values():
         for c in copies:
-            if max_step is None or c.step <= max_step:
+            if (max_step is None or c.step <= max_step) and (
+                    min_step is None or c.step >= min_step):
                 groups.setdefault((c.step, c.generation), []).append(c)
     complete = [key for key, copies in groups.items() if not missing_leaves(copies)]
     return max(complete) if complete else None
@@ -176,6 +190,7 @@ class AgreementBook:
         self.members = tuple(members)
         self.dead: set[int] = set()
         self.arrived: dict[int, int] = {}
+        self.replayable_from: dict[int, int] = {}  # worker -> oldest resume step it can use
         self.decision: dict[int, Agreement] | None = None
 
     def mark_dead(self, worker_id: int) -> None:
@@ -185,7 +200,8 @@ class AgreementBook:
             self.arrived.pop(worker_id, None)
             self.dead.add(worker_id)
 
-    def arrive(self, worker_id: int, generation: int, last_step: int) -> None:
+    def arrive(self, worker_id: int, generation: int, last_step: int,
+               first_replayable: int | None = None) -> None:
         if generation != self.generation or worker_id not in self.members:
             raise AgreementError(f"worker {worker_id} asked to agree on world {generation}, "
                                  f"the current world is {self.generation}",
@@ -194,6 +210,8 @@ class AgreementBook:
             raise AgreementError(f"worker {worker_id} was declared dead (evicted)",
                                  generation=generation)
         self.arrived[worker_id] = last_step
+        if first_replayable is not None:
+            self.replayable_from[worker_id] = first_replayable - 1
 
     def missing(self) -> list[int]:
         """Members neither arrived nor dead (the barrier waits for them)."""
@@ -220,11 +238,14 @@ class AgreementBook:
         if not self.complete():
             raise AgreementError(f"barrier incomplete, waiting for {self.missing()}",
                                  generation=self.generation)
-        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()))
+        floor = max((self.replayable_from[w] for w in self.arrived
+                     if w in self.replayable_from), default=None)
+        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()),
+                                    min_step=floor)
         survivors = tuple(m for m in self.members if m in self.arrived)
-        step, sources, lost = -1, {}, ()
+        step, generation, sources, lost, why = -1, 0, {}, (), ""
         if chosen is not None:
-            step = chosen[0]
+            step, generation = chosen
             for addr, copies in holdings.items():
                 for c in copies:  # a copy with no shards adds nothing to fetch
                     if (c.step, c.generation) == chosen and c.shards:
@@ -240,6 +261,11 @@ class AgreementBook:
             empty = {c.origin for c in every if newest and c.generation == newest[1]
                      and not c.shards}
             lost = tuple(m for m in members if m not in present and m not in empty)
+            why = (f"no live agent holds a verified copy of the shards of workers "
+                   f"{list(lost)} (their agents and ring buddies are gone, or the copies "
+                   "fail CRC32)") if lost else (
+                f"the newest complete state in memory is older than step {floor}, the "
+                "oldest the survivors still keep the batches to replay from")
         homes = homes or {}
         sources = {o: tuple(sorted(a, key=lambda addr, o=o: addr != homes.get(o)))
                    for o, a in sorted(sources.items())}
@@ -247,7 +273,7 @@ class AgreementBook:
             w: Agreement(generation=self.generation + 1, worker_id=w, process_id=i,
                          num_processes=len(survivors), coordinator=coordinator,
                          resume_step=step, survivors=survivors, previous_members=self.members,
-                         sources=sources, lost=lost)
+                         sources=sources, lost=lost, resume_generation=generation, why=why)
             for i, w in enumerate(survivors)}
         return self.decision
 
@@ -289,6 +315,8 @@ class LauncherCoordinator:
     def report_failure(self, *, generation: int, reason: str) -> None:
         self._call("report_failure", generation=generation, reason=reason)
 
-    def agree(self, *, generation: int, last_step: int) -> Agreement:
-        reply = self._call("agree", generation=generation, last_step=last_step)
+    def agree(self, *, generation: int, last_step: int,
+              first_replayable: int | None = None) -> Agreement:
+        reply = self._call("agree", generation=generation, last_step=last_step,
+                           first_replayable=first_replayable)
         return agreement_from_json(reply["agreement"])

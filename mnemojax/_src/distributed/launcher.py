@@ -178,7 +178,7 @@ class Launcher:
     def _agree(self, w: int, h: dict):
         with self._cv:
             book = self._book
-            book.arrive(w, h["generation"], h["last_step"])
+            book.arrive(w, h["generation"], h["last_step"], h.get("first_replayable"))
             self._cv.notify_all()
             deadline = time.monotonic() + self.options.agree_timeout_s
             while book.decision is None and not book.complete():
@@ -224,6 +224,7 @@ class Launcher:
             decision = book.decide(coordinator=service.address, holdings=holdings,
                                    homes=self.agent_addr, members_of=self._worlds)
         except AgreementError:
+            self._services.pop(book.generation + 1, None)
             service.shutdown()
             raise
         first = decision[survivors[0]]

@@ -2,8 +2,9 @@
 
 `recover_world` runs steps 1-3 of the agreement protocol (see `agreement`) and the in-process
 re-initialisation of DESIGN §4, then fetches the snapshots of the agreed step that cover the
-state from the live agents. The caller then rebuilds its mesh over ``jax.devices()``, restores
-(`state_transfer.restore_leaves`), compiles, waits at `coordination.barrier` and replays.
+state from the live agents. The caller then rebuilds its mesh over ``jax.devices()``,
+compiles, waits at `coordination.barrier`, restores (`state_transfer.restore_leaves`) and
+replays.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import dataclasses
 import logging
 import time
 
-from mnemojax._src.distributed import coordination
+from mnemojax._src.distributed import coordination, snapshot_codec
 from mnemojax._src.distributed.agent_client import fetch_snapshot
 from mnemojax._src.distributed.agreement import Agreement, Coordinator
 from mnemojax._src.distributed.env import WorldSpec
+from mnemojax._src.distributed.errors import AgreementError, SnapshotUnavailableError
 
 logger = logging.getLogger("mnemojax")
+
+MAX_ROUNDS = 8  # agreement rounds of one recovery (each new round lost another member)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +49,7 @@ class WorldRecovery:
 
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
-                  reason: str = "") -> WorldRecovery:
+                  reason: str = "", first_replayable: int | None = None) -> WorldRecovery:
     """Detaches, agrees, joins the survivors' world and fetches the agreed state.
 
     Detaching comes first: dropping this process's backend closes its gloo connections, so a
@@ -66,6 +70,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         coordinator: the agreement service (`LauncherCoordinator` under ``mnemojax launch``).
         world: this process's current world.
         last_step: the newest step this process completed and published.
+        first_replayable: the oldest step whose batch this process still keeps.
         reason: what was seen (logged by the coordinator).
     """
     phases = {"detach": 0.0, "agree": 0.0, "attach": 0.0}
@@ -76,8 +81,12 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     rounds, members = 0, None
     while True:
         rounds += 1
+        if rounds > MAX_ROUNDS:
+            raise AgreementError(f"no world formed after {MAX_ROUNDS} agreement rounds",
+                                 generation=world.generation)
         t = time.perf_counter()
-        agreement = coordinator.agree(generation=world.generation, last_step=last_step)
+        agreement = coordinator.agree(generation=world.generation, last_step=last_step,
+                                      first_replayable=first_replayable)
         members = members or agreement.previous_members
         phases["agree"] += time.perf_counter() - t
         world = dataclasses.replace(
@@ -100,6 +109,13 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     payloads, fetched_from = [], {}
     for origin, addrs in agreement.sources.items():  # each worker's own agent first
         payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step)
+        meta = snapshot_codec.read_meta(payload)
+        if (meta["step"], meta.get("generation", 0)) != (agreement.resume_step,
+                                                          agreement.resume_generation):
+            raise SnapshotUnavailableError(
+                f"the copy of worker {origin} from {fetched_from[origin]} is of step "
+                f"{meta['step']} (world {meta.get('generation', 0)}), not the agreed step "
+                f"{agreement.resume_step} (world {agreement.resume_generation})")
         payloads.append(payload)
     phases["fetch"] = time.perf_counter() - t
     logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",

@@ -3,14 +3,15 @@
 The faults are done to the processes the way real ones happen, never through a hook in the
 recovery code: ``kill`` is a SIGKILL of the worker, ``host`` also kills its agent (the whole
 host is gone, with its copy of the snapshot), ``hang`` stops the worker (SIGSTOP: no error,
-no progress; only the agent's watchdog can notice), ``corrupt`` flips a bit in every
-snapshot the worker's agent holds in shared memory and then kills the worker (its own copy
-must not be restored), and ``kill_in_agreement`` kills the worker once it has arrived at
-the survivors' agreement of an earlier fault (a failure during the recovery).
+no progress; only the agent's watchdog can notice), ``corrupt`` kills the worker and then
+flips a bit in every snapshot its agent holds in shared memory (its own copy must not be
+restored), ``kill_in_agreement`` kills the worker when it calls ``agree`` (it may die
+before or after the decision), and ``kill_after_decision`` kills it as soon as the
+launcher has decided a new world that includes it (the others must agree again).
 
-A fault fires when its victim has published ``at_step`` (the agent's ``progress`` event),
-or for ``kill_in_agreement`` when the victim calls ``agree``. ``python -m mnemojax launch``
-is the same launcher without the faults.
+A fault fires when its victim has published ``at_step`` (the agent's ``progress`` event);
+the two agreement kinds fire at the first agreement after every fault listed before them
+has fired. ``python -m mnemojax launch`` is the same launcher without the faults.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
 from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import InvalidOptionError
 
-KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement")
+KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision")
+AGREEMENT_KINDS = ("kill_in_agreement", "kill_after_decision")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,10 @@ class ProcessFault:
     """One fault done to worker ``victim`` once it has published step ``at_step``.
 
     Attributes:
-        kind: ``kill``, ``host``, ``hang``, ``corrupt`` or ``kill_in_agreement`` (module
-            docstring).
+        kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement`` or
+            ``kill_after_decision`` (module docstring).
         victim: the worker's stable id (its process id at launch).
-        at_step: the step after which it fires (ignored by ``kill_in_agreement``).
+        at_step: the step after which it fires (ignored by the agreement kinds).
     """
 
     kind: str
@@ -104,40 +106,44 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
         ``t0`` (wall time of the first fault) and ``launcher_knows_s`` (from the first
         fault to the launcher learning of it).
     """
+    faults = list(faults)
     pending = list(faults)
     fired: list[dict] = []
     lock = threading.Lock()
     launcher: Launcher | None = None
 
     def fire(fault: ProcessFault, event: dict) -> None:
-        worker = launcher.worker_pids.get(fault.victim)
         record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
                   "t": time.time()}
-        if fault.kind == "corrupt":
+        worker = launcher.worker_pids[fault.victim]
+        os.kill(worker, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+        if fault.kind == "host":
+            os.kill(launcher.agents[fault.victim].pid, signal.SIGKILL)
+        if fault.kind == "corrupt":  # after the kill: no publish can follow the bit flip
             segment = _segment_of(launcher, fault.victim)
             record["corrupted_steps"] = corrupt_agent_copies(segment) if segment else []
         fired.append(record)
-        if fault.kind == "hang":
-            os.kill(worker, signal.SIGSTOP)
-            return
-        os.kill(worker, signal.SIGKILL)
-        if fault.kind == "host":
-            os.kill(launcher.agents[fault.victim].pid, signal.SIGKILL)
+
+    def due(fault: ProcessFault, event: dict) -> bool:
+        op = event["op"]
+        if fault.kind in AGREEMENT_KINDS:
+            earlier = faults[:faults.index(fault)]
+            if any(f in pending for f in earlier):
+                return False
+            if fault.kind == "kill_in_agreement":
+                return op == "agree" and event["worker_id"] == fault.victim
+            return op == "decided" and fault.victim in event["survivors"]
+        return (op == "progress" and event["worker_id"] == fault.victim
+                and event["step"] >= fault.at_step)
 
     def on_event(event: dict) -> None:
-        op = event["op"]
-        if op not in ("progress", "agree"):
+        if event["op"] not in ("progress", "agree", "decided"):
             return
         with lock:
-            for fault in pending:
-                due = (op == "agree" and fault.kind == "kill_in_agreement"
-                       and event["worker_id"] == fault.victim) or (
-                    op == "progress" and fault.kind != "kill_in_agreement"
-                    and event["worker_id"] == fault.victim and event["step"] >= fault.at_step)
-                if due:
+            for fault in list(pending):
+                if due(fault, event):
                     pending.remove(fault)
                     threading.Thread(target=fire, args=(fault, event), daemon=True).start()
-                    return
 
     options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
                             heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,

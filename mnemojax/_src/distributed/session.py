@@ -81,10 +81,12 @@ class DistributedSession:
         self.agent.publish(step, parts)
         return True
 
-    def recover(self, *, last_step: int, reason: str) -> WorldRecovery:
+    def recover(self, *, last_step: int, reason: str,
+                first_replayable: int | None = None) -> WorldRecovery:
         """Agrees with the survivors and joins the new world (see `recover_world`)."""
         self.phase("recover")
-        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason)
+        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason,
+                            first_replayable=first_replayable)
         self.world = rec.world
         return rec
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import threading
 import zlib
 
 from mnemojax._src.distributed.errors import ChecksumError
@@ -69,22 +70,22 @@ class ReplicaStore:
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._by_origin: dict[int, dict[int, tuple[bytes, int]]] = {}
+        self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
 
     def put(self, origin: int, step: int, payload: bytes, crc: int) -> None:
         """Stores a copy after checking its CRC32 (raises `ChecksumError` if it fails)."""
         if zlib.crc32(payload) != crc:
             raise ChecksumError(f"replica of worker {origin} step {step} fails its CRC32 check")
-        held = self._by_origin.setdefault(origin, {})
-        held[step] = (bytes(payload), crc)
-        for old in sorted(held)[:-self.keep]:
-            del held[old]
+        with self._lock:
+            held = self._by_origin.setdefault(origin, {})
+            held[step] = (bytes(payload), crc)
+            for old in sorted(held)[:-self.keep]:
+                del held[old]
 
     def get(self, origin: int, step: int) -> tuple[bytes, int]:
         """The copy of ``origin``'s snapshot at ``step`` (KeyError if not held)."""
-        return self._by_origin[origin][step]
-
-    def holdings(self) -> dict[int, list[int]]:
-        return {o: sorted(h) for o, h in self._by_origin.items() if h}
+        with self._lock:
+            return self._by_origin[origin][step]
 
     def verify(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int]]]:
         """Checks every copy against its CRC32 again (memory can flip after the put).
@@ -93,12 +94,17 @@ class ReplicaStore:
             ``(origin, step, payload)`` of the good copies, and ``(origin, step)`` of the
             corrupt ones, which are dropped (never served).
         """
+        with self._lock:
+            copies = [(o, s, p, c) for o, held in self._by_origin.items()
+                      for s, (p, c) in held.items()]
         good, bad = [], []
-        for origin, held in self._by_origin.items():
-            for step, (payload, crc) in list(held.items()):
-                if zlib.crc32(payload) == crc:
-                    good.append((origin, step, payload))
-                else:
-                    bad.append((origin, step))
-                    del held[step]
+        for origin, step, payload, crc in copies:  # the CRCs outside the lock
+            if zlib.crc32(payload) == crc:
+                good.append((origin, step, payload))
+            else:
+                bad.append((origin, step))
+                with self._lock:
+                    held = self._by_origin.get(origin, {})
+                    if held.get(step, (None,))[0] is payload:
+                        del held[step]
         return good, bad
