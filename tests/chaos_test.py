@@ -47,6 +47,9 @@ def test_process_schedule_is_always_survivable(seed):
     steps = [f.at_step for f in plan["faults"] if f.kind != "kill_in_agreement"]
     assert all(b - a >= 5 for a, b in itertools.pairwise(steps))
     assert all(w not in victims for w, _ in plan["transients"])
+    for i, f in enumerate(plan["faults"]):  # a kill during the agreement follows its kill
+        if f.kind == "kill_in_agreement":
+            assert plan["faults"][i - 1].kind == "kill" and plan["faults"][i - 1].victim != f.victim
     assert all(2 <= k < 39 for k in plan["nan_steps"] + steps)
     again = draw_process_schedule(nproc=4, steps=40, seed=seed, fault_rate=0.3)
     assert again["planned"] == plan["planned"]
