@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import socket
@@ -634,4 +635,34 @@ def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
     assert rec.rounds == 2 and rec.world.generation == 2 and rec.world.num_processes == 1
     assert rec.members == (0, 1, 2)  # the world that failed, not the one that never formed
     assert attached == [(1, 7), (2, 7)]
+    assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
+
+
+def test_a_survivor_that_cannot_fetch_stays_out_and_agrees_again(monkeypatch):
+    """Every source of the agreed copy died since the decision: the survivor does not join
+    that world (so it cannot form for anyone) and goes straight to the next agreement."""
+    from mnemojax._src.distributed import recovery as dist_recovery
+
+    attached, fetches = [], []
+
+    class Sourced(_Coordinator):
+        def agree(self, **kw):
+            a = super().agree(**kw)
+            return dataclasses.replace(a, resume_step=4, sources={0: ("127.0.0.1:1",)},
+                                       lost=(), why="")
+
+    def fetch(addrs, origin, step):
+        fetches.append(addrs)
+        if len(fetches) == 1:
+            raise SnapshotUnavailableError("no copy of worker 0 step 4: refused")
+        return bytearray(b"".join(bytes(p) for p in pack(4, 0, [], num_leaves=0))), addrs[0]
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker",
+                        lambda world, *, init_timeout_s: attached.append(world.generation))
+    monkeypatch.setattr(dist_recovery, "fetch_snapshot", fetch)
+    coordinator = Sourced()
+    rec = recover_world(coordinator, WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                               num_processes=3), last_step=4)
+    assert rec.rounds == 2 and attached == [2] and len(rec.payloads) == 1
     assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]

@@ -48,8 +48,8 @@ class LaunchOptions:
         hang_min_s: floor of the hang threshold; raised to ``collective_timeout_s + 10`` so a
             survivor blocked on a dead peer's collective is never mistaken for a hung one.
         agree_timeout_s: members not at the agreement barrier by then are evicted (killed);
-            also how long survivors wait to join the new world before agreeing again
-            (a member died after the decision).
+            half of it is how long survivors wait to join the new world before agreeing
+            again (a member died after the decision).
         recover: False: any worker failure ends the job (the failure's exit status).
         job_timeout_s: kill everything after this long (None: no limit).
         grace_s: SIGTERM-to-SIGKILL grace at cleanup.
@@ -262,7 +262,10 @@ class Launcher:
                 env.NUM_PROCESSES: str(o.nproc), env.WORKER_ID: str(w), env.GENERATION: "0",
                 env.DEVICES_PER_PROC: str(o.devices_per_proc), env.HEARTBEAT_S: str(o.heartbeat_s),
                 env.COLLECTIVE_TIMEOUT_S: str(o.collective_timeout_s), env.CONTROL: self.control,
-                env.ATTACH_TIMEOUT_S: str(max(1, round(o.agree_timeout_s))),
+                # Half the agreement deadline: a survivor that could not fetch the agreed
+                # state agrees again at once, and the deadline of that next agreement must
+                # not run out before the others' connect has timed out.
+                env.ATTACH_TIMEOUT_S: str(max(1, round(o.agree_timeout_s / 2))),
                 "JAX_PLATFORMS": "cpu"}
 
     def _start(self) -> None:

@@ -59,9 +59,11 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
 
     Barrier semantics: `Coordinator.agree` returns once every live member of ``world`` has
     arrived (or was declared dead); every survivor gets the same agreement or an
-    `AgreementError`. Joining the new world is a second barrier (``connect``): when a member
-    of the new world died after the decision, it times out (``world.attach_timeout_s``) for
-    every survivor alike, and they agree again over the new world (another round).
+    `AgreementError`. The agreed payloads are fetched, then the new world is joined, which is
+    a second barrier (``connect``): when a member of the new world died after the decision,
+    or could not fetch the agreed state (its sources died since), it times out
+    (``world.attach_timeout_s``) for every survivor alike, and they agree again over the new
+    world (another round).
 
     When ``agreement.resume_step == -1`` (no step's state survives, `Agreement.lost`), the
     new world is joined but nothing is fetched: the caller falls back or raises.
@@ -73,7 +75,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         first_replayable: the oldest step whose batch this process still keeps.
         reason: what was seen (logged by the coordinator).
     """
-    phases = {"detach": 0.0, "agree": 0.0, "attach": 0.0}
+    phases = {"detach": 0.0, "agree": 0.0, "fetch": 0.0, "attach": 0.0}
     t = time.perf_counter()
     coordinator.report_failure(generation=world.generation, reason=reason[:500])
     coordination.detach_worker()
@@ -93,6 +95,16 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
             world, coordinator=agreement.coordinator, process_id=agreement.process_id,
             num_processes=agreement.num_processes, generation=agreement.generation,
             worker_id=world.stable_id)
+        # Fetch before joining: if every source of a copy died since the decision, this
+        # process stays out of the new world, so it never forms and everyone agrees again.
+        t = time.perf_counter()
+        try:
+            payloads, fetched_from = _fetch(agreement)
+        except SnapshotUnavailableError as e:
+            phases["fetch"] += time.perf_counter() - t
+            _next_round(coordinator, world, f"the agreed state could not be fetched: {e}")
+            continue
+        phases["fetch"] += time.perf_counter() - t
         t = time.perf_counter()
         try:
             coordination.attach_worker(world, init_timeout_s=world.attach_timeout_s)
@@ -100,14 +112,19 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
             break
         except RuntimeError as e:  # a member of the new world never came (connect timed out)
             phases["attach"] += time.perf_counter() - t
-            logger.warning("world %d did not form within %d s (a member died after the "
-                           "agreement?): %s; agreeing again", world.generation,
-                           world.attach_timeout_s, e)
-            coordinator.report_failure(generation=world.generation,
-                                       reason=f"world did not form: {e}"[:500])
-    t = time.perf_counter()
+            _next_round(coordinator, world, f"world did not form within "
+                                            f"{world.attach_timeout_s} s: {e}")
+    logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
+                agreement.generation, agreement.survivors, agreement.resume_step, rounds,
+                ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
+    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)
+
+
+def _fetch(agreement: Agreement) -> tuple[list[bytearray], dict[int, str]]:
+    """The agreed step's payloads from the sources (each worker's own agent first),
+    checked to be of the agreed step and world."""
     payloads, fetched_from = [], {}
-    for origin, addrs in agreement.sources.items():  # each worker's own agent first
+    for origin, addrs in agreement.sources.items():
         payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step)
         meta = snapshot_codec.read_meta(payload)
         if (meta["step"], meta.get("generation", 0)) != (agreement.resume_step,
@@ -117,8 +134,9 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
                 f"{meta['step']} (world {meta.get('generation', 0)}), not the agreed step "
                 f"{agreement.resume_step} (world {agreement.resume_generation})")
         payloads.append(payload)
-    phases["fetch"] = time.perf_counter() - t
-    logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
-                agreement.generation, agreement.survivors, agreement.resume_step, rounds,
-                ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
-    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)
+    return payloads, fetched_from
+
+
+def _next_round(coordinator: Coordinator, world: WorldSpec, why: str) -> None:
+    logger.warning("world %d: %s; agreeing again", world.generation, why)
+    coordinator.report_failure(generation=world.generation, reason=why[:500])
