@@ -356,6 +356,7 @@ def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float 
         "recoveries": len(stats.get("recoveries", [])),
         "lost_processes": sorted({w for r in stats.get("recoveries", [])
                                   for w in r["failed_processes"]}),
+        "collateral_losses": _collateral(report, events),
         "transient_retries": stats.get("transient_retries"),
         "skipped_batches": stats.get("skipped_batches"),
         "final_mesh": stats.get("mesh_shape"),
@@ -364,10 +365,25 @@ def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float 
     }
 
 
+def _collateral(report: dict, events: list[dict]) -> list[dict]:
+    """Workers lost without a fault done to them, with how they ended (launcher's view)."""
+    lost = {w for e in events if e["kind"] == "fault" for w in e.get("failed_processes", [])}
+    victims = {f["victim"] for f in report["fired"]}
+    return [{"worker": w, "ended": [e["op"] + (f" {e['code']}" if "code" in e else "")
+                                    for e in report["events"] if e.get("worker_id") == w
+                                    and e["op"] in ("worker_exit", "hang", "evicted")]}
+            for w in sorted(lost - victims)]
+
+
 def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
                            stats: dict) -> list[str]:
     """Every fault must have left its trace: in the workers' event logs (recoveries, NaN
-    batches, transient retries) or the launcher's (corrupt copies, hangs, evictions)."""
+    batches, transient retries) or the launcher's (corrupt copies, hangs, evictions).
+
+    A worker lost without a fault done to it is a problem when mnemojax ended it (its
+    watchdog or an eviction); one that crashed by itself when a peer died
+    (the runtime, e.g. gloo, aborting) is recovered like any other loss and reported as
+    ``collateral_losses`` instead."""
     problems = []
     fired = {(f["kind"], f["victim"]) for f in report["fired"]}
     for f in report["unfired"]:
@@ -377,9 +393,11 @@ def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
     for kind, victim in fired:
         if victim not in lost:
             problems.append(f"{kind} of worker {victim}: no recovery lists it as lost")
-    unplanned = sorted(lost - {victim for _, victim in fired})
-    if unplanned:
-        problems.append(f"workers {unplanned} were lost without a fault done to them")
+    for w in sorted(lost - {victim for _, victim in fired}):
+        fenced = [e["op"] for e in report["events"]
+                  if e.get("worker_id") == w and e["op"] in ("hang", "evicted")]
+        if fenced:  # mnemojax itself ended a worker nobody harmed: a false alarm
+            problems.append(f"worker {w} was lost without a fault done to it ({fenced[0]})")
     launcher = report["events"]
     for f in report["fired"]:
         if f["kind"] == "corrupt" and f.get("corrupted_steps") and not any(
