@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from mnemojax._src.config import REPO_CONFIGS, configure_devices, load_config
+from mnemojax._src.timing import interleaved_block_means
 
 log = logging.getLogger("mnemojax")
 
@@ -203,24 +204,18 @@ def _measure_overhead(cfg, gcfg, mesh, corpus, progress) -> dict:
 
     for run_one in runners.values():  # compile + warm up outside the timed rounds
         run_one(batches[0])
-    # Per round and config, the mean step time over a block of steps (a snapshot every N
-    # steps is a cost spread over N steps: a per-step median would hide it). Medians over
-    # rounds; the order of configs rotates so no config always follows the same one.
-    names = list(runners)
-    times: dict[str, list[float]] = {name: [] for name in runners}
     medians: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(cfg.overhead_rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            block = []
-            t0 = time.perf_counter()
-            for b in batches:
-                t = time.perf_counter()
-                runners[name](b)
-                block.append(time.perf_counter() - t)
-            if name in steps:
-                steps[name].wait_snapshots()  # a copy still in flight belongs to this block
-            times[name].append((time.perf_counter() - t0) / len(batches))
-            medians[name].extend(block)
+
+    def run_block(name: str, _round: int) -> int:
+        for b in batches:
+            t = time.perf_counter()
+            runners[name](b)
+            medians[name].append(time.perf_counter() - t)
+        if name in steps:
+            steps[name].wait_snapshots()  # a copy still in flight belongs to this block
+        return len(batches)
+
+    times = interleaved_block_means(list(runners), cfg.overhead_rounds, run_block)
     for s in steps.values():
         s.close()
     med = {name: statistics.median(ts) for name, ts in times.items()}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mnemojax._src.bench.config import BenchConfig
 from mnemojax._src.events import EventLog
+from mnemojax._src.timing import interleaved_block_means
 
 log = logging.getLogger("mnemojax")
 
@@ -134,29 +135,33 @@ def failure_free_pair(cfg: BenchConfig, mesh, batches, events_path, *, cache_dir
         model, optimizer, step, init_s = _build(cfg, mesh, snap, precompile=False,
                                                 cache_dir=cache_dir)
         runs[name] = {"clock": clock, "model": model, "optimizer": optimizer, "step": step,
-                      "losses": [_first_step(clock, step, model, optimizer, batches[0], init_s)],
-                      "block_means_s": []}
+                      "losses": [_first_step(clock, step, model, optimizer, batches[0], init_s)]}
         clock.pause()
     blocks = [list(range(i, min(i + cfg.block_steps, cfg.steps)))
               for i in range(1, cfg.steps, cfg.block_steps)]
-    names = list(runs)
-    for r, block in enumerate(blocks):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            run = runs[name]
-            clock, step = run["clock"], run["step"]
-            clock.resume()
-            t_block = time.perf_counter()
-            for i in block:
-                start = clock.now()
-                run["losses"].append(float(step(run["model"], run["optimizer"],
-                                                batches[i])["loss"]))
-                end = clock.now()
-                clock.step(i + 1, start, end, end - start, loss=run["losses"][-1])
-            step.wait_snapshots()  # a copy still in flight belongs to this block
-            run["block_means_s"].append((time.perf_counter() - t_block) / len(block))
-            clock.pause()
+
+    def run_block(name: str, r: int) -> int:
+        run = runs[name]
+        clock, step = run["clock"], run["step"]
+        clock.resume()
+        for i in blocks[r]:
+            start = clock.now()
+            run["losses"].append(float(step(run["model"], run["optimizer"],
+                                            batches[i])["loss"]))
+            end = clock.now()
+            clock.step(i + 1, start, end, end - start, loss=run["losses"][-1])
+        step.wait_snapshots()  # a copy still in flight belongs to this block
+        clock.pause()
+        return len(blocks[r])
+
+    def report_progress(r: int) -> None:
         if progress:
             print(f"  (a)+(b) block {r + 1}/{len(blocks)}", file=sys.stderr, flush=True)
+
+    means = interleaved_block_means(list(runs), len(blocks), run_block,
+                                    after_round=report_progress)
+    for name, run in runs.items():
+        run["block_means_s"] = means[name]
     peak = peak_rss_bytes()
     out = {}
     for name, run in runs.items():
