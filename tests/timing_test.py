@@ -20,5 +20,5 @@ def test_order_rotates_and_blocks_are_timed_per_step():
     assert [n for r, n in order if r == 2] == ["mid", "fast", "slow"]
     assert rounds_done == [0, 1, 2]
     assert all(len(v) == 3 for v in means.values())
-    assert all(0.009 < m < 0.05 for m in means["slow"])  # 20 ms per block of 2 steps
+    assert all(m >= 0.01 for m in means["slow"])  # >= 20 ms per block of 2 steps
     assert max(means["fast"]) < min(means["slow"])
