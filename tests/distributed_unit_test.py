@@ -666,3 +666,27 @@ def test_a_survivor_that_cannot_fetch_stays_out_and_agrees_again(monkeypatch):
                                                num_processes=3), last_step=4)
     assert rec.rounds == 2 and attached == [2] and len(rec.payloads) == 1
     assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
+
+
+def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
+    """Agent 1 keeps worker 0's replicas only within its own worker's budget (its slots
+    count too): over it the replica is refused and reported, never held."""
+    fake, agents = two_agents
+    protocol.send_msg(fake.links[0], {"op": "set_buddy", "buddy": fake.addresses[1]})
+    c0, c1 = AgentClient(agents[0].address), AgentClient(agents[1].address)
+    try:
+        def payload(step, worker, n):
+            return pack(step, worker, [ShardEntry(0, (n,), ((0, n),), np.ones(n, np.uint8))],
+                        num_leaves=1)
+
+        c1.publish(1, payload(1, 1, 100), budget_bytes=20_000)  # agent 1's slots: ~9 KB
+        c0.publish(1, payload(1, 0, 4000), budget_bytes=1 << 20)
+        _wait(lambda: _held(agents[1].address)[0].get("0") == [1])
+        c0.publish(2, payload(2, 0, 40_000), budget_bytes=1 << 20)
+        _wait(lambda: any(e["op"] == "replica_refused" for e in fake.events))
+        assert _held(agents[1].address)[0].get("0") == [1]  # step 2 was never held
+        with pytest.raises(SnapshotUnavailableError):
+            fetch_snapshot([agents[1].address], 0, 2)
+    finally:
+        c0.close()
+        c1.close()

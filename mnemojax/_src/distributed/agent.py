@@ -76,6 +76,8 @@ class Agent:
         self.watchdog = HangWatchdog(factor=hang_factor, min_s=hang_min_s)
         self.replicas = ReplicaStore()
         self.buffer: SnapshotBuffer | None = None
+        self.budget_bytes: int | None = None  # host memory for snapshots (from the worker)
+        self._refused_replicas = False
         self.worker: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
@@ -127,6 +129,7 @@ class Agent:
         op, now = h["op"], time.monotonic()
         if op == "alloc":
             with self._lock:
+                self.budget_bytes = h.get("budget_bytes")
                 if self.buffer is None or self.buffer.slot_bytes < h["nbytes"]:
                     if self.buffer is not None:
                         self.buffer.close()
@@ -147,6 +150,16 @@ class Agent:
             self.watchdog.set_phase(h["phase"], now)
             return None
         if op == "replica":
+            own = 2 * self.buffer.slot_bytes if self.buffer is not None else 0
+            if self.budget_bytes is not None and (
+                    own + self.replicas.nbytes(excluding=(h["origin"], h["step"]))
+                    + len(payload) > self.budget_bytes):
+                if not self._refused_replicas:
+                    self._refused_replicas = True
+                    self.report("replica_refused", origin=h["origin"], step=h["step"],
+                                budget_bytes=self.budget_bytes)
+                return {"op": "error", "message": f"a replica of {len(payload)} bytes would "
+                        f"exceed host_memory_budget_bytes={self.budget_bytes}"}, b""
             try:
                 self.replicas.put(h["origin"], h["step"], payload, h["crc"])
             except ChecksumError as e:

@@ -30,25 +30,31 @@ class AgentClient:
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
 
-    def _ensure_capacity(self, nbytes: int) -> SnapshotBuffer:
+    def _ensure_capacity(self, nbytes: int, budget_bytes: int | None) -> SnapshotBuffer:
         if self.buffer is None or self.buffer.slot_bytes < nbytes:
             with self._lock:
                 protocol.send_msg(self._sock, {"op": "alloc",
-                                               "nbytes": int(nbytes * self.headroom) + 4096})
+                                               "nbytes": int(nbytes * self.headroom) + 4096,
+                                               "budget_bytes": budget_bytes})
                 reply, _ = protocol.recv_msg(self._sock)
             if self.buffer is not None:
                 self.buffer.close()
             self.buffer = SnapshotBuffer.attach(reply["name"])
         return self.buffer
 
-    def publish(self, step: int, parts: Sequence[bytes | memoryview]) -> int:
+    def publish(self, step: int, parts: Sequence[bytes | memoryview], *,
+                budget_bytes: int | None = None) -> int:
         """Writes the snapshot of ``step`` into shared memory and tells the agent.
+
+        Args:
+            budget_bytes: host memory the agent may use for snapshots (its slots and the
+                replicas it keeps for its ring neighbour); passed on when it allocates.
 
         Returns:
             The payload's CRC32.
         """
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
-        crc = self._ensure_capacity(nbytes).publish(step, parts)
+        crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
         with self._lock:
             protocol.send_msg(self._sock, {"op": "published", "step": step})
         return crc

@@ -78,7 +78,7 @@ class DistributedSession:
                 f"host_memory_budget_bytes={budget_bytes}; they are no longer published",
                 SnapshotBudgetWarning, stacklevel=3)
             return False
-        self.agent.publish(step, parts)
+        self.agent.publish(step, parts, budget_bytes=budget_bytes)
         return True
 
     def recover(self, *, last_step: int, reason: str,
