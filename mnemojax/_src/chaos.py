@@ -15,6 +15,7 @@ import logging
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 log = logging.getLogger("mnemojax")
@@ -195,8 +196,10 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
                 planned.append({"step": k + 3, "kind": kind})
             elif kind == "nan":
                 planned.append({"step": k, "kind": kind})
-                step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
-                                        "y": batch["y"]})
+                with warnings.catch_warnings():  # planned: the event log accounts for it
+                    warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
+                    step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
+                                            "y": batch["y"]})
                 continue  # skipped: the same clean batch comes next
             step(model, optimizer, batch)
             i += 1
