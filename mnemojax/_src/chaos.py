@@ -391,6 +391,10 @@ def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
     fired = {(f["kind"], f["victim"]) for f in report["fired"]}
     for f in report["unfired"]:
         problems.append(f"{f['kind']} of worker {f['victim']} never fired")
+    for f in report["fired"]:
+        if "error" in f:
+            problems.append(f"{f['kind']} of worker {f['victim']} could not be done: "
+                            f"{f['error']}")
     lost = {w for e in events if e["kind"] == "fault"
             for w in e.get("failed_processes", [])}
     for kind, victim in fired:

@@ -39,6 +39,7 @@ def _run(tmp_path, faults, *, nproc=3, extra=(), **kw) -> dict:
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=faults,
                           job_timeout_s=240, **kw)
     assert not report["unfired"], report["unfired"]
+    assert not [f for f in report["fired"] if "error" in f], report["fired"]
     assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
     assert report["shm_left"] == [], "shared memory outlived the job"
     return report

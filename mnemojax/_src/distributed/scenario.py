@@ -115,13 +115,16 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
     def fire(fault: ProcessFault, event: dict) -> None:
         record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
                   "t": time.time()}
-        worker = launcher.worker_pids[fault.victim]
-        os.kill(worker, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
-        if fault.kind == "host":
-            os.kill(launcher.agents[fault.victim].pid, signal.SIGKILL)
-        if fault.kind == "corrupt":  # after the kill: no publish can follow the bit flip
-            segment = _segment_of(launcher, fault.victim)
-            record["corrupted_steps"] = corrupt_agent_copies(segment) if segment else []
+        try:
+            worker = launcher.worker_pids[fault.victim]
+            os.kill(worker, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)
+            if fault.kind == "host":
+                os.kill(launcher.agents[fault.victim].pid, signal.SIGKILL)
+            if fault.kind == "corrupt":  # after the kill: no publish can follow the bit flip
+                segment = _segment_of(launcher, fault.victim)
+                record["corrupted_steps"] = corrupt_agent_copies(segment) if segment else []
+        except (ProcessLookupError, KeyError) as e:  # the victim was already gone
+            record["error"] = f"{type(e).__name__}: {e}"
         fired.append(record)
 
     def due(fault: ProcessFault, event: dict) -> bool:
