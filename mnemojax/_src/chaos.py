@@ -344,7 +344,8 @@ def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float 
         exact, max_diff = compare(got, reference_leaves(seed, clean_batches(seed, steps)))
         stats = json.loads((tmp / "stats.json").read_text())
     events = [e for path in sorted(tmp.glob("events-w*.jsonl")) for e in read_events(path)]
-    problems = _unaccounted_processes(plan, report, events, stats)
+    collateral = _collateral(report, events)
+    problems = _unaccounted_processes(plan, report, events, stats, collateral)
     if report["rc"] != 0:
         problems.insert(0, f"the job exited with status {report['rc']}")
     if any(process_alive(p) for p in report["pids"]):
@@ -359,7 +360,7 @@ def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float 
         "recoveries": len(stats.get("recoveries", [])),
         "lost_processes": sorted({w for r in stats.get("recoveries", [])
                                   for w in r["failed_processes"]}),
-        "collateral_losses": _collateral(report, events),
+        "collateral_losses": collateral,
         "transient_retries": stats.get("transient_retries"),
         "skipped_batches": stats.get("skipped_batches"),
         "final_mesh": stats.get("mesh_shape"),
@@ -379,7 +380,7 @@ def _collateral(report: dict, events: list[dict]) -> list[dict]:
 
 
 def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
-                           stats: dict) -> list[str]:
+                           stats: dict, collateral: list[dict]) -> list[str]:
     """Every fault must have left its trace: in the workers' event logs (recoveries, NaN
     batches, transient retries) or the launcher's (corrupt copies, hangs, evictions).
 
@@ -400,11 +401,11 @@ def _unaccounted_processes(plan: dict, report: dict, events: list[dict],
     for kind, victim in fired:
         if victim not in lost:
             problems.append(f"{kind} of worker {victim}: no recovery lists it as lost")
-    for w in sorted(lost - {victim for _, victim in fired}):
-        fenced = [e["op"] for e in report["events"]
-                  if e.get("worker_id") == w and e["op"] in ("hang", "evicted")]
+    for c in collateral:
+        fenced = [op for op in c["ended"] if op in ("hang", "evicted")]
         if fenced:  # mnemojax itself ended a worker nobody harmed: a false alarm
-            problems.append(f"worker {w} was lost without a fault done to it ({fenced[0]})")
+            problems.append(f"worker {c['worker']} was lost without a fault done to it "
+                            f"({fenced[0]})")
     launcher = report["events"]
     for f in report["fired"]:
         if f["kind"] == "corrupt" and f.get("corrupted_steps") and not any(

@@ -34,8 +34,7 @@ class Durability:
         self.events = EventLog(options.event_log, options.run_name) if options.event_log \
             else None
         self._keys = keys
-        self.tier = PersistentTier(popts.directory, keys=keys, max_to_keep=popts.max_to_keep) \
-            if popts.directory else None
+        self.tier = self._open_tier() if popts.directory else None
         self._preemption = PreemptionWatch(popts.preemption_signals) \
             if self.tier is not None and popts.preemption_signals else None
         self._memory = MemoryWatch(popts.memory_pressure_fraction) \
@@ -81,6 +80,10 @@ class Durability:
                 self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
         self.check_preemption(step, leaves)
 
+    def _open_tier(self) -> PersistentTier:
+        return PersistentTier(self._popts.directory, keys=self._keys,
+                              max_to_keep=self._popts.max_to_keep)
+
     def reopen_tier(self) -> None:
         """A new Orbax manager for a new multi-process world (the old one's processes and
         barriers belong to the world that failed). The old manager may be stuck in a save
@@ -88,8 +91,7 @@ class Durability:
         if self.tier is None:
             return
         old = self.tier
-        self.tier = PersistentTier(self._popts.directory, keys=self._keys,
-                                   max_to_keep=self._popts.max_to_keep)
+        self.tier = self._open_tier()
 
         def close_quietly():
             try:

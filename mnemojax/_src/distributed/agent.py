@@ -151,9 +151,9 @@ class Agent:
             return None
         if op == "replica":
             own = 2 * self.buffer.slot_bytes if self.buffer is not None else 0
+            # The new copy is stored before the oldest one is evicted: this is the peak.
             if self.budget_bytes is not None and (
-                    own + self.replicas.nbytes(excluding=(h["origin"], h["step"]))
-                    + len(payload) > self.budget_bytes):
+                    own + self.replicas.nbytes() + len(payload) > self.budget_bytes):
                 if not self._refused_replicas:
                     self._refused_replicas = True
                     self.report("replica_refused", origin=h["origin"], step=h["step"],
@@ -191,7 +191,9 @@ class Agent:
         copies = []
         for origin, payload in found:
             try:
-                copies.append(CopyInfo.from_meta(origin, read_meta(payload)).to_json())
+                meta = read_meta(payload)
+                CopyInfo.from_meta(origin, meta)  # it must parse; the launcher parses it again
+                copies.append({**meta, "origin": origin})
             except (ValueError, KeyError, TypeError) as e:  # not a snapshot payload
                 corrupt.append({"origin": origin, "step": None, "error": f"metadata: {e}"})
         for c in corrupt:

@@ -102,7 +102,8 @@ class Coordinator(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class CopyInfo:
-    """What one verified snapshot copy covers (from its metadata, `snapshot_codec.read_meta`).
+    """What one verified snapshot copy covers (from its metadata, `snapshot_codec.read_meta`;
+    agents send that metadata with an ``origin`` field, and the launcher reads it back).
 
     Attributes:
         origin: the worker whose shards these are.
@@ -123,18 +124,6 @@ class CopyInfo:
                    int(meta["num_leaves"]),
                    tuple((int(m["leaf"]), tuple(m["shape"]), tuple(tuple(i) for i in m["index"]))
                          for m in meta["shards"]))
-
-    def to_json(self) -> dict:
-        return {"origin": self.origin, "step": self.step, "generation": self.generation,
-                "num_leaves": self.num_leaves,
-                "shards": [[leaf, list(shape), [list(i) for i in index]]
-                           for leaf, shape, index in self.shards]}
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> CopyInfo:
-        return cls(int(d["origin"]), int(d["step"]), int(d["generation"]), int(d["num_leaves"]),
-                   tuple((int(leaf), tuple(shape), tuple(tuple(i) for i in index))
-                         for leaf, shape, index in d["shards"]))
 
 
 def missing_leaves(copies: Iterable[CopyInfo]) -> list[int]:

@@ -211,7 +211,7 @@ class Launcher:
         for addr, reply in zip(addrs, replies, strict=True):
             if reply is None:
                 continue
-            holdings[addr] = [CopyInfo.from_json(c) for c in reply["copies"]]
+            holdings[addr] = [CopyInfo.from_meta(c["origin"], c) for c in reply["copies"]]
             for bad in reply["corrupt"]:
                 self._record({"op": "corrupt_copy", "agent": addr, **bad})
         return holdings

@@ -82,18 +82,10 @@ class ReplicaStore:
             for old in sorted(held)[:-self.keep]:
                 del held[old]
 
-    def nbytes(self, *, excluding: tuple[int, int] | None = None) -> int:
-        """Bytes held once the copy ``excluding`` = (origin, step) and the copies a put of
-        it would evict are gone (so a new put's size can be added to it)."""
+    def nbytes(self) -> int:
+        """Bytes of the copies held."""
         with self._lock:
-            total = 0
-            for origin, held in self._by_origin.items():
-                steps = sorted(held)
-                if excluding is not None and origin == excluding[0]:
-                    steps = [s for s in steps if s != excluding[1]][-(self.keep - 1):] \
-                        if self.keep > 1 else []
-                total += sum(len(held[s][0]) for s in steps)
-            return total
+            return sum(len(p) for held in self._by_origin.values() for p, _ in held.values())
 
     def get(self, origin: int, step: int) -> tuple[bytes, int]:
         """The copy of ``origin``'s snapshot at ``step`` (KeyError if not held)."""
