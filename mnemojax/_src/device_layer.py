@@ -10,7 +10,7 @@ would, without the runtime knowing they are there.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import jax
@@ -18,48 +18,63 @@ import numpy as np
 
 from mnemojax._src.triggers import host_memory_fraction
 
+# `jax.Device` is a runtime alias of jaxlib's compiled (unstubbed) `Device` class, so
+# type checkers cannot use it in annotations; this alias keeps the intent readable.
+Device = Any
+
 
 class DeviceLayer(Protocol):
-    def execute(self, executable: Any, args: tuple, *, step: int,
+    """What the runtime needs from devices; `JaxDeviceLayer` and the fault injector's
+    interposed layer implement it."""
+
+    def execute(self, executable: Callable[..., Any], args: tuple[Any, ...], *, step: int,
                 devices: Collection[int]) -> Any:
         """Dispatches `executable(*args)` on `devices`; returns its (future) outputs."""
+        ...
 
     def block(self, outputs: Any, *, step: int, devices: Collection[int]) -> Any:
         """Waits for `outputs`; raises what the device raised."""
+        ...
 
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         """Places a host value on devices."""
+        ...
 
     def fetch(self, shard: jax.Shard) -> np.ndarray:
         """Reads one addressable shard to a fresh host array (a copy, never a view)."""
+        ...
 
     def fetch_into(self, piece: jax.Array, device_id: int, out: np.ndarray) -> None:
         """Reads a single-device array (one shard, on `device_id`) into a preallocated
         host buffer."""
+        ...
 
-    def probe(self, device: jax.Device, timeout_s: float) -> bool:
+    def probe(self, device: Device, timeout_s: float) -> bool:
         """True if the device answers a tiny round trip within `timeout_s`."""
+        ...
 
-    def memory_fractions(self, devices: Collection[jax.Device], *, step: int) -> dict[str, float]:
+    def memory_fractions(self, devices: Collection[Device], *, step: int) -> dict[str, float]:
         """Memory in use over its limit: ``{"host": f, "device:<id>": f, ...}``."""
+        ...
 
 
 class JaxDeviceLayer:
     """The real device layer: plain JAX calls."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="mnemojax-probe")
 
-    def execute(self, executable, args, *, step, devices):
+    def execute(self, executable: Callable[..., Any], args: tuple[Any, ...], *, step: int,
+                devices: Collection[int]) -> Any:
         del step, devices
         return executable(*args)
 
-    def block(self, outputs, *, step, devices):
+    def block(self, outputs: Any, *, step: int, devices: Collection[int]) -> Any:
         del step, devices
         return jax.block_until_ready(outputs)
 
-    def put(self, value, sharding):
+    def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
         # Multi-process: every process holds the same global host value and places only
@@ -67,17 +82,17 @@ class JaxDeviceLayer:
         value = np.asarray(value)
         return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
-    def fetch(self, shard):
+    def fetch(self, shard: jax.Shard) -> np.ndarray:
         return np.array(shard.data, copy=True)
 
-    def fetch_into(self, piece, device_id, out):
+    def fetch_into(self, piece: jax.Array, device_id: int, out: np.ndarray) -> None:
         del device_id
         # On CPU `np.asarray` is a zero-copy view of the device buffer: copy it out now.
         np.copyto(out, np.asarray(piece))
 
-    def memory_fractions(self, devices, *, step):
+    def memory_fractions(self, devices: Collection[Device], *, step: int) -> dict[str, float]:
         del step
-        out = {}
+        out: dict[str, float] = {}
         host = host_memory_fraction()
         if host is not None:
             out["host"] = host
@@ -90,8 +105,8 @@ class JaxDeviceLayer:
                 out[f"device:{d.id}"] = stats["bytes_in_use"] / stats["bytes_limit"]
         return out
 
-    def probe(self, device, timeout_s):
-        def round_trip():
+    def probe(self, device: Device, timeout_s: float) -> bool:
+        def round_trip() -> float:
             return float(np.asarray(jax.device_put(np.ones((), np.float32), device)))
 
         future = self._probe_pool.submit(round_trip)

@@ -50,7 +50,7 @@ class EventLog:
     is one ``write`` of one line in append mode.
     """
 
-    def __init__(self, path: str | os.PathLike, run: str):
+    def __init__(self, path: str | os.PathLike[str], run: str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run = run
@@ -73,7 +73,7 @@ class EventLog:
             self._file.close()
 
 
-def jsonable(x):
+def jsonable(x: Any) -> Any:
     """`json.dumps` default: arrays to lists, sets and tuples to lists, else str."""
     if hasattr(x, "tolist"):
         return x.tolist()
@@ -82,7 +82,7 @@ def jsonable(x):
     return str(x)
 
 
-def read_events(path: str | os.PathLike) -> Iterator[dict]:
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Yields the events of a JSONL log; a torn last line (a crash mid-write) is skipped."""
     with open(path, encoding="utf-8") as f:
         for line in f:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Collection, Iterable
-from typing import Literal
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
+from mnemojax._src.device_layer import Device, DeviceLayer
 from mnemojax._src.errors import InvalidOptionError
 
 Surface = Literal["dispatch", "block"]
@@ -44,11 +45,11 @@ class InjectedFault:
     time: float
 
 
-def _device_error(ids: Iterable[int], what: str) -> jax.errors.JaxRuntimeError:
-    ids = sorted(ids)
+def _device_error(ids: Iterable[int], what: str) -> RuntimeError:
+    """A `jax.errors.JaxRuntimeError` (a `RuntimeError`; jaxlib has no stubs for it)."""
     return jax.errors.JaxRuntimeError(
-        f"INTERNAL: {what} failed: device(s) {ids} are lost (hardware error reported by the "
-        "device runtime; injected by mnemojax.testing.FaultInjector)"
+        f"INTERNAL: {what} failed: device(s) {sorted(ids)} are lost (hardware error reported "
+        "by the device runtime; injected by mnemojax.testing.FaultInjector)"
     )
 
 
@@ -64,7 +65,7 @@ class FaultInjector:
     that touches it fails from then on.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._events: list[_Event] = []
         self._dead: set[int] = set()
         self._hung: set[int] = set()
@@ -152,7 +153,7 @@ class FaultInjector:
     def dead_devices(self) -> frozenset[int]:
         return frozenset(self._dead)
 
-    def wrap(self, layer):
+    def wrap(self, layer: DeviceLayer) -> DeviceLayer:
         """Returns `layer` with this injector interposed."""
         return _InterposedLayer(layer, self)
 
@@ -171,7 +172,7 @@ class FaultInjector:
         self.injected.append(InjectedFault(ev.kind, step, ev.device_ids, ev.fired_at))
 
     def _fire_due(self, step: int, kinds: tuple[str, ...]) -> list[_Event]:
-        fired = []
+        fired: list[_Event] = []
         with self._lock:
             for ev in self._events:
                 if ev.fired_at is None and ev.at_step <= step and ev.kind in kinds:
@@ -196,18 +197,20 @@ class FaultInjector:
 
 
 class _InterposedLayer:
-    def __init__(self, inner, injector: FaultInjector):
+    def __init__(self, inner: DeviceLayer, injector: FaultInjector) -> None:
         self._inner = inner
         self._inj = injector
         self._poisoned: set[int] = set()  # id() of outputs whose wait must fail
         self._step = 0
         self._generation = 0  # +1 per launch: which snapshot copy a buffer belongs to
-        self._filled: list = []  # (generation, host buffer) written by snapshot copies
+        # (generation, host buffer) written by snapshot copies
+        self._filled: list[tuple[int, np.ndarray]] = []
 
-    def _dead_among(self, devices) -> set[int]:
+    def _dead_among(self, devices: Iterable[int]) -> set[int]:
         return self._inj._dead & {int(d) for d in devices}
 
-    def execute(self, executable, args, *, step, devices):
+    def execute(self, executable: Callable[..., Any], args: tuple[Any, ...], *, step: int,
+                devices: Collection[int]) -> Any:
         self._step = step
         self._generation += 1
         for ev in self._inj._fire_due(step, ("lose_devices", "hang", "corrupt_snapshot")):
@@ -226,7 +229,7 @@ class _InterposedLayer:
             self._poisoned.add(id(outputs))
         return outputs
 
-    def block(self, outputs, *, step, devices):
+    def block(self, outputs: Any, *, step: int, devices: Collection[int]) -> Any:
         if id(outputs) in self._poisoned:
             self._poisoned.discard(id(outputs))
             if self._inj._hung & {int(d) for d in devices}:
@@ -235,7 +238,7 @@ class _InterposedLayer:
             raise _device_error(self._dead_among(devices), f"waiting for step {step}")
         return self._inner.block(outputs, step=step, devices=devices)
 
-    def put(self, value, sharding):
+    def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         if self._inj._failure_surfaced:
             self._inj._fire_due(self._step, ("lose_during_recovery",))
         dead = self._dead_among(d.id for d in sharding.device_set)
@@ -243,12 +246,12 @@ class _InterposedLayer:
             raise _device_error(dead, "host-to-device transfer")
         return self._inner.put(value, sharding)
 
-    def fetch(self, shard):
+    def fetch(self, shard: jax.Shard) -> np.ndarray:
         if shard.device.id in self._inj._dead:
             raise _device_error([shard.device.id], "device-to-host transfer")
         return self._inner.fetch(shard)
 
-    def fetch_into(self, piece, device_id, out):
+    def fetch_into(self, piece: jax.Array, device_id: int, out: np.ndarray) -> None:
         if device_id in self._inj._dead:
             raise _device_error([device_id], "device-to-host transfer")
         self._inner.fetch_into(piece, device_id, out)
@@ -268,14 +271,14 @@ class _InterposedLayer:
         self._inj.injected.append(InjectedFault("corrupted_buffers", self._step, (flipped,),
                                                 time.perf_counter()))
 
-    def memory_fractions(self, devices, *, step):
+    def memory_fractions(self, devices: Collection[Device], *, step: int) -> dict[str, float]:
         out = self._inner.memory_fractions(devices, step=step)
         forced = self._inj._memory_override(step)
         if forced is not None:
             out["host"] = forced
         return out
 
-    def probe(self, device, timeout_s):
+    def probe(self, device: Device, timeout_s: float) -> bool:
         if device.id in self._inj._dead:
             return False
         return self._inner.probe(device, timeout_s)

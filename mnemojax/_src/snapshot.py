@@ -20,16 +20,20 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
+from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.errors import MnemojaxWarning, SnapshotCorruptError, StateUnavailableError
 
 log = logging.getLogger("mnemojax")
 
 IndexKey = tuple[tuple[int, int], ...]
+# (addressable position, index key, device id) of each shard a snapshot copies.
+LeafLayout = list[tuple[int, IndexKey, int]]
 
 
 class SnapshotBudgetWarning(MnemojaxWarning):
@@ -44,6 +48,11 @@ def index_key(index: tuple[slice, ...], shape: Sequence[int]) -> IndexKey:
 
 def _as_slices(key: IndexKey) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in key)
+
+
+def _crc32(buf: np.ndarray) -> int:
+    # numpy's stubs declare the buffer protocol (`__buffer__`) only for Python >= 3.12.
+    return zlib.crc32(buf)  # pyright: ignore[reportArgumentType]
 
 
 @dataclasses.dataclass
@@ -80,7 +89,10 @@ class HostSnapshot:
         buf = copy.shards.get(key)
         if buf is None:
             return None
-        if self.verify and zlib.crc32(buf) != copy.crcs[key]:
+        return self._verified(leaf, key, buf)
+
+    def _verified(self, leaf: int, key: IndexKey, buf: np.ndarray) -> np.ndarray:
+        if self.verify and _crc32(buf) != self.leaves[leaf].crcs[key]:
             self.corrupt = True
             raise SnapshotCorruptError(
                 f"snapshot of step {self.step}: leaf {leaf} shard {key} fails its CRC32 check")
@@ -91,8 +103,8 @@ class HostSnapshot:
         copy = self.leaves[leaf]
         out = np.empty(copy.shape, copy.dtype)
         covered = 0
-        for key in copy.shards:
-            block = self.shard(leaf, key)
+        for key, buf in copy.shards.items():
+            block = self._verified(leaf, key, buf)
             out[_as_slices(key)] = block
             covered += block.size
         if covered < out.size:
@@ -102,7 +114,7 @@ class HostSnapshot:
         return out
 
 
-def _leaf_layout(x: jax.Array) -> list[tuple[int, IndexKey, int]]:
+def _leaf_layout(x: jax.Array) -> LeafLayout:
     """(addressable position, index key, device id) of the shards to copy: replica 0 only."""
     return [(i, index_key(s.index, x.shape), s.device.id)
             for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
@@ -110,7 +122,7 @@ def _leaf_layout(x: jax.Array) -> list[tuple[int, IndexKey, int]]:
 
 def has_single_copy_shards(leaves: Sequence[jax.Array]) -> bool:
     """True if some shard of some leaf is held by one device only (no live replica)."""
-    seen = set()
+    seen: set[tuple[Any, tuple[int, ...]]] = set()
     for x in leaves:
         k = (x.sharding, x.shape)
         if k in seen:
@@ -125,15 +137,16 @@ def has_single_copy_shards(leaves: Sequence[jax.Array]) -> bool:
 class SnapshotStore:
     """Double-buffered asynchronous host snapshots (see module docstring)."""
 
-    def __init__(self, layer, entries: Sequence[str], *, budget_bytes: int,
-                 verify: bool = True, name: str = "state", on_corrupt=None):
+    def __init__(self, layer: DeviceLayer, entries: Sequence[str], *, budget_bytes: int,
+                 verify: bool = True, name: str = "state",
+                 on_corrupt: Callable[[int], object] | None = None):
         self._layer = layer
         self._entries = list(entries)
         self._budget = budget_bytes
         self._verify = verify
         self._name = name
         self._cv = threading.Condition()
-        self._pending: tuple[int, list] | None = None
+        self._pending: tuple[int, list[jax.Array]] | None = None
         self._busy = False
         self._slots: list[HostSnapshot | None] = [None, None]
         self._complete: int | None = None
@@ -142,12 +155,12 @@ class SnapshotStore:
         self._closed = False
         self.disabled = False
         self.state_bytes: int | None = None
-        self._bytes_mesh = None
+        self._bytes_mesh: object = None
         self.taken = 0
         self.replaced = 0
         self.failed = 0
         self.copy_seconds: list[float] = []
-        self._layouts: dict = {}
+        self._layouts: dict[tuple[Any, tuple[int, ...]], LeafLayout] = {}
         self._on_corrupt = on_corrupt  # called (step) from the copy thread
         self.corrupt_found = 0
 
@@ -192,11 +205,11 @@ class SnapshotStore:
         with self._cv:
             if self._complete is None:
                 return []
-            out = [self._slots[self._complete]]
+            newest_first = [self._slots[self._complete]]
             other = 1 - self._complete
-            if self._intact[other] and self._slots[other] is not None:
-                out.append(self._slots[other])
-            return out
+            if self._intact[other]:
+                newest_first.append(self._slots[other])
+            return [snap for snap in newest_first if snap is not None]
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Waits until no copy is queued or in flight."""
@@ -222,9 +235,10 @@ class SnapshotStore:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending is not None or self._closed)
-                if self._closed:
+                pending = self._pending
+                if self._closed or pending is None:
                     return
-                step, leaves = self._pending
+                step, leaves = pending
                 self._pending = None
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
@@ -253,7 +267,7 @@ class SnapshotStore:
             return
         for leaf in snap.leaves:
             for key, buf in leaf.shards.items():
-                if zlib.crc32(buf) != leaf.crcs[key]:
+                if _crc32(buf) != leaf.crcs[key]:
                     snap.corrupt = True
                     self.corrupt_found += 1
                     log.warning("mnemojax: snapshot of step %d failed its CRC32 check while "
@@ -262,7 +276,7 @@ class SnapshotStore:
                         self._on_corrupt(snap.step)
                     return
 
-    def _layout(self, x: jax.Array):
+    def _layout(self, x: jax.Array) -> LeafLayout:
         # Shard objects are slow to build; the layout depends only on sharding and shape.
         k = (x.sharding, x.shape)
         layout = self._layouts.get(k)
@@ -270,7 +284,8 @@ class SnapshotStore:
             layout = self._layouts[k] = _leaf_layout(x)
         return layout
 
-    def _copy(self, step, leaves, reuse: HostSnapshot | None) -> HostSnapshot | None:
+    def _copy(self, step: int, leaves: Sequence[jax.Array],
+              reuse: HostSnapshot | None) -> HostSnapshot:
         t0 = time.perf_counter()
         layout = [self._layout(x) for x in leaves]
         if reuse is None or not self._same_layout(reuse, leaves, layout):
@@ -284,14 +299,15 @@ class SnapshotStore:
             for i, key, device_id in picks:
                 buf = leaf_copy.shards[key]
                 self._layer.fetch_into(x.addressable_data(i), device_id, buf)
-                leaf_copy.crcs[key] = zlib.crc32(buf)
+                leaf_copy.crcs[key] = _crc32(buf)
         reuse.step = step
         reuse.corrupt = False
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse
 
     @staticmethod
-    def _same_layout(snap: HostSnapshot, leaves, layout) -> bool:
+    def _same_layout(snap: HostSnapshot, leaves: Sequence[jax.Array],
+                     layout: Sequence[LeafLayout]) -> bool:
         if len(snap.leaves) != len(leaves):
             return False
         for copy, x, picks in zip(snap.leaves, leaves, layout, strict=True):

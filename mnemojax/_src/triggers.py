@@ -12,9 +12,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
 
 log = logging.getLogger("mnemojax")
+
+# What `signal.signal` accepts and returns (typeshed's alias for it is private).
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class PreemptionWatch:
@@ -28,14 +33,14 @@ class PreemptionWatch:
     def __init__(self, signals: Sequence[int]):
         self.notice = threading.Event()
         self.signal_received: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _SignalHandler] = {}
         if threading.current_thread() is not threading.main_thread():
             log.warning("mnemojax: not on the main thread; preemption signals not watched")
             return
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
         self.signal_received = signum
         self.notice.set()
@@ -78,7 +83,7 @@ class MemoryWatch:
 
     def __init__(self, fraction: float, *, window: int = 3, cooldown: int = 10):
         self.fraction = fraction
-        self._history: dict[str, collections.deque] = {}
+        self._history: dict[str, collections.deque[float]] = {}
         self._window = window
         self._cooldown = cooldown
         self._quiet = 0
