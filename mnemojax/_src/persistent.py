@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,9 +31,9 @@ log = logging.getLogger("mnemojax")
 Key = tuple[str, ...]
 
 
-def nest(keys: Sequence[Key], leaves: Sequence) -> dict:
+def nest(keys: Sequence[Key], leaves: Sequence[Any]) -> dict[str, Any]:
     """Nested dict with `leaves` placed at `keys`."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     for key, leaf in zip(keys, leaves, strict=True):
         node = out
         for part in key[:-1]:
@@ -41,8 +42,8 @@ def nest(keys: Sequence[Key], leaves: Sequence) -> dict:
     return out
 
 
-def unnest(keys: Sequence[Key], tree: dict) -> list:
-    out = []
+def unnest(keys: Sequence[Key], tree: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
     for key in keys:
         node = tree
         for part in key:
@@ -64,14 +65,13 @@ class PersistentTier:
             self.directory, item_names=("state", "mnemojax"),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                  enable_async_checkpointing=True))
-        self.saves = 0
         self.last_saved_step: int | None = None
 
-    def _describe(self, leaves) -> list[dict]:
+    def _describe(self, leaves: Sequence[Any]) -> list[dict[str, Any]]:
         return [{"path": "/".join(k), "shape": list(np.shape(x)), "dtype": str(x.dtype)}
                 for k, x in zip(self._keys, leaves, strict=True)]
 
-    def save(self, step: int, leaves: Sequence, *, wait: bool = False) -> float:
+    def save(self, step: int, leaves: Sequence[Any], *, wait: bool = False) -> float:
         """Starts saving the state after `step`; returns the seconds the caller was blocked.
 
         With `wait`, returns only once the checkpoint is committed on disk.
@@ -87,7 +87,6 @@ class PersistentTier:
             mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
         if wait:
             self._manager.wait_until_finished()
-        self.saves += 1
         self.last_saved_step = step
         return time.perf_counter() - t0
 
@@ -113,15 +112,13 @@ class PersistentTier:
             state=ocp.args.StandardRestore(abstract)))["state"]
         return unnest(self._keys, state)
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
 
 
-def _mismatch(saved: list[dict], want: list[dict], directory: Path, step: int) -> str:
+def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,
+              step: int) -> str:
     where = f"checkpoint {directory}/{step}"
     if len(saved) != len(want):
         return (f"{where} holds {len(saved)} state leaves; this model has {len(want)}: it "

@@ -12,6 +12,8 @@ import logging
 import pathlib
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from mnemojax._src.simulator import report
 from mnemojax._src.simulator import strategies as st
@@ -32,7 +34,7 @@ from mnemojax._src.simulator.config import (
 from mnemojax._src.simulator.failures import load_trace
 from mnemojax._src.simulator.grid import DEFAULT_SCALES, run_grid
 
-logger = logging.getLogger("mnemojax")
+T = TypeVar("T")
 
 DEFAULT_MTBF_HOURS = tuple(LLAMA3_MTBF_ACCELERATOR_HOURS * f for f in (0.5, 1.0, 2.0))
 
@@ -68,8 +70,8 @@ def _scale(text: str) -> int:
         raise argparse.ArgumentTypeError(f"bad scale {text!r}: expected e.g. 4096 or 4k") from None
 
 
-def _list(item):
-    def parse(text: str):
+def _list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    def parse(text: str) -> list[T]:
         try:
             return [item(x) for x in text.split(",") if x.strip()]
         except ValueError as e:
@@ -84,7 +86,7 @@ def _planned(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``simulate`` flags to ``parser``."""
-    parser.description = __doc__.splitlines()[0]
+    parser.description = (__doc__ or "").partition("\n")[0]
     g = parser.add_argument_group("grid")
     g.add_argument(
         "--scales",
@@ -203,13 +205,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
-def build_options(args: argparse.Namespace) -> tuple[SimulationOptions, dict[str, object]]:
+def build_options(args: argparse.Namespace) -> tuple[SimulationOptions, dict[str, Any]]:
     """Options from flags over bench JSON over defaults; also returns the overrides used.
 
     Raises:
         SimulationConfigError: a value out of range.
     """
-    overrides: dict[str, object] = {}
+    # Values of several types (seconds, step counts, rule names), checked by the options'
+    # own validation rather than here.
+    overrides: dict[str, Any] = {}
     if args.bench_json is not None:
         overrides.update(load_bench_costs(args.bench_json))
     for dest, key in _COST_FLAGS.items():
@@ -217,7 +221,7 @@ def build_options(args: argparse.Namespace) -> tuple[SimulationOptions, dict[str
         if value is not None:
             overrides[key] = value
 
-    def group(name: str) -> dict[str, object]:
+    def group(name: str) -> dict[str, Any]:
         return {k.split(".", 1)[1]: v for k, v in overrides.items() if k.startswith(name + ".")}
 
     restart = RestartCosts(**group("restart"))

@@ -91,11 +91,11 @@ def simulate_job(
     if mode == "hot_spare":
         max_down = 0
     infinite_pool = spares.spare_hosts is None
-    pool = 0 if infinite_pool else spares.spare_hosts
+    pool = 0 if spares.spare_hosts is None else spares.spare_hosts
     returns: list[float] = []  # times at which a repaired/replacement host is available
     down = 0
 
-    ledger = dict.fromkeys(st.CATEGORIES, 0.0)
+    ledger: dict[str, float] = dict.fromkeys(st.CATEGORIES, 0.0)
     phases: deque[list] = deque()  # [category, remaining seconds]
     outage_start: float | None = None
     outages: list[float] = []
