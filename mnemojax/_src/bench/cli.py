@@ -16,7 +16,7 @@ from mnemojax._src.config import configure_devices
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.splitlines()[0]
+    parser.description = (__doc__ or "").partition("\n")[0]
     parser.add_argument("--preset", default="tiny",
                         help=f"one of {', '.join(PRESETS)} (configs/bench_<name>.toml) or a "
                              "bench TOML path; default: tiny")

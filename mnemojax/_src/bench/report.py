@@ -49,7 +49,7 @@ class RunAccount:
         faults: number of ``fault`` events.
         overlap_s: booked seconds beyond the wall time (0 for a consistent log).
         timeline: (seconds since start, step) per step event.
-        faults_at: (seconds since start, step) per fault event.
+        faults_at: (seconds since start, step or None) per fault event.
     """
 
     run: str
@@ -62,7 +62,7 @@ class RunAccount:
     faults: int = 0
     overlap_s: float = 0.0
     timeline: list[tuple[float, int]] = dataclasses.field(default_factory=list)
-    faults_at: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    faults_at: list[tuple[float, int | None]] = dataclasses.field(default_factory=list)
 
     @property
     def wall_s(self) -> float:

@@ -10,7 +10,7 @@ from mnemojax._src.errors import InvalidOptionError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.splitlines()[0]
+    parser.description = (__doc__ or "").partition("\n")[0]
     parser.add_argument("log", help="JSONL event log (one or several runs)")
     parser.add_argument("--out", default=None,
                         help="directory for report.png and report.json (default: the log's)")

@@ -48,6 +48,8 @@ class RunClock:
         self._pause_start = time.time()
 
     def resume(self) -> float:
+        if self._pause_start is None:
+            raise RuntimeError("RunClock.resume() before pause()")
         gap = time.time() - self._pause_start
         self._paused += gap
         return gap
@@ -79,8 +81,8 @@ def peak_rss_bytes() -> int:
 
 def _build(cfg: BenchConfig, mesh, snapshot, *, precompile: bool, cache_dir, injector=None):
     import mnemojax
-    from models.gpt import GPTConfig
-    from models.tasks import build_gpt, lm_train_step
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step
 
     t0 = time.perf_counter()
     model, optimizer = build_gpt(GPTConfig(**cfg.model), seed=cfg.seed,

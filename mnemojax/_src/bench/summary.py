@@ -51,8 +51,8 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     steady_d = statistics.median(d["step_times_s"][1:]) if len(d["step_times_s"]) > 1 else None
     phases = {k: _mean(r["phases_s"].get(k, 0.0) for r in m_rec)
               for k in ("detect", "plan", "reshard", "compile", "replay")} if m_rec else {}
-    b_phase = ({k: _mean(r["phases_s"][k] for r in b_rec) for k in b_rec[0]["phases_s"]}
-               if b_rec else {})
+    b_phase = ({k: statistics.fmean(r["phases_s"][k] for r in b_rec)
+                for k in b_rec[0]["phases_s"]} if b_rec else {})
     final = {name: runs[name].get("final_state") for name in (RUN_A, RUN_B, RUN_C)}
     figures = {
         "recovery_s": {"mnemojax": m_mean, "baseline": b_mean,
