@@ -1,0 +1,203 @@
+"""Executables per mesh (mnemojax._src.compiler.StepCompiler): caching by plan and batch,
+background compiles and their accounting, the fused per-device finiteness flags.
+
+The step is a two-leaf toy, so each compile takes a fraction of a second.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mnemojax._src.compiler import StepCompiler
+from mnemojax._src.topology import MeshPlan
+
+pytestmark = pytest.mark.needs8
+
+SPECS = [P(None, "model"), P("model")]
+STRUCTS = [((8, 4), np.dtype(np.float32)), ((4,), np.dtype(np.float32))]
+BATCH = {"x": jax.ShapeDtypeStruct((12, 8), np.float32)}
+
+
+def _pure(leaves, batch):
+    w, b = leaves
+    loss = jnp.mean((batch["x"] @ w + b) ** 2)
+    return [w * 2.0, b + 1.0], {"loss": loss}
+
+
+def _plan(shape, first=0):
+    ids = np.arange(first, first + int(np.prod(shape))).reshape(shape)
+    return MeshPlan(ids, ("data", "model"), "unchanged")
+
+
+def _compiler(pure=_pure, **kw):
+    kw.setdefault("donate", False)
+    return StepCompiler(pure, SPECS, STRUCTS, data_axis="data", **kw)
+
+
+class _Gate:
+    """A step whose first trace waits until released: holds the background compiler busy."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.tracing = threading.Event()
+        self._first = True
+
+    def __call__(self, leaves, batch):
+        if self._first:
+            self._first = False
+            self.tracing.set()
+            assert self.release.wait(60)
+        return _pure(leaves, batch)
+
+
+def _run(exe, w, b, x):
+    leaves = [jax.device_put(a, s) for a, s in zip((w, b), exe.state_shardings, strict=True)]
+    batch = jax.device_put({"x": x}, exe.batch_shardings)
+    return exe.compiled(leaves, batch)
+
+
+@pytest.fixture(scope="module")
+def compiled_4x2():
+    """One compiled (4, 2) executable with state checks, shared by the tests that run it."""
+    compiler = _compiler()
+    exe, _ = compiler.get(_plan((4, 2)), BATCH)
+    yield exe
+    compiler.close()
+
+
+def test_executable_is_cached_per_plan_and_batch():
+    compiler = _compiler()
+    try:
+        exe, where = compiler.get(_plan((4, 2)), BATCH)
+        assert where == "compiled" and not exe.ahead_of_time and compiler.compiles == 1
+        again, where = compiler.get(_plan((4, 2)), BATCH)  # an equal plan, another object
+        assert where == "ready" and again is exe and compiler.compiles == 1
+        other, where = compiler.get(_plan((2, 2), first=4), BATCH)  # another mesh
+        assert where == "compiled" and other is not exe and compiler.compiles == 2
+        bigger = {"x": jax.ShapeDtypeStruct((16, 8), np.float32)}  # another batch shape
+        assert compiler.get(_plan((4, 2)), bigger)[1] == "compiled"
+        assert compiler.compiles == 3 and compiler.compiled_ahead == 0
+    finally:
+        compiler.close()
+
+
+def test_key_separates_mesh_order_batch_shape_dtype_and_structure():
+    key = StepCompiler.key
+    base = key(_plan((4, 2)), BATCH)
+    assert base == key(_plan((4, 2)), {"x": np.zeros((12, 8), np.float32)})
+    reordered = MeshPlan(np.arange(8)[::-1].reshape(4, 2), ("data", "model"), "unchanged")
+    assert key(reordered, BATCH) != base  # same shape, other device order
+    assert key(_plan((4, 2)), {"x": jax.ShapeDtypeStruct((12, 8), np.int32)}) != base
+    assert key(_plan((4, 2)), {"y": jax.ShapeDtypeStruct((12, 8), np.float32)}) != base
+
+
+def test_executable_targets_the_plans_devices_and_splits_the_batch(compiled_4x2):
+    exe = compiled_4x2
+    assert [d.id for d in exe.mesh.devices.flat] == list(range(8))
+    assert [s.spec for s in exe.state_shardings] == SPECS
+    assert exe.batch_shardings["x"].spec == P("data")
+    assert exe.lower_s > 0 and exe.compile_s > 0
+
+
+def test_executable_computes_the_step_and_flags_every_device_finite(compiled_4x2):
+    w = np.ones((8, 4), np.float32)
+    b = np.zeros(4, np.float32)
+    x = np.ones((12, 8), np.float32)
+    (new_w, new_b), metrics, flags = _run(compiled_4x2, w, b, x)
+    np.testing.assert_array_equal(new_w, 2 * w)
+    np.testing.assert_array_equal(new_b, b + 1)
+    assert float(metrics["loss"]) == 64.0
+    np.testing.assert_array_equal(flags, [True] * 8)
+
+
+def test_each_device_flags_only_its_own_non_finite_shards(compiled_4x2):
+    """A NaN in column 0 of `w` lives on the devices at model index 0 (ids 0, 2, 4, 6)."""
+    w = np.ones((8, 4), np.float32)
+    w[3, 0] = np.nan
+    _, metrics, flags = _run(compiled_4x2, w, np.zeros(4, np.float32),
+                             np.zeros((12, 8), np.float32))
+    np.testing.assert_array_equal(flags, [False, True] * 4)
+
+
+def test_without_state_checks_the_flags_are_always_true():
+    compiler = _compiler(check_state=False)
+    try:
+        exe, _ = compiler.get(_plan((2, 2)), BATCH)
+        w = np.full((8, 4), np.nan, np.float32)
+        _, _, flags = _run(exe, w, np.zeros(4, np.float32), np.zeros((12, 8), np.float32))
+        assert bool(np.all(flags))
+    finally:
+        compiler.close()
+
+
+def test_precompile_runs_in_the_background_and_is_counted():
+    compiler = _compiler()
+    try:
+        plans = [_plan((4, 2)), _plan((3, 2))]
+        futures = compiler.precompile(plans, BATCH)
+        assert len(futures) == 2
+        assert compiler.wait_precompiled(timeout_s=120) and compiler.pending() == 0
+        assert compiler.compiles == 2 and compiler.compiled_ahead == 2
+        exe, where = compiler.get(plans[1], BATCH)
+        assert where == "ready" and exe.ahead_of_time
+        assert [d.id for d in exe.mesh.devices.flat] == list(range(6))
+        assert compiler.precompile(plans, BATCH) == []  # known plans are skipped
+        assert compiler.compiles == 2
+    finally:
+        compiler.close()
+
+
+def test_get_waits_for_a_compile_already_running():
+    gate = _Gate()
+    compiler = _compiler(gate)
+    try:
+        compiler.precompile([_plan((4, 2))], BATCH)
+        assert gate.tracing.wait(60)
+        threading.Timer(0.2, gate.release.set).start()
+        exe, where = compiler.get(_plan((4, 2)), BATCH)
+        assert where == "waited" and exe.ahead_of_time
+        assert compiler.compiles == 1 and compiler.compiled_ahead == 1
+    finally:
+        gate.release.set()
+        compiler.close()
+
+
+def test_get_compiles_now_what_is_only_queued_and_drops_the_queue():
+    """The background worker is busy with (4, 2); (3, 2) and (2, 2) wait behind it. A
+    recovery needing (3, 2) compiles it at once and the queued (2, 2) is cancelled."""
+    gate = _Gate()
+    compiler = _compiler(gate)
+    try:
+        busy, needed, queued = _plan((4, 2)), _plan((3, 2)), _plan((2, 2))
+        compiler.precompile([busy, needed, queued], BATCH)
+        assert gate.tracing.wait(60)
+        exe, where = compiler.get(needed, BATCH)
+        assert where == "compiled" and not exe.ahead_of_time
+        assert compiler.pending() == 1  # only the running one is left
+        gate.release.set()
+        assert compiler.wait_precompiled(timeout_s=120)
+        assert compiler.compiles == 2 and compiler.compiled_ahead == 1
+        assert compiler.get(busy, BATCH)[1] == "ready"
+    finally:
+        gate.release.set()
+        compiler.close()
+
+
+def test_cancel_pending_keeps_the_running_compile():
+    gate = _Gate()
+    compiler = _compiler(gate)
+    try:
+        compiler.precompile([_plan((4, 2)), _plan((3, 2))], BATCH)
+        assert gate.tracing.wait(60)
+        compiler.cancel_pending()
+        assert compiler.pending() == 1
+        gate.release.set()
+        assert compiler.wait_precompiled(timeout_s=120)
+        assert compiler.compiled_ahead == 1
+    finally:
+        gate.release.set()
+        compiler.close()
