@@ -54,7 +54,7 @@ class RunClock:
         self._paused += gap
         return gap
 
-    def step(self, step: int, start: float, end: float, duration_s: float, **fields) -> None:
+    def step(self, step: int, end: float, duration_s: float, **fields) -> None:
         self.log.emit("step", step=step, time_s=end, duration_s=duration_s, **fields)
         self.timeline.append((end - self.t0, step))
         self.step_times.append(duration_s)
@@ -115,7 +115,7 @@ def _first_step(clock: RunClock, step, model, optimizer, batch, init_s: float) -
     end = clock.now()
     compile_s = sum(s for _, s in _compiled_s(step, ahead=False))
     clock.log.emit("startup", time_s=start + compile_s, duration_s=compile_s, phase="compile")
-    clock.step(1, start, end, max(end - start - compile_s, 0.0), loss=loss)
+    clock.step(1, end, max(end - start - compile_s, 0.0), loss=loss)
     return loss
 
 
@@ -151,7 +151,7 @@ def failure_free_pair(cfg: BenchConfig, mesh, batches, events_path, *, cache_dir
             run["losses"].append(float(step(run["model"], run["optimizer"],
                                             batches[i])["loss"]))
             end = clock.now()
-            clock.step(i + 1, start, end, end - start, loss=run["losses"][-1])
+            clock.step(i + 1, end, end - start, loss=run["losses"][-1])
         step.wait_snapshots()  # a copy still in flight belongs to this block
         clock.pause()
         return len(blocks[r])
@@ -216,12 +216,12 @@ def run_with_faults(cfg: BenchConfig, mesh, batches, events_path, *, cache_dir,
         end = clock.now()
         new = step.statistics.recoveries[n_before:]
         if not new:
-            clock.step(i + 1, start, end, end - start, loss=losses[-1])
+            clock.step(i + 1, end, end - start, loss=losses[-1])
             continue
         calls[new[-1].step] = end - start
         replay_s = _log_recoveries(clock, new, start, end)
         faults_at.append((end - sum(r.total_s for r in new) - clock.t0, i + 1))
-        clock.step(i + 1, start, end, replay_s, loss=losses[-1], after_recovery=True)
+        clock.step(i + 1, end, replay_s, loss=losses[-1], after_recovery=True)
         if progress:
             rec = new[-1]
             print(f"  (c) step {i + 1}: recovered in {rec.total_s:.3f} s "
