@@ -8,7 +8,9 @@ import pytest
 from mnemojax._src.errors import InvalidOptionError, MeshTooSmallError
 from mnemojax._src.topology import (
     collective_groups,
+    plan_after_process_loss,
     plan_reduced_mesh,
+    renumber_devices,
     single_failure_plans,
 )
 
@@ -147,3 +149,104 @@ def test_plans_are_deterministic():
     a = plan_reduced_mesh(grid(32, 8), AXES, {5, 77}, batch_size=240, spares=[256])
     b = plan_reduced_mesh(grid(32, 8), AXES, {77, 5}, batch_size=240, spares=[256])
     assert a.key == b.key
+
+
+# -- process loss: the same planner, renumbered into the new world ---------------------------
+
+def world(processes: int, per_process: int) -> dict[int, tuple[int, int]]:
+    """Places of a world of `processes` x `per_process` devices, ids by process."""
+    return {p * per_process + r: (p, r) for p in range(processes) for r in range(per_process)}
+
+
+def new_world_devices(survivors: int, per_process: int) -> dict[int, list[int]]:
+    return {q: list(range(q * per_process, (q + 1) * per_process)) for q in range(survivors)}
+
+
+def test_renumber_maps_survivors_in_rank_order():
+    places = world(4, 2)
+    # Workers 10..13 were ranks 0..3; worker 11 (rank 1) died: 10, 12, 13 are ranks 0, 1, 2.
+    got = renumber_devices(places, (10, 11, 12, 13), (10, 12, 13), new_world_devices(3, 2))
+    assert got == {0: 0, 1: 1, 4: 2, 5: 3, 6: 4, 7: 5}
+
+
+def test_renumber_rejects_a_process_that_lost_devices():
+    with pytest.raises(InvalidOptionError, match="has 1 devices"):
+        renumber_devices(world(2, 2), (0, 1), (0, 1), {0: [0, 1], 1: [2]})
+
+
+@pytest.mark.parametrize("processes,per_process,model", [(4, 2, 2), (64, 8, 8), (128, 4, 2),
+                                                         (64, 16, 4)])
+def test_process_loss_drops_the_replicas_of_the_lost_process(processes, per_process, model):
+    """512+ devices: the lost process's replicas go, every other replica keeps its
+    devices (renumbered), and the plan's groups say which collectives lost members."""
+    n = processes * per_process
+    ids = grid(n // model, model)
+    places = world(processes, per_process)
+    members = tuple(range(processes))
+    lost = processes // 2
+    survivors = tuple(w for w in members if w != lost)
+    renumbering = renumber_devices(places, members, survivors,
+                                   new_world_devices(len(survivors), per_process))
+    plan = plan_after_process_loss(ids, AXES, renumbering, data_axis="data", batch_size=None)
+    lost_ids = {i for i, (p, _) in places.items() if p == lost}
+    lost_replicas = {r for r in range(ids.shape[0]) if set(ids[r].tolist()) & lost_ids}
+    assert plan.kind == "drop_replicas"
+    assert plan.shape == {"data": ids.shape[0] - len(lost_replicas), "model": model}
+    assert set(plan.device_ids.flat) <= set(range(len(survivors) * per_process))
+    kept_old = [r for r in range(ids.shape[0]) if r not in lost_replicas]
+    expected = np.vectorize(renumbering.__getitem__)(ids[kept_old])
+    np.testing.assert_array_equal(plan.device_ids, expected)
+    assert len(plan.groups["model"].removed) == len(lost_replicas)
+
+
+def test_process_loss_keeps_the_math_and_uses_idle_processes_as_spares():
+    """8 processes x 1 device, data=6 (two idle processes): losing one swaps in an idle
+    one (same shape); with the batch of 24 and no idle process, width 4 divides it."""
+    places = world(8, 1)
+    ids = grid(6, 1)
+    renumbering = renumber_devices(places, tuple(range(8)), (0, 1, 3, 4, 5, 6, 7),
+                                   new_world_devices(7, 1))
+    plan = plan_after_process_loss(ids, AXES, renumbering, spares=[6, 7], data_axis="data",
+                                   batch_size=24)
+    assert plan.kind == "spare_swap" and plan.shape == {"data": 6, "model": 1}
+    assert plan.spares_used == (renumbering[6],) and plan.idle == (renumbering[7],)
+    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, data_axis="data",
+                                   batch_size=24)
+    assert plan.shape == {"data": 6, "model": 1} and not plan.math_changed
+    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, data_axis="data",
+                                   batch_size=16)
+    assert plan.shape == {"data": 4, "model": 1} and len(plan.idle) == 3
+
+
+def test_process_loss_never_shrinks_the_model_axis():
+    """(1, 8) over 4 processes: no whole replica survives the loss of one process. Across
+    processes the model axis is not shrunk: a typed error (then the Orbax tier)."""
+    renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 2, 3),
+                                   new_world_devices(3, 2))
+    with pytest.raises(MeshTooSmallError, match="not shrunk across processes") as info:
+        plan_after_process_loss(grid(1, 8), AXES, renumbering, data_axis="data",
+                                batch_size=24)
+    assert info.value.healthy_devices == 6 and info.value.required == 8
+
+
+def test_process_loss_applies_min_devices():
+    renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 1, 2),
+                                   new_world_devices(3, 2))
+    with pytest.raises(MeshTooSmallError, match="min_devices=8"):
+        plan_after_process_loss(grid(4, 2), AXES, renumbering, data_axis="data",
+                                min_devices=8)
+
+
+def test_the_planner_never_imports_jax():
+    """Pure logic apart from JAX-facing code: topology imports neither jax nor flax."""
+    import ast
+    import pathlib
+
+    import mnemojax._src.topology as topology
+
+    tree = ast.parse(pathlib.Path(topology.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"jax", "jaxlib", "flax"}

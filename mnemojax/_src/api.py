@@ -1,4 +1,10 @@
-"""`mnemojax.resilient`: the decorator and the `ResilientStep` it returns."""
+"""`mnemojax.resilient`: the decorator and the `ResilientStep` it returns.
+
+The step owns the call path and the loop that runs one step: place the batch, run, and on
+a failure hand over to a recovery collaborator (`recovery.DeviceRecovery` for devices of
+this process, `recovery.ProcessRecovery` for peer processes), which returns a new runtime
+and a state; the loop then replays the steps since that state and runs the failed step.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +23,34 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
-from mnemojax._src.device_layer import JaxDeviceLayer
+from mnemojax._src.compiler import Executable, enable_persistent_cache
 from mnemojax._src.distributed import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,
+    DeviceFailureError,
     InvalidOptionError,
     NonFiniteLossError,
     NonFiniteSkipWarning,
+    StepHangError,
     UnsupportedStateError,
 )
+from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import ResilienceOptions
-from mnemojax._src.proxy import DeviceProxy, host_batch
-from mnemojax._src.recovery import RecoveryMixin
-from mnemojax._src.snapshot import SnapshotStore, has_single_copy_shards
+from mnemojax._src.proxy import Verdict, host_batch, looks_transient
+from mnemojax._src.recovery import (
+    DeviceRecovery,
+    ProcessRecovery,
+    Resumed,
+    ShapeRules,
+    check_budget,
+    finish_recovery,
+)
+from mnemojax._src.replay import ReplayBuffer, batch_struct
+from mnemojax._src.runtime import Runtime, RuntimeBuilder
+from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
-from mnemojax._src.step_forms import NnxForm, PytreeForm, StepForm, form_for
+from mnemojax._src.step_forms import StepForm, form_for
 from mnemojax._src.topology import MeshPlan, single_failure_plans
 
 log = logging.getLogger("mnemojax")
@@ -42,7 +59,16 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class ResilientStep(RecoveryMixin, Generic[P, R]):
+@dataclasses.dataclass
+class _Pending:
+    """A recovery whose failed step has not run again yet."""
+
+    record: RecoveryRecord
+    t_fault: float
+    replay_s: float = 0.0
+
+
+class ResilientStep(Generic[P, R]):
     """A train step that survives device loss. Built by `mnemojax.resilient`.
 
     Call it like the undecorated step: ``metrics = step(model, optimizer, batch)`` (Flax
@@ -58,13 +84,17 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     """
 
     def __init__(self, fn: Callable[P, R], *, mesh: Mesh | None = None,
-                 options: ResilienceOptions | None = None, fault_injector=None,
+                 options: ResilienceOptions | None = None,
+                 fault_injector: FaultInjector | None = None,
                  spare_devices: Sequence[Any] = ()):
         if options is not None and not isinstance(options, ResilienceOptions):
             raise InvalidOptionError(
                 f"options={options!r} is invalid: expected a mnemojax.ResilienceOptions")
         if mesh is not None and not isinstance(mesh, Mesh):
             raise InvalidOptionError(f"mesh={mesh!r} is invalid: expected a jax.sharding.Mesh")
+        if fault_injector is not None and not isinstance(fault_injector, FaultInjector):
+            raise InvalidOptionError(f"fault_injector={fault_injector!r} is invalid: expected "
+                                     "a mnemojax.testing.FaultInjector")
         functools.update_wrapper(self, fn)
         self.__wrapped__ = fn
         self._fn = fn
@@ -74,21 +104,20 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         self._injector = fault_injector
         self._spares_arg = tuple(spare_devices)
         self._statistics = Statistics()
-        self._form: StepForm | None = None
-        self._last_written: list | None = None
         self._step = 0
-        self._step_times: collections.deque = collections.deque(maxlen=100)
+        self._step_times: collections.deque[float] = collections.deque(maxlen=100)
         self._run_recoveries: list[float] = []  # budget clock of every recovery this run
-        self._batches: collections.deque = collections.deque(
-            maxlen=max(self.options.snapshot.every_steps,
-                       self.options.snapshot.unreplicated_every_steps,
-                       self.options.persistent.every_steps, 1) + 1)
+        snap = self.options.snapshot
+        self._batches = ReplayBuffer(max(snap.every_steps, snap.unreplicated_every_steps,
+                                         self.options.persistent.every_steps, 1) + 1)
+        self._built: _Built | None = None
 
-    def with_options(self, **changes) -> ResilientStep[P, R]:
+    def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
         (``mesh``, ``options``, ``fault_injector``, ``spare_devices``)."""
-        kwargs = dict(mesh=self._mesh_arg, options=self._given_options,
-                      fault_injector=self._injector, spare_devices=self._spares_arg)
+        kwargs: dict[str, Any] = dict(mesh=self._mesh_arg, options=self._given_options,
+                                      fault_injector=self._injector,
+                                      spare_devices=self._spares_arg)
         unknown = set(changes) - set(kwargs)
         if unknown:
             raise InvalidOptionError(f"with_options got unknown argument(s) {sorted(unknown)}")
@@ -98,7 +127,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     # -- public views -------------------------------------------------------------------
     @property
     def mesh(self) -> Mesh | None:
-        return self._proxy.mesh if self._form is not None else self._mesh_arg
+        return self._built.runtime.mesh if self._built is not None else self._mesh_arg
 
     @property
     def step_count(self) -> int:
@@ -107,53 +136,117 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
     @property
     def statistics(self) -> Statistics:
         s = self._statistics
-        if self._form is not None:
-            s.mesh_shape = dict(self._proxy.mesh.shape)
-            s.mesh_devices = tuple(int(i) for i in self._proxy.plan.device_ids.flat)
-            s.spare_devices = tuple(self._proxy.spares)
-            s.dead_devices = tuple(sorted(self._proxy.dead))
-            s.compiles = self._compiler.compiles
-            s.precompiled_meshes = self._compiler.compiled_ahead
-            snap = self._store.latest()
+        if self._built is not None:
+            b = self._built
+            rt = b.runtime
+            s.mesh_shape = dict(rt.mesh.shape)
+            s.mesh_devices = tuple(int(i) for i in rt.plan.device_ids.flat)
+            s.spare_devices = tuple(rt.proxy.spares)
+            s.dead_devices = tuple(sorted(rt.proxy.dead))
+            s.compiles = rt.compiler.compiles
+            s.precompiled_meshes = rt.compiler.compiled_ahead
+            snap = rt.store.latest()
             s.snapshot_bytes = snap.nbytes if snap else 0
             s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
-            s.snapshot_copy_median_s = self._store.median_copy_s()
-            s.snapshots_taken = self._store.taken
-            s.snapshots_replaced = self._store.replaced
-            s.corrupt_snapshots_scrubbed = self._store.corrupt_found
-            s.snapshots_over_budget = self._store.disabled or (
-                self._session is not None and self._session.publish_refused)
-            s.jit_checkpoints = self._durability.jit_checkpoints
-            grads = self._grads_store.latest() if self._grads_store is not None else None
+            s.snapshot_copy_median_s = rt.store.median_copy_s()
+            s.snapshots_taken = rt.store.taken
+            s.snapshots_replaced = rt.store.replaced
+            s.corrupt_snapshots_scrubbed = rt.store.corrupt_found
+            s.snapshots_over_budget = rt.store.disabled or (
+                b.session is not None and b.session.publish_refused)
+            s.jit_checkpoints = b.durability.jit_checkpoints
+            grads = rt.grads_store.latest() if rt.grads_store is not None else None
             s.grads_snapshot_step = grads.step if grads else None
             s.grads_snapshot_bytes = grads.nbytes if grads else 0
         return s
 
     def wait_precompiled(self, timeout_s: float | None = None) -> bool:
         """Blocks until the fallback executables queued so far are compiled."""
-        return self._form is None or self._compiler.wait_precompiled(timeout_s)
+        return self._built is None or self._built.runtime.compiler.wait_precompiled(timeout_s)
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:
         """Blocks until the snapshot copy in flight (if any) is complete."""
-        return self._form is None or all(
-            store.wait_idle(timeout_s) for store in (self._store, self._grads_store)
-            if store is not None)
+        if self._built is None:
+            return True
+        rt = self._built.runtime
+        return all(store.wait_idle(timeout_s) for store in (rt.store, rt.grads_store)
+                   if store is not None)
 
     def close(self) -> None:
         """Stops the background threads (snapshot copiers, compiler)."""
-        if self._form is not None:
-            self._compiler.close()
-            for store in (self._store, self._grads_store):
-                if store is not None:
-                    store.close()
-            self._durability.emit("run_end", step=self._step, steps=self._step)
-            self._durability.close()
+        if self._built is not None:
+            self._built.runtime.close()
+            self._built.durability.emit("run_end", step=self._step, steps=self._step)
+            self._built.durability.close()
+
+    # -- calling --------------------------------------------------------------------------
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if kwargs:
+            raise UnsupportedStateError(
+                f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
+        t_call = time.perf_counter()
+        b = self._built if self._built is not None else self._build(args)
+        b.form.check_call(args)
+        b.durability.check_preemption(self._step, b.last_written)
+        state_args = args[:-1]
+        leaves = b.form.state_of(state_args)
+        batch = host_batch(b.form.batch_of(args))
+        self._check_batch(b, batch)
+        step = self._step + 1
+        self._batches.append(step, batch)
+        if b.session is not None and b.exe is None:
+            self._compile_barrier(b.runtime)
+        leaves = self._place_state(b, leaves)
+        if b.session is not None and self._step == 0:
+            self._publish(0, leaves)  # a peer lost in the first step needs the initial state
+        new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch)
+        if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
+            self._batches.pop()
+            # ``ran_on`` is the state of step - 1: the recovered one, if a recovery ran.
+            b.last_written = ran_on
+            return b.form.result(state_args, ran_on, metrics)
+        self._commit(step, new_leaves, metrics)
+        b.durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
+        self._after_commit(step, new_leaves)
+        result = b.form.result(state_args, new_leaves, metrics)
+        if b.precompile_due:
+            # Last, once the step is fully committed: background lowering and compiling
+            # contend with the training thread (GIL, compile locks) and would otherwise
+            # delay the replayed step's commit (see bench/micro.py, item 3).
+            b.precompile_due = False
+            self._schedule_precompile()
+        return result
+
+    def restore(self, *state_args: Any) -> Any:
+        """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
+        the step counter to its step.
+
+        Call it with the step's state arguments before the first step: NNX
+        ``step.restore(model, optimizer) -> int`` (updates both in place, returns the
+        step restored, 0 if there is no checkpoint); pure ``state, k = step.restore(state)``.
+        Restores onto the current mesh, whatever mesh saved it.
+
+        Raises:
+            CheckpointMismatchError: the checkpoint belongs to another model.
+        """
+        b = self._built if self._built is not None else self._build((*state_args, None))
+        if self._step:
+            raise UnsupportedStateError(
+                f"restore() must come before the first step; {self._step} steps have run")
+        leaves = b.form.state_of(state_args)
+        shardings = shd.named(b.runtime.mesh, b.form.specs)
+        restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
+        if restored is not None:
+            self._step, leaves = restored
+            self._statistics.steps_run = self._step
+            b.last_written = None
+        return b.form.restored(state_args, leaves, self._step)
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, args: tuple) -> None:
+    def _build(self, args: tuple) -> _Built:
         opts = self.options
-        self._session = dist_session.current()
-        if self._session is not None:
+        session = dist_session.current()
+        if session is not None:
             # Every process compiles the same programs at the same time (barrier after
             # each); background compiles and in-process snapshots would only get in the way:
             # the agent holds the snapshots, outside this process.
@@ -162,7 +255,7 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 snapshot=dataclasses.replace(opts.snapshot, every_steps=0,
                                              unreplicated_every_steps=0))
         form = form_for(self._fn, args)
-        all_devices = {d.id: d for d in jax.devices()}
+        all_devices = {d.id for d in jax.devices()}
         spares = [int(getattr(d, "id", d)) for d in self._spares_arg]
         bad = [s for s in spares if s not in all_devices]
         if bad:
@@ -176,208 +269,214 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:
             raise InvalidOptionError(f"spare_devices={overlap!r} are already in the mesh")
-        plan = MeshPlan(ids, tuple(mesh.axis_names), "unchanged")
-        values = form.read() if isinstance(form, NnxForm) else form.read_from(args[0])
+        values = form.state_of(args[:len(form.state_arg_names)])
         shapes = [tuple(np.shape(v)) for v in values]
         shd.validate_specs(form.specs, shapes, form.leaf_paths, dict(mesh.shape))
-        layer = JaxDeviceLayer()
-        if self._injector is not None:
-            layer = self._injector.wrap(layer)
         enable_persistent_cache(opts.compile.cache_dir)
-        self._layer = layer
-        self._proxy = DeviceProxy(layer, plan, mesh, spares, data_axis=opts.data_axis,
-                                  probe_timeout_s=opts.recovery.probe_timeout_s)
-        self._sharded_dims = shd.sharded_dims(form.specs, shapes)
-        self._compiler = StepCompiler(
-            form.pure, form.specs, [(s, np.asarray(v).dtype if not hasattr(v, "dtype")
-                                     else v.dtype) for s, v in zip(shapes, values, strict=True)],
-            data_axis=opts.data_axis, donate=opts.compile.donate_state,
-            check_state=opts.check_state and opts.nonfinite != "ignore")
-        snap = opts.snapshot
-        self._durability = Durability(opts, keys=form.leaf_keys, layer=layer)
-        self._store = SnapshotStore(
-            layer, form.leaf_entries, budget_bytes=snap.host_memory_budget_bytes,
-            verify=snap.verify_checksums,
-            on_corrupt=lambda s: self._durability.emit("fault", step=s,
-                                                       classification="corrupt_snapshot"))
-        self._snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
-        self._durability.emit("run_start", config={
+        durability = Durability(opts, keys=form.leaf_keys)
+        builder = RuntimeBuilder(
+            opts, pure=form.pure, specs=form.specs,
+            leaf_structs=[(s, np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype)
+                          for s, v in zip(shapes, values, strict=True)],
+            leaf_entries=form.leaf_entries,
+            wrap_layer=self._injector.wrap if self._injector is not None else None,
+            on_corrupt=lambda s: durability.emit("fault", step=s,
+                                                 classification="corrupt_snapshot"))
+        runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,
+                                spares=spares)
+        durability.layer = runtime.layer
+        durability.emit("run_start", config={
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
-        self._grads_store = None
-        self._exe_sig = None
-        self._exe = None
-        self._precompile_due = False
-        self._run_inputs: list | None = None  # the state the last `_run` ran on
-        self._batch_size: int | None = None
-        self._examples: int | None = None
-        self._form = form
+        self._built = _Built(
+            form=form, builder=builder, runtime=runtime, durability=durability,
+            session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
+            devices=DeviceRecovery(opts, builder, durability, self._statistics, self._batches),
+            processes=ProcessRecovery(opts, builder, durability, self._statistics,
+                                      self._batches, session, form.leaf_keys)
+            if session is not None else None)
+        return self._built
 
-    # -- calling --------------------------------------------------------------------------
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if kwargs:
-            raise UnsupportedStateError(
-                f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
-        t_call = time.perf_counter()
-        if self._form is None:
-            self._build(args)
-        form = self._form
-        self._durability.check_preemption(self._step, self._last_written)
-        if isinstance(form, NnxForm):
-            if len(args) != 3 or not form.matches(args[0], args[1]):
-                raise UnsupportedStateError(
-                    "this resilient step was built for another model/optimizer pair; decorate "
-                    "a new step (or use step.with_options()) for a different model")
-            leaves = form.read()
-        else:
-            if len(args) != 2:
-                raise UnsupportedStateError(
-                    f"the pure step form is step(state, batch); got {len(args)} arguments")
-            leaves = form.read_from(args[0])
-        batch = host_batch(args[-1])
-        self._check_batch(batch)
-        step = self._step + 1
-        self._batches.append((step, batch))
-        if self._session is not None and self._exe is None:
-            self._compile_in_step(batch)
-        leaves = self._place_state(leaves)
-        if self._session is not None and self._step == 0:
-            self._publish(0, leaves)  # a peer lost in the first step needs the initial state
-        new_leaves, metrics, finite = self._run(step, leaves, batch)
-        kept, self._run_inputs = self._run_inputs, None  # do not keep a second state alive
-        if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
-            self._batches.pop()
-            # ``kept`` is the state of step - 1: the recovered one, if a recovery ran.
-            if isinstance(form, PytreeForm):
-                return form.unflatten(kept), metrics
-            if kept is not leaves:
-                form.write(kept)
-                self._last_written = kept
-            return metrics
-        self._commit(step, new_leaves, metrics)
-        self._durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
-        self._after_commit(step, new_leaves)
-        result = (form.unflatten(new_leaves), metrics) if isinstance(form, PytreeForm) \
-            else metrics
-        if isinstance(form, NnxForm):
-            form.write(new_leaves)
-        if self._precompile_due:
-            # Last, once the step is fully committed: background lowering and compiling
-            # contend with the training thread (GIL, compile locks) and would otherwise
-            # delay the replayed step's commit (see bench/micro.py, item 3).
-            self._precompile_due = False
-            self._schedule_precompile()
-        return result
+    # -- one step -------------------------------------------------------------------------
+    def _run(self, step: int, leaves: list, batch: Any) -> tuple[list, Any, Any, list]:
+        """Runs `step` on `leaves` (the state of step - 1) and returns (new leaves,
+        metrics, finiteness flags, the state it finally ran on).
 
-    def _after_commit(self, step: int, new_leaves: list) -> None:
-        """Checkpoints and triggers. Under a session, a peer failure inside a checkpoint's
-        collective loses only that checkpoint: the step is committed and published, and the
-        next step's collective fails the same way and recovers the world."""
-        try:
-            self._durability.after_commit(step, new_leaves, self._proxy.mesh.devices.flat)
-        except jax.errors.JaxRuntimeError as exc:
-            if not self._is_peer_failure(exc):
-                raise
-            log.warning("mnemojax: step %d: the checkpoint failed, a peer process failed "
-                        "(%s); the next step recovers", step, str(exc)[:200])
-            self._durability.emit("fault", step=step, classification="checkpoint_failed",
-                                  detail=str(exc)[:200])
-
-    def _check_batch(self, batch) -> None:
-        sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
-        if len(sizes) > 1:
-            raise BatchSplitError(
-                f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
-        size = sizes.pop() if sizes else None
-        if self._batch_size is None:
-            self._batch_size = size
-            self._examples = size
-        width = self._proxy.data_width()
-        used = size if self._examples == self._batch_size else self._examples
-        if size is not None and used % width:
-            raise BatchSplitError(
-                f"the global batch has {size} examples, which the data axis "
-                f"{self.options.data_axis!r} of width {width} cannot split evenly")
-
-    def _place_state(self, leaves: list) -> list:
-        if self._last_written is not None and len(leaves) == len(self._last_written) and all(
-                a is b for a, b in zip(leaves, self._last_written, strict=True)):
-            return leaves
-        exe = self._executable_now()
-        return [x if isinstance(x, jax.Array) and x.sharding == s else self._layer.put(x, s)
-                for x, s in zip(leaves, exe.state_shardings, strict=True)]
-
-    def _batch_struct(self, examples: int | None, batch):
-        def struct(x):
-            shape = x.shape if not x.ndim or examples is None else (examples, *x.shape[1:])
-            return jax.ShapeDtypeStruct(shape, x.dtype)
-        return jax.tree.map(struct, batch)
-
-    def _executable_now(self, batch=None):
-        """The executable for the current mesh and this batch's shapes (cached per call
-        signature: the steady-state path does no lookups)."""
-        batch = batch if batch is not None else self._batches[-1][1]
-        sig = (self._proxy.plan.key, self._examples,
-               tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
-        if self._exe_sig != sig:
-            self._exe, _ = self._compiler.get(self._proxy.plan,
-                                              self._batch_struct(self._examples, batch))
-            self._exe_sig = sig
-        return self._exe
-
-    def _run(self, step: int, leaves: list, batch) -> tuple[list, Any, Any]:
-        """Runs `step`: recovers from device failures (a failure during a recovery starts
-        it again), retries transient errors in place, within the budgets."""
+        On a failure, a recovery returns a runtime and an older or equal state; the loop
+        replays the steps since with their kept batches, then runs `step` again. Transient
+        errors are retried in place. Everything is bounded by the recovery budgets.
+        """
+        b = self._require_built()
         rec = self.options.recovery
-        retries = recoveries = 0
+        state_step = step - 1
+        retries = recoveries = worlds = 0
         t_first: float | None = None  # budget clock at this step's first failure
-        pending: tuple[RecoveryRecord, float] | None = None
+        pending: _Pending | None = None
+        publish_replayed = False
         while True:
-            exe = self._executable_now(batch)
+            run_step = state_step + 1
+            run_batch = batch if run_step == step else self._batches.batch(run_step)
+            exe = self._executable_now(run_batch)
+            t_run = time.perf_counter()
             try:
-                device_batch = self._proxy.place_batch(batch, exe.batch_shardings,
-                                                       self._examples)
+                device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
+                                                           b.examples)
                 t_run = time.perf_counter()
-                out = self._proxy.run(exe.compiled, leaves, device_batch, step,
-                                      timeout_s=self._hang_timeout_s())
+                out = b.runtime.proxy.run(exe.compiled, leaves, device_batch, run_step,
+                                          timeout_s=self._hang_timeout_s())
             except Exception as exc:
                 t_fault = time.perf_counter()
-                if self._is_peer_failure(exc):
-                    reason = f"{type(exc).__name__}: {exc}"
-                    del exc  # hold nothing of the old world (see _recover_world)
-                    leaves = self._recover_world_again_and_again(step, reason, t_fault)
-                    continue
-                verdict = self._proxy.classify(exc)
-                if verdict.kind == "user":
-                    raise
                 t_first = rec.clock() if t_first is None else t_first
-                if verdict.kind == "transient":
-                    self._check_budget(rec.retry_stop, retries, t_first, step, exc,
-                                       "transient-error retries")
-                    retries += 1
-                    self._statistics.transient_retries += 1
-                    self._durability.emit("fault", step=step, classification="transient",
-                                          detail=str(exc)[:200], retry=retries)
-                    log.warning("mnemojax: step %d: transient error, retry %d: %s",
-                                step, retries, exc)
-                    rec.sleep(rec.retry_backoff(retries))
-                    continue
                 if pending is not None:  # a failure in the replay ended the last recovery
-                    self._finish_recovery(pending[0], pending[1], t_fault)
-                leaves, record, recoveries = self._recover_within_budget(
-                    step, leaves, verdict, exc, t_fault, t_first, recoveries)
-                pending = (record, t_fault)
+                    self._statistics.faults_during_recovery += int(run_step < step)
+                    finish_recovery(pending.record, t_fault=t_fault, t_end=t_fault,
+                                    statistics=self._statistics, durability=b.durability)
+                    pending = None
+                if self._is_peer_failure(exc):
+                    if worlds:
+                        check_budget(rec.stop, worlds, rec.clock() - t_first, step=step,
+                                     exc=exc, what="recovery")
+                    worlds += 1
+                    reason = f"{type(exc).__name__}: {exc}"
+                    del exc  # hold nothing of the old world (see recover_world)
+                    resumed = self._recover_world(step, reason, t_fault)
+                else:
+                    verdict = b.runtime.proxy.classify(exc)
+                    if verdict.kind == "user":
+                        raise
+                    if verdict.kind == "transient":
+                        check_budget(rec.retry_stop, retries, rec.clock() - t_first,
+                                     step=step, exc=exc, what="transient-error retries")
+                        retries += 1
+                        self._statistics.transient_retries += 1
+                        b.durability.emit("fault", step=step, classification="transient",
+                                          detail=str(exc)[:200], retry=retries)
+                        log.warning("mnemojax: step %d: transient error, retry %d: %s",
+                                    step, retries, exc)
+                        rec.sleep(rec.retry_backoff(retries))
+                        continue
+                    resumed, recoveries = self._recover_devices(
+                        step, state_step, leaves, verdict, exc, t_first, recoveries)
+                self._adopt(resumed)
+                leaves, state_step = resumed.leaves, resumed.state_step
+                publish_replayed = resumed.publish_replayed
+                pending = _Pending(resumed.record, t_fault)
                 continue
-            t_run_end = time.perf_counter()
+            t_end = time.perf_counter()
+            if run_step < step:  # a step replayed after a recovery
+                if pending is not None:
+                    pending.replay_s += t_end - t_run
+                leaves, state_step = out[0], run_step
+                if publish_replayed:
+                    self._publish(run_step, leaves)
+                    self._step = run_step
+                continue
             if pending is not None:
-                record, t_fault = pending
-                record.phases_s["replay"] += t_run_end - t_run
-                self._finish_recovery(record, t_fault, t_run_end)
-                self._precompile_due = True
+                self._finish_replay(step, pending, t_run, t_end)
             else:
-                self._step_times.append(t_run_end - t_run)
-            self._run_inputs = leaves  # what this step ran on (after any recovery)
-            return out
+                self._step_times.append(t_end - t_run)
+            new_leaves, metrics, finite = out
+            return new_leaves, metrics, finite, leaves
+
+    def _finish_replay(self, step: int, pending: _Pending, t_run: float, t_end: float) -> None:
+        b = self._require_built()
+        record = pending.record
+        lost = step - 1 - record.source_step
+        if lost:
+            b.durability.emit("wasted_progress", step=step, steps=lost,
+                              duration_s=pending.replay_s)
+        record.phases_s["replay"] = pending.replay_s + (t_end - t_run)
+        finish_recovery(record, t_fault=pending.t_fault, t_end=t_end,
+                        statistics=self._statistics, durability=b.durability)
+        b.precompile_due = True
+
+    def _recover_devices(self, step: int, state_step: int, leaves: list, verdict: Verdict,
+                         exc: BaseException, t_first: float,
+                         recoveries: int) -> tuple[Resumed, int]:
+        """`DeviceRecovery.recover` within the budgets; a device failure during the
+        recovery itself starts it again, over every device lost so far."""
+        b = self._require_built()
+        rec = self.options.recovery
+        failed = set(verdict.failed)
+        first = exc
+        while True:
+            last = DeviceFailureError(
+                f"step {step}: devices {sorted(failed)} failed ({exc})",
+                failed_devices=sorted(failed), step=step)
+            last.__cause__ = exc
+            check_budget(rec.stop, recoveries, rec.clock() - t_first, step=step, exc=last,
+                         what="recovery")
+            run_first = self._run_recoveries[0] if self._run_recoveries else t_first
+            check_budget(rec.run_stop, len(self._run_recoveries), rec.clock() - run_first,
+                         step=step, exc=last, what="run-wide recovery")
+            recoveries += 1
+            self._run_recoveries.append(rec.clock())
+            log.warning("mnemojax: step %d: devices %s failed; recovering", step,
+                        sorted(failed))
+            try:
+                resumed = b.devices.recover(
+                    b.runtime, step=step, state_step=state_step, leaves=leaves,
+                    failed=failed, detect_s=verdict.detect_s, rules=self._rules())
+                resumed.record.hang = isinstance(first, StepHangError)
+                return resumed, recoveries
+            except jax.errors.JaxRuntimeError as again:
+                exc = again
+                verdict = b.runtime.proxy.classify(exc)
+                if verdict.kind != "device_failure":
+                    raise
+                failed |= set(verdict.failed)
+                self._statistics.faults_during_recovery += 1
+                log.warning("mnemojax: step %d: devices %s failed during the recovery; "
+                            "starting it again", step, list(verdict.failed))
+
+    def _recover_world(self, step: int, reason: str, t_fault: float) -> Resumed:
+        """A collective failed: forget the old world, then `ProcessRecovery.recover`;
+        again whenever a peer dies while it runs (each time over the world that failed),
+        within the recovery budget."""
+        b = self._require_built()
+        assert b.processes is not None
+        rec = self.options.recovery
+        attempts, t_first = 0, rec.clock()
+        while True:
+            attempts += 1
+            old_plan, places = b.runtime.plan, b.runtime.proxy.device_places()
+            self._forget_world()
+            try:
+                return b.processes.recover(
+                    old_plan, places, step=step, last_step=self._step, reason=reason,
+                    t_fault=t_fault, rules=self._rules(), compile_barrier=self._compile_barrier)
+            except jax.errors.JaxRuntimeError as again:
+                if not self._is_peer_failure(again):
+                    raise
+                check_budget(rec.stop, attempts, rec.clock() - t_first, step=step,
+                             exc=again, what="recovery")
+                reason = f"during the recovery: {type(again).__name__}: {again}"
+            self._statistics.faults_during_recovery += 1  # the exception is gone here
+            log.warning("mnemojax: step %d: a peer failed during the recovery; recovering "
+                        "the world again", step)
+
+    def _forget_world(self) -> None:
+        """Drops every array and executable of the old world before it is torn down."""
+        b = self._require_built()
+        b.last_written = None
+        b.exe = b.exe_sig = None
+        b.runtime.close()
+        b.form.forget_arrays(b.builder.leaf_structs)
+
+    def _adopt(self, resumed: Resumed) -> None:
+        b = self._require_built()
+        b.runtime = resumed.runtime
+        b.durability.layer = resumed.runtime.layer
+        b.snapshot_every = None  # re-chosen for the new mesh at the next commit
+        b.examples = resumed.record.examples_per_step
+        b.last_written = None
+
+    def _rules(self) -> ShapeRules:
+        b = self._require_built()
+        rec = self.options.recovery
+        return ShapeRules(data_axis=self.options.data_axis, sharded_dims=b.sharded_dims,
+                          batch_size=b.batch_size, batch_policy=rec.batch_policy,
+                          min_devices=rec.min_devices)
 
     def _hang_timeout_s(self) -> float:
         rec = self.options.recovery
@@ -387,44 +486,75 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
             return rec.hang_floor_s
         return max(rec.hang_floor_s, rec.hang_factor * statistics.median(self._step_times))
 
-    def restore(self, *args):
-        """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
-        the step counter to its step.
+    def _is_peer_failure(self, exc: BaseException) -> bool:
+        """Under a session, a runtime error is a peer failure unless it is a retryable
+        status of this process (then it is retried in place: the peers wait for it in the
+        collective, up to the collective timeout)."""
+        session = self._require_built().session
+        return (session is not None and session.can_recover
+                and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc))
 
-        Call it with the step's state arguments before the first step: NNX
-        ``step.restore(model, optimizer) -> int`` (updates both in place, returns the
-        step restored, 0 if there is no checkpoint); pure ``state, k = step.restore(state)``.
-        Restores onto the current mesh, whatever mesh saved it.
+    # -- around the step ------------------------------------------------------------------
+    def _require_built(self) -> _Built:
+        if self._built is None:
+            raise RuntimeError("the resilient step is not built yet")  # internal misuse
+        return self._built
 
-        Raises:
-            CheckpointMismatchError: the checkpoint belongs to another model.
-        """
-        if self._form is None:
-            self._build((*args, None))
-        if self._step:
-            raise UnsupportedStateError(
-                f"restore() must come before the first step; {self._step} steps have run")
-        leaves = self._form.read() if isinstance(self._form, NnxForm) \
-            else self._form.read_from(args[0])
-        shardings = shd.named(self._proxy.mesh, self._form.specs)
-        restored = self._durability.restore_latest(shardings, self._compiler.leaf_structs)
-        if restored is not None:
-            self._step, leaves = restored
-            self._statistics.steps_run = self._step
-            self._last_written = None
-        if isinstance(self._form, NnxForm):
-            self._form.write(leaves)
-            return self._step
-        return self._form.unflatten(leaves), self._step
+    def _check_batch(self, b: _Built, batch: Any) -> None:
+        sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
+        if len(sizes) > 1:
+            raise BatchSplitError(
+                f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
+        size = sizes.pop() if sizes else None
+        if b.batch_size is None:
+            b.batch_size = size
+            b.examples = size
+        width = b.runtime.proxy.data_width()
+        used = size if b.examples == b.batch_size else b.examples
+        if size is not None and used is not None and used % width:
+            raise BatchSplitError(
+                f"the global batch has {size} examples, which the data axis "
+                f"{self.options.data_axis!r} of width {width} cannot split evenly")
 
-    def _accept(self, step: int, metrics, finite) -> bool:
+    def _place_state(self, b: _Built, leaves: list) -> list:
+        last = b.last_written
+        if last is not None and len(leaves) == len(last) and all(
+                x is y for x, y in zip(leaves, last, strict=True)):
+            return leaves
+        exe = self._executable_now()
+        return [x if isinstance(x, jax.Array) and x.sharding == s else b.runtime.layer.put(x, s)
+                for x, s in zip(leaves, exe.state_shardings, strict=True)]
+
+    def _executable_now(self, batch: Any = None) -> Executable:
+        """The executable for the current mesh and this batch's shapes (cached per call
+        signature: the steady-state path does no lookups)."""
+        b = self._require_built()
+        batch = batch if batch is not None else self._batches.last
+        sig = (b.runtime.plan.key, b.examples,
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
+        if b.exe_sig != sig or b.exe is None:
+            b.exe, _ = b.runtime.compiler.get(b.runtime.plan, batch_struct(batch, b.examples))
+            b.exe_sig = sig
+        return b.exe
+
+    def _compile_barrier(self, runtime: Runtime) -> None:
+        """Multi-process: compile the step for `runtime`'s mesh, then wait until every
+        process has (DESIGN §4)."""
+        b = self._require_built()
+        assert b.session is not None
+        b.session.phase("compile")
+        examples = runtime.plan.examples_per_step or b.examples
+        runtime.compiler.get(runtime.plan, batch_struct(self._batches.last, examples))
+        b.session.compiled()
+
+    def _accept(self, step: int, metrics: Any, finite: Any) -> bool:
         """The non-finite policy: False means skip this batch (the state is unchanged)."""
         opts = self.options
         if opts.nonfinite == "ignore":
             return True
         loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
-        value = float(np.asarray(loss)) if hasattr(loss, "dtype") and np.size(loss) == 1 \
-            else 0.0
+        value = float(np.asarray(loss)) \
+            if loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1 else 0.0
         if np.isfinite(value) and _all_true(finite):
             return True
         what = (f"{opts.loss_key}={value}" if not np.isfinite(value)
@@ -434,53 +564,65 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
                 f"step {step}: {what}; the state of step {step - 1} is kept "
                 "(nonfinite='raise')", step=step, value=value)
         self._statistics.skipped_batches.append(step)
-        self._durability.emit("fault", step=step, classification="nonfinite", detail=what)
+        self._require_built().durability.emit("fault", step=step, classification="nonfinite",
+                                              detail=what)
         warnings.warn(f"mnemojax: step {step}: {what}; batch skipped, the state of step "
                       f"{step - 1} is kept (nonfinite='skip_batch')", NonFiniteSkipWarning,
                       stacklevel=3)
         return False
 
-    def _compile_in_step(self, batch) -> None:
-        """Multi-process: compile, then wait until every process has (DESIGN §4)."""
-        self._session.phase("compile")
-        self._executable_now(batch)
-        self._session.compiled()
-
-    def _commit(self, step: int, new_leaves: list, metrics) -> None:
+    def _commit(self, step: int, new_leaves: list, metrics: Any) -> None:
+        b = self._require_built()
         opts = self.options
-        if self._session is not None:
+        if b.session is not None:
             self._publish(step, new_leaves)
         self._step = step
-        self._last_written = new_leaves
+        b.last_written = new_leaves
         self._statistics.steps_run = step
-        if self._snapshot_every is None:
-            self._snapshot_every = self._snapshot_cadence(new_leaves)
-        if self._snapshot_every and step % self._snapshot_every == 0:
-            self._store.submit(step, new_leaves)
+        if b.snapshot_every is None:
+            b.snapshot_every = self._snapshot_cadence(new_leaves)
+        rt = b.runtime
+        if b.snapshot_every and step % b.snapshot_every == 0:
+            rt.store.submit(step, new_leaves)
             if opts.compile.donate_state:
-                self._store.wait_idle()  # the next step donates these buffers
+                rt.store.wait_idle()  # the next step donates these buffers
         grads_every = opts.snapshot.grads_every_steps
         if grads_every and isinstance(metrics, dict) and "grads" in metrics \
                 and step % grads_every == 0:
-            if self._grads_store is None:
-                n = len(jax.tree.leaves(metrics["grads"]))
-                self._grads_store = SnapshotStore(
-                    self._layer, ["grads"] * n, name="grads",
-                    budget_bytes=opts.snapshot.host_memory_budget_bytes,
-                    verify=opts.snapshot.verify_checksums)
-            self._grads_store.submit(step, jax.tree.leaves(metrics["grads"]))
+            grads = jax.tree.leaves(metrics["grads"])
+            if rt.grads_store is None:
+                rt.grads_store = b.builder.snapshot_store(rt.layer, ["grads"] * len(grads),
+                                                          name="grads")
+            rt.grads_store.submit(step, grads)
         if step == 1:
-            self._precompile_due = True
+            b.precompile_due = True
+
+    def _after_commit(self, step: int, new_leaves: list) -> None:
+        """Checkpoints and triggers. Under a session, a peer failure inside a checkpoint's
+        collective loses only that checkpoint: the step is committed and published, and the
+        next step's collective fails the same way and recovers the world."""
+        b = self._require_built()
+        try:
+            b.durability.after_commit(step, new_leaves, b.runtime.mesh.devices.flat)
+        except jax.errors.JaxRuntimeError as exc:
+            if not self._is_peer_failure(exc):
+                raise
+            log.warning("mnemojax: step %d: the checkpoint failed, a peer process failed "
+                        "(%s); the next step recovers", step, str(exc)[:200])
+            b.durability.emit("fault", step=step, classification="checkpoint_failed",
+                              detail=str(exc)[:200])
 
     def _publish(self, step: int, leaves: list) -> None:
         """Multi-process: this worker's shards of the state after `step` to its agent."""
-        refused = self._session.publish_refused
-        self._session.publish(step, leaves,
-                              budget_bytes=self.options.snapshot.host_memory_budget_bytes)
-        if self._session.publish_refused and not refused:
-            self._durability.emit("fault", step=step, classification="snapshot_budget")
+        b = self._require_built()
+        session = b.session
+        assert session is not None
+        refused = session.publish_refused
+        session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes)
+        if session.publish_refused and not refused:
+            b.durability.emit("fault", step=step, classification="snapshot_budget")
 
-    def _snapshot_cadence(self, leaves) -> int:
+    def _snapshot_cadence(self, leaves: list) -> int:
         """Snapshots are the only second copy of single-copy shards: take them more often."""
         snap = self.options.snapshot
         self._statistics.unreplicated_state = has_single_copy_shards(leaves)
@@ -490,41 +632,69 @@ class ResilientStep(RecoveryMixin, Generic[P, R]):
         return every
 
     def _schedule_precompile(self) -> None:
+        b = self._require_built()
         copts = self.options.compile
         if not copts.precompile or copts.max_precompiled == 0:
             return
-        proxy = self._proxy
-        plans = single_failure_plans(
-            proxy.plan.device_ids, proxy.plan.axis_names, spares=proxy.spares,
-            data_axis=self.options.data_axis, sharded_dims=self._sharded_dims,
-            batch_size=self._batch_size, batch_policy=self.options.recovery.batch_policy,
-            min_devices=self.options.recovery.min_devices)[:copts.max_precompiled]
-        batch = self._batches[-1][1]
-        for plan in plans:
-            self._compiler.precompile([plan], self._batch_struct(plan.examples_per_step, batch))
+        proxy = b.runtime.proxy
+        rules = self._rules()
+        plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
+                                     spares=proxy.spares, **rules.as_kwargs())
+        batch = self._batches.last
+        for plan in plans[:copts.max_precompiled]:
+            b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
 
 
-def _all_true(flags) -> bool:
+@dataclasses.dataclass(eq=False)
+class _Built:
+    """What a `ResilientStep` builds at its first call, and the state of its call path."""
+
+    form: StepForm
+    builder: RuntimeBuilder
+    runtime: Runtime
+    durability: Durability
+    session: dist_session.DistributedSession | None
+    sharded_dims: dict[str, set[int]]
+    devices: DeviceRecovery
+    processes: ProcessRecovery | None
+    last_written: list | None = None  # the leaves the user's state holds (identity check)
+    exe: Executable | None = None
+    exe_sig: tuple | None = None
+    batch_size: int | None = None  # examples in the global batch
+    examples: int | None = None  # examples the current mesh's step uses
+    snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
+    precompile_due: bool = False
+
+
+def _all_true(flags: Any) -> bool:
     """The per-device finiteness flags of this process's devices (a global flag under
     multi-process is replicated, so every process reads the same)."""
     return all(bool(np.asarray(s.data).all()) for s in flags.addressable_shards)
 
 
 @overload
-def resilient(fn: Callable[P, R], /) -> ResilientStep[P, R]: ...
+def resilient(fn: Callable[P, R], /, *, mesh: Mesh | None = None,
+              options: ResilienceOptions | None = None,
+              fault_injector: FaultInjector | None = None,
+              spare_devices: Sequence[Any] = ()) -> ResilientStep[P, R]: ...
 
 
 @overload
 def resilient(*, mesh: Mesh | None = None, options: ResilienceOptions | None = None,
-              fault_injector=None, spare_devices: Sequence[Any] = ()
+              fault_injector: FaultInjector | None = None, spare_devices: Sequence[Any] = ()
               ) -> Callable[[Callable[P, R]], ResilientStep[P, R]]: ...
 
 
-def resilient(fn=None, /, *, mesh=None, options=None, fault_injector=None, spare_devices=()):
+def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
+              options: ResilienceOptions | None = None,
+              fault_injector: FaultInjector | None = None,
+              spare_devices: Sequence[Any] = ()
+              ) -> ResilientStep[P, R] | Callable[[Callable[P, R]], ResilientStep[P, R]]:
     """Makes a train step survive device loss.
 
-    Use bare (``@mnemojax.resilient``) or with keywords
-    (``@mnemojax.resilient(mesh=mesh, options=...)``). Write the step un-jitted: mnemojax
+    Use bare (``@mnemojax.resilient``), with keywords
+    (``@mnemojax.resilient(mesh=mesh, options=...)``) or as a call
+    (``mnemojax.resilient(train_step, mesh=mesh)``). Write the step un-jitted: mnemojax
     compiles it with shardings from the model's ``nnx.with_partitioning`` annotations (or
     the state arrays' `NamedSharding`s) on `mesh`.
 
@@ -538,6 +708,9 @@ def resilient(fn=None, /, *, mesh=None, options=None, fault_injector=None, spare
 
     Returns:
         A `ResilientStep`, or a decorator that makes one.
+
+    Raises:
+        InvalidOptionError: `fn` is not callable, or an argument has the wrong type.
 
     Example::
 
@@ -553,7 +726,7 @@ def resilient(fn=None, /, *, mesh=None, options=None, fault_injector=None, spare
         return ResilientStep(fn, mesh=mesh, options=options, fault_injector=fault_injector,
                              spare_devices=spare_devices)
 
-    def decorate(f):
+    def decorate(f: Callable[P, R]) -> ResilientStep[P, R]:
         return ResilientStep(f, mesh=mesh, options=options, fault_injector=fault_injector,
                              spare_devices=spare_devices)
 

@@ -28,6 +28,7 @@ from mnemojax._src.topology import MeshPlan
 log = logging.getLogger("mnemojax")
 
 _cache_lock = threading.Lock()
+_CACHE_FLAG = "jax_compilation_cache_dir"
 
 
 def enable_persistent_cache(cache_dir: str | None) -> None:
@@ -35,8 +36,8 @@ def enable_persistent_cache(cache_dir: str | None) -> None:
     if cache_dir is None:
         return
     with _cache_lock:
-        if jax.config.jax_compilation_cache_dir is None:
-            jax.config.update("jax_compilation_cache_dir", cache_dir)
+        if getattr(jax.config, _CACHE_FLAG) is None:  # a flag JAX's stubs do not declare
+            jax.config.update(_CACHE_FLAG, cache_dir)
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.errors import PreemptionExit
 from mnemojax._src.events import EventLog
 from mnemojax._src.options import ResilienceOptions
@@ -26,8 +27,17 @@ log = logging.getLogger("mnemojax")
 
 
 class Durability:
+    """The resilient step's handle on the persistent tier, its triggers and the event log.
+
+    Args:
+        options: the options in force.
+        keys: per state leaf, its key in a checkpoint.
+        layer: the device layer memory use is sampled through (set again whenever the
+            runtime changes).
+    """
+
     def __init__(self, options: ResilienceOptions, *, keys: Sequence[tuple[str, ...]],
-                 layer):
+                 layer: DeviceLayer | None = None):
         popts = options.persistent
         self._popts = popts
         self.layer = layer
@@ -47,14 +57,15 @@ class Durability:
 
     def check_preemption(self, step: int, leaves: Sequence | None) -> None:
         """Checkpoints the last complete step and raises `PreemptionExit` after a notice."""
-        if self._preemption is None or not self._preemption.notice.is_set():
+        tier = self.tier
+        if self._preemption is None or tier is None or not self._preemption.notice.is_set():
             return
         sig = self._preemption.signal_received
         self.emit("preemption", step=step, trigger=f"signal {sig}")
         if leaves is not None and step > 0:
-            blocked = self.tier.save(step, leaves, wait=True)
+            blocked = tier.save(step, leaves, wait=True)
             self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
-        directory = str(self.tier.directory)
+        directory = str(tier.directory)
         log.warning("mnemojax: preemption notice (signal %s): step %d checkpointed to %s; "
                     "exiting", sig, step, directory)
         self.close()
@@ -63,31 +74,36 @@ class Durability:
             step=step, directory=directory)
 
     def after_commit(self, step: int, leaves: Sequence, devices) -> None:
-        if self.tier is None:
+        tier = self.tier
+        if tier is None:
             return
         if self._popts.every_steps and step % self._popts.every_steps == 0:
-            blocked = self.tier.save(step, leaves)
+            blocked = tier.save(step, leaves)
             self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=False)
-        if self._memory is not None and step % self._popts.memory_check_every_steps == 0:
+        if self._memory is not None and self.layer is not None \
+                and step % self._popts.memory_check_every_steps == 0:
             source = self._memory.observe(self.layer.memory_fractions(devices, step=step))
             if source is not None:
                 self.jit_checkpoints += 1
-                blocked = self.tier.save(step, leaves, wait=True)
+                blocked = tier.save(step, leaves, wait=True)
                 log.warning("mnemojax: %s memory above %.0f%% of its limit and rising: step %d "
                             "checkpointed to %s", source, 100 * self._memory.fraction, step,
-                            self.tier.directory)
+                            tier.directory)
                 self.emit("preemption", step=step, trigger=f"memory pressure ({source})")
                 self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
         self.check_preemption(step, leaves)
 
     def _open_tier(self) -> PersistentTier:
+        assert self._popts.directory is not None  # only called with a directory
         return PersistentTier(self._popts.directory, keys=self._keys,
                               max_to_keep=self._popts.max_to_keep)
 
-    def reopen_tier(self) -> None:
+    def reopen_tier(self, layer: DeviceLayer) -> None:
         """A new Orbax manager for a new multi-process world (the old one's processes and
-        barriers belong to the world that failed). The old manager may be stuck in a save
-        whose collective lost a peer: it is closed on a daemon thread, never waited for."""
+        barriers belong to the world that failed), whose devices `layer` reaches. The old
+        manager may be stuck in a save whose collective lost a peer: it is closed on a
+        daemon thread, never waited for."""
+        self.layer = layer
         if self.tier is None:
             return
         old = self.tier

@@ -20,12 +20,14 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.errors import BatchSplitError, StepHangError
 from mnemojax._src.topology import MeshPlan
 
@@ -45,14 +47,14 @@ class Verdict:
 class DeviceProxy:
     """Owns the current mesh, the set of dead devices and the spare pool."""
 
-    def __init__(self, layer, plan: MeshPlan, mesh: Mesh, spares, *, data_axis: str,
-                 probe_timeout_s: float):
+    def __init__(self, layer: DeviceLayer, plan: MeshPlan, mesh: Mesh, spares: Sequence[int],
+                 *, data_axis: str, probe_timeout_s: float, dead: Collection[int] = ()):
         self.layer = layer
         self._data_axis = data_axis
         self.plan = plan
         self.mesh = mesh
-        self.spares: list[int] = [int(s) for s in spares]
-        self.dead: set[int] = set()
+        self.dead: set[int] = {int(d) for d in dead}
+        self.spares: list[int] = [int(s) for s in spares if int(s) not in self.dead]
         self._probe_timeout_s = probe_timeout_s
         self._by_id = {d.id: d for d in jax.devices()}
         self._devices = frozenset(int(i) for i in plan.device_ids.flat)
@@ -62,13 +64,23 @@ class DeviceProxy:
     def devices(self) -> frozenset[int]:
         return self._devices
 
-    def adopt(self, plan: MeshPlan, mesh: Mesh) -> None:
-        """Switches to a new mesh; healthy devices it leaves out join the spare pool."""
-        self.plan, self.mesh = plan, mesh
-        self._devices = frozenset(int(i) for i in plan.device_ids.flat)
-        pool = [s for s in self.spares if s not in self._devices] + list(plan.idle)
-        self.spares = [d for d in dict.fromkeys(pool) if d not in self.dead
-                       and d not in self._devices]
+    def spares_after(self, plan: MeshPlan) -> list[int]:
+        """The spare pool once `plan` is adopted: spares it leaves out, then its idle
+        devices."""
+        devices = {int(i) for i in plan.device_ids.flat}
+        pool = [s for s in self.spares if s not in devices] + list(plan.idle)
+        return [d for d in dict.fromkeys(pool) if d not in self.dead and d not in devices]
+
+    def device_places(self) -> dict[int, tuple[int, int]]:
+        """Per device of the world: (process index, rank among that process's devices).
+
+        A new multi-process world renumbers devices; the planner maps these places to the
+        new ids (`topology.renumber_devices`).
+        """
+        by_process: dict[int, list[int]] = {}
+        for d in sorted(self._by_id.values(), key=lambda d: d.id):
+            by_process.setdefault(d.process_index, []).append(d.id)
+        return {i: (p, rank) for p, ids in by_process.items() for rank, i in enumerate(ids)}
 
     def place_batch(self, host_batch, shardings, examples: int | None):
         """Splits the global host batch over the mesh along the data axis."""
@@ -139,11 +151,12 @@ class _Waiter:
         self._thread = None
         self._requests: queue.SimpleQueue | None = None
 
-    def _start(self):
-        self._requests = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, args=(self._requests,),
+    def _start(self) -> queue.SimpleQueue:
+        self._requests = requests = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(requests,),
                                         daemon=True, name="mnemojax-wait")
         self._thread.start()
+        return requests
 
     @staticmethod
     def _serve(requests):
@@ -155,10 +168,11 @@ class _Waiter:
                 future.set_exception(exc)
 
     def wait(self, block, outputs, step, devices, timeout_s):
-        if self._thread is None:
-            self._start()
+        requests = self._requests
+        if self._thread is None or requests is None:
+            requests = self._start()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._requests.put((block, (outputs, step, devices), future))
+        requests.put((block, (outputs, step, devices), future))
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:

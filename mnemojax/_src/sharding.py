@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -11,8 +12,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mnemojax._src.errors import ShardingMismatchError
 from mnemojax._src.topology import MeshPlan
 
+if TYPE_CHECKING:  # jax.Device is a runtime alias that type checkers cannot use as a type
+    from jaxlib._jax import Device
 
-def devices_by_id() -> dict[int, jax.Device]:
+
+def devices_by_id() -> dict[int, Device]:
     return {d.id: d for d in jax.devices()}
 
 

@@ -24,7 +24,19 @@ from mnemojax._src.snapshot import HostSnapshot, _as_slices, index_key
 
 @dataclasses.dataclass
 class HostState:
-    leaves: list[np.ndarray]
+    """A complete state of one step, and where it came from.
+
+    Attributes:
+        leaves: per leaf, the whole array: on the host, or already on the target mesh
+            (restored by Orbax).
+        source: ``live_replicas``, ``live_replicas+snapshot``, ``host_snapshot`` or
+            ``persistent``.
+        step: the step it is the state after.
+        bytes_read: bytes read to assemble it.
+        corrupt_snapshots: snapshots found corrupt on the way (never used).
+    """
+
+    leaves: list[np.ndarray | jax.Array]
     source: str
     step: int
     bytes_read: int

@@ -1,16 +1,21 @@
-"""The two step forms, both reduced to one pure function on a flat list of arrays.
+"""Step forms: how a user's call maps onto one pure function on a flat list of arrays.
 
 * Flax NNX: ``step(model, optimizer, batch) -> metrics``, updating both in place.
 * Pure: ``step(state, batch) -> (state, metrics)`` on any pytree of arrays.
 
-The runtime only ever sees ``pure(leaves, batch) -> (leaves, metrics)``: the leaves are
-what gets sharded, snapshotted and resharded. Typed PRNG keys travel as their raw key data
-so every leaf is a plain numeric array.
+The runtime only ever sees the `StepForm` interface: ``state_of(args)`` reads the state
+leaves out of a call's arguments, ``batch_of(args)`` the batch, ``pure(leaves, batch) ->
+(leaves, metrics)`` is what gets compiled, and ``result(args, leaves, metrics)`` hands the
+new state back the way the user's step would have (in place for NNX, returned for the pure
+form). It never asks which form it holds. The leaves are what gets sharded, snapshotted and
+resharded; typed PRNG keys travel as their raw key data so every leaf is a plain numeric
+array.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +32,7 @@ def _is_var(x) -> bool:
 
 
 def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _to_raw(x):
@@ -69,8 +74,16 @@ def _entry_of(path, var) -> str:
     return "other"
 
 
-class StepForm:
-    """A step reduced to ``pure(leaves, batch)``; subclasses read/write the user's state."""
+class StepForm(abc.ABC):
+    """A step reduced to ``pure(leaves, batch)``, plus how to read and write the user's state.
+
+    Attributes:
+        kind: a short name for logs and events (``"nnx"``, ``"pytree"``).
+        leaf_paths: per leaf, its path (for error messages).
+        leaf_keys: per leaf, its path as strings (nested-dict checkpoints).
+        leaf_entries: per leaf, its snapshot entry (``params``, ``opt_state``, ...).
+        specs: per leaf, its partition spec.
+    """
 
     kind: str
     leaf_paths: list[str]
@@ -79,8 +92,46 @@ class StepForm:
     specs: list[PartitionSpec]
     key_impls: list[Any]  # per leaf: the PRNG impl if the leaf is a typed key, else None
 
-    def pure(self, leaves, batch):
-        raise NotImplementedError
+    @property
+    def arity(self) -> int:
+        """Positional arguments of a call, batch included."""
+        return len(self.state_arg_names) + 1
+
+    state_arg_names: tuple[str, ...]
+
+    @abc.abstractmethod
+    def state_of(self, state_args: Sequence[Any]) -> list:
+        """The state leaves held by a call's state arguments (all but the batch).
+
+        Raises:
+            UnsupportedStateError: they are not the state this form was built for.
+        """
+
+    def batch_of(self, args: Sequence[Any]) -> Any:
+        """The batch of a call's arguments (the last one)."""
+        return args[-1]
+
+    def check_call(self, args: Sequence[Any]) -> None:
+        if len(args) != self.arity:
+            raise UnsupportedStateError(
+                f"this resilient step was built for step({', '.join(self.state_arg_names)}, "
+                f"batch); got {len(args)} positional arguments")
+
+    @abc.abstractmethod
+    def pure(self, leaves: list, batch: Any) -> tuple[list, Any]:
+        """The user's step as a function of the state leaves and the batch."""
+
+    @abc.abstractmethod
+    def result(self, state_args: Sequence[Any], leaves: list, metrics: Any) -> Any:
+        """Hands `leaves` back as the user's step would, and returns what it returns."""
+
+    @abc.abstractmethod
+    def restored(self, state_args: Sequence[Any], leaves: list, step: int) -> Any:
+        """What `ResilientStep.restore` returns once `leaves` (of `step`) are restored."""
+
+    def forget_arrays(self, structs: Sequence[tuple[tuple[int, ...], Any]]) -> None:  # noqa: B027
+        """Drops every reference to the state's device arrays the form holds (before the
+        backend that owns them is torn down); `structs` are the leaves' (shape, dtype)."""
 
     def _wrap_keys(self, leaves):
         return [leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
@@ -91,6 +142,7 @@ class NnxForm(StepForm):
     """``step(model, optimizer, batch) -> metrics``; updates model and optimizer in place."""
 
     kind = "nnx"
+    state_arg_names = ("model", "optimizer")
 
     def __init__(self, fn: Callable, model: nnx.Module, optimizer: nnx.Optimizer):
         self.fn = fn
@@ -99,7 +151,7 @@ class NnxForm(StepForm):
         self.treedef = jax.tree.structure(state)
         flat = jax.tree_util.tree_flatten_with_path(
             nnx.state((model, optimizer)), is_leaf=_is_var)[0]
-        self.live_vars = [v for _, v in flat]
+        self.live_vars: list[nnx.Variable] = [v for _, v in flat]
         self.leaf_paths = [_leaf_path(p) for p, _ in flat]
         self.leaf_keys = [_leaf_key(p, ("model", "optimizer")) for p, _ in flat]
         self.leaf_entries = [_entry_of(p, v) for p, v in flat]
@@ -119,15 +171,17 @@ class NnxForm(StepForm):
         # holding a plain array read and write the same through the raw accessors (0.13 ms).
         self._plain = all(_hookless(v) for v in self.live_vars)
 
-    def matches(self, model, optimizer) -> bool:
-        return model is self.model and optimizer is self.optimizer
-
-    def read(self) -> list:
+    def state_of(self, state_args):
+        model, optimizer = state_args
+        if model is not self.model or optimizer is not self.optimizer:
+            raise UnsupportedStateError(
+                "this resilient step was built for another model/optimizer pair; decorate "
+                "a new step (or use step.with_options()) for a different model")
         if self._plain:
             return [_to_raw(v.get_raw_value()) for v in self.live_vars]
         return [_to_raw(v.get_value()) for v in self.live_vars]
 
-    def write(self, leaves) -> None:
+    def _write(self, leaves) -> None:
         for var, leaf, impl in zip(self.live_vars, leaves, self.key_impls, strict=True):
             value = leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
             if self._plain:
@@ -142,14 +196,24 @@ class NnxForm(StepForm):
         new = jax.tree.leaves(nnx.state((model, optimizer)))
         return [_to_raw(x) for x in new], metrics
 
-    def result(self, metrics):
+    def result(self, state_args, leaves, metrics):
+        self._write(leaves)
         return metrics
+
+    def restored(self, state_args, leaves, step):
+        self._write(leaves)
+        return step
+
+    def forget_arrays(self, structs):
+        for var, (shape, dtype) in zip(self.live_vars, structs, strict=True):
+            var.set_value(np.zeros(shape, dtype))
 
 
 class PytreeForm(StepForm):
     """``step(state, batch) -> (state, metrics)`` on any pytree of arrays."""
 
     kind = "pytree"
+    state_arg_names = ("state",)
 
     def __init__(self, fn: Callable, state: Any):
         self.fn = fn
@@ -173,8 +237,8 @@ class PytreeForm(StepForm):
             for x in values
         ]
 
-    def read_from(self, state) -> list:
-        leaves = jax.tree.leaves(state)
+    def state_of(self, state_args):
+        leaves = jax.tree.leaves(state_args[0])
         if len(leaves) != len(self.leaf_paths):
             raise UnsupportedStateError(
                 f"the state passed has {len(leaves)} leaves; the step was built for "
@@ -182,11 +246,11 @@ class PytreeForm(StepForm):
             )
         return [_to_raw(x) if hasattr(x, "dtype") else np.asarray(x) for x in leaves]
 
-    def unflatten(self, leaves):
+    def _unflatten(self, leaves):
         return jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
 
     def pure(self, leaves, batch):
-        out = self.fn(self.unflatten(leaves), batch)
+        out = self.fn(self._unflatten(leaves), batch)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise UnsupportedStateError(
                 f"a pure step must return (state, metrics); it returned {type(out).__name__}"
@@ -199,6 +263,12 @@ class PytreeForm(StepForm):
                 f"{jax.tree.structure(new_state)} != {self.treedef}"
             )
         return [_to_raw(jnp.asarray(x)) for x in new], metrics
+
+    def result(self, state_args, leaves, metrics):
+        return self._unflatten(leaves), metrics
+
+    def restored(self, state_args, leaves, step):
+        return self._unflatten(leaves), step
 
 
 def form_for(fn: Callable, args: tuple) -> StepForm:

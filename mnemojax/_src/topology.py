@@ -111,6 +111,7 @@ def plan_reduced_mesh(
     batch_size: int | None = None,
     batch_policy: str = "keep_math",
     min_devices: int = 1,
+    shrink_model: bool = True,
 ) -> MeshPlan:
     """Plans the mesh to continue on after `failed` devices died.
 
@@ -135,6 +136,8 @@ def plan_reduced_mesh(
         batch_size: examples in the global batch (split along `data_axis`).
         batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
         min_devices: the plan must keep at least this many devices.
+        shrink_model: whether step 3 is allowed (across processes it is not: see
+            `plan_after_process_loss`).
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -204,6 +207,14 @@ def plan_reduced_mesh(
             new_ids, examples, math_changed = plan
             return finish(new_ids, "drop_replicas", examples=examples, math_changed=math_changed)
 
+    if not shrink_model:
+        healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
+        per_replica = math.prod(n for a, n in zip(axis_names, device_ids.shape, strict=True)
+                                if a != data_axis)
+        raise MeshTooSmallError(
+            f"no whole data-parallel replica ({per_replica} devices) can be formed from the "
+            f"{healthy} healthy devices, and the model axes are not shrunk across processes",
+            healthy_devices=healthy, required=per_replica)
     return finish(
         _shrink_model(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims),
         "shrink_model",
@@ -280,3 +291,83 @@ def single_failure_plans(device_ids: np.ndarray, axis_names: Sequence[str], **kw
             seen.add(plan.key)
             plans.append(plan)
     return plans
+
+
+Place = tuple[int, int]  # (process index, rank among that process's devices)
+
+
+def renumber_devices(
+    places: Mapping[int, Place],
+    previous_members: Sequence[int],
+    survivors: Sequence[int],
+    new_devices: Mapping[int, Sequence[int]],
+) -> dict[int, int]:
+    """Where each device of the old world is in a new multi-process world.
+
+    A new world renumbers processes (survivors in old rank order become ranks 0..n-1) and
+    with them the device ids. A surviving process keeps its devices, in the same order.
+
+    Args:
+        places: old device id -> (old process index, rank among its process's devices).
+        previous_members: the old world's worker ids, by old process index.
+        survivors: the new world's worker ids, by new process index.
+        new_devices: new process index -> its device ids in the new world.
+
+    Returns:
+        Old device id -> new device id, for the devices of surviving processes.
+
+    Raises:
+        InvalidOptionError: a surviving process has fewer devices than before.
+    """
+    rank_of = {worker: rank for rank, worker in enumerate(survivors)}
+    out = {}
+    for old_id, (process, rank) in places.items():
+        new_process = rank_of.get(previous_members[process])
+        if new_process is None:
+            continue
+        ids = sorted(new_devices.get(new_process, ()))
+        if rank >= len(ids):
+            raise InvalidOptionError(
+                f"process {new_process} of the new world has {len(ids)} devices; device "
+                f"{old_id} was its device {rank} in the old world")
+        out[int(old_id)] = int(ids[rank])
+    return out
+
+
+def plan_after_process_loss(
+    device_ids: np.ndarray,
+    axis_names: Sequence[str],
+    renumbering: Mapping[int, int],
+    *,
+    spares: Sequence[int] = (),
+    **rules,
+) -> MeshPlan:
+    """Plans the mesh of a new multi-process world after processes died.
+
+    The devices of lost processes are the failed devices, and `plan_reduced_mesh` plans as
+    for a device loss, with the same rules (``rules``: ``data_axis``, ``sharded_dims``,
+    ``batch_size``, ``batch_policy``, ``min_devices``), except that no model axis shrinks:
+    a replica stays whole on the processes that hold it. The plan is then renumbered into
+    the new world's device ids; its group changes stay in the old world's ids (which
+    collectives lost a member).
+
+    Args:
+        device_ids: the old mesh, in old device ids.
+        axis_names: its axis names.
+        renumbering: old device id -> new device id for every surviving device
+            (`renumber_devices`); a mesh device missing from it is lost.
+        spares: old ids of surviving devices outside the mesh, in order of preference.
+
+    Raises:
+        MeshTooSmallError: no whole replica survives, or fewer than ``min_devices``.
+    """
+    device_ids = np.asarray(device_ids, dtype=np.int64)
+    failed = {int(d) for d in device_ids.flat if int(d) not in renumbering}
+    live_spares = [int(s) for s in spares if int(s) in renumbering]
+    plan = plan_reduced_mesh(device_ids, axis_names, failed, spares=live_spares,
+                             shrink_model=False, **rules)
+    new_ids = np.vectorize(lambda i: renumbering[int(i)], otypes=[np.int64])(plan.device_ids)
+    return dataclasses.replace(
+        plan, device_ids=new_ids,
+        spares_used=tuple(renumbering[i] for i in plan.spares_used),
+        idle=tuple(renumbering[i] for i in plan.idle if i in renumbering))

@@ -1,0 +1,73 @@
+"""The batches a resilient step keeps for replay after a rollback."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from mnemojax._src.errors import StateUnavailableError
+
+
+class ReplayBuffer:
+    """The global host batches of the last `capacity` steps, by step number.
+
+    A recovery that restores an older state (a host snapshot, an agent's copy, an Orbax
+    checkpoint) replays the steps since from here, with the same batches, so the math does
+    not change.
+    """
+
+    def __init__(self, capacity: int):
+        self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=capacity)
+
+    def append(self, step: int, batch: Any) -> None:
+        self._batches.append((step, batch))
+
+    def pop(self) -> None:
+        """Forgets the newest batch (a skipped step)."""
+        self._batches.pop()
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return iter(list(self._batches))
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    @property
+    def first_step(self) -> int | None:
+        """The oldest step whose batch is kept."""
+        return self._batches[0][0] if self._batches else None
+
+    @property
+    def last(self) -> Any:
+        """The newest batch."""
+        return self._batches[-1][1]
+
+    def batch(self, step: int) -> Any:
+        for s, b in self._batches:
+            if s == step:
+                return b
+        raise StateUnavailableError(f"the batch of step {step} is no longer kept for replay")
+
+    def check_replayable(self, source_step: int, step: int, what: str,
+                         cause: BaseException | None = None) -> None:
+        """Raises `StateUnavailableError` unless the batches of steps ``source_step + 1 ..
+        step - 1`` are kept (so `what`, a state of `source_step`, can be replayed up to
+        `step`)."""
+        kept = {s for s, _ in self._batches}
+        missing = [s for s in range(source_step + 1, step) if s not in kept]
+        if missing:
+            raise StateUnavailableError(
+                f"{what} is of step {source_step}, but the batches of steps "
+                f"{missing[0]}..{missing[-1]} are no longer kept for replay") from cause
+
+
+def batch_struct(batch: Any, examples: int | None) -> Any:
+    """The batch's shapes and dtypes, cut to `examples` along the leading axis (a plan of
+    ``batch_policy='truncate_batch'`` uses fewer examples per step)."""
+    def struct(x):
+        shape = x.shape if not x.ndim or examples is None else (examples, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+    return jax.tree.map(struct, batch)

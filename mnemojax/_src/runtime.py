@@ -1,0 +1,132 @@
+"""The runtime of a resilient step on one mesh, and the one place that builds it.
+
+A `Runtime` is everything the step needs to run on its current mesh: the device layer (the
+interposition point, wrapped by a fault injector when one is given), the `DeviceProxy`
+(mesh, dead devices, spares), the `StepCompiler` (executables per mesh, compiled ahead in
+the background) and the host snapshot stores. `RuntimeBuilder.build` makes one at start and
+after every recovery:
+
+* after a device loss (same process, same backend) the layer, compiler and stores carry
+  over (``same_world=``): the executables compiled ahead for the reduced meshes stay valid,
+  only the proxy moves to the new mesh;
+* after a process loss (a new multi-process world) everything is built anew, since the old
+  backend's executables and arrays are gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from mnemojax._src import sharding as shd
+from mnemojax._src.compiler import StepCompiler
+from mnemojax._src.device_layer import DeviceLayer, JaxDeviceLayer
+from mnemojax._src.options import ResilienceOptions
+from mnemojax._src.proxy import DeviceProxy
+from mnemojax._src.snapshot import SnapshotStore
+from mnemojax._src.topology import MeshPlan
+
+LeafStruct = tuple[tuple[int, ...], Any]  # (shape, dtype) of one state leaf
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What one mesh of a resilient step runs on (see module docstring).
+
+    Attributes:
+        layer: the device layer every dispatch, transfer and probe goes through.
+        proxy: the current mesh, its dead devices and spares; runs and classifies steps.
+        compiler: executables of the step per mesh and batch shape.
+        store: host snapshots of the state.
+        grads_store: host snapshots of the gradients (made on first use).
+    """
+
+    layer: DeviceLayer
+    proxy: DeviceProxy
+    compiler: StepCompiler
+    store: SnapshotStore
+    grads_store: SnapshotStore | None = None
+
+    @property
+    def plan(self) -> MeshPlan:
+        return self.proxy.plan
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.proxy.mesh
+
+    def close(self) -> None:
+        """Stops the background threads (compiler, snapshot copiers)."""
+        self.compiler.close()
+        self.store.close()
+        if self.grads_store is not None:
+            self.grads_store.close()
+
+
+class RuntimeBuilder:
+    """Builds the `Runtime` of one step, at start and after every recovery, always alike.
+
+    Args:
+        options: the options in force.
+        pure: the step as ``pure(leaves, batch) -> (leaves, metrics)``.
+        specs: per state leaf, its partition spec.
+        leaf_structs: per state leaf, its (shape, dtype).
+        leaf_entries: per state leaf, its snapshot entry.
+        wrap_layer: wraps the device layer (a fault injector's ``wrap``), or None.
+        on_corrupt: called with the step of a snapshot found corrupt when it is retired.
+    """
+
+    def __init__(self, options: ResilienceOptions, *, pure: Callable,
+                 specs: Sequence[PartitionSpec], leaf_structs: Sequence[LeafStruct],
+                 leaf_entries: Sequence[str],
+                 wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
+                 on_corrupt: Callable[[int], None] | None = None):
+        self._options = options
+        self._pure = pure
+        self._specs = list(specs)
+        self.leaf_structs: list[LeafStruct] = list(leaf_structs)
+        self._entries = list(leaf_entries)
+        self._wrap_layer = wrap_layer
+        self._on_corrupt = on_corrupt
+
+    def build(self, plan: MeshPlan, *, mesh: Mesh | None = None, spares: Sequence[int] = (),
+              dead: Collection[int] = (), same_world: Runtime | None = None) -> Runtime:
+        """The runtime for `plan`.
+
+        Args:
+            plan: the mesh to run on.
+            mesh: `plan` as a `jax.sharding.Mesh` (default: made from the plan).
+            spares: healthy devices kept out of the mesh, in order of preference.
+            dead: devices known dead (never probed or used again).
+            same_world: the runtime this one replaces in the same backend: its layer,
+                compiler and snapshot stores are kept. None: everything is new.
+        """
+        mesh = mesh if mesh is not None else shd.mesh_from_plan(plan)
+        opts = self._options
+        if same_world is not None:
+            layer, compiler = same_world.layer, same_world.compiler
+            store, grads_store = same_world.store, same_world.grads_store
+        else:
+            layer = JaxDeviceLayer()
+            if self._wrap_layer is not None:
+                layer = self._wrap_layer(layer)
+            compiler = StepCompiler(
+                self._pure, self._specs, self.leaf_structs, data_axis=opts.data_axis,
+                donate=opts.compile.donate_state,
+                check_state=opts.check_state and opts.nonfinite != "ignore")
+            store = self.snapshot_store(layer, self._entries)
+            grads_store = None
+        proxy = DeviceProxy(layer, plan, mesh, spares, data_axis=opts.data_axis,
+                            probe_timeout_s=opts.recovery.probe_timeout_s, dead=dead)
+        return Runtime(layer, proxy, compiler, store, grads_store)
+
+    def snapshot_store(self, layer: DeviceLayer, entries: Sequence[str], *,
+                       name: str = "state") -> SnapshotStore:
+        """A host snapshot store with the options in force."""
+        snap = self._options.snapshot
+        return SnapshotStore(layer, entries, name=name, budget_bytes=snap.host_memory_budget_bytes,
+                             verify=snap.verify_checksums,
+                             on_corrupt=self._on_corrupt if name == "state" else None)
