@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from mnemojax._src import retry
 from mnemojax._src.errors import InvalidOptionError
@@ -100,11 +100,14 @@ class RecoveryOptions:
     """
 
     batch_policy: BatchPolicy = "keep_math"
-    stop: Any = dataclasses.field(
+    stop: retry.StopRule = dataclasses.field(
         default_factory=lambda: retry.stop_after_attempt(3) | retry.stop_after_delay(600.0))
-    run_stop: Any = dataclasses.field(default_factory=lambda: retry.stop_after_attempt(64))
-    retry_stop: Any = dataclasses.field(default_factory=lambda: retry.stop_after_attempt(3))
-    retry_backoff: Any = dataclasses.field(default_factory=retry.exponential_backoff)
+    run_stop: retry.StopRule = dataclasses.field(
+        default_factory=lambda: retry.stop_after_attempt(64))
+    retry_stop: retry.StopRule = dataclasses.field(
+        default_factory=lambda: retry.stop_after_attempt(3))
+    retry_backoff: Callable[[int], float] = dataclasses.field(
+        default_factory=retry.exponential_backoff)
     min_devices: int = 1
     probe_timeout_s: float = 10.0
     hang_timeout_s: float | None = None

@@ -25,10 +25,20 @@ class Attempts:
 
 
 class StopRule(Protocol):
+    """Says, from the attempts so far, whether to give up. Rules combine with ``|`` (stop
+    when either says so) and ``&`` (when both do)."""
+
     def __call__(self, attempts: Attempts) -> bool: ...
+
+    def __or__(self, other: StopRule) -> StopRule: ...
+
+    def __and__(self, other: StopRule) -> StopRule: ...
 
 
 class _Combinable:
+    def __call__(self, attempts: Attempts) -> bool:
+        raise NotImplementedError
+
     def __or__(self, other: StopRule) -> StopAny:
         return StopAny((self, other))
 
@@ -68,13 +78,17 @@ class stop_after_delay(_Combinable):  # noqa: N801
 
 @dataclasses.dataclass(frozen=True)
 class stop_never(_Combinable):  # noqa: N801
+    """Never stop."""
+
     def __call__(self, attempts: Attempts) -> bool:
         return False
 
 
 @dataclasses.dataclass(frozen=True)
 class StopAny(_Combinable):
-    rules: tuple
+    """Stop when any of `rules` says so."""
+
+    rules: tuple[StopRule, ...]
 
     def __call__(self, attempts: Attempts) -> bool:
         return any(rule(attempts) for rule in self.rules)
@@ -82,7 +96,9 @@ class StopAny(_Combinable):
 
 @dataclasses.dataclass(frozen=True)
 class StopAll(_Combinable):
-    rules: tuple
+    """Stop when every one of `rules` says so."""
+
+    rules: tuple[StopRule, ...]
 
     def __call__(self, attempts: Attempts) -> bool:
         return all(rule(attempts) for rule in self.rules)

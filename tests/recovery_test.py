@@ -1,0 +1,104 @@
+"""Recovery collaborators on their own: budgets, and a device recovery's hand-over."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import mnemojax
+from mnemojax._src import sharding as shd
+from mnemojax._src.durability import Durability
+from mnemojax._src.errors import DeviceFailureError, RecoveryExhaustedError, StateUnavailableError
+from mnemojax._src.recovery import DeviceRecovery, ShapeRules, check_budget
+from mnemojax._src.replay import ReplayBuffer, batch_struct
+from mnemojax._src.retry import stop_after_attempt, stop_after_delay
+from mnemojax._src.runtime import RuntimeBuilder
+from mnemojax._src.statistics import Statistics
+from mnemojax._src.topology import MeshPlan
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+
+def test_check_budget_raises_with_the_last_error():
+    last = DeviceFailureError("devices [3] failed", failed_devices=[3], step=7)
+    check_budget(stop_after_attempt(2), 1, 0.0, step=7, exc=last, what="recovery")
+    with pytest.raises(RecoveryExhaustedError, match="step 7: recovery budget") as info:
+        check_budget(stop_after_attempt(2) | stop_after_delay(5.0), 1, 9.0, step=7, exc=last,
+                     what="recovery")
+    assert info.value.attempts == 1 and info.value.last_error is last
+    assert info.value.__cause__ is last and last.failed_devices == (3,)
+
+
+def _pure(leaves, batch):
+    w, n = leaves
+    return [w + batch["x"].sum(), n + 1], {"loss": jnp.sum(w)}
+
+
+def _setup(spec, faults):
+    opts = h.no_precompile()
+    mesh = h.mesh_of((4, 2))
+    builder = RuntimeBuilder(opts, pure=_pure, specs=[spec, P()],
+                             leaf_structs=[((8, 2), jnp.float32), ((), jnp.int32)],
+                             leaf_entries=["params", "other"], wrap_layer=faults.wrap)
+    runtime = builder.build(MeshPlan(shd.device_ids(mesh), ("data", "model"), "unchanged"),
+                            mesh=mesh)
+    batches = ReplayBuffer(4)
+    batch = {"x": np.ones((8, 3), np.float32)}
+    batches.append(1, batch)
+    durability = Durability(opts, keys=[("w",), ("n",)], layer=runtime.layer)
+    stats = Statistics()
+    recovery = DeviceRecovery(opts, builder, durability, stats, batches)
+    exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, None))
+    w = np.arange(16, dtype=np.float32).reshape(8, 2)
+    leaves = [jax.device_put(w, exe.state_shardings[0]),
+              jax.device_put(np.int32(0), exe.state_shardings[1])]
+    # Step 1 dies on device 3; the proxy's probe finds it dead, as in the step's loop.
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        runtime.proxy.run(exe.compiled, leaves, runtime.proxy.place_batch(
+            batch, exe.batch_shardings, None), 1)
+    assert runtime.proxy.probe_all() == {3}
+    rules = ShapeRules(data_axis="data", sharded_dims=shd.sharded_dims([spec, P()], [(8, 2), ()]),
+                       batch_size=8, batch_policy="keep_math", min_devices=1)
+    return recovery, runtime, leaves, rules, stats, w
+
+
+def test_device_recovery_hands_back_a_runtime_and_the_live_state():
+    """Replicated over data: the state of step 0 is read just in time from live replicas;
+    the new runtime is on a mesh without device 3 and keeps the compiler (same world)."""
+    recovery, runtime, leaves, rules, stats, w = _setup(P(None, "model"),
+                                                        FaultInjector().lose_devices(1, [3]))
+    try:
+        resumed = recovery.recover(runtime, step=1, state_step=0, leaves=leaves, failed={3},
+                                   detect_s=0.01, rules=rules)
+        assert resumed.state_step == 0 and not resumed.publish_replayed
+        assert resumed.runtime.compiler is runtime.compiler
+        assert 3 not in resumed.runtime.plan.device_ids
+        assert resumed.runtime.proxy.dead == {3}
+        np.testing.assert_array_equal(np.asarray(resumed.leaves[0]), w)
+        rec = resumed.record
+        assert rec.source == "live_replicas" and rec.plan_kind == "drop_replicas"
+        assert rec.new_mesh_shape == {"data": 2, "model": 2}  # 3 replicas do not divide 8
+        assert rec.steps_lost == 0 and rec.failed_devices == (3,)
+        assert set(rec.phases_s) == {"detect", "plan", "reshard", "compile", "replay"}
+        assert stats.recoveries == []  # recorded by the step once the failed step ran
+    finally:
+        runtime.close()
+
+
+def test_device_recovery_without_any_copy_is_a_typed_error():
+    """Sharded over both axes, no snapshot, no persistent tier: the one copy of the shard
+    on device 3 is gone."""
+    recovery, runtime, leaves, rules, _, _ = _setup(P("data", "model"),
+                                                    FaultInjector().lose_devices(1, [3]))
+    try:
+        with pytest.raises(StateUnavailableError, match="no complete copy"):
+            recovery.recover(runtime, step=1, state_step=0, leaves=leaves, failed={3},
+                             detect_s=0.0, rules=rules)
+    finally:
+        runtime.close()
+
+
+def test_options_take_stop_rules_only():
+    with pytest.raises(mnemojax.errors.InvalidOptionError, match="stop="):
+        mnemojax.RecoveryOptions(stop=3)  # type: ignore[arg-type]
