@@ -13,7 +13,8 @@ class RecoveryRecord:
     Attributes:
         step: the step that failed (and was replayed).
         failed_devices: ids of the devices found dead.
-        old_mesh_shape / new_mesh_shape: mesh axis sizes before and after.
+        old_mesh_shape: mesh axis sizes before the recovery.
+        new_mesh_shape: mesh axis sizes after it.
         new_mesh_devices: device ids of the new mesh, flattened in mesh order.
         plan_kind: ``spare_swap``, ``drop_replicas`` or ``shrink_model``.
         source: where the state came from: ``live_replicas``, ``live_replicas+snapshot``
@@ -28,14 +29,16 @@ class RecoveryRecord:
         total_s: from the failure surfacing to the replayed step's results being ready.
         bytes_moved: bytes read from surviving devices or snapshots plus bytes placed on
             the new mesh.
-        groups_kept / groups_changed: collective replica groups (per mesh axis) kept
-            unchanged / created, over all axes; `groups` has them per axis.
+        groups_kept: collective replica groups kept unchanged, over all mesh axes.
+        groups_changed: collective replica groups created, over all mesh axes.
+        groups: per mesh axis, the device-id groups ``kept``, ``added`` and ``removed``.
         examples_per_step: examples per step on the new mesh.
         math_changed: the new mesh computes something else than the failure-free run.
         hang: the failure was a hang noticed by the watchdog (no error was raised).
-        failed_processes / generation: multi-process recoveries (``plan_kind ==
-            "process_loss"``): the worker ids lost and the new world's generation; their
-            phases are detect, agree, plan, compile, restore, replay.
+        failed_processes: multi-process recoveries (``plan_kind == "process_loss"``):
+            the worker ids lost. Their phases are detect, agree, plan, compile, restore,
+            replay.
+        generation: multi-process: the new world's generation.
         fetched_from: multi-process: origin worker id -> the agent its snapshot came from
             (only the snapshots needed to cover the state).
         agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after
