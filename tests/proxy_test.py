@@ -220,6 +220,12 @@ def test_spares_after_never_pool_dead_or_mesh_devices_and_keep_order():
     assert proxy.spares_after(new) == [7, 4]  # old spares first, then idle; no duplicates
 
 
+def test_device_places_are_process_and_rank_in_one_process():
+    proxy, _ = _proxy()
+    assert proxy.device_places() == {d.id: (0, rank) for rank, d in
+                                     enumerate(sorted(jax.devices(), key=lambda d: d.id))}
+
+
 # -- place_batch --------------------------------------------------------------------------
 
 def _batch_shardings(proxy, batch):
