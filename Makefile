@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow lint bench bench-record clean
+.PHONY: venv demo test test-slow wheel-test lint bench bench-record clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
@@ -30,8 +30,14 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
 
+# Builds the wheel, installs it in a fresh venv in a temp dir, runs demo + bench there.
+wheel-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m wheel tests/packaging_test.py $(ARGS)
+
+# ruff, then the type gate: pyright in standard mode over mnemojax/ ([tool.pyright]).
 lint: $(STAMP)
 	$(BIN)/python -m ruff check mnemojax models tests
+	$(BIN)/pyright
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -4,8 +4,8 @@ Parameters are annotated with `nnx.with_partitioning` for a ``data x model`` mes
 ``model`` axis shards parameters; the ``data`` axis splits the batch.
 """
 
-from models.gpt import GPT as GPT
-from models.gpt import GPTConfig as GPTConfig
-from models.mlp import MLP as MLP
+from mnemojax.models.gpt import GPT as GPT
+from mnemojax.models.gpt import GPTConfig as GPTConfig
+from mnemojax.models.mlp import MLP as MLP
 
 __all__ = ["GPT", "GPTConfig", "MLP"]

@@ -6,7 +6,7 @@ import jax
 import optax
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig
+from mnemojax.models.gpt import GPT, GPTConfig
 
 
 def build_gpt(cfg: GPTConfig, *, seed: int = 0, learning_rate: float = 3e-3):

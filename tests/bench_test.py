@@ -67,7 +67,7 @@ def test_young_daly_rejects_bad_inputs(args, bad):
 
 
 def test_presets_load_and_the_record_preset_has_10m_params():
-    from models.gpt import GPTConfig
+    from mnemojax.models.gpt import GPTConfig
 
     tiny, big = load_preset("tiny"), load_preset("gpt10m")
     assert 13_000 <= GPTConfig(**tiny.model).param_count() <= 100_000

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 import mnemojax
-from models import MLP
+from mnemojax.models import MLP
 
 DIN, DHIDDEN, DOUT = 16, 64, 4
 BATCH = 24  # divisible by 4, 3, 2, 1 data replicas (and 8)

@@ -83,7 +83,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     import optax
     from flax import nnx
 
-    from models import MLP
+    from mnemojax.models import MLP
 
     with nnx.use_eager_sharding(False):
         other = MLP(h.DIN, 2 * h.DHIDDEN, h.DOUT, rngs=nnx.Rngs(0))

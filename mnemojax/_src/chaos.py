@@ -69,7 +69,7 @@ def build(seed: int):
     import optax
     from flax import nnx
 
-    from models import MLP
+    from mnemojax.models import MLP
 
     with nnx.use_eager_sharding(False):
         model = MLP(16, 64, 4, rngs=nnx.Rngs(seed))

@@ -1,8 +1,9 @@
 """Command line: ``python -m mnemojax <command>`` / ``mnemojax <command>``.
 
-Each command lives in its own module that exposes ``add_parser(subparsers)``;
-the module is imported only when its command runs, so ``mnemojax --help``
-stays fast and no JAX backend is touched before the command configures it.
+Each command lives in its own module that exposes ``add_arguments(parser)`` and
+``run(args)``; the module is imported only when its command runs, so ``mnemojax --help``
+stays fast, no JAX backend is touched before the command configures it, and the JAX-free
+commands (``simulate``, ``report``) never import JAX (tests/import_test.py checks).
 """
 
 from __future__ import annotations
@@ -23,18 +24,35 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("mnemojax._src.simulator.cli", "project recovery costs to 1k-128k accelerators"),
 }
 
+# Top-level modules of the `tools` extra (pyproject.toml): figures and progress bars.
+_TOOLS_EXTRA = frozenset({"matplotlib", "tqdm"})
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns its exit status.
+
+    A command that needs a module of the ``tools`` extra which is not installed exits
+    with status 1 and names the extra to install.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="mnemojax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mnemojax",
+                                     description="mnemojax command-line tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(_COMMANDS[argv[0]][0])
-    command_parser = argparse.ArgumentParser(prog=f"mnemojax {argv[0]}")
-    module.add_arguments(command_parser)
-    args = command_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(_COMMANDS[argv[0]][0])
+        command_parser = argparse.ArgumentParser(prog=f"mnemojax {argv[0]}")
+        module.add_arguments(command_parser)
+        args = command_parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _TOOLS_EXTRA:
+            raise
+        print(f"mnemojax {argv[0]}: needs {missing}, which comes with the 'tools' extra: "
+              "pip install 'mnemojax[tools]'", file=sys.stderr)
+        return 1

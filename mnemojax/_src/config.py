@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import logging
 import math
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mnemojax._src.errors import InvalidOptionError
 
 log = logging.getLogger("mnemojax")
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+def shipped_config(name: str) -> Path:
+    """The path of a job config shipped with mnemojax (``configs/`` in the repository).
+
+    The TOML files are package data of ``mnemojax.configs``: the same call finds them in
+    a checkout (editable install) and in an installed wheel.
+
+    Args:
+        name: the file name, e.g. ``"tiny.toml"`` or ``"bench_tiny.toml"``.
+    """
+    # pip unpacks wheels onto the file system, so the resource is a real file.
+    return Path(str(importlib.resources.files("mnemojax.configs") / name))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultSpec:
     step: int
     devices: tuple[int, ...]
-    surface: str = "dispatch"
+    surface: Literal["dispatch", "block"] = "dispatch"  # validated in check_job_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,10 +122,19 @@ def read_job_toml(path: Path, cls, *, what: str, overrides: dict, exclude=()) ->
 
 
 def load_config(path: str | Path, **overrides) -> JobConfig:
-    """Reads and validates a job config (the demo's)."""
+    """Reads and validates a job config (the demo's).
+
+    Args:
+        path: a TOML file; when there is no such file, the shipped config of the same
+            name (so ``configs/tiny.toml`` works from any directory).
+        **overrides: top-level fields to replace (None values are ignored).
+
+    Raises:
+        InvalidOptionError: no such file, an unknown key or an invalid value.
+    """
     path = Path(path)
     if not path.is_file():
-        candidate = REPO_CONFIGS / path.name
+        candidate = shipped_config(path.name)
         if not candidate.is_file():
             raise InvalidOptionError(f"config file {str(path)!r} does not exist")
         path = candidate

@@ -16,14 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from mnemojax._src.config import REPO_CONFIGS, configure_devices, load_config
+from mnemojax._src.config import configure_devices, load_config, shipped_config
 from mnemojax._src.timing import interleaved_block_means
 
 log = logging.getLogger("mnemojax")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=str(REPO_CONFIGS / "demo.toml"),
+    parser.add_argument("--config", default=str(shipped_config("demo.toml")),
                         help="job config (TOML); default: configs/demo.toml")
     parser.add_argument("--steps", type=int, default=None, help="override the config's steps")
     parser.add_argument("--no-precompile", action="store_true",
@@ -51,9 +51,9 @@ def run_job(cfg, *, precompile: bool = True, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     import mnemojax
-    from models.data import BigramCorpus
-    from models.gpt import GPTConfig
-    from models.tasks import build_gpt, lm_train_step
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step
 
     gcfg = GPTConfig(**cfg.model)
     corpus = BigramCorpus(gcfg.vocab_size, gcfg.seq_len, seed=cfg.seed)
@@ -138,7 +138,7 @@ def _plain_run(gcfg, cfg, mesh, batches, progress, losses=None):
     from flax import nnx
     from tqdm import tqdm
 
-    from models.tasks import build_gpt, lm_train_step, shard_onto
+    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
 
     model, opt = build_gpt(gcfg, seed=cfg.seed, learning_rate=cfg.learning_rate)
     shard_onto(model, opt, mesh)
@@ -177,7 +177,7 @@ def _measure_overhead(cfg, gcfg, mesh, corpus, progress) -> dict:
     from flax import nnx
 
     import mnemojax
-    from models.tasks import build_gpt, lm_train_step, shard_onto
+    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
 
     batches = [corpus.batch(10_000 + i, cfg.batch_size) for i in range(cfg.overhead_steps)]
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

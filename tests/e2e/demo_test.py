@@ -5,14 +5,14 @@ import json
 import pytest
 
 from mnemojax._src import cli
-from mnemojax._src.config import REPO_CONFIGS
+from mnemojax._src.config import shipped_config
 
 pytestmark = pytest.mark.needs8
 
 
 def test_demo_recovers_and_matches_reference(tmp_path, capsys):
     out = tmp_path / "report.json"
-    code = cli.main(["demo", "--config", str(REPO_CONFIGS / "tiny.toml"), "--quiet",
+    code = cli.main(["demo", "--config", str(shipped_config("tiny.toml")), "--quiet",
                      "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())

@@ -78,8 +78,8 @@ def calibrate_save_cost(cfg: BenchConfig, mesh, directory: str | os.PathLike) ->
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from models.gpt import GPTConfig
-    from models.tasks import build_gpt, shard_onto
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, shard_onto
 
     shutil.rmtree(directory, ignore_errors=True)
     model, optimizer = build_gpt(GPTConfig(**cfg.model), seed=cfg.seed,

@@ -85,9 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from models.data import BigramCorpus
-    from models.gpt import GPTConfig
-    from models.tasks import build_gpt, lm_train_step, shard_onto
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
 
     t_imported = time.time()
     mesh = jax.make_mesh(cfg.mesh, ("data", "model"), devices=jax.devices()[:np.prod(cfg.mesh)],

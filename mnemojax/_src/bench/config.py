@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mnemojax._src.config import REPO_CONFIGS, FaultSpec, check_job_fields, read_job_toml
+from mnemojax._src.config import FaultSpec, check_job_fields, read_job_toml, shipped_config
 from mnemojax._src.errors import InvalidOptionError
 
 PRESETS = ("tiny", "gpt10m")
@@ -98,7 +98,7 @@ def preset_path(preset: str | Path) -> Path:
     path = Path(preset)
     if path.suffix == ".toml" and path.is_file():
         return path
-    candidate = REPO_CONFIGS / f"bench_{preset}.toml"
+    candidate = shipped_config(f"bench_{preset}.toml")
     if str(preset) in PRESETS and candidate.is_file():
         return candidate
     raise InvalidOptionError(

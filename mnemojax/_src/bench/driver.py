@@ -35,8 +35,8 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
     import jax
     import numpy as np
 
-    from models.data import BigramCorpus
-    from models.gpt import GPTConfig
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ def main() -> None:
     import mnemojax
     from mnemojax._src import compiler
     from mnemojax._src.step_forms import NnxForm
-    from models.data import BigramCorpus
-    from models.gpt import GPTConfig
-    from models.tasks import build_gpt, lm_train_step
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step
 
     cfg = GPTConfig()
     corpus = BigramCorpus(cfg.vocab_size, cfg.seq_len)
