@@ -1,11 +1,15 @@
-"""mnemojax: keep JAX training alive through device and host failures, with the same math."""
+"""mnemojax: keep JAX training alive through device and host failures, with the same math.
+
+`import mnemojax` stays light: it imports neither JAX nor the process roles. The names
+that need them (`resilient`, `ResilientStep`, `initialize`, `testing`) are imported on
+first use, so the JAX-free commands (`mnemojax simulate`, `mnemojax report`) start fast.
+"""
+
+import importlib as _importlib
+import typing as _typing
 
 from mnemojax import errors as errors
 from mnemojax import retry as retry
-from mnemojax import testing as testing
-from mnemojax._src.api import ResilientStep as ResilientStep
-from mnemojax._src.api import resilient as resilient
-from mnemojax._src.distributed.session import initialize as initialize
 from mnemojax._src.options import CompileOptions as CompileOptions
 from mnemojax._src.options import PersistentOptions as PersistentOptions
 from mnemojax._src.options import RecoveryOptions as RecoveryOptions
@@ -15,6 +19,12 @@ from mnemojax._src.statistics import RecoveryRecord as RecoveryRecord
 from mnemojax._src.statistics import Statistics as Statistics
 from mnemojax._src.topology import MeshPlan as MeshPlan
 from mnemojax._src.topology import plan_reduced_mesh as plan_reduced_mesh
+
+if _typing.TYPE_CHECKING:
+    from mnemojax import testing as testing
+    from mnemojax._src.api import ResilientStep as ResilientStep
+    from mnemojax._src.api import resilient as resilient
+    from mnemojax._src.distributed.session import initialize as initialize
 
 __version__ = "0.1.0.dev0"
 
@@ -35,3 +45,24 @@ __all__ = [
     "retry",
     "testing",
 ]
+
+# Public name -> the module that defines it; imported on first attribute access.
+_LAZY: dict[str, str] = {
+    "ResilientStep": "mnemojax._src.api",
+    "resilient": "mnemojax._src.api",
+    "initialize": "mnemojax._src.distributed.session",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name == "testing":
+        return _importlib.import_module("mnemojax.testing")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mnemojax' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,11 +13,11 @@ from mnemojax._src.errors import NonFiniteSkipWarning as NonFiniteSkipWarning
 from mnemojax._src.errors import PreemptionExit as PreemptionExit
 from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
 from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
+from mnemojax._src.errors import SnapshotBudgetWarning as SnapshotBudgetWarning
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
 from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
 from mnemojax._src.errors import StepHangError as StepHangError
 from mnemojax._src.errors import UnsupportedStateError as UnsupportedStateError
-from mnemojax._src.snapshot import SnapshotBudgetWarning as SnapshotBudgetWarning
 
 __all__ = [
     "BatchSplitError",

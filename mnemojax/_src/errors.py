@@ -21,6 +21,10 @@ class NonFiniteSkipWarning(MnemojaxWarning):
     """A batch was skipped because the step produced NaN/Inf (nonfinite="skip_batch")."""
 
 
+class SnapshotBudgetWarning(MnemojaxWarning):
+    """The snapshot buffers would exceed the host-memory budget; snapshots are off."""
+
+
 class InvalidOptionError(MnemojaxError, ValueError):
     """An option or argument has a value outside its legal range."""
 

@@ -27,17 +27,14 @@ import jax
 import numpy as np
 
 from mnemojax._src.device_layer import DeviceLayer
-from mnemojax._src.errors import MnemojaxWarning, SnapshotCorruptError, StateUnavailableError
+from mnemojax._src.errors import SnapshotBudgetWarning as SnapshotBudgetWarning
+from mnemojax._src.errors import SnapshotCorruptError, StateUnavailableError
 
 log = logging.getLogger("mnemojax")
 
 IndexKey = tuple[tuple[int, int], ...]
 # (addressable position, index key, device id) of each shard a snapshot copies.
 LeafLayout = list[tuple[int, IndexKey, int]]
-
-
-class SnapshotBudgetWarning(MnemojaxWarning):
-    """The snapshot buffers would exceed the host-memory budget; snapshots are off."""
 
 
 def index_key(index: tuple[slice, ...], shape: Sequence[int]) -> IndexKey:
