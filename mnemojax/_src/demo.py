@@ -106,7 +106,7 @@ def run_job(cfg, *, precompile: bool = True, progress: bool = True) -> dict:
         exact or max_diff <= 2 * floor)
 
     # 3. Steady-state cost of protection, rounds of blocks of steps, medians.
-    overhead = _measure_overhead(cfg, gcfg, mesh, corpus, progress)
+    overhead = _measure_overhead(cfg, gcfg, mesh, corpus)
 
     return {
         "config": {"mesh": list(cfg.mesh), "steps": cfg.steps, "batch_size": cfg.batch_size,
@@ -161,17 +161,18 @@ def _max_diff(a, b) -> float:
 
 def _host_leaves(state):
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     def host(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         return np.asarray(x)
 
     return [host(x) for x in jax.tree.leaves(state)]
 
 
-def _measure_overhead(cfg, gcfg, mesh, corpus, progress) -> dict:
+def _measure_overhead(cfg, gcfg, mesh, corpus) -> dict:
     """Median step time of plain Flax vs mnemojax without and with snapshots."""
     import jax
     from flax import nnx
