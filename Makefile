@@ -3,8 +3,9 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: venv demo test test-slow wheel-test lint bench bench-record clean
+.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
@@ -38,6 +39,16 @@ wheel-test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check mnemojax models tests
 	$(BIN)/pyright
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+# API reference of mnemojax, mnemojax.errors, .retry and .testing (docs/api) into
+# build/docs/api; any Sphinx warning fails the build.
+docs: $(DOCS_STAMP)
+	rm -rf build/docs
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs/api build/docs/api
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
