@@ -95,8 +95,10 @@ class RecoveryOptions:
         hang_timeout_s: a step whose results are not ready after this long is treated as
             a failure (its devices are probed). None: ``hang_factor`` x the median step
             time, at least ``hang_floor_s``.
-        hang_factor / hang_floor_s: the adaptive hang timeout.
-        clock / sleep: time sources (injectable so budget tests run instantly).
+        hang_factor: with ``hang_timeout_s=None``, the hang timeout in median step times.
+        hang_floor_s: with ``hang_timeout_s=None``, the least hang timeout, in seconds.
+        clock: the time source (injectable so budget tests run instantly).
+        sleep: how to wait (injectable likewise).
     """
 
     batch_policy: BatchPolicy = "keep_math"

@@ -60,7 +60,7 @@ class MeshPlan:
 
     @functools.cached_property
     def key(self) -> tuple:
-        """Hashable identity of the mesh: shape, axis names and device order."""
+        """The mesh's hashable identity (shape, axis names and device order)."""
         return (self.axis_names, self.device_ids.shape, tuple(int(i) for i in self.device_ids.flat))
 
     def changed_group_count(self) -> int:
@@ -116,6 +116,7 @@ def plan_reduced_mesh(
     """Plans the mesh to continue on after `failed` devices died.
 
     In order of preference:
+
     1. ``spare_swap``: enough healthy spares: each failed device is replaced in place, the
        mesh keeps its shape and only the groups through the failed devices change.
     2. ``drop_replicas``: drop every data-parallel replica (slice along `data_axis`) that
