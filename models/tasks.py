@@ -1,4 +1,6 @@
-"""Model + optimizer construction and the (un-jitted) language-model train step."""
+"""Model + optimizer construction and the (un-jitted) train steps: the GPT language model
+(demo, bench) and the MLP classifier (tests, chaos soak, test jobs). Each step is defined
+here once; its users bind sizes and optimizers."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import optax
 from flax import nnx
 
 from mnemojax.models.gpt import GPT, GPTConfig
+from mnemojax.models.mlp import MLP
 
 
 def build_gpt(cfg: GPTConfig, *, seed: int = 0, learning_rate: float = 3e-3):
@@ -31,6 +34,28 @@ def lm_loss(model, batch):
 
 def lm_train_step(model, optimizer, batch):
     loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def build_mlp(*, seed: int = 0, din: int = 16, dhidden: int = 64, dout: int = 4,
+              dropout: float = 0.0, optimizer: optax.GradientTransformation | None = None):
+    """An MLP classifier and its optimizer (default: Adam, learning rate 1e-2), built
+    without eager sharding (mnemojax or the caller places the state on a mesh)."""
+    with nnx.use_eager_sharding(False):
+        model = MLP(din, dhidden, dout, rngs=nnx.Rngs(seed), dropout=dropout)
+        tx = optax.adam(1e-2) if optimizer is None else optimizer
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def classification_loss(model, batch):
+    """Mean softmax cross-entropy of ``model(batch["x"])`` against integer ``batch["y"]``."""
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def mlp_train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(classification_loss)(model, batch)
     optimizer.update(model, grads)
     return {"loss": loss}
 

@@ -31,7 +31,7 @@ def test_bare_and_keyword_forms_wrap_the_function():
     keyed = mnemojax.resilient(options=h.no_precompile())(h.train_step)
     for step in (bare, keyed):
         assert isinstance(step, mnemojax.ResilientStep)
-        assert step.__wrapped__ is h.train_step and step.__name__ == "train_step"
+        assert step.__wrapped__ is h.train_step and step.__name__ == h.train_step.__name__
     variant = keyed.with_options(spare_devices=[7])
     assert variant is not keyed and variant.options is keyed.options
     with pytest.raises(InvalidOptionError, match="meshh"):

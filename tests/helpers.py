@@ -6,32 +6,22 @@ import dataclasses
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 import mnemojax
-from mnemojax.models import MLP
+from mnemojax.models.tasks import build_mlp, classification_loss, mlp_train_step
 
 DIN, DHIDDEN, DOUT = 16, 64, 4
 BATCH = 24  # divisible by 4, 3, 2, 1 data replicas (and 8)
 
+# The test model's loss and train step: one definition, in mnemojax.models.tasks.
+loss_fn = classification_loss
+train_step = mlp_train_step
+
 
 def make_mlp(seed: int = 0, dropout: float = 0.0):
-    with nnx.use_eager_sharding(False):
-        model = MLP(DIN, DHIDDEN, DOUT, rngs=nnx.Rngs(seed), dropout=dropout)
-        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    return model, optimizer
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
+    """The test MLP with Adam (1e-2)."""
+    return build_mlp(seed=seed, din=DIN, dhidden=DHIDDEN, dout=DOUT, dropout=dropout)
 
 
 def make_batches(n: int, seed: int = 0, batch: int = BATCH):

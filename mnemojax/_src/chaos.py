@@ -64,29 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build(seed: int):
-    """The chaos model (a small MLP) and its SGD optimizer (SGD keeps the reduction-order
-    differences between meshes tiny)."""
+    """The chaos model (the test MLP, `mnemojax.models.tasks`) with SGD (SGD keeps the
+    reduction-order differences between meshes tiny). Its step is `mlp_train_step`."""
     import optax
-    from flax import nnx
 
-    from mnemojax.models import MLP
+    from mnemojax.models.tasks import build_mlp
 
-    with nnx.use_eager_sharding(False):
-        model = MLP(16, 64, 4, rngs=nnx.Rngs(seed))
-        return model, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
-
-
-def train_step(model, optimizer, batch):
-    import optax
-    from flax import nnx
-
-    def loss_fn(m):
-        logits = m(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return {"loss": loss}
+    return build_mlp(seed=seed, optimizer=optax.sgd(0.05))
 
 
 def clean_batches(seed: int, steps: int) -> list[dict]:
@@ -104,8 +88,10 @@ def reference_leaves(seed: int, batches) -> list:
     import numpy as np
     from flax import nnx
 
+    from mnemojax.models.tasks import mlp_train_step
+
     model, optimizer = build(seed)
-    step = nnx.jit(train_step)
+    step = nnx.jit(mlp_train_step)
     for batch in batches:
         step(model, optimizer, batch)
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
@@ -137,6 +123,7 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
 
     import mnemojax
     from mnemojax._src.events import read_events
+    from mnemojax.models.tasks import mlp_train_step
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="mnemojax-chaos-"))
     rng = np.random.default_rng(seed)
@@ -153,7 +140,7 @@ def run_chaos(*, steps: int, seed: int, fault_rate: float = 0.06,
     mesh = jax.make_mesh((4, 2), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model, optimizer = build(seed)
-    step = mnemojax.resilient(train_step, mesh=mesh, options=options, fault_injector=faults)
+    step = mnemojax.resilient(mlp_train_step, mesh=mesh, options=options, fault_injector=faults)
     planned: list[dict] = []
     losses_left = max_device_losses
     memory_used = False

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from mnemojax._src import chaos
+    from mnemojax.models.tasks import mlp_train_step
 
     me = session.world.stable_id if session is not None else 0
     nan_steps = {int(k) for k in args.nan_steps.split(",") if k}
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model, optimizer = chaos.build(args.seed)
-    step = mnemojax.resilient(chaos.train_step, mesh=mesh, fault_injector=faults,
+    step = mnemojax.resilient(mlp_train_step, mesh=mesh, fault_injector=faults,
                               options=mnemojax.ResilienceOptions(
                                   nonfinite="skip_batch", run_name=f"w{me}",
                                   event_log=os.path.join(args.out, f"events-w{me}.jsonl"),
