@@ -24,7 +24,7 @@ if _typing.TYPE_CHECKING:
     from mnemojax import testing as testing
     from mnemojax._src.api import ResilientStep as ResilientStep
     from mnemojax._src.api import resilient as resilient
-    from mnemojax._src.distributed.session import initialize as initialize
+    from mnemojax._src.distributed.worker.session import initialize as initialize
 
 __version__ = "0.1.0.dev0"
 
@@ -50,7 +50,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "ResilientStep": "mnemojax._src.api",
     "resilient": "mnemojax._src.api",
-    "initialize": "mnemojax._src.distributed.session",
+    "initialize": "mnemojax._src.distributed.worker.session",
 }
 
 

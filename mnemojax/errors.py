@@ -1,8 +1,10 @@
 """Typed errors and warnings of mnemojax, rooted at `MnemojaxError` / `MnemojaxWarning`."""
 
+from mnemojax._src.errors import AgreementError as AgreementError
 from mnemojax._src.errors import BatchSplitError as BatchSplitError
 from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
+from mnemojax._src.errors import DistributedError as DistributedError
 from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
 from mnemojax._src.errors import MathChangedWarning as MathChangedWarning
 from mnemojax._src.errors import MeshTooSmallError as MeshTooSmallError
@@ -11,18 +13,23 @@ from mnemojax._src.errors import MnemojaxWarning as MnemojaxWarning
 from mnemojax._src.errors import NonFiniteLossError as NonFiniteLossError
 from mnemojax._src.errors import NonFiniteSkipWarning as NonFiniteSkipWarning
 from mnemojax._src.errors import PreemptionExit as PreemptionExit
+from mnemojax._src.errors import ProtocolError as ProtocolError
 from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
 from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
 from mnemojax._src.errors import SnapshotBudgetWarning as SnapshotBudgetWarning
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
 from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
 from mnemojax._src.errors import StepHangError as StepHangError
+from mnemojax._src.errors import UnsupportedJaxVersionError as UnsupportedJaxVersionError
 from mnemojax._src.errors import UnsupportedStateError as UnsupportedStateError
+from mnemojax._src.errors import WorldConfigError as WorldConfigError
 
 __all__ = [
+    "AgreementError",
     "BatchSplitError",
     "CheckpointMismatchError",
     "DeviceFailureError",
+    "DistributedError",
     "InvalidOptionError",
     "MathChangedWarning",
     "MeshTooSmallError",
@@ -31,11 +38,14 @@ __all__ = [
     "NonFiniteLossError",
     "NonFiniteSkipWarning",
     "PreemptionExit",
+    "ProtocolError",
     "RecoveryExhaustedError",
     "ShardingMismatchError",
     "SnapshotBudgetWarning",
     "SnapshotCorruptError",
     "StateUnavailableError",
     "StepHangError",
+    "UnsupportedJaxVersionError",
     "UnsupportedStateError",
+    "WorldConfigError",
 ]

@@ -7,9 +7,9 @@ copy, a kill during the agreement); `corrupt_agent_copies` flips a bit in an age
 shared-memory snapshots.
 """
 
-from mnemojax._src.distributed.scenario import ProcessFault as ProcessFault
-from mnemojax._src.distributed.scenario import corrupt_agent_copies as corrupt_agent_copies
-from mnemojax._src.distributed.scenario import run_scenario as run_scenario
+from mnemojax._src.distributed.launcher.scenario import ProcessFault as ProcessFault
+from mnemojax._src.distributed.launcher.scenario import corrupt_agent_copies as corrupt_agent_copies
+from mnemojax._src.distributed.launcher.scenario import run_scenario as run_scenario
 from mnemojax._src.fault_injection import FaultInjector as FaultInjector
 from mnemojax._src.fault_injection import InjectedFault as InjectedFault
 

@@ -33,15 +33,44 @@ def test_unknown_name_is_an_attribute_error():
         mnemojax.resilent  # noqa: B018
 
 
+ERRORS = {
+    "AgreementError", "BatchSplitError", "CheckpointMismatchError", "DeviceFailureError",
+    "DistributedError", "InvalidOptionError", "MathChangedWarning", "MeshTooSmallError",
+    "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",
+    "PreemptionExit", "ProtocolError", "RecoveryExhaustedError", "ShardingMismatchError",
+    "SnapshotBudgetWarning", "SnapshotCorruptError", "StateUnavailableError", "StepHangError",
+    "UnsupportedJaxVersionError", "UnsupportedStateError", "WorldConfigError",
+}
+
+
+def test_error_names():
+    assert set(mnemojax.errors.__all__) == ERRORS
+    public = {n for n in vars(mnemojax.errors) if not n.startswith("_")}
+    assert public == ERRORS
+
+
 def test_errors_are_rooted():
+    """Every exception a user can meet is a `MnemojaxError` (every warning a
+    `MnemojaxWarning`), so one ``except`` catches them all."""
     for name in mnemojax.errors.__all__:
         obj = getattr(mnemojax.errors, name)
+        assert isinstance(obj, type) and issubclass(obj, BaseException), name
         if obj is mnemojax.errors.PreemptionExit:  # an exit, not an error
             assert issubclass(obj, SystemExit)
             continue
         root = mnemojax.errors.MnemojaxWarning if issubclass(obj, Warning) else (
             mnemojax.errors.MnemojaxError)
         assert issubclass(obj, root), name
+
+
+def test_every_error_defined_in_the_core_is_public():
+    """A new error in `mnemojax._src.errors` cannot stay out of `mnemojax.errors`."""
+    from mnemojax._src import errors as core
+
+    defined = {n for n, obj in vars(core).items()
+               if isinstance(obj, type) and issubclass(obj, BaseException)
+               and obj.__module__ == core.__name__}
+    assert defined <= set(mnemojax.errors.__all__), defined - set(mnemojax.errors.__all__)
 
 
 def test_testing_module():

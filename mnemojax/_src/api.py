@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import Executable, enable_persistent_cache
-from mnemojax._src.distributed import session as dist_session
+from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,

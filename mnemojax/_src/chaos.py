@@ -262,7 +262,7 @@ def draw_process_schedule(*, nproc: int, steps: int, seed: int, fault_rate: floa
     """
     import numpy as np
 
-    from mnemojax._src.distributed.scenario import ProcessFault
+    from mnemojax._src.distributed.launcher.scenario import ProcessFault
 
     rng = np.random.default_rng(seed)
     alive = list(range(nproc))
@@ -308,7 +308,7 @@ def run_chaos_processes(*, nproc: int, steps: int, seed: int, fault_rate: float 
             "processes >= 2, steps >= 8, 0 <= fault_rate <= 1")
     import numpy as np
 
-    from mnemojax._src.distributed.scenario import process_alive, run_scenario
+    from mnemojax._src.distributed.launcher.scenario import process_alive, run_scenario
     from mnemojax._src.events import read_events
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="mnemojax-chaos-mp-"))

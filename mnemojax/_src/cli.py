@@ -17,7 +17,7 @@ from collections.abc import Sequence
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("mnemojax._src.demo", "train the tiny GPT on 8 CPU devices, lose a device, recover"),
     "chaos": ("mnemojax._src.chaos", "random fault schedule; the state must end exact"),
-    "launch": ("mnemojax._src.distributed.launch_cli",
+    "launch": ("mnemojax._src.distributed.launcher.cli",
                "run N worker processes with agents and a recoverable coordination service"),
     "bench": ("mnemojax._src.bench.cli", "mnemojax vs the classical restart baseline, same faults"),
     "report": ("mnemojax._src.bench.report_cli", "render a run's JSONL event log: table + PNG"),

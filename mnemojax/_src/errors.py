@@ -88,11 +88,19 @@ class RecoveryExhaustedError(MnemojaxError):
 
 
 class SnapshotCorruptError(MnemojaxError):
-    """A host snapshot failed its checksum; it is never restored."""
+    """A snapshot failed its CRC32 check, or changed while it was read; it is never
+    restored.
+
+    Raised for this process's host snapshots and for the copies an agent holds for the
+    multi-process layer (its shared-memory slots, its buddy replicas, a fetched copy).
+    """
 
 
 class StateUnavailableError(MnemojaxError):
     """No complete copy of the state survives (no live replica and no usable snapshot).
+
+    Across processes: no live agent holds a verified copy of some shard of the agreed
+    step, or the copies fetched mix steps or leave part of a leaf uncovered.
 
     Attributes:
         corrupt: snapshots that were there but failed their checksums.
@@ -114,6 +122,58 @@ class NonFiniteLossError(MnemojaxError, FloatingPointError):
 
 class CheckpointMismatchError(MnemojaxError, ValueError):
     """A persistent checkpoint (or snapshot) belongs to another model."""
+
+
+class DistributedError(MnemojaxError):
+    """Root of the errors of the multi-process layer (launcher, agents, world
+    re-initialisation); also raised directly when it is used out of order, e.g.
+    `mnemojax.initialize` after JAX's backend has started."""
+
+
+class UnsupportedJaxVersionError(DistributedError):
+    """The installed JAX is outside the range whose private APIs the multi-process layer
+    was checked on.
+
+    Attributes:
+        version: the installed `jax.__version__`.
+        supported: the supported range, as text.
+    """
+
+    def __init__(self, message: str, *, version: str, supported: str):
+        super().__init__(message)
+        self.version = version
+        self.supported = supported
+
+
+class WorldConfigError(DistributedError, ValueError):
+    """The environment does not describe a valid world (coordinator, process id, count)."""
+
+
+class ProtocolError(DistributedError):
+    """A peer sent a malformed or unexpected message on a loopback control connection, or
+    answered a request with an error.
+
+    Attributes:
+        op: the message kind concerned (None when the frame itself is malformed).
+        field: the field that is missing or of the wrong type (None when not one field).
+    """
+
+    def __init__(self, message: str, *, op: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.op = op
+        self.field = field
+
+
+class AgreementError(DistributedError):
+    """The survivors could not agree on a live set and a resume step.
+
+    Attributes:
+        generation: the world generation the agreement was attempted for.
+    """
+
+    def __init__(self, message: str, *, generation: int):
+        super().__init__(message)
+        self.generation = generation
 
 
 class PreemptionExit(SystemExit):

@@ -364,7 +364,8 @@ class ProcessRecovery:
         """Too few processes survive to hold the model: the agreed state (every shard of
         it, from the agents) goes to the persistent tier before the typed error. Rank 0
         leaves the distributed world first, so Orbax runs as a single process."""
-        from mnemojax._src.distributed import coordination, snapshot_codec
+        from mnemojax._src.distributed import snapshot_codec
+        from mnemojax._src.distributed.worker import coordination
         from mnemojax._src.persistent import PersistentTier
 
         step = rec.agreement.resume_step

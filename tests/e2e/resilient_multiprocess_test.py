@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mnemojax._src.distributed.scenario import process_alive
+from mnemojax._src.distributed.launcher.scenario import process_alive
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
+
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 10
 

@@ -23,12 +23,16 @@ Protocol (one round per failure; ``generation`` counts worlds, 0 at launch):
 
 A member that dies while waiting at the barrier leaves it (it is not put into world g+1). One
 that dies after the decision never joins world g+1: the others' ``connect`` times out and they
-agree again, over world g+1 (a second round; `recovery.recover_world`). One that dies after
-world g+1 formed is an ordinary failure of world g+1 (the resilient step recovers again).
+agree again, over world g+1 (a second round; `worker.recovery.recover_world`). One that
+dies after world g+1 formed is an ordinary failure of world g+1 (the resilient step
+recovers again).
 
-`Coordinator` is the small interface the worker uses; `LauncherCoordinator` implements it
-against the launcher on one machine (a later issue can put the same two calls on etcd).
-`AgreementBook` is the pure decision logic the launcher runs (tested without processes).
+This module holds what both sides share, pure: the decision (`Agreement`), what a copy
+covers (`CopyInfo`) and the coverage rule (`missing_leaves`, `choose_resume_step`). The
+worker talks to the coordinator through `worker.coordinator_client.Coordinator`
+(`LauncherCoordinator` on one machine; a later issue can put the same two calls on etcd);
+the launcher decides with `launcher.book.AgreementBook` (tested without processes) and
+runs the barrier in `launcher.arbiter.Arbiter`.
 """
 
 from __future__ import annotations
@@ -36,10 +40,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
-
-from mnemojax._src.distributed import protocol
-from mnemojax._src.distributed.errors import AgreementError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,28 +82,10 @@ class Agreement:
     why: str = ""
 
 
-class Coordinator(Protocol):
-    """The agreement service a worker talks to (launcher today, etcd later)."""
-
-    def report_failure(self, *, generation: int, reason: str) -> None:
-        """Tells the coordinator this worker saw a failure in world ``generation``."""
-
-    def agree(self, *, generation: int, last_step: int,
-              first_replayable: int | None = None) -> Agreement:
-        """Barrier over the live members of world ``generation``; returns the decision.
-
-        ``first_replayable``: the oldest step whose batch the caller still keeps (it can
-        resume from any step at or after ``first_replayable - 1``).
-
-        Call after detaching from world ``generation``. Atomic: every survivor gets the same
-        decision (its own rank in it), or every call raises `AgreementError`.
-        """
-
-
 @dataclasses.dataclass(frozen=True)
 class CopyInfo:
     """What one verified snapshot copy covers (from its metadata, `snapshot_codec.read_meta`;
-    agents send that metadata with an ``origin`` field, and the launcher reads it back).
+    an agent sends these to the launcher in `wire.Holdings`).
 
     Attributes:
         origin: the worker whose shards these are.
@@ -120,9 +102,15 @@ class CopyInfo:
 
     @classmethod
     def from_meta(cls, origin: int, meta: Mapping) -> CopyInfo:
+        """Reads a payload's metadata.
+
+        Raises:
+            KeyError, TypeError, ValueError: the metadata is not a snapshot's.
+        """
         return cls(origin, int(meta["step"]), int(meta.get("generation", 0)),
                    int(meta["num_leaves"]),
-                   tuple((int(m["leaf"]), tuple(m["shape"]), tuple(tuple(i) for i in m["index"]))
+                   tuple((int(m["leaf"]), tuple(int(d) for d in m["shape"]),
+                          tuple((int(a), int(b)) for a, b in m["index"]))
                          for m in meta["shards"]))
 
 
@@ -135,7 +123,7 @@ def missing_leaves(copies: Iterable[CopyInfo]) -> list[int]:
     copies = list(copies)
     if not copies:
         return []
-    boxes: dict[int, set] = {}
+    boxes: dict[int, set[tuple[tuple[int, int], ...]]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
     for c in copies:
         for leaf, shape, index in c.shards:
@@ -169,143 +157,3 @@ def choose_resume_step(holdings: Mapping[str, Sequence[CopyInfo]], *,
                 groups.setdefault((c.step, c.generation), []).append(c)
     complete = [key for key, copies in groups.items() if not missing_leaves(copies)]
     return max(complete) if complete else None
-
-
-class AgreementBook:
-    """The coordinator's state for one world: arrivals, deaths and the decision (pure)."""
-
-    def __init__(self, generation: int, members: Sequence[int]):
-        self.generation = generation
-        self.members = tuple(members)
-        self.dead: set[int] = set()
-        self.arrived: dict[int, int] = {}
-        self.replayable_from: dict[int, int] = {}  # worker -> oldest resume step it can use
-        self.decision: dict[int, Agreement] | None = None
-
-    def mark_dead(self, worker_id: int) -> None:
-        """A member died. Before the decision it leaves the barrier even if it had arrived
-        (a survivor that dies while waiting is not put into the new world)."""
-        if worker_id in self.members and self.decision is None:
-            self.arrived.pop(worker_id, None)
-            self.dead.add(worker_id)
-
-    def arrive(self, worker_id: int, generation: int, last_step: int,
-               first_replayable: int | None = None) -> None:
-        if generation != self.generation or worker_id not in self.members:
-            raise AgreementError(f"worker {worker_id} asked to agree on world {generation}, "
-                                 f"the current world is {self.generation}",
-                                 generation=generation)
-        if worker_id in self.dead:
-            raise AgreementError(f"worker {worker_id} was declared dead (evicted)",
-                                 generation=generation)
-        self.arrived[worker_id] = last_step
-        if first_replayable is not None:
-            self.replayable_from[worker_id] = first_replayable - 1
-
-    def missing(self) -> list[int]:
-        """Members neither arrived nor dead (the barrier waits for them)."""
-        return [m for m in self.members if m not in self.arrived and m not in self.dead]
-
-    def complete(self) -> bool:
-        return bool(self.arrived) and not self.missing()
-
-    def decide(self, *, coordinator: str, holdings: Mapping[str, Sequence[CopyInfo]],
-               homes: Mapping[int, str] | None = None,
-               members_of: Mapping[int, Sequence[int]] | None = None) -> dict[int, Agreement]:
-        """Decides the new world once (idempotent).
-
-        Args:
-            coordinator: the new world's coordination service.
-            holdings: the verified copies held by the live agents (address -> copies).
-            homes: worker id -> its own agent; a worker's own agent is listed first among
-                the sources of its snapshot (a buddy also serves its own worker's).
-            members_of: generation -> its members, to name the lost workers when the
-                newest copies come from an older world (default: this world's members).
-        """
-        if self.decision is not None:
-            return self.decision
-        if not self.complete():
-            raise AgreementError(f"barrier incomplete, waiting for {self.missing()}",
-                                 generation=self.generation)
-        floor = max((self.replayable_from[w] for w in self.arrived
-                     if w in self.replayable_from), default=None)
-        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()),
-                                    min_step=floor)
-        survivors = tuple(m for m in self.members if m in self.arrived)
-        step, generation, sources, lost, why = -1, 0, {}, (), ""
-        if chosen is not None:
-            step, generation = chosen
-            for addr, copies in holdings.items():
-                for c in copies:  # a copy with no shards adds nothing to fetch
-                    if (c.step, c.generation) == chosen and c.shards:
-                        sources.setdefault(c.origin, []).append(addr)
-        else:
-            every = [c for copies in holdings.values() for c in copies]
-            newest = max(((c.step, c.generation) for c in every), default=None)
-            members = (members_of or {}).get(newest[1], self.members) if newest \
-                else self.members
-            present = {c.origin for c in every if (c.step, c.generation) == newest}
-            # A worker that holds no shards in that world (all its shards are replicas of
-            # others') loses nothing; its layout is the same at every step of a world.
-            empty = {c.origin for c in every if newest and c.generation == newest[1]
-                     and not c.shards}
-            lost = tuple(m for m in members if m not in present and m not in empty)
-            why = (f"no live agent holds a verified copy of the shards of workers "
-                   f"{list(lost)} (their agents and ring buddies are gone, or the copies "
-                   "fail CRC32)") if lost else (
-                f"the newest complete state in memory is older than step {floor}, the "
-                "oldest the survivors still keep the batches to replay from")
-        homes = homes or {}
-        sources = {o: tuple(sorted(a, key=lambda addr, o=o: addr != homes.get(o)))
-                   for o, a in sorted(sources.items())}
-        self.decision = {
-            w: Agreement(generation=self.generation + 1, worker_id=w, process_id=i,
-                         num_processes=len(survivors), coordinator=coordinator,
-                         resume_step=step, survivors=survivors, previous_members=self.members,
-                         sources=sources, lost=lost, resume_generation=generation, why=why)
-            for i, w in enumerate(survivors)}
-        return self.decision
-
-
-def agreement_to_json(a: Agreement) -> dict:
-    d = dataclasses.asdict(a)
-    d["sources"] = {str(k): list(v) for k, v in a.sources.items()}
-    return d
-
-
-def agreement_from_json(d: Mapping) -> Agreement:
-    return Agreement(**{**d, "survivors": tuple(d["survivors"]),
-                        "previous_members": tuple(d["previous_members"]),
-                        "lost": tuple(d.get("lost", ())),
-                        "sources": {int(k): tuple(v) for k, v in d["sources"].items()}})
-
-
-class LauncherCoordinator:
-    """`Coordinator` backed by the launcher's control endpoint (one machine).
-
-    Args:
-        control: ``host:port`` of the launcher (``MNEMOJAX_CONTROL``).
-        worker_id: this worker's stable id.
-        timeout_s: bound on one barrier call (the launcher's own deadline is shorter).
-    """
-
-    def __init__(self, control: str, worker_id: int, *, timeout_s: float = 300.0):
-        self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
-
-    def _call(self, op: str, **fields) -> dict:
-        try:
-            reply, _ = protocol.request(self.control, {"op": op, "worker_id": self.worker_id,
-                                                       **fields}, timeout_s=self.timeout_s)
-        except (OSError, ConnectionError, protocol.ProtocolError) as e:
-            raise AgreementError(f"{op} failed: {e}",
-                                 generation=fields.get("generation", -1)) from e
-        return reply
-
-    def report_failure(self, *, generation: int, reason: str) -> None:
-        self._call("report_failure", generation=generation, reason=reason)
-
-    def agree(self, *, generation: int, last_step: int,
-              first_replayable: int | None = None) -> Agreement:
-        reply = self._call("agree", generation=generation, last_step=last_step,
-                           first_replayable=first_replayable)
-        return agreement_from_json(reply["agreement"])

@@ -7,11 +7,12 @@ to ``SLURM_*`` (one task per host, coordinator on the first node of the job).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping
 
-from mnemojax._src.distributed.errors import WorldConfigError
+from mnemojax._src.errors import WorldConfigError
 
 COORDINATOR = "MNEMOJAX_COORDINATOR"
 PROCESS_ID = "MNEMOJAX_PROCESS_ID"
@@ -121,7 +122,8 @@ def world_from_env(env: Mapping[str, str] | None = None) -> WorldSpec:
         WorldConfigError: neither source describes a complete world, or a value is invalid.
     """
     env = os.environ if env is None else env
-    common = dict(
+    world = functools.partial(
+        WorldSpec,
         devices_per_proc=_int(env, DEVICES_PER_PROC),
         heartbeat_s=_int(env, HEARTBEAT_S) or 10,
         collective_timeout_s=_int(env, COLLECTIVE_TIMEOUT_S) or 20,
@@ -135,7 +137,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> WorldSpec:
         pid, n = _int(env, PROCESS_ID), _int(env, NUM_PROCESSES)
         if pid is None or n is None:
             raise WorldConfigError(f"{COORDINATOR} is set but {PROCESS_ID} or {NUM_PROCESSES} is not")
-        return WorldSpec(coordinator=env[COORDINATOR], process_id=pid, num_processes=n, **common)
+        return world(coordinator=env[COORDINATOR], process_id=pid, num_processes=n)
     if env.get("SLURM_JOB_ID"):
         pid = _int(env, "SLURM_PROCID")
         n = _int(env, "SLURM_NTASKS") or _int(env, "SLURM_NPROCS")
@@ -144,7 +146,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> WorldSpec:
             raise WorldConfigError("SLURM_JOB_ID is set but SLURM_PROCID/SLURM_NTASKS/"
                                    "SLURM_JOB_NODELIST are incomplete")
         port = SLURM_DEFAULT_PORT + int(env["SLURM_JOB_ID"]) % 1000
-        return WorldSpec(coordinator=f"{first_slurm_host(nodelist)}:{port}", process_id=pid,
-                         num_processes=n, **common)
+        return world(coordinator=f"{first_slurm_host(nodelist)}:{port}", process_id=pid,
+                     num_processes=n)
     raise WorldConfigError(f"no world in the environment: set {COORDINATOR}, {PROCESS_ID} and "
                            f"{NUM_PROCESSES} (mnemojax launch does), or run under SLURM")

@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 
-from mnemojax._src.distributed.errors import ChecksumError, DistributedError
+from mnemojax._src.errors import DistributedError, SnapshotCorruptError
 
 MAGIC = b"MNJXSNP1"
 _GLOBAL = struct.Struct("<8sQ")  # magic, slot_bytes
@@ -45,6 +45,21 @@ def sweep(prefix: str) -> list[str]:
     return removed
 
 
+def _untrack(shm: shared_memory.SharedMemory) -> memoryview:
+    """Takes the segment away from this process's resource tracker; returns its memory.
+
+    Python 3.11 registers every segment, created or attached, with the tracker, which
+    unlinks it when the process ends: a worker's death would remove its agent's segment.
+    Segments are unlinked explicitly instead (`SnapshotBuffer.close`, `sweep`).
+    """
+    # ``_name`` is the name the tracker registered (with its leading slash); CPython has
+    # no public accessor for it (3.13 adds ``track=False`` instead).
+    resource_tracker.unregister(shm._name, "shared_memory")  # pyright: ignore[reportAttributeAccessIssue]  # noqa: SLF001
+    if shm.buf is None:  # only after close()
+        raise DistributedError(f"shared memory {shm.name!r} is closed")
+    return shm.buf
+
+
 class SnapshotBuffer:
     """Two snapshot slots in one shared-memory segment.
 
@@ -53,8 +68,9 @@ class SnapshotBuffer:
         slot_bytes: capacity of one slot.
     """
 
-    def __init__(self, shm: shared_memory.SharedMemory, slot_bytes: int, owner: bool):
-        self._shm = shm
+    def __init__(self, shm: shared_memory.SharedMemory, buf: memoryview, slot_bytes: int,
+                 owner: bool):
+        self._shm, self._buf = shm, buf
         self.name = shm.name
         self.slot_bytes = slot_bytes
         self._owner = owner
@@ -72,31 +88,28 @@ class SnapshotBuffer:
             raise DistributedError(f"slot_bytes={slot_bytes} is invalid: expected >= 1")
         shm = shared_memory.SharedMemory(name=name, create=True,
                                          size=DATA_AT + NUM_SLOTS * slot_bytes)
-        # Unlinked explicitly by `close` (or by the launcher's sweep), not by the tracker.
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        _GLOBAL.pack_into(shm.buf, 0, MAGIC, slot_bytes)
+        buf = _untrack(shm)
+        _GLOBAL.pack_into(buf, 0, MAGIC, slot_bytes)
         for i in range(NUM_SLOTS):
-            _SLOT.pack_into(shm.buf, _SLOT_HEADER_AT + i * _SLOT.size, 0, -1, 0, 0, 0)
-        return cls(shm, slot_bytes, owner=True)
+            _SLOT.pack_into(buf, _SLOT_HEADER_AT + i * _SLOT.size, 0, -1, 0, 0, 0)
+        return cls(shm, buf, slot_bytes, owner=True)
 
     @classmethod
     def attach(cls, name: str) -> SnapshotBuffer:
         """Attaches to an agent's segment (the worker does this)."""
         shm = shared_memory.SharedMemory(name=name)
-        # Python 3.11 registers attached segments with this process's resource tracker,
-        # which would unlink the agent's segment when the worker dies. The agent owns it.
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        magic, slot_bytes = _GLOBAL.unpack_from(shm.buf, 0)
+        buf = _untrack(shm)  # the agent owns it: the worker's death must not remove it
+        magic, slot_bytes = _GLOBAL.unpack_from(buf, 0)
         if magic != MAGIC:
             shm.close()
             raise DistributedError(f"shared memory {name!r} is not a mnemojax snapshot buffer")
-        return cls(shm, slot_bytes, owner=False)
+        return cls(shm, buf, slot_bytes, owner=False)
 
     def _header(self, i: int) -> tuple[int, int, int, int, int]:
-        return _SLOT.unpack_from(self._shm.buf, _SLOT_HEADER_AT + i * _SLOT.size)
+        return _SLOT.unpack_from(self._buf, _SLOT_HEADER_AT + i * _SLOT.size)
 
     def _set_header(self, i: int, seq: int, step: int, nbytes: int, crc: int, complete: int):
-        _SLOT.pack_into(self._shm.buf, _SLOT_HEADER_AT + i * _SLOT.size,
+        _SLOT.pack_into(self._buf, _SLOT_HEADER_AT + i * _SLOT.size,
                         seq, step, nbytes, crc, complete)
 
     def publish(self, step: int, parts: Sequence[bytes | memoryview]) -> int:
@@ -117,7 +130,7 @@ class SnapshotBuffer:
         at, crc = DATA_AT + target * self.slot_bytes, 0
         for part in parts:
             view = memoryview(part).cast("B")
-            self._shm.buf[at:at + len(view)] = view
+            self._buf[at:at + len(view)] = view
             crc = zlib.crc32(view, crc)
             at += len(view)
         self._set_header(target, seq, step, nbytes, crc, 1)  # the flip
@@ -139,7 +152,7 @@ class SnapshotBuffer:
             (step, payload, crc32).
 
         Raises:
-            ChecksumError: the copy does not match its CRC, or the slot changed while copying.
+            SnapshotCorruptError: the copy does not match its CRC, or the slot changed while copying.
             KeyError: no complete snapshot (of that step).
         """
         headers = [(i, *self._header(i)) for i in range(NUM_SLOTS)]
@@ -148,11 +161,11 @@ class SnapshotBuffer:
             raise KeyError(step)
         i, seq, s, nbytes, crc, _ = max(done, key=lambda h: h[1])
         at = DATA_AT + i * self.slot_bytes
-        data = bytes(self._shm.buf[at:at + nbytes])
+        data = bytes(self._buf[at:at + nbytes])
         if self._header(i) != (seq, s, nbytes, crc, 1):
-            raise ChecksumError(f"slot {i} was rewritten while step {s} was being read")
+            raise SnapshotCorruptError(f"slot {i} was rewritten while step {s} was being read")
         if zlib.crc32(data) != crc:
-            raise ChecksumError(f"snapshot of step {s} fails its CRC32 check")
+            raise SnapshotCorruptError(f"snapshot of step {s} fails its CRC32 check")
         return s, data, crc
 
     def flip_bit(self, step: int | None = None) -> list[int]:
@@ -166,7 +179,7 @@ class SnapshotBuffer:
         for i in range(NUM_SLOTS):
             _, s, nbytes, _, complete = self._header(i)
             if complete and nbytes and (step is None or s == step):
-                self._shm.buf[DATA_AT + i * self.slot_bytes + nbytes // 2] ^= 0x10
+                self._buf[DATA_AT + i * self.slot_bytes + nbytes // 2] ^= 0x10
                 hit.append(s)
         return sorted(hit)
 

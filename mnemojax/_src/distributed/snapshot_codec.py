@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mnemojax._src.distributed.errors import SnapshotUnavailableError
+from mnemojax._src.errors import StateUnavailableError
 
 _LEN = struct.Struct("<Q")
 ALIGN = 64
@@ -96,25 +96,25 @@ def assemble(payloads: Sequence[bytes | bytearray], num_leaves: int) -> list[np.
     """Rebuilds the global value of every leaf from all old workers' payloads.
 
     Raises:
-        SnapshotUnavailableError: the payloads mix steps, or some element of a leaf is in
+        StateUnavailableError: the payloads mix steps, or some element of a leaf is in
             no payload (a shard lost every copy).
     """
-    out: list[np.ndarray | None] = [None] * num_leaves
-    covered: list[np.ndarray | None] = [None] * num_leaves
+    out: dict[int, np.ndarray] = {}
+    covered: dict[int, np.ndarray] = {}
     steps = set()
     for payload in payloads:
         meta, entries = unpack(payload)
         steps.add(meta["step"])
         for e in entries:
-            if out[e.leaf] is None:
+            if e.leaf not in out:
                 out[e.leaf] = np.zeros(e.shape, e.data.dtype)
                 covered[e.leaf] = np.zeros(e.shape, bool)
             sl = tuple(slice(a, b) for a, b in e.index)
             out[e.leaf][sl] = e.data
             covered[e.leaf][sl] = True
     if len(steps) > 1:
-        raise SnapshotUnavailableError(f"payloads mix steps {sorted(steps)}")
-    missing = [i for i in range(num_leaves) if out[i] is None or not covered[i].all()]
+        raise StateUnavailableError(f"payloads mix steps {sorted(steps)}")
+    missing = [i for i in range(num_leaves) if i not in out or not covered[i].all()]
     if missing:
-        raise SnapshotUnavailableError(f"leaves {missing} are not fully covered by the payloads")
-    return out  # type: ignore[return-value]
+        raise StateUnavailableError(f"leaves {missing} are not fully covered by the payloads")
+    return [out[i] for i in range(num_leaves)]

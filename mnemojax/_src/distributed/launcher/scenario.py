@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.launcher.launcher import Launcher
+from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import InvalidOptionError
 
@@ -110,7 +111,11 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
     pending = list(faults)
     fired: list[dict] = []
     lock = threading.Lock()
-    launcher: Launcher | None = None
+    options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
+                            heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,
+                            agree_timeout_s=agree_timeout_s, hang_factor=10.0,
+                            hang_min_s=hang_min_s, job_timeout_s=job_timeout_s)
+    launcher = Launcher(options, list(cmd), extra_env=extra_env)
 
     def fire(fault: ProcessFault, event: dict) -> None:
         record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
@@ -148,11 +153,7 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
                     pending.remove(fault)
                     threading.Thread(target=fire, args=(fault, event), daemon=True).start()
 
-    options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
-                            heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,
-                            agree_timeout_s=agree_timeout_s, hang_factor=10.0,
-                            hang_min_s=hang_min_s, job_timeout_s=job_timeout_s)
-    launcher = Launcher(options, list(cmd), extra_env=extra_env, on_event=on_event)
+    launcher.on_event = on_event
     rc = launcher.run()
     t0 = min((f["t"] for f in fired), default=None)
     knows = [e["t"] for e in launcher.events if t0 is not None and e["t"] >= t0

@@ -11,9 +11,9 @@ import threading
 import zlib
 from collections.abc import Sequence
 
-from mnemojax._src.distributed import protocol
-from mnemojax._src.distributed.errors import ChecksumError, SnapshotUnavailableError
+from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
 
 
 class AgentClient:
@@ -26,20 +26,19 @@ class AgentClient:
 
     def __init__(self, address: str, *, headroom: float = 1.25):
         self.address, self.headroom = address, headroom
-        self._sock = protocol.connect(address)
+        self._sock = transport.connect(address)
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
 
     def _ensure_capacity(self, nbytes: int, budget_bytes: int | None) -> SnapshotBuffer:
         if self.buffer is None or self.buffer.slot_bytes < nbytes:
             with self._lock:
-                protocol.send_msg(self._sock, {"op": "alloc",
-                                               "nbytes": int(nbytes * self.headroom) + 4096,
-                                               "budget_bytes": budget_bytes})
-                reply, _ = protocol.recv_msg(self._sock)
+                transport.send(self._sock, wire.Alloc(nbytes=int(nbytes * self.headroom) + 4096,
+                                                      budget_bytes=budget_bytes))
+                reply = transport.expect(transport.recv(self._sock)[0], wire.Allocated)
             if self.buffer is not None:
                 self.buffer.close()
-            self.buffer = SnapshotBuffer.attach(reply["name"])
+            self.buffer = SnapshotBuffer.attach(reply.name)
         return self.buffer
 
     def publish(self, step: int, parts: Sequence[bytes | memoryview], *,
@@ -56,13 +55,13 @@ class AgentClient:
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
         crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
         with self._lock:
-            protocol.send_msg(self._sock, {"op": "published", "step": step})
+            transport.send(self._sock, wire.Published(step=step))
         return crc
 
     def phase(self, phase: str) -> None:
         """Tells the watchdog the phase (``compile``, ``recover``, ``train``)."""
         with self._lock:
-            protocol.send_msg(self._sock, {"op": "phase", "phase": phase})
+            transport.send(self._sock, wire.Phase(phase=phase))
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -78,16 +77,16 @@ def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *,
         (payload, address of the agent it came from).
 
     Raises:
-        SnapshotUnavailableError: no agent returned a copy whose CRC32 checks.
+        StateUnavailableError: no agent returned a copy whose CRC32 checks.
     """
     errors = []
     for addr in addresses:
         try:
-            reply, data = protocol.request(addr, {"op": "get", "origin": origin, "step": step},
-                                           timeout_s=timeout_s)
-            if zlib.crc32(data) != reply["crc"]:
-                raise ChecksumError(f"copy from {addr} fails its CRC32 check")
+            reply, data = transport.request(addr, wire.Get(origin=origin, step=step),
+                                            wire.Snapshot, timeout_s=timeout_s)
+            if zlib.crc32(data) != reply.crc:
+                raise SnapshotCorruptError(f"copy from {addr} fails its CRC32 check")
             return data, addr
-        except (OSError, ConnectionError, protocol.ProtocolError, ChecksumError) as e:
+        except (OSError, ConnectionError, ProtocolError, SnapshotCorruptError) as e:
             errors.append(f"{addr}: {e}")
-    raise SnapshotUnavailableError(f"no copy of worker {origin} step {step}: {errors}")
+    raise StateUnavailableError(f"no copy of worker {origin} step {step}: {errors}")

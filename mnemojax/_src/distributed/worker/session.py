@@ -16,13 +16,20 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from mnemojax._src.distributed import coordination, snapshot_codec, state_transfer
-from mnemojax._src.distributed.agent_client import AgentClient
-from mnemojax._src.distributed.agreement import LauncherCoordinator
-from mnemojax._src.distributed.env import WorldSpec
-from mnemojax._src.distributed.recovery import WorldRecovery, recover_world
-from mnemojax._src.snapshot import SnapshotBudgetWarning
+from mnemojax._src.distributed import snapshot_codec
+from mnemojax._src.distributed.env import COORDINATOR, WorldSpec
+from mnemojax._src.distributed.worker import coordination, state_transfer
+from mnemojax._src.distributed.worker.agent_client import AgentClient
+from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
+from mnemojax._src.distributed.worker.recovery import WorldRecovery, recover_world
+from mnemojax._src.distributed.worker.state_transfer import PutFn
+from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning
+
+if TYPE_CHECKING:
+    import jax
 
 log = logging.getLogger("mnemojax")
 
@@ -30,7 +37,14 @@ _current: DistributedSession | None = None
 
 
 class DistributedSession:
-    """This worker's world, agent connection and coordinator."""
+    """This worker's world, agent connection and coordinator.
+
+    Attributes:
+        world: this process's place in the current world (replaced by `recover`).
+        agent: the connection to its agent (None outside ``mnemojax launch``).
+        coordinator: the agreement service (None outside ``mnemojax launch``).
+        publish_refused: snapshots stopped for good (over the host-memory budget).
+    """
 
     def __init__(self, world: WorldSpec):
         self.world = world
@@ -52,7 +66,8 @@ class DistributedSession:
         coordination.barrier(f"mnemojax-compiled-{self.world.generation}")
         self.phase("train")
 
-    def publish(self, step: int, leaves, *, budget_bytes: int | None = None) -> bool:
+    def publish(self, step: int, leaves: Sequence[jax.Array], *,
+                budget_bytes: int | None = None) -> bool:
         """Hands this worker's shards of the state after `step` to its agent (blocking:
         the copy must finish before the next step may replace the arrays).
 
@@ -83,15 +98,34 @@ class DistributedSession:
 
     def recover(self, *, last_step: int, reason: str,
                 first_replayable: int | None = None) -> WorldRecovery:
-        """Agrees with the survivors and joins the new world (see `recover_world`)."""
+        """Agrees with the survivors and joins the new world (see `recover_world`).
+
+        Barrier: returns once the new world has formed (every survivor joined it).
+        Drop every array of the old world before calling.
+
+        Raises:
+            DistributedError: this session cannot recover (no launcher; `can_recover`).
+            AgreementError: the survivors could not agree.
+        """
+        if self.coordinator is None:
+            raise DistributedError("this worker has no coordinator (MNEMOJAX_CONTROL): it "
+                                   "cannot recover from a peer failure")
         self.phase("recover")
         rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason,
                             first_replayable=first_replayable)
         self.world = rec.world
         return rec
 
-    def restore(self, rec: WorldRecovery, shardings):
-        return state_transfer.restore_leaves(rec.payloads, shardings)
+    def restore(self, rec: WorldRecovery, shardings: Sequence[jax.sharding.Sharding], *,
+                put: PutFn) -> list[jax.Array]:
+        """The agreed state on the new world's mesh: one array per sharding, placed with
+        ``put`` (the device layer's ``put(host_value, sharding)``, so a fault injector
+        sees the placement).
+
+        Raises:
+            StateUnavailableError: the payloads mix steps or leave an element uncovered.
+        """
+        return state_transfer.restore_leaves(rec.payloads, shardings, put=put)
 
     def finish(self) -> None:
         self.phase("finish")
@@ -111,11 +145,12 @@ def initialize() -> DistributedSession | None:
     global _current
     if _current is not None:
         return _current
-    if "MNEMOJAX_COORDINATOR" not in os.environ and "SLURM_PROCID" not in os.environ:
+    if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
     _current = DistributedSession(coordination.initialize_worker())
     return _current
 
 
 def current() -> DistributedSession | None:
+    """The session `initialize` created in this process (None: a single-process run)."""
     return _current

@@ -7,11 +7,19 @@ is stored by one worker only: losing that worker means taking it from the buddy 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble
+
+if TYPE_CHECKING:
+    import jax
+
+PutFn: TypeAlias = "Callable[[np.ndarray, jax.sharding.Sharding], jax.Array]"
+"""Places one global host value on devices (`DeviceLayer.put`); in a world of several
+processes each process places the pieces its own devices hold."""
 
 
 def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -22,7 +30,7 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
     return tuple(out)
 
 
-def local_shards(leaves: Sequence) -> list[ShardEntry]:
+def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     """The shards of ``leaves`` (jax.Arrays) this process owns, as host numpy arrays.
 
     The arrays are views of device buffers: encode them (`snapshot_codec.pack`) and publish
@@ -37,14 +45,16 @@ def local_shards(leaves: Sequence) -> list[ShardEntry]:
     return entries
 
 
-def restore_leaves(payloads: Sequence[bytes | bytearray], shardings: Sequence) -> list:
+def restore_leaves(payloads: Sequence[bytes | bytearray],
+                   shardings: Sequence[jax.sharding.Sharding], *, put: PutFn) -> list[jax.Array]:
     """Builds arrays with ``shardings`` (of the new world) from the old workers' payloads.
 
     Every process assembles the global host value (fine for the small states this targets;
-    at scale each process would fetch only the slices its devices need).
-    """
-    import jax
+    at scale each process would fetch only the slices its devices need) and places it with
+    ``put``: pass the device layer's, so a fault injector sees the placement.
 
+    Raises:
+        StateUnavailableError: the payloads mix steps or leave an element uncovered.
+    """
     full = assemble(payloads, len(shardings))
-    return [jax.make_array_from_callback(v.shape, s, lambda idx, v=v: np.asarray(v[idx]))
-            for v, s in zip(full, shardings, strict=True)]
+    return [put(value, sharding) for value, sharding in zip(full, shardings, strict=True)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mnemojax._src.distributed.launcher import Launcher, LaunchOptions
+from mnemojax._src.distributed.launcher.launcher import Launcher
+from mnemojax._src.distributed.launcher.options import LaunchOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

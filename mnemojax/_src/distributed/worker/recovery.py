@@ -1,10 +1,11 @@
-"""The worker's recovery sequence after a peer failure (the lead's resilient step calls it).
+"""The worker's recovery sequence after a peer failure (the resilient step calls it
+through `session.DistributedSession.recover`).
 
-`recover_world` runs steps 1-3 of the agreement protocol (see `agreement`) and the in-process
-re-initialisation of DESIGN §4, then fetches the snapshots of the agreed step that cover the
-state from the live agents. The caller then rebuilds its mesh over ``jax.devices()``,
-compiles, waits at `coordination.barrier`, restores (`state_transfer.restore_leaves`) and
-replays.
+`recover_world` runs steps 1-3 of the agreement protocol (see `distributed.agreement`) and
+the in-process re-initialisation of DESIGN §4, then fetches the snapshots of the agreed step
+that cover the state from the live agents. The caller then rebuilds its mesh over
+``jax.devices()``, compiles, waits at `coordination.barrier`, restores
+(`state_transfer.restore_leaves`) and replays.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import dataclasses
 import logging
 import time
 
-from mnemojax._src.distributed import coordination, snapshot_codec
-from mnemojax._src.distributed.agent_client import fetch_snapshot
-from mnemojax._src.distributed.agreement import Agreement, Coordinator
+from mnemojax._src.distributed import snapshot_codec
+from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.env import WorldSpec
-from mnemojax._src.distributed.errors import AgreementError, SnapshotUnavailableError
+from mnemojax._src.distributed.worker import coordination
+from mnemojax._src.distributed.worker.agent_client import fetch_snapshot
+from mnemojax._src.distributed.worker.coordinator_client import Coordinator
+from mnemojax._src.errors import AgreementError, StateUnavailableError
 
 logger = logging.getLogger("mnemojax")
 
@@ -100,7 +103,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         t = time.perf_counter()
         try:
             payloads, fetched_from = _fetch(agreement)
-        except SnapshotUnavailableError as e:
+        except StateUnavailableError as e:
             phases["fetch"] += time.perf_counter() - t
             _next_round(coordinator, world, f"the agreed state could not be fetched: {e}")
             continue
@@ -129,7 +132,7 @@ def _fetch(agreement: Agreement) -> tuple[list[bytearray], dict[int, str]]:
         meta = snapshot_codec.read_meta(payload)
         if (meta["step"], meta.get("generation", 0)) != (agreement.resume_step,
                                                           agreement.resume_generation):
-            raise SnapshotUnavailableError(
+            raise StateUnavailableError(
                 f"the copy of worker {origin} from {fetched_from[origin]} is of step "
                 f"{meta['step']} (world {meta.get('generation', 0)}), not the agreed step "
                 f"{agreement.resume_step} (world {agreement.resume_generation})")

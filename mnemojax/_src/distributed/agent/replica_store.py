@@ -1,0 +1,65 @@
+"""The buddy replicas an agent keeps for its ring predecessor (pure: no JAX, no I/O)."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+from mnemojax._src.errors import SnapshotCorruptError
+
+
+class ReplicaStore:
+    """Snapshots received from ring neighbours: ``origin -> {step: (payload, crc)}``.
+
+    Keeps the ``keep`` newest steps per origin, so the previous step stays available while a
+    newer copy is in flight or when the survivors resume one step back.
+    """
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._by_origin: dict[int, dict[int, tuple[bytes, int]]] = {}
+        self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
+
+    def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int) -> None:
+        """Stores a copy after checking its CRC32 (raises `SnapshotCorruptError` if it
+        fails)."""
+        if zlib.crc32(payload) != crc:
+            raise SnapshotCorruptError(
+                f"replica of worker {origin} step {step} fails its CRC32 check")
+        with self._lock:
+            held = self._by_origin.setdefault(origin, {})
+            held[step] = (bytes(payload), crc)
+            for old in sorted(held)[:-self.keep]:
+                del held[old]
+
+    def nbytes(self) -> int:
+        """Bytes of the copies held."""
+        with self._lock:
+            return sum(len(p) for held in self._by_origin.values() for p, _ in held.values())
+
+    def get(self, origin: int, step: int) -> tuple[bytes, int]:
+        """The copy of ``origin``'s snapshot at ``step`` (KeyError if not held)."""
+        with self._lock:
+            return self._by_origin[origin][step]
+
+    def verify(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int]]]:
+        """Checks every copy against its CRC32 again (memory can flip after the put).
+
+        Returns:
+            ``(origin, step, payload)`` of the good copies, and ``(origin, step)`` of the
+            corrupt ones, which are dropped (never served).
+        """
+        with self._lock:
+            copies = [(o, s, p, c) for o, held in self._by_origin.items()
+                      for s, (p, c) in held.items()]
+        good, bad = [], []
+        for origin, step, payload, crc in copies:  # the CRCs outside the lock
+            if zlib.crc32(payload) == crc:
+                good.append((origin, step, payload))
+            else:
+                bad.append((origin, step))
+                with self._lock:
+                    held = self._by_origin.get(origin, {})
+                    if held.get(step, (None,))[0] is payload:
+                        del held[step]
+        return good, bad

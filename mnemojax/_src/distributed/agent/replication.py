@@ -1,0 +1,81 @@
+"""Buddy replication: each newly published snapshot goes to the ring successor's agent.
+
+So losing a whole host (worker and agent) loses no state: its successor holds a copy.
+Transport: plain TCP on loopback (`transport`), one persistent connection to the current
+buddy. TCP works unchanged across hosts, has flow control and needs nothing from JAX, whose
+collectives belong to the very world that is failing. The buddy checks the CRC32 on receipt.
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from mnemojax._src.distributed import transport, wire
+from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
+from mnemojax._src.errors import ProtocolError, SnapshotCorruptError
+
+logger = logging.getLogger("mnemojax")
+
+
+class Replicator:
+    """Pushes the newest snapshot to the buddy; `run` is its thread.
+
+    Args:
+        worker_id: the origin of the copies sent.
+        holder: where the snapshots are.
+        stop: ends `run`.
+    """
+
+    def __init__(self, worker_id: int, holder: SnapshotHolder, stop: threading.Event):
+        self.worker_id, self._holder, self._stop = worker_id, holder, stop
+        self._cv = threading.Condition()
+        self._published: int | None = None
+        self._buddy: str | None = None
+
+    def published(self, step: int) -> None:
+        """The worker published ``step``: send it (or a newer one) next."""
+        with self._cv:
+            self._published = step
+            self._cv.notify()
+
+    def set_buddy(self, buddy: str | None) -> None:
+        """Replicate to ``buddy`` from now on (None: nobody)."""
+        with self._cv:
+            self._buddy = buddy
+            self._cv.notify()
+
+    def run(self) -> None:
+        sock: socket.socket | None = None
+        sent: int | None = None
+        target: str | None = None
+        while not self._stop.is_set():
+            with self._cv:
+                self._cv.wait_for(lambda last=sent: self._published != last
+                                  or self._stop.is_set(), timeout=0.5)
+                step, buddy = self._published, self._buddy
+            if step is None or step == sent or buddy is None:
+                continue
+            try:
+                step, data, crc = self._holder.newest()
+                if sock is None or target != buddy:
+                    if sock is not None:
+                        sock.close()
+                    sock, target = transport.connect(buddy), buddy
+                transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
+                               data)
+                transport.recv(sock)
+                sent = step
+            except (OSError, ConnectionError, ProtocolError, KeyError,
+                    SnapshotCorruptError) as e:
+                logger.warning("agent %d: replication to %s failed: %s", self.worker_id,
+                               buddy, e)
+                if sock is not None:
+                    sock.close()
+                sock = None
+                time.sleep(0.2)
+        if sock is not None:
+            sock.close()

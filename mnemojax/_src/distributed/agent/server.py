@@ -1,0 +1,88 @@
+"""The agent's endpoint: requests from its worker, from peer agents and from the launcher.
+
+Its worker (one persistent connection, `worker.agent_client.AgentClient`) asks for slots
+(`wire.Alloc`), says it published a step (`wire.Published`: the watchdog's progress signal,
+and what triggers replication) and which phase it is in (`wire.Phase`). The predecessor's
+agent pushes replicas (`wire.Replica`); survivors fetch copies (`wire.Get`); the launcher
+asks what is held (`wire.HoldingsQuery`) when survivors agree. No JAX here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from mnemojax._src.distributed import transport, wire
+from mnemojax._src.distributed.agent.replication import Replicator
+from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
+from mnemojax._src.distributed.agent.watchdog import HangWatchdog
+from mnemojax._src.errors import ProtocolError, SnapshotCorruptError
+
+
+class AgentServer:
+    """Listens on a free loopback port (``address``); one thread per connection.
+
+    Args:
+        worker_id: the agent's worker.
+        holder, replicator, watchdog: what the requests act on.
+        report: sends an event to the launcher.
+        stop: ends the accept loop.
+    """
+
+    def __init__(self, worker_id: int, *, holder: SnapshotHolder, replicator: Replicator,
+                 watchdog: HangWatchdog, report: Callable[[wire.AgentEvent], None],
+                 stop: threading.Event):
+        self.worker_id = worker_id
+        self._holder, self._replicator, self._watchdog = holder, replicator, watchdog
+        self._report, self._stop = report, stop
+        self._server, self.address = transport.listen()
+
+    def start(self) -> None:
+        threading.Thread(target=transport.accept_loop, args=(self._server, self._handle),
+                         kwargs={"stop": self._stop}, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    try:
+                        message, payload = transport.recv(conn)
+                    except ProtocolError as e:  # answer, then drop the connection
+                        transport.send(conn, wire.ErrorReply(message=str(e)))
+                        return
+                    reply = self._dispatch(message, payload)
+                    if reply is not None:
+                        transport.send(conn, *reply)
+            except (OSError, ConnectionError):
+                return
+
+    def _dispatch(self, message: wire.Message,
+                  payload: bytearray) -> tuple[wire.Message, bytes] | None:
+        now = time.monotonic()
+        if isinstance(message, wire.Alloc):
+            return self._holder.allocate(message.nbytes, message.budget_bytes), b""
+        if isinstance(message, wire.Published):
+            self._watchdog.progress(message.step, now)
+            self._report(wire.Progress(worker_id=self.worker_id, step=message.step))
+            self._replicator.published(message.step)
+            return None
+        if isinstance(message, wire.Phase):
+            self._watchdog.set_phase(message.phase, now)
+            return None
+        if isinstance(message, wire.Replica):
+            return self._holder.accept_replica(message, payload), b""
+        if isinstance(message, wire.Get):
+            try:
+                data, crc = self._holder.get(message.origin, message.step)
+            except (KeyError, SnapshotCorruptError) as e:
+                return wire.ErrorReply(message=f"no copy of worker {message.origin} step "
+                                               f"{message.step}: {e}"), b""
+            return wire.Snapshot(origin=message.origin, step=message.step, crc=crc), data
+        if isinstance(message, wire.HoldingsQuery):
+            return self._holder.verified_copies(), b""
+        return wire.ErrorReply(message=f"unknown op {message.OP!r}"), b""

@@ -1,0 +1,134 @@
+"""The snapshot copies an agent holds, within its host's snapshot budget.
+
+Its own worker's two slots live in shared memory (`shm.SnapshotBuffer`, created here, so
+they outlive the worker); its ring predecessor's replicas live in process memory
+(`replica_store.ReplicaStore`). The worker gives the budget (``host_memory_budget_bytes``)
+when it asks for its slots; a replica that would take the slots plus the replicas over it
+is refused, and the first refusal is reported to the launcher. No JAX here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.agent.replica_store import ReplicaStore
+from mnemojax._src.distributed.agreement import CopyInfo
+from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.distributed.snapshot_codec import read_meta
+from mnemojax._src.errors import SnapshotCorruptError
+
+logger = logging.getLogger("mnemojax")
+
+
+class SnapshotHolder:
+    """Every copy one agent holds.
+
+    Args:
+        worker_id: its worker's id (the origin of the copies in its slots).
+        shm_prefix: the job's shared-memory prefix (the launcher sweeps it).
+        report: sends an event to the launcher.
+    """
+
+    def __init__(self, worker_id: int, *, shm_prefix: str,
+                 report: Callable[[wire.AgentEvent], None]):
+        self.worker_id, self.shm_prefix, self._report = worker_id, shm_prefix, report
+        self.buffer: SnapshotBuffer | None = None
+        self.replicas = ReplicaStore()
+        self.budget_bytes: int | None = None  # host memory for snapshots (from the worker)
+        self._segments = 0
+        self._refused_replicas = False
+        self._lock = threading.Lock()  # the buffer: replaced on alloc, read by other threads
+
+    def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
+        """Slots of at least ``nbytes`` (a bigger segment replaces a smaller one)."""
+        with self._lock:
+            self.budget_bytes = budget_bytes
+            if self.buffer is None or self.buffer.slot_bytes < nbytes:
+                if self.buffer is not None:
+                    self.buffer.close()
+                self._segments += 1
+                self.buffer = SnapshotBuffer.create(
+                    nbytes, name=f"{self.shm_prefix}w{self.worker_id}_{self._segments}")
+            return wire.Allocated(name=self.buffer.name, slot_bytes=self.buffer.slot_bytes)
+
+    def accept_replica(self, replica: wire.Replica, payload: bytearray) -> wire.Ok | wire.ErrorReply:
+        """Keeps a buddy's copy if it passes its CRC32 and fits the budget."""
+        own = 2 * self.buffer.slot_bytes if self.buffer is not None else 0
+        # The new copy is stored before the oldest one is evicted: this is the peak.
+        if self.budget_bytes is not None and (
+                own + self.replicas.nbytes() + len(payload) > self.budget_bytes):
+            if not self._refused_replicas:
+                self._refused_replicas = True
+                self._report(wire.ReplicaRefused(
+                    worker_id=self.worker_id, origin=replica.origin, step=replica.step,
+                    budget_bytes=self.budget_bytes))
+            return wire.ErrorReply(message=f"a replica of {len(payload)} bytes would exceed "
+                                           f"host_memory_budget_bytes={self.budget_bytes}")
+        try:
+            self.replicas.put(replica.origin, replica.step, payload, replica.crc)
+        except SnapshotCorruptError as e:
+            return wire.ErrorReply(message=str(e))
+        return wire.Ok()
+
+    def newest(self) -> tuple[int, bytes, int]:
+        """Its own worker's newest complete snapshot: (step, payload, crc32).
+
+        Raises:
+            KeyError: none yet. SnapshotCorruptError: it fails its check.
+        """
+        with self._lock:
+            if self.buffer is None:
+                raise KeyError("no snapshot slots yet")
+            return self.buffer.read()
+
+    def get(self, origin: int, step: int) -> tuple[bytes, int]:
+        """The copy of worker ``origin``'s snapshot of ``step``: (payload, crc32).
+
+        Raises:
+            KeyError: not held. SnapshotCorruptError: it fails its check.
+        """
+        if origin != self.worker_id:
+            return self.replicas.get(origin, step)
+        with self._lock:
+            if self.buffer is None:
+                raise KeyError(step)
+            _, data, crc = self.buffer.read(step)
+        return data, crc
+
+    def verified_copies(self) -> wire.Holdings:
+        """Every copy held (own slots, buddies' replicas), each checked against its CRC32
+        now, with what it covers; a corrupt copy is listed apart and never counted."""
+        found: list[tuple[int, bytes]] = []
+        corrupt: list[wire.CorruptCopy] = []
+        with self._lock:
+            if self.buffer is not None:
+                for step in sorted(self.buffer.holdings()):
+                    try:
+                        found.append((self.worker_id, self.buffer.read(step)[1]))
+                    except (SnapshotCorruptError, KeyError) as e:
+                        corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
+                                                        error=str(e)))
+        good, bad = self.replicas.verify()
+        found += [(origin, payload) for origin, _, payload in good]
+        corrupt += [wire.CorruptCopy(origin=o, step=s, error="replica fails its CRC32 check")
+                    for o, s in bad]
+        copies = []
+        for origin, payload in found:
+            try:
+                copies.append(CopyInfo.from_meta(origin, read_meta(payload)))
+            except (ValueError, KeyError, TypeError) as e:  # not a snapshot payload
+                corrupt.append(wire.CorruptCopy(origin=origin, step=None,
+                                                error=f"metadata: {e}"))
+        for c in corrupt:
+            logger.warning("agent %d: corrupt copy of worker %s step %s: %s", self.worker_id,
+                           c.origin, c.step, c.error)
+        return wire.Holdings(copies=tuple(copies), corrupt=tuple(corrupt))
+
+    def close(self) -> None:
+        """Unmaps and removes its own slots."""
+        with self._lock:
+            if self.buffer is not None:
+                self.buffer.close()

@@ -1,0 +1,161 @@
+"""The one module that touches JAX's (and Orbax's) private distributed-runtime APIs.
+
+JAX's public ``jax.distributed.initialize`` starts the coordination service inside process 0,
+so process 0's death takes the service (and with it every peer) down. mnemojax instead hosts
+the service in the launcher (`new_service`, used by `launcher.services`) and makes every
+worker a plain client (`new_client`, `global_state`, used by `worker.coordination`). That
+needs ``jax._src.distributed.global_state`` and
+``jax._src.lib._jax.get_distributed_runtime_{service,client}``, used only here, behind
+`check_jax_version` and `check_private_api` (a unit test calls the latter, so a JAX upgrade
+that changes these shapes fails loudly instead of misbehaving at the first failure).
+
+Nothing happens on import: JAX itself is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from mnemojax._src.errors import UnsupportedJaxVersionError
+
+logger = logging.getLogger("mnemojax")
+
+SUPPORTED_JAX = ((0, 10, 0), (0, 11, 0))  # [lower, upper): checked by hand on 0.10.2
+SUPPORTED_TEXT = ">=0.10.0,<0.11.0"
+
+# What this module relies on: (module path, attribute, parameters the callable must accept).
+PRIVATE_API = (
+    ("jax._src.lib", "_jax.get_distributed_runtime_service",
+     ("address", "num_nodes", "heartbeat_timeout", "shutdown_timeout", "recoverable")),
+    ("jax._src.lib", "_jax.get_distributed_runtime_client",
+     ("address", "node_id", "init_timeout", "shutdown_timeout", "heartbeat_timeout",
+      "use_compression")),
+    ("jax._src.distributed", "global_state", ()),
+    ("jax._src.xla_bridge", "backends_are_initialized", ()),
+)
+CLIENT_METHODS = ("connect", "shutdown", "get_live_nodes", "wait_at_barrier")
+STATE_FIELDS = ("process_id", "num_processes", "client", "service", "coordinator_address",
+                "preemption_sync_manager")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _jax_version() -> str:
+    import jax
+    return jax.__version__
+
+
+def check_jax_version(version: str | None = None) -> None:
+    """Raises `UnsupportedJaxVersionError` unless JAX is in the range checked by hand."""
+    version = _jax_version() if version is None else version
+    lo, hi = SUPPORTED_JAX
+    if not lo <= _version_tuple(version) < hi:
+        raise UnsupportedJaxVersionError(
+            f"jax=={version} is unsupported: mnemojax's multi-process layer uses private JAX "
+            f"APIs checked on jax {SUPPORTED_TEXT}; re-check mnemojax/_src/distributed/"
+            "jax_private.py against the new jax before widening SUPPORTED_JAX",
+            version=version, supported=SUPPORTED_TEXT)
+
+
+def _jaxlib() -> Any:
+    """``jax._src.lib._jax``: the jaxlib extension (private; its shape is checked below)."""
+    # Private on purpose (this module's whole point): `check_private_api` guards its shape.
+    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+    return _jax
+
+
+def check_private_api() -> None:
+    """Asserts that every private attribute and parameter used here exists.
+
+    Raises:
+        UnsupportedJaxVersionError: an attribute or a parameter is gone.
+    """
+    missing = []
+    for module_name, attr, params in PRIVATE_API:
+        obj: Any = importlib.import_module(module_name)
+        for name in attr.split("."):
+            obj = getattr(obj, name, None)
+        if obj is None:
+            missing.append(f"{module_name}.{attr}")
+            continue
+        if params:
+            doc = obj.__doc__ or ""  # pybind11 functions carry their signature in __doc__
+            try:
+                names = set(inspect.signature(obj).parameters)
+            except (TypeError, ValueError):
+                names = {p for p in params if f"{p}:" in doc}
+            missing += [f"{module_name}.{attr}({p}=)" for p in params if p not in names]
+    missing += [f"DistributedRuntimeClient.{m}" for m in CLIENT_METHODS
+                if not hasattr(_jaxlib().DistributedRuntimeClient, m)]
+    missing += [f"global_state.{f}" for f in STATE_FIELDS if not hasattr(global_state(), f)]
+    from jax.experimental import multihost_utils
+    if not hasattr(multihost_utils.live_devices, "devices"):
+        missing.append("multihost_utils.live_devices.devices")
+    if missing:
+        version = _jax_version()
+        raise UnsupportedJaxVersionError(
+            f"jax=={version} changed private APIs mnemojax relies on: {missing}",
+            version=version, supported=SUPPORTED_TEXT)
+
+
+def new_service(address: str, num_processes: int, *, heartbeat_s: int,
+                shutdown_timeout_s: int) -> Any:
+    """A recoverable coordination service (jaxlib object with ``shutdown()``).
+
+    Recoverable means a client that stops heartbeating is marked dead without aborting the
+    others (no fate sharing), and ``get_live_nodes`` reports it.
+    """
+    check_jax_version()
+    return _jaxlib().get_distributed_runtime_service(
+        address, num_processes, heartbeat_timeout=heartbeat_s,
+        shutdown_timeout=shutdown_timeout_s, recoverable=True)
+
+
+def new_client(coordinator: str, process_id: int, *, init_timeout_s: int, heartbeat_s: int,
+               on_error: Callable[..., None]) -> Any:
+    """A coordination client, not yet connected (jaxlib object: ``connect``, ``shutdown``,
+    ``wait_at_barrier``...)."""
+    return _jaxlib().get_distributed_runtime_client(
+        coordinator, process_id, init_timeout=init_timeout_s, heartbeat_timeout=heartbeat_s,
+        shutdown_timeout=heartbeat_s, missed_heartbeat_callback=on_error,
+        use_compression=True)
+
+
+def global_state() -> Any:
+    """``jax._src.distributed.global_state``: what ``jax.distributed.initialize`` sets."""
+    from jax._src import distributed
+    return distributed.global_state
+
+
+def backends_are_initialized() -> bool:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def reset_live_devices() -> None:
+    """Forgets ``live_devices``' device map of the old world."""
+    from jax.experimental import multihost_utils
+    multihost_utils.live_devices.devices = None  # pyright: ignore[reportFunctionMemberAccess]  # set by JAX on the function object
+
+
+def forget_orbax_client() -> None:
+    """Orbax caches the distributed client of the first world it saw (for its commit
+    signals); after a re-initialisation its saves would talk to a stopped service."""
+    module = sys.modules.get("orbax.checkpoint._src.futures.signaling_client")
+    cached = getattr(module, "get_signaling_client", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    elif module is not None:
+        logger.warning("orbax's signaling client cache moved: checkpoints after a world "
+                       "re-initialisation may fail")

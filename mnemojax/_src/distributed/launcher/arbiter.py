@@ -1,0 +1,109 @@
+"""The launcher's half of the agreement: the barrier, the decision and the new ring.
+
+Each survivor's `wire.Agree` request blocks in `Arbiter.agree` until every member of its
+world has arrived or been declared dead (protocol in `distributed.agreement`). A member
+not there within ``agree_timeout_s`` is evicted: its agent kills its worker, and a later
+``agree`` from it fails. The first caller past the barrier decides, under the launcher's
+lock, for everyone: it asks every live agent what it holds, starts the new world's
+coordination service, lets `book.AgreementBook` decide, stops the old world's service
+(every survivor has detached by then: clients first) and re-forms the buddy ring over
+the survivors' agents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.launcher.book import AgreementBook
+from mnemojax._src.distributed.launcher.roster import AgentRoster
+from mnemojax._src.distributed.launcher.services import ServiceHost
+from mnemojax._src.errors import AgreementError
+
+
+class Arbiter:
+    """The current world's agreement. Call `member_died` with ``roster.cv`` held.
+
+    Args:
+        members: the workers of world 0.
+        agree_timeout_s: the barrier's deadline, from each arrival.
+        roster: the agents (and the launcher's lock, ``roster.cv``).
+        services: the coordination services (one per live world).
+        record: logs a launcher event (``op`` and fields).
+    """
+
+    def __init__(self, members: Sequence[int], *, agree_timeout_s: float,
+                 roster: AgentRoster, services: ServiceHost,
+                 record: Callable[[dict[str, Any]], None]):
+        self.book = AgreementBook(0, members)
+        self.worlds: dict[int, tuple[int, ...]] = {0: self.book.members}  # gen -> members
+        self._timeout_s = agree_timeout_s
+        self._roster, self._services, self._record = roster, services, record
+
+    def member_died(self, worker_id: int) -> None:
+        self.book.mark_dead(worker_id)
+
+    def live_members(self) -> list[int]:
+        """The current world's members not (yet) known dead."""
+        return [m for m in self.book.members if m not in self.book.dead]
+
+    def agree(self, request: wire.Agree) -> Agreement:
+        """Barrier, then the decision (`distributed.agreement`); the caller's part of it.
+
+        Raises:
+            AgreementError: the caller is not a member of the current world, was evicted,
+                or died while waiting; or no decision could be made.
+        """
+        w, cv = request.worker_id, self._roster.cv
+        with cv:
+            book = self.book
+            book.arrive(w, request.generation, request.last_step, request.first_replayable)
+            cv.notify_all()
+            deadline = time.monotonic() + self._timeout_s
+            while book.decision is None and not book.complete():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for m in book.missing():  # evict: it can never join a later world
+                        self._record({"op": "evicted", "worker_id": m})
+                        book.mark_dead(m)
+                        self._roster.command(m, wire.KillWorker())
+                    break
+                cv.wait(timeout=min(left, 0.5))
+            decision = book.decision if book.decision is not None else self._decide(book)
+            if w not in decision:  # it died while waiting: it is not in the new world
+                raise AgreementError(f"worker {w} died during the agreement",
+                                     generation=book.generation)
+            return decision[w]
+
+    def _decide(self, book: AgreementBook) -> dict[int, Agreement]:
+        replies = self._roster.holdings()
+        for address, reply in replies.items():
+            for bad in reply.corrupt:
+                self._record({"op": "corrupt_copy", "agent": address, **dataclasses.asdict(bad)})
+        holdings = {address: list(reply.copies) for address, reply in replies.items()}
+        survivors = [m for m in book.members if m in book.arrived]
+        generation = book.generation + 1
+        service = self._services.start(generation, len(survivors))
+        try:
+            decision = book.decide(coordinator=service.address, holdings=holdings,
+                                   homes=self._roster.addresses, members_of=self.worlds)
+        except AgreementError:
+            self._services.stop(generation)
+            raise
+        first = decision[survivors[0]]
+        self._record({"op": "decided", "generation": generation, "survivors": survivors,
+                      "resume_step": first.resume_step, "lost": list(first.lost)})
+        self.book = AgreementBook(generation, survivors)
+        self.worlds[generation] = tuple(survivors)
+        if self._services.stop(book.generation):  # service last: every survivor detached
+            self._record({"op": "old_service_stopped", "generation": book.generation})
+        live = [m for m in survivors if m in self._roster.links]
+        for i, m in enumerate(live):  # the new ring over the survivors' agents
+            buddy = self._roster.addresses[live[(i + 1) % len(live)]] if len(live) > 1 else None
+            self._roster.command(m, wire.SetBuddy(buddy=buddy))
+        self._roster.cv.notify_all()
+        return decision

@@ -1,0 +1,109 @@
+"""The launcher's book of one world's agreement: arrivals, deaths and the decision (pure).
+
+The barrier and the decision rule of the agreement protocol (`distributed.agreement`),
+without processes, sockets or clocks: `arbiter.Arbiter` runs it under the launcher's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from mnemojax._src.distributed.agreement import Agreement, CopyInfo, choose_resume_step
+from mnemojax._src.errors import AgreementError
+
+
+class AgreementBook:
+    """The coordinator's state for one world: arrivals, deaths and the decision (pure)."""
+
+    def __init__(self, generation: int, members: Sequence[int]):
+        self.generation = generation
+        self.members = tuple(members)
+        self.dead: set[int] = set()
+        self.arrived: dict[int, int] = {}
+        self.replayable_from: dict[int, int] = {}  # worker -> oldest resume step it can use
+        self.decision: dict[int, Agreement] | None = None
+
+    def mark_dead(self, worker_id: int) -> None:
+        """A member died. Before the decision it leaves the barrier even if it had arrived
+        (a survivor that dies while waiting is not put into the new world)."""
+        if worker_id in self.members and self.decision is None:
+            self.arrived.pop(worker_id, None)
+            self.dead.add(worker_id)
+
+    def arrive(self, worker_id: int, generation: int, last_step: int,
+               first_replayable: int | None = None) -> None:
+        if generation != self.generation or worker_id not in self.members:
+            raise AgreementError(f"worker {worker_id} asked to agree on world {generation}, "
+                                 f"the current world is {self.generation}",
+                                 generation=generation)
+        if worker_id in self.dead:
+            raise AgreementError(f"worker {worker_id} was declared dead (evicted)",
+                                 generation=generation)
+        self.arrived[worker_id] = last_step
+        if first_replayable is not None:
+            self.replayable_from[worker_id] = first_replayable - 1
+
+    def missing(self) -> list[int]:
+        """Members neither arrived nor dead (the barrier waits for them)."""
+        return [m for m in self.members if m not in self.arrived and m not in self.dead]
+
+    def complete(self) -> bool:
+        return bool(self.arrived) and not self.missing()
+
+    def decide(self, *, coordinator: str, holdings: Mapping[str, Sequence[CopyInfo]],
+               homes: Mapping[int, str] | None = None,
+               members_of: Mapping[int, Sequence[int]] | None = None) -> dict[int, Agreement]:
+        """Decides the new world once (idempotent).
+
+        Args:
+            coordinator: the new world's coordination service.
+            holdings: the verified copies held by the live agents (address -> copies).
+            homes: worker id -> its own agent; a worker's own agent is listed first among
+                the sources of its snapshot (a buddy also serves its own worker's).
+            members_of: generation -> its members, to name the lost workers when the
+                newest copies come from an older world (default: this world's members).
+        """
+        if self.decision is not None:
+            return self.decision
+        if not self.complete():
+            raise AgreementError(f"barrier incomplete, waiting for {self.missing()}",
+                                 generation=self.generation)
+        floor = max((self.replayable_from[w] for w in self.arrived
+                     if w in self.replayable_from), default=None)
+        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()),
+                                    min_step=floor)
+        survivors = tuple(m for m in self.members if m in self.arrived)
+        step, generation, lost, why = -1, 0, (), ""
+        sources: dict[int, list[str]] = {}
+        if chosen is not None:
+            step, generation = chosen
+            for addr, copies in holdings.items():
+                for c in copies:  # a copy with no shards adds nothing to fetch
+                    if (c.step, c.generation) == chosen and c.shards:
+                        sources.setdefault(c.origin, []).append(addr)
+        else:
+            every = [c for copies in holdings.values() for c in copies]
+            newest = max(((c.step, c.generation) for c in every), default=None)
+            members = (members_of or {}).get(newest[1], self.members) if newest \
+                else self.members
+            present = {c.origin for c in every if (c.step, c.generation) == newest}
+            # A worker that holds no shards in that world (all its shards are replicas of
+            # others') loses nothing; its layout is the same at every step of a world.
+            empty = {c.origin for c in every if newest and c.generation == newest[1]
+                     and not c.shards}
+            lost = tuple(m for m in members if m not in present and m not in empty)
+            why = (f"no live agent holds a verified copy of the shards of workers "
+                   f"{list(lost)} (their agents and ring buddies are gone, or the copies "
+                   "fail CRC32)") if lost else (
+                f"the newest complete state in memory is older than step {floor}, the "
+                "oldest the survivors still keep the batches to replay from")
+        home_of = dict(homes or {})
+        ordered = {o: tuple(sorted(a, key=lambda addr, o=o: addr != home_of.get(o)))
+                   for o, a in sorted(sources.items())}
+        self.decision = {
+            w: Agreement(generation=self.generation + 1, worker_id=w, process_id=i,
+                         num_processes=len(survivors), coordinator=coordinator,
+                         resume_step=step, survivors=survivors, previous_members=self.members,
+                         sources=ordered, lost=lost, resume_generation=generation, why=why)
+            for i, w in enumerate(survivors)}
+        return self.decision

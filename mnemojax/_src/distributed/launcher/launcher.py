@@ -1,0 +1,176 @@
+"""The launcher: one job, from the agents' start to the last worker's exit.
+
+`Launcher.run` is the whole job: start the control endpoint (`control`) and the agents
+(`supervisor`), wait for every agent's hello, start the recoverable coordination service of
+world 0 (`services`), tell each agent to start its worker (environment: `options.worker_env`)
+and who its ring buddy is, then serve agent events and the survivors' agreement calls
+(`arbiter`) until the current world's workers have all exited. The launcher itself keeps
+the job's state: the event log, who failed, and when the job is over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.launcher.arbiter import Arbiter
+from mnemojax._src.distributed.launcher.control import ControlServer
+from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
+from mnemojax._src.distributed.launcher.roster import AgentRoster
+from mnemojax._src.distributed.launcher.services import ServiceHost
+from mnemojax._src.distributed.launcher.supervisor import AgentSupervisor
+from mnemojax._src.errors import AgreementError, DistributedError
+
+logger = logging.getLogger("mnemojax")
+
+
+class Launcher:
+    """Runs one job. ``on_event(event)`` sees every event (tests and demos use it).
+
+    Events are dicts with an ``op``: the agents' `wire.AgentEvent` s and the workers'
+    requests as sent (`wire.Message.to_wire`), and the launcher's own (``agent_lost``,
+    ``evicted``, ``corrupt_copy``, ``decided``, ``old_service_stopped``, ``job_timeout``).
+
+    Attributes:
+        events: every event, each with ``t`` (``time.time()``).
+        agents: worker id -> agent ``Popen``; ``worker_pids``: worker id -> worker pid.
+        agent_addr: worker id -> address of its (live) agent.
+        exit_codes: worker id -> its worker's exit status.
+        control: the control endpoint's ``host:port``.
+        shm_prefix: the prefix of every shared-memory segment of this job.
+    """
+
+    def __init__(self, options: LaunchOptions, command: Sequence[str], *,
+                 extra_env: dict[str, str] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None):
+        self.options, self.command = options, list(command)
+        self.extra_env = dict(extra_env or {})
+        self.on_event = on_event
+        self.events: list[dict[str, Any]] = []
+        self.roster = AgentRoster()
+        self.services = ServiceHost(heartbeat_s=options.heartbeat_s)
+        self.arbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
+                               roster=self.roster, services=self.services, record=self._record)
+        self._failed_code: int | None = None
+        self._control = ControlServer(self)
+        self.control = self._control.address
+        self.shm_prefix = f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
+        self.supervisor = AgentSupervisor(options, self.command, control=self.control,
+                                          shm_prefix=self.shm_prefix)
+        self.agents = self.supervisor.agents
+        self.worker_pids = self.roster.worker_pids
+        self.agent_addr = self.roster.addresses
+        self.exit_codes = self.roster.exit_codes
+
+    def _record(self, event: dict[str, Any]) -> None:
+        event = {**event, "t": time.time()}
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    # -- what arrives on the control endpoint (`control.ControlHandler`) ----------------------
+    def agent_joined(self, hello: wire.Hello, link: socket.socket) -> None:
+        with self.roster.cv:
+            self.roster.join(hello.worker_id, link, hello.address)
+            self.roster.cv.notify_all()
+        self._record(hello.to_wire())
+
+    def agent_event(self, worker_id: int, event: wire.AgentEvent) -> None:
+        self._record(event.to_wire())
+        with self.roster.cv:
+            if isinstance(event, wire.WorkerStarted):
+                self.roster.worker_pids[worker_id] = event.pid
+            elif isinstance(event, wire.WorkerExit):
+                self._worker_gone(worker_id, event.code)
+            self.roster.cv.notify_all()
+
+    def agent_lost(self, worker_id: int) -> None:
+        self._record({"op": "agent_lost", "worker_id": worker_id})
+        with self.roster.cv:
+            self.roster.leave(worker_id)
+            self._worker_gone(worker_id, -signal.SIGKILL)
+            self.roster.cv.notify_all()
+        self.supervisor.kill_group(worker_id, signal.SIGKILL)  # fence its worker
+
+    def request(self, message: wire.Message) -> wire.Message:
+        if isinstance(message, wire.ReportFailure):
+            self._record(message.to_wire())
+            return wire.Ok()
+        if isinstance(message, wire.Agree):
+            self._record(message.to_wire())
+            try:
+                return wire.AgreementReply(agreement=self.arbiter.agree(message))
+            except AgreementError as e:
+                return wire.ErrorReply(message=str(e))
+        return wire.ErrorReply(message=f"unknown op {message.OP!r}")
+
+    def _worker_gone(self, worker_id: int, code: int) -> None:
+        """Its worker ended (call with ``roster.cv`` held)."""
+        if worker_id in self.roster.exit_codes:
+            return
+        self.roster.exit_codes[worker_id] = code
+        if code != 0:
+            self.arbiter.member_died(worker_id)
+            # The survivors may now block for up to the collective timeout.
+            self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
+            self._failed_code = 128 - code if code < 0 else code  # the newest failure
+
+    # -- the job ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        o = self.options
+        self._control.start()
+        self.supervisor.start()
+        with self.roster.cv:
+            if not self.roster.cv.wait_for(lambda: len(self.roster.addresses) == o.nproc,
+                                           timeout=60):
+                raise DistributedError(
+                    f"only {len(self.roster.addresses)}/{o.nproc} agents said hello")
+        service = self.services.start(0, o.nproc)
+        for w in range(o.nproc):
+            buddy = self.roster.addresses[(w + 1) % o.nproc] if o.nproc > 1 else None
+            self.roster.command(w, wire.Start(
+                env=worker_env(o, w, coordinator=service.address, control=self.control,
+                               extra_env=self.extra_env), buddy=buddy))
+
+    def _finished(self) -> int | None:
+        if self._failed_code is not None and not self.options.recover:
+            return self._failed_code
+        current = self.arbiter.live_members()
+        if not current:
+            return self._failed_code if self._failed_code is not None else 1
+        if all(self.roster.exit_codes.get(m) == 0 for m in current):
+            return 0
+        return None
+
+    def run(self) -> int:
+        """Runs the job; returns its exit status (0 when the final world's workers all exit 0)."""
+        t_end = None if self.options.job_timeout_s is None else (
+            time.monotonic() + self.options.job_timeout_s)
+        try:
+            self._start()
+            with self.roster.cv:
+                while (rc := self._finished()) is None:
+                    if t_end is not None and time.monotonic() > t_end:
+                        self._record({"op": "job_timeout"})
+                        return 124
+                    self.roster.cv.wait(timeout=0.2)
+            return rc
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        """Ends every agent and worker (process groups), then the services. Idempotent."""
+        self.roster.command_all(wire.Shutdown())
+        self.supervisor.stop()
+        self._control.close()
+        self.supervisor.sweep_segments()
+        self.services.stop_all()

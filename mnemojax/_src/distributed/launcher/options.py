@@ -1,0 +1,71 @@
+"""How a job is launched (`LaunchOptions`) and the environment each worker gets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mnemojax._src.distributed import env
+from mnemojax._src.errors import InvalidOptionError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How to launch. Durations in seconds.
+
+    Attributes:
+        nproc: worker processes (one agent each, one "host" each).
+        devices_per_proc: CPU devices per worker.
+        heartbeat_s: coordination-service heartbeat timeout (>= 10 on 2 cores, DESIGN §4).
+        collective_timeout_s: bound on a gloo collective; a survivor blocked on a dead peer
+            learns of the failure after at most this long.
+        hang_factor: hang = no step for this multiple of the median step time.
+        hang_min_s: floor of the hang threshold; raised to ``collective_timeout_s + 10`` so a
+            survivor blocked on a dead peer's collective is never mistaken for a hung one.
+        agree_timeout_s: members not at the agreement barrier by then are evicted (killed);
+            half of it is how long survivors wait to join the new world before agreeing
+            again (a member died after the decision).
+        recover: False: any worker failure ends the job (the failure's exit status).
+        job_timeout_s: kill everything after this long (None: no limit).
+        grace_s: SIGTERM-to-SIGKILL grace at cleanup.
+    """
+
+    nproc: int
+    devices_per_proc: int = 1
+    heartbeat_s: int = 10
+    collective_timeout_s: int = 20
+    hang_factor: float = 10.0
+    hang_min_s: float = 5.0
+    agree_timeout_s: float = 60.0
+    recover: bool = True
+    job_timeout_s: float | None = None
+    grace_s: float = 3.0
+
+    def __post_init__(self):
+        for name in ("nproc", "devices_per_proc", "heartbeat_s", "collective_timeout_s"):
+            if getattr(self, name) < 1:
+                raise InvalidOptionError(f"{name}={getattr(self, name)} is invalid: expected >= 1")
+        if self.hang_factor <= 1 or self.agree_timeout_s <= 0 or self.grace_s < 0:
+            raise InvalidOptionError("hang_factor must be > 1, agree_timeout_s > 0, grace_s >= 0")
+
+    @property
+    def hang_floor_s(self) -> float:
+        """The hang threshold's floor the agents get: a survivor blocked on a dead peer's
+        collective must never be taken for a hung worker."""
+        return max(self.hang_min_s, self.collective_timeout_s + 10)
+
+
+def worker_env(options: LaunchOptions, worker_id: int, *, coordinator: str, control: str,
+               extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of worker ``worker_id`` at launch (world 0; `env.world_from_env`
+    reads it back)."""
+    o = options
+    return {**(extra_env or {}), env.COORDINATOR: coordinator, env.PROCESS_ID: str(worker_id),
+            env.NUM_PROCESSES: str(o.nproc), env.WORKER_ID: str(worker_id),
+            env.GENERATION: "0", env.DEVICES_PER_PROC: str(o.devices_per_proc),
+            env.HEARTBEAT_S: str(o.heartbeat_s),
+            env.COLLECTIVE_TIMEOUT_S: str(o.collective_timeout_s), env.CONTROL: control,
+            # Half the agreement deadline: a survivor that could not fetch the agreed
+            # state agrees again at once, and the deadline of that next agreement must
+            # not run out before the others' connect has timed out.
+            env.ATTACH_TIMEOUT_S: str(max(1, round(o.agree_timeout_s / 2))),
+            "JAX_PLATFORMS": "cpu"}

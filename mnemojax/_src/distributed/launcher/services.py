@@ -1,0 +1,80 @@
+"""The JAX coordination services the launcher hosts, one per world generation.
+
+Hosting the service outside the workers is what makes any worker's death survivable
+(`jax_private` explains why). A world's service starts before its workers join (world 0 at
+launch, world g+1 at the agreement's decision) and stops after every survivor has detached
+from it (clients first, service last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from mnemojax._src.distributed import jax_private, transport
+
+logger = logging.getLogger("mnemojax")
+
+
+@dataclasses.dataclass
+class CoordinationService:
+    """A JAX coordination service hosted outside the workers (in the launcher).
+
+    Attributes:
+        address: ``host:port`` the workers connect to.
+        num_processes: number of clients the service expects.
+        handle: the jaxlib service object (None once shut down).
+    """
+
+    address: str
+    num_processes: int
+    handle: Any
+
+    def shutdown(self) -> None:
+        """Stops the service. Call after every live client has shut down (clients first)."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            handle.shutdown()
+
+
+def start_service(port: int, num_processes: int, *, heartbeat_s: int = 10,
+                  shutdown_timeout_s: int = 30, host: str = "127.0.0.1") -> CoordinationService:
+    """Starts a recoverable coordination service in this process."""
+    handle = jax_private.new_service(f"[::]:{port}", num_processes, heartbeat_s=heartbeat_s,
+                                     shutdown_timeout_s=shutdown_timeout_s)
+    logger.info("coordination service on %s:%d for %d processes", host, port, num_processes)
+    return CoordinationService(address=f"{host}:{port}", num_processes=num_processes,
+                               handle=handle)
+
+
+class ServiceHost:
+    """The services of the worlds that are live: ``generation -> service``.
+
+    Args:
+        heartbeat_s: heartbeat timeout of every service started.
+    """
+
+    def __init__(self, *, heartbeat_s: int):
+        self.heartbeat_s = heartbeat_s
+        self._services: dict[int, CoordinationService] = {}
+
+    def start(self, generation: int, num_processes: int) -> CoordinationService:
+        """Starts world ``generation``'s service on a free port."""
+        service = start_service(transport.free_port(), num_processes,
+                                heartbeat_s=self.heartbeat_s)
+        self._services[generation] = service
+        return service
+
+    def stop(self, generation: int) -> bool:
+        """Stops world ``generation``'s service; False if it had none (or it was stopped)."""
+        service = self._services.pop(generation, None)
+        if service is None:
+            return False
+        service.shutdown()
+        return True
+
+    def stop_all(self) -> None:
+        for service in list(self._services.values()):
+            service.shutdown()
+        self._services.clear()

@@ -1,0 +1,477 @@
+"""Every message between the launcher, the agents and the workers: one frozen class each.
+
+A message travels as one frame (`transport`): a JSON header, the dict `Message.to_wire`
+returns (its ``op`` names the message), then an optional binary payload (a snapshot).
+`decode` turns a received header back into its class and checks every field against its
+declared type: a missing field, or one of the wrong type, raises `ProtocolError` naming it
+(``.op``, ``.field``).
+The format is shared by the processes of one mnemojax version only. No JAX here.
+
+==========================  =====================================  ===========================
+sender -> receiver          message                                reply
+==========================  =====================================  ===========================
+agent -> launcher (link)    Hello, WorkerStarted, WorkerExit,      none (events)
+                            Progress, Hang, ReplicaRefused
+launcher -> agent (link)    Start, SetBuddy, PauseWatchdog,        none (commands)
+                            KillWorker, Shutdown
+worker -> launcher          ReportFailure                          Ok
+worker -> launcher          Agree (a barrier, `agreement`)         AgreementReply | ErrorReply
+launcher -> agent           HoldingsQuery                          Holdings
+worker -> its agent         Alloc                                  Allocated
+worker -> its agent         Published, Phase                       none
+agent -> its ring buddy     Replica (+ payload)                    Ok | ErrorReply
+anyone -> agent             Get                                    Snapshot (+ payload) | ErrorReply
+==========================  =====================================  ===========================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NoReturn, Self
+
+from mnemojax._src.distributed.agreement import Agreement, CopyInfo
+from mnemojax._src.errors import ProtocolError
+
+
+class _Fields:
+    """Typed reads of one (possibly nested) header; a bad field raises `ProtocolError`."""
+
+    def __init__(self, op: str, header: Mapping[str, Any], prefix: str = ""):
+        self.op, self._header, self._prefix = op, header, prefix
+
+    def fail(self, name: str, problem: str) -> NoReturn:
+        field = self._prefix + name
+        raise ProtocolError(f"malformed {self.op!r} message: field {field!r} {problem}",
+                            op=self.op, field=field)
+
+    def _raw(self, name: str) -> Any:
+        if name not in self._header:
+            self.fail(name, "is missing")
+        return self._header[name]
+
+    def integer(self, name: str) -> int:
+        value = self._raw(name)
+        if type(value) is not int:  # bool is an int subclass: not accepted
+            self.fail(name, f"must be an integer, got {value!r}")
+        return value
+
+    def opt_integer(self, name: str) -> int | None:
+        return None if self._header.get(name) is None else self.integer(name)
+
+    def number(self, name: str) -> float:
+        value = self._raw(name)
+        if type(value) not in (int, float):
+            self.fail(name, f"must be a number, got {value!r}")
+        return float(value)
+
+    def opt_number(self, name: str) -> float | None:
+        return None if self._header.get(name) is None else self.number(name)
+
+    def text(self, name: str) -> str:
+        value = self._raw(name)
+        if not isinstance(value, str):
+            self.fail(name, f"must be a string, got {value!r}")
+        return value
+
+    def opt_text(self, name: str) -> str | None:
+        return None if self._header.get(name) is None else self.text(name)
+
+    def text_map(self, name: str) -> dict[str, str]:
+        value = self._raw(name)
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            self.fail(name, "must map strings to strings")
+        return dict(value)
+
+    def integers(self, name: str) -> tuple[int, ...]:
+        value = self._raw(name)
+        if not isinstance(value, list) or any(type(v) is not int for v in value):
+            self.fail(name, f"must be a list of integers, got {value!r}")
+        return tuple(value)
+
+    def intervals(self, name: str) -> tuple[tuple[int, int], ...]:
+        value = self._raw(name)
+        if not isinstance(value, list) or not all(
+                isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
+                for v in value):
+            self.fail(name, f"must be a list of [start, stop] pairs, got {value!r}")
+        return tuple((v[0], v[1]) for v in value)
+
+    def addresses_by_worker(self, name: str) -> dict[int, tuple[str, ...]]:
+        value = self._raw(name)
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, list)
+                and all(isinstance(a, str) for a in v) for k, v in value.items()):
+            self.fail(name, f"must map worker ids to lists of addresses, got {value!r}")
+        return {int(k): tuple(v) for k, v in value.items()}
+
+    def nested(self, name: str) -> _Fields:
+        value = self._raw(name)
+        if not isinstance(value, dict):
+            self.fail(name, "must be an object")
+        return _Fields(self.op, value, f"{self._prefix}{name}.")
+
+    def records(self, name: str) -> list[_Fields]:
+        value = self._raw(name)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            self.fail(name, "must be a list of objects")
+        return [_Fields(self.op, v, f"{self._prefix}{name}[{i}].") for i, v in enumerate(value)]
+
+
+# How a field of each declared type is read back; a message with other field types
+# overrides `Message.from_wire` (and `to_wire`).
+_READERS: dict[object, Callable[[_Fields, str], Any]] = {
+    int: _Fields.integer, int | None: _Fields.opt_integer,
+    float: _Fields.number, float | None: _Fields.opt_number,
+    str: _Fields.text, str | None: _Fields.opt_text,
+    dict[str, str]: _Fields.text_map,
+}
+
+
+@functools.cache
+def _field_readers(cls: type) -> tuple[tuple[str, Callable[[_Fields, str], Any]], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _READERS[hints[f.name]]) for f in dataclasses.fields(cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """Base of every message; ``OP`` names it on the wire.
+
+    A message is a frozen dataclass whose fields are JSON values of the types `_READERS`
+    knows (or it overrides both methods).
+    """
+
+    OP: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON header: ``op`` and every field."""
+        return {"op": self.OP, **{f.name: getattr(self, f.name)
+                                  for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        """Rebuilds the message from a header whose ``op`` is ``OP`` (checked by `decode`),
+        checking each field against its declared type.
+
+        Raises:
+            ProtocolError: a field is missing or of the wrong type (named in ``.field``).
+        """
+        fields = _Fields(cls.OP, header)
+        return cls(**{name: read(fields, name) for name, read in _field_readers(cls)})
+
+
+# -- agent -> launcher: events on the agent's persistent link ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """An agent is up: its worker id, the address it serves on, its pid."""
+
+    OP: ClassVar[str] = "hello"
+    worker_id: int
+    address: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerStarted(Message):
+    OP: ClassVar[str] = "worker_started"
+    worker_id: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerExit(Message):
+    """The agent's worker exited with ``code`` (negative: killed by that signal)."""
+
+    OP: ClassVar[str] = "worker_exit"
+    worker_id: int
+    code: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Progress(Message):
+    """The worker published the snapshot of ``step``."""
+
+    OP: ClassVar[str] = "progress"
+    worker_id: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hang(Message):
+    """The hang watchdog fired (the agent kills the worker)."""
+
+    OP: ClassVar[str] = "hang"
+    worker_id: int
+    idle_s: float
+    median_s: float | None
+    step: int | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaRefused(Message):
+    """A buddy replica would take the agent's host over its snapshot budget (said once)."""
+
+    OP: ClassVar[str] = "replica_refused"
+    worker_id: int
+    origin: int
+    step: int
+    budget_bytes: int
+
+
+# -- launcher -> agent: commands on the same link -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Start(Message):
+    """Start the worker with ``env`` (added to the agent's); ``buddy``: ring successor."""
+
+    OP: ClassVar[str] = "start"
+    env: dict[str, str]
+    buddy: str | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SetBuddy(Message):
+    """Replicate to this agent from now on (None: no ring, a world of one)."""
+
+    OP: ClassVar[str] = "set_buddy"
+    buddy: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseWatchdog(Message):
+    """A peer failed: the worker may block for up to the collective timeout."""
+
+    OP: ClassVar[str] = "pause_watchdog"
+
+
+@dataclasses.dataclass(frozen=True)
+class KillWorker(Message):
+    """Fence the worker (evicted from the agreement)."""
+
+    OP: ClassVar[str] = "kill_worker"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown(Message):
+    """End the agent (it kills its worker and removes its segment)."""
+
+    OP: ClassVar[str] = "shutdown"
+
+
+# -- worker -> launcher: the agreement ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportFailure(Message):
+    OP: ClassVar[str] = "report_failure"
+    worker_id: int
+    generation: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Agree(Message):
+    """`Coordinator.agree`: a barrier over world ``generation``'s live members."""
+
+    OP: ClassVar[str] = "agree"
+    worker_id: int
+    generation: int
+    last_step: int
+    first_replayable: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgreementReply(Message):
+    OP: ClassVar[str] = "agreement"
+    agreement: Agreement
+
+    def to_wire(self) -> dict[str, Any]:
+        a = self.agreement
+        return {"op": self.OP, "agreement": {
+            "generation": a.generation, "worker_id": a.worker_id, "process_id": a.process_id,
+            "num_processes": a.num_processes, "coordinator": a.coordinator,
+            "resume_step": a.resume_step, "survivors": list(a.survivors),
+            "previous_members": list(a.previous_members),
+            "sources": {str(k): list(v) for k, v in a.sources.items()},
+            "lost": list(a.lost), "resume_generation": a.resume_generation, "why": a.why}}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        f = _Fields(cls.OP, header).nested("agreement")
+        return cls(agreement=Agreement(
+            generation=f.integer("generation"), worker_id=f.integer("worker_id"),
+            process_id=f.integer("process_id"), num_processes=f.integer("num_processes"),
+            coordinator=f.text("coordinator"), resume_step=f.integer("resume_step"),
+            survivors=f.integers("survivors"), previous_members=f.integers("previous_members"),
+            sources=f.addresses_by_worker("sources"), lost=f.integers("lost"),
+            resume_generation=f.integer("resume_generation"), why=f.text("why")))
+
+
+# -- launcher -> agent: what it holds ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldingsQuery(Message):
+    """Which copies do you hold? (each checked against its CRC32 now)"""
+
+    OP: ClassVar[str] = "holdings"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CorruptCopy:
+    """A copy that failed its check (``step`` None: its metadata does not parse)."""
+
+    origin: int
+    step: int | None
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Holdings(Message):
+    """The verified copies an agent holds, and the corrupt ones (never counted)."""
+
+    OP: ClassVar[str] = "held"
+    copies: tuple[CopyInfo, ...]
+    corrupt: tuple[CorruptCopy, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP,
+                "copies": [{"origin": c.origin, "step": c.step, "generation": c.generation,
+                            "num_leaves": c.num_leaves,
+                            "shards": [{"leaf": leaf, "shape": list(shape),
+                                        "index": [list(i) for i in index]}
+                                       for leaf, shape, index in c.shards]}
+                           for c in self.copies],
+                "corrupt": [dataclasses.asdict(c) for c in self.corrupt]}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        f = _Fields(cls.OP, header)
+        copies = tuple(
+            CopyInfo(c.integer("origin"), c.integer("step"), c.integer("generation"),
+                     c.integer("num_leaves"),
+                     tuple((s.integer("leaf"), s.integers("shape"), s.intervals("index"))
+                           for s in c.records("shards")))
+            for c in f.records("copies"))
+        corrupt = tuple(CorruptCopy(origin=c.integer("origin"), step=c.opt_integer("step"),
+                                    error=c.text("error")) for c in f.records("corrupt"))
+        return cls(copies=copies, corrupt=corrupt)
+
+
+# -- worker -> its agent ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Alloc(Message):
+    """Make each snapshot slot at least ``nbytes``; ``budget_bytes``: the host's budget."""
+
+    OP: ClassVar[str] = "alloc"
+    nbytes: int
+    budget_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Allocated(Message):
+    """The shared-memory segment to attach to, and its slot size."""
+
+    OP: ClassVar[str] = "allocated"
+    name: str
+    slot_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Published(Message):
+    """The snapshot of ``step`` is complete in shared memory (also the progress signal)."""
+
+    OP: ClassVar[str] = "published"
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phase(Message):
+    """The worker entered ``phase`` (``compile``, ``recover``, ``train``, ``finish``)."""
+
+    OP: ClassVar[str] = "phase"
+    phase: str
+
+
+# -- snapshots between agents, and to survivors -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Replica(Message):
+    """A copy of worker ``origin``'s snapshot of ``step`` (the payload), for its buddy."""
+
+    OP: ClassVar[str] = "replica"
+    origin: int
+    step: int
+    crc: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Get(Message):
+    """Send me your copy of worker ``origin``'s snapshot of ``step``."""
+
+    OP: ClassVar[str] = "get"
+    origin: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Snapshot(Message):
+    """The reply to `Get`: the payload, with the CRC32 its holder checked it against."""
+
+    OP: ClassVar[str] = "snapshot"
+    origin: int
+    step: int
+    crc: int
+
+
+# -- generic replies ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ok(Message):
+    OP: ClassVar[str] = "ok"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ErrorReply(Message):
+    """The request failed; `transport.request` raises it as `ProtocolError`."""
+
+    OP: ClassVar[str] = "error"
+    message: str
+
+
+AgentEvent = Hello | WorkerStarted | WorkerExit | Progress | Hang | ReplicaRefused
+Command = Start | SetBuddy | PauseWatchdog | KillWorker | Shutdown
+
+MESSAGES: tuple[type[Message], ...] = (
+    Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused,
+    Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
+    ReportFailure, Agree, AgreementReply, HoldingsQuery, Holdings,
+    Alloc, Allocated, Published, Phase, Replica, Get, Snapshot, Ok, ErrorReply)
+_BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}
+
+
+def decode(header: Any) -> Message:
+    """The message a received JSON header carries.
+
+    Raises:
+        ProtocolError: the header is not an object with a known ``op``, or a field is
+            missing or of the wrong type (``.op`` and ``.field`` say which).
+    """
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise ProtocolError(f"header {header!r} has no op", field="op")
+    cls = _BY_OP.get(header["op"])
+    if cls is None:
+        raise ProtocolError(f"unknown op {header['op']!r}", op=header["op"], field="op")
+    return cls.from_wire(header)

@@ -1,0 +1,66 @@
+"""The worker's side of the agreement: the `Coordinator` it calls after a peer failure.
+
+`LauncherCoordinator` implements it against the launcher's control endpoint on one machine
+(`launcher.arbiter` answers); a later issue can put the same two calls on etcd. No JAX here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mnemojax._src.distributed import transport, wire
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.errors import AgreementError, ProtocolError
+
+
+class Coordinator(Protocol):
+    """The agreement service a worker talks to (launcher today, etcd later)."""
+
+    def report_failure(self, *, generation: int, reason: str) -> None:
+        """Tells the coordinator this worker saw a failure in world ``generation``."""
+        ...
+
+    def agree(self, *, generation: int, last_step: int,
+              first_replayable: int | None = None) -> Agreement:
+        """Barrier over the live members of world ``generation``; returns the decision.
+
+        ``first_replayable``: the oldest step whose batch the caller still keeps (it can
+        resume from any step at or after ``first_replayable - 1``).
+
+        Call after detaching from world ``generation``. Atomic: every survivor gets the same
+        decision (its own rank in it), or every call raises `AgreementError`.
+        """
+        ...
+
+
+class LauncherCoordinator:
+    """`Coordinator` backed by the launcher's control endpoint (one machine).
+
+    Args:
+        control: ``host:port`` of the launcher (``MNEMOJAX_CONTROL``).
+        worker_id: this worker's stable id.
+        timeout_s: bound on one barrier call (the launcher's own deadline is shorter).
+    """
+
+    def __init__(self, control: str, worker_id: int, *, timeout_s: float = 300.0):
+        self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
+
+    def _call(self, message: wire.ReportFailure | wire.Agree,
+              reply: type[transport.M]) -> transport.M:
+        try:
+            answer, _ = transport.request(self.control, message, reply,
+                                          timeout_s=self.timeout_s)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            raise AgreementError(f"{message.OP} failed: {e}",
+                                 generation=message.generation) from e
+        return answer
+
+    def report_failure(self, *, generation: int, reason: str) -> None:
+        self._call(wire.ReportFailure(worker_id=self.worker_id, generation=generation,
+                                      reason=reason), wire.Ok)
+
+    def agree(self, *, generation: int, last_step: int,
+              first_replayable: int | None = None) -> Agreement:
+        return self._call(wire.Agree(worker_id=self.worker_id, generation=generation,
+                                     last_step=last_step, first_replayable=first_replayable),
+                          wire.AgreementReply).agreement

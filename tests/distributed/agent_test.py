@@ -1,0 +1,80 @@
+"""`distributed.agent`: two agents (threads, no workers) replicate, serve and refuse copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack
+from mnemojax._src.distributed.worker.agent_client import AgentClient, fetch_snapshot
+from mnemojax._src.errors import StateUnavailableError
+from mnemojax.testing import corrupt_agent_copies
+from tests.distributed.fakes import held, wait_until
+
+
+def test_buddy_replication_and_serving(two_agents):
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address)
+    w = np.arange(8, dtype=np.float32)
+    try:
+        for step in (1, 2, 3):
+            client.publish(step, pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)],
+                                      num_leaves=1))
+        wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [3])
+        data, addr = fetch_snapshot([agents[1].address], 0, 3)
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
+        assert addr == agents[1].address
+        # The worker's own agent serves both slots; a missing step is a typed error.
+        assert held(agents[0].address) == ({"0": [2, 3]}, [])
+        data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2)  # first one dead
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 2)
+        with pytest.raises(StateUnavailableError):
+            fetch_snapshot([agents[1].address], 0, 9)
+        assert [e.step for e in fake.events if isinstance(e, wire.Progress)] == [1, 2, 3]
+        # A flipped bit in the shared memory: the agent no longer counts that copy, and
+        # serving it fails its CRC, so a survivor takes the buddy's.
+        buffer = agents[0].snapshots.buffer
+        assert buffer is not None and corrupt_agent_copies(buffer.name, step=3) == [3]
+        steps, corrupt = held(agents[0].address)
+        assert steps == {"0": [2]} and [(c.origin, c.step) for c in corrupt] == [(0, 3)]
+        data, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3)
+        assert addr == agents[1].address
+        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
+    finally:
+        client.close()
+
+
+def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
+    """Agent 1 keeps worker 0's replicas only within its own worker's budget (its slots
+    count too): over it the replica is refused and reported, never held."""
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    c0, c1 = AgentClient(agents[0].address), AgentClient(agents[1].address)
+    try:
+        def payload(step, worker, n):
+            return pack(step, worker, [ShardEntry(0, (n,), ((0, n),), np.ones(n, np.uint8))],
+                        num_leaves=1)
+
+        c1.publish(1, payload(1, 1, 100), budget_bytes=20_000)  # agent 1's slots: ~9 KB
+        c0.publish(1, payload(1, 0, 4000), budget_bytes=1 << 20)
+        wait_until(lambda: held(agents[1].address)[0].get("0") == [1])
+        c0.publish(2, payload(2, 0, 40_000), budget_bytes=1 << 20)
+        wait_until(lambda: any(isinstance(e, wire.ReplicaRefused) for e in fake.events))
+        assert held(agents[1].address)[0].get("0") == [1]  # step 2 was never held
+        with pytest.raises(StateUnavailableError):
+            fetch_snapshot([agents[1].address], 0, 2)
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_agent_answers_a_malformed_request_with_an_error(two_agents):
+    from mnemojax._src.distributed import transport
+
+    _, agents = two_agents
+    with transport.connect(agents[0].address) as sock:
+        transport.send_frame(sock, {"op": "get", "origin": 0, "step": "three"})
+        reply, _ = transport.recv(sock)
+    assert isinstance(reply, wire.ErrorReply) and "'step'" in reply.message

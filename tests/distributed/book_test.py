@@ -1,0 +1,116 @@
+"""`distributed.launcher.book`: the barrier and the decision, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnemojax._src.distributed.agreement import choose_resume_step
+from mnemojax._src.distributed.launcher.book import AgreementBook
+from mnemojax._src.errors import AgreementError
+from tests.distributed.agreement_test import copy
+
+
+def test_book_barrier_waits_for_live_members_only():
+    book = AgreementBook(0, [0, 1, 2])
+    book.arrive(2, 0, last_step=6)
+    assert not book.complete() and book.missing() == [0, 1]
+    book.mark_dead(1)
+    assert book.missing() == [0]
+    book.arrive(0, 0, last_step=6)
+    assert book.complete()
+    holdings = {"x": [copy(0, 6, [(0, 3)]), copy(1, 6, [(3, 6)]), copy(0, 5, [(0, 6)])],
+                "y": [copy(2, 6, [])]}
+    decision = book.decide(coordinator="127.0.0.1:9", holdings=holdings)
+    assert set(decision) == {0, 2}
+    assert decision[0].process_id == 0 and decision[2].process_id == 1
+    assert {a.resume_step for a in decision.values()} == {6}
+    assert decision[2].survivors == (0, 2) and decision[2].num_processes == 2
+    # Worker 2's copy holds no shards: nothing of it to fetch.
+    assert decision[0].sources == {0: ("x",), 1: ("x",)} and decision[0].lost == ()
+    homes = AgreementBook(0, [0, 1])
+    homes.arrive(0, 0, last_step=6)
+    homes.arrive(1, 0, last_step=6)
+    both = {"a0": [copy(0, 6, [(0, 3)]), copy(1, 6, [(3, 6)])],
+            "a1": [copy(1, 6, [(3, 6)]), copy(0, 6, [(0, 3)])]}
+    got = homes.decide(coordinator="c", holdings=both, homes={0: "a0", 1: "a1"})[0].sources
+    assert got == {0: ("a0", "a1"), 1: ("a1", "a0")}  # each worker's own agent first
+    assert book.decide(coordinator="other", holdings={}) is decision  # decided once
+
+
+def test_resume_step_is_not_newer_than_any_survivors_last_step():
+    """Worker 2 holds no shards and its step 6 failed after worker 0's succeeded: resuming
+    from 6 would skip worker 2 ahead of its own state, so the survivors resume from 5."""
+    book = AgreementBook(0, [0, 1, 2])
+    book.arrive(0, 0, last_step=6)
+    book.arrive(2, 0, last_step=5)
+    book.mark_dead(1)
+    holdings = {"x": [copy(0, 5, [(0, 6)]), copy(0, 6, [(0, 6)]), copy(2, 5, [])]}
+    assert choose_resume_step(holdings) == (6, 0)
+    assert book.decide(coordinator="c", holdings=holdings)[2].resume_step == 5
+
+
+def test_book_member_dying_at_the_barrier_is_left_out():
+    book = AgreementBook(1, [0, 1, 2])
+    book.arrive(0, 1, last_step=4)
+    book.arrive(1, 1, last_step=4)
+    book.mark_dead(1)  # arrived, then died while waiting
+    assert book.missing() == [2] and 1 not in book.arrived
+    book.arrive(2, 1, last_step=4)
+    decision = book.decide(coordinator="c", holdings={"x": [copy(0, 4, [(0, 6)])]})
+    assert set(decision) == {0, 2} and decision[2].generation == 2
+    book.mark_dead(2)  # after the decision: the next world's book handles it
+    assert set(book.decision) == {0, 2}
+
+
+def test_book_says_which_workers_state_is_lost():
+    book = AgreementBook(0, [0, 1, 2, 3])
+    for w in (2, 3):
+        book.arrive(w, 0, last_step=4)
+    book.mark_dead(0)
+    book.mark_dead(1)
+    holdings = {"a2": [copy(2, 4, [(3, 6)]), copy(1, 3, [(0, 3)])],
+                "a3": [copy(3, 3, []), copy(3, 4, [])]}
+    decision = book.decide(coordinator="c", holdings=holdings)
+    assert decision[2].resume_step == -1 and decision[3].lost == (0, 1)
+    # Worker 3 holds no shards in world 0: missing its step-4 copy would lose nothing.
+    del holdings["a3"][1]
+    again = AgreementBook(0, [0, 1, 2, 3])
+    for w in (2, 3):
+        again.arrive(w, 0, last_step=4)
+    again.mark_dead(0)
+    again.mark_dead(1)
+    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0, 1)
+    assert decision[2].sources == {} and decision[2].survivors == (2, 3)
+    # A second round over a world that never formed ({2, 3}): the newest copies are of
+    # world 0, so its members are the ones named.
+    again = AgreementBook(1, [2, 3])
+    for w in (2, 3):
+        again.arrive(w, 1, last_step=4)
+    decision = again.decide(coordinator="c", holdings=holdings,
+                            members_of={0: (0, 1, 2, 3), 1: (2, 3)})
+    assert decision[2].lost == (0, 1)
+
+
+def test_book_rejects_wrong_generation_and_evicted():
+    book = AgreementBook(3, [0, 1])
+    with pytest.raises(AgreementError) as e:
+        book.arrive(0, 2, last_step=1)
+    assert e.value.generation == 2
+    book.mark_dead(1)
+    with pytest.raises(AgreementError, match="evicted"):
+        book.arrive(1, 3, last_step=1)
+    with pytest.raises(AgreementError, match="incomplete"):
+        AgreementBook(0, [0, 1]).decide(coordinator="c", holdings={})
+
+
+def test_resume_step_must_be_replayable_by_every_survivor():
+    """A survivor that keeps only the batches from step 6 on cannot resume from step 4: with
+    nothing newer complete in memory, the decision says so (then Orbax or a typed error)."""
+    book = AgreementBook(0, [0, 1])
+    book.arrive(0, 0, last_step=6, first_replayable=6)
+    book.arrive(1, 0, last_step=6, first_replayable=3)
+    holdings = {"x": [copy(0, 4, [(0, 3)]), copy(1, 4, [(3, 6)])]}
+    assert choose_resume_step(holdings, min_step=5) is None
+    decision = book.decide(coordinator="c", holdings=holdings)[0]
+    assert decision.resume_step == -1 and decision.lost == ()
+    assert "older than step 5" in decision.why

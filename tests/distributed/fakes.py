@@ -1,0 +1,64 @@
+"""Test doubles and helpers for the multi-process layer's unit tests (no JAX world)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from mnemojax._src.distributed import transport, wire
+
+
+class FakeLauncher:
+    """Accepts agent links, records their events, and lets a test send them commands."""
+
+    def __init__(self):
+        self.server, self.address = transport.listen()
+        self.links: dict[int, socket.socket] = {}
+        self.addresses: dict[int, str] = {}
+        self.events: list[wire.Message] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                message, _ = transport.recv(conn)
+                if isinstance(message, wire.Hello):
+                    self.links[message.worker_id] = conn
+                    self.addresses[message.worker_id] = message.address
+                self.events.append(message)
+        except (OSError, ConnectionError):
+            return
+
+    def command(self, worker_id: int, command: wire.Command) -> None:
+        transport.send(self.links[worker_id], command)
+
+    def close(self) -> None:
+        for c in self.links.values():
+            c.close()
+        self.server.close()
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def held(agent_address: str) -> tuple[dict[str, list[int]], list[wire.CorruptCopy]]:
+    """What an agent holds: ``{origin: [steps]}`` and its corrupt copies."""
+    reply, _ = transport.request(agent_address, wire.HoldingsQuery(), wire.Holdings)
+    steps: dict[str, list[int]] = {}
+    for c in reply.copies:
+        steps.setdefault(str(c.origin), []).append(c.step)
+    return steps, list(reply.corrupt)

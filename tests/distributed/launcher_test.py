@@ -1,0 +1,57 @@
+"""`distributed.launcher`: options, the CLI, and whole jobs of plain (no JAX) workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import pytest
+
+from mnemojax._src.distributed.launcher.launcher import Launcher
+from mnemojax._src.distributed.launcher.options import LaunchOptions
+from mnemojax._src.distributed.launcher.scenario import process_alive
+from mnemojax._src.errors import InvalidOptionError
+
+
+def test_launch_options_validate():
+    with pytest.raises(InvalidOptionError, match="nproc=0"):
+        LaunchOptions(nproc=0)
+    with pytest.raises(InvalidOptionError):
+        LaunchOptions(nproc=1, hang_factor=1.0)
+
+
+def test_cli_parses_command_after_double_dash():
+    from mnemojax._src.distributed.launcher import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--nproc", "4", "--devices-per-proc", "2", "--heartbeat-s", "12",
+                              "--", sys.executable, "train.py", "--lr", "1"])
+    assert args.nproc == 4 and args.devices_per_proc == 2 and args.heartbeat_s == 12
+    assert args.command[-3:] == ["train.py", "--lr", "1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("code, recover, expected", [(0, True, 0), (3, False, 3)])
+def test_launcher_forwards_exit_status_and_leaves_nothing(tmp_path, code, recover, expected):
+    script = ("import os, sys; open(os.path.join(sys.argv[1], os.environ['MNEMOJAX_WORKER_ID']),"
+              " 'w').write(os.environ['MNEMOJAX_COORDINATOR']); sys.exit(int(sys.argv[2]))")
+    launcher = Launcher(LaunchOptions(nproc=2, recover=recover, job_timeout_s=60, grace_s=1),
+                        [sys.executable, "-c", script, str(tmp_path), str(code)])
+    assert launcher.run() == expected
+    if code == 0:
+        assert sorted(os.listdir(tmp_path)) == ["0", "1"]
+    pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
+    assert len(pids) == 4 and not any(process_alive(p) for p in pids)
+
+
+@pytest.mark.multiprocess
+def test_launcher_job_timeout_kills_everything(tmp_path):
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=3, grace_s=1),
+                        [sys.executable, "-c", "import time; time.sleep(600)"])
+    t = time.monotonic()
+    assert launcher.run() == 124
+    assert time.monotonic() - t < 30
+    pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
+    assert not any(process_alive(p) for p in pids)

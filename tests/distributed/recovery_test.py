@@ -1,0 +1,82 @@
+"""`distributed.worker.recovery`: agreement rounds, with a fake coordinator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.env import WorldSpec
+from mnemojax._src.distributed.snapshot_codec import pack
+from mnemojax._src.distributed.worker import coordination
+from mnemojax._src.distributed.worker.recovery import recover_world
+from mnemojax._src.errors import StateUnavailableError
+
+
+class _Coordinator:
+    """Decides world g+1 with both workers, then (a member having died) world g+2."""
+
+    def __init__(self):
+        self.calls = []
+
+    def report_failure(self, *, generation, reason):
+        self.calls.append(("report", generation))
+
+    def agree(self, *, generation, last_step, first_replayable=None):
+        self.calls.append(("agree", generation))
+        members = (0, 1) if generation == 0 else (0,)
+        return Agreement(generation=generation + 1, worker_id=0, process_id=0,
+                         num_processes=len(members), coordinator=f"127.0.0.1:{9000 + generation}",
+                         resume_step=-1, survivors=members, previous_members=(0, 1, 2),
+                         sources={}, lost=(2,), why="test")
+
+
+def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
+    """connect of world 1 times out (a member died after the decision): the survivor
+    reports it and agrees again over world 1; world 2 forms."""
+    attached = []
+
+    def attach(world, *, init_timeout_s):
+        attached.append((world.generation, init_timeout_s))
+        if world.generation == 1:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker", attach)
+    coordinator = _Coordinator()
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
+                      attach_timeout_s=7)
+    rec = recover_world(coordinator, world, last_step=4, reason="peer died")
+    assert rec.rounds == 2 and rec.world.generation == 2 and rec.world.num_processes == 1
+    assert rec.members == (0, 1, 2)  # the world that failed, not the one that never formed
+    assert attached == [(1, 7), (2, 7)]
+    assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
+
+
+def test_a_survivor_that_cannot_fetch_stays_out_and_agrees_again(monkeypatch):
+    """Every source of the agreed copy died since the decision: the survivor does not join
+    that world (so it cannot form for anyone) and goes straight to the next agreement."""
+    from mnemojax._src.distributed.worker import recovery as dist_recovery
+
+    attached, fetches = [], []
+
+    class Sourced(_Coordinator):
+        def agree(self, **kw):
+            a = super().agree(**kw)
+            return dataclasses.replace(a, resume_step=4, sources={0: ("127.0.0.1:1",)},
+                                       lost=(), why="")
+
+    def fetch(addrs, origin, step):
+        fetches.append(addrs)
+        if len(fetches) == 1:
+            raise StateUnavailableError("no copy of worker 0 step 4: refused")
+        return bytearray(b"".join(bytes(p) for p in pack(4, 0, [], num_leaves=0))), addrs[0]
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker",
+                        lambda world, *, init_timeout_s: attached.append(world.generation))
+    monkeypatch.setattr(dist_recovery, "fetch_snapshot", fetch)
+    coordinator = Sourced()
+    rec = recover_world(coordinator, WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                               num_processes=3), last_step=4)
+    assert rec.rounds == 2 and attached == [2] and len(rec.payloads) == 1
+    assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]

@@ -1,0 +1,36 @@
+"""`distributed.agent.replica_store`: the buddy copies an agent keeps."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from mnemojax._src.distributed.agent.replica_store import ReplicaStore
+from mnemojax._src.errors import SnapshotCorruptError
+
+
+def test_replica_store_checks_crc_and_keeps_two_newest():
+    store = ReplicaStore(keep=2)
+    for step in (1, 2, 3):
+        data = f"s{step}".encode()
+        store.put(4, step, data, zlib.crc32(data))
+    assert sorted((o, s) for o, s, _ in store.verify()[0]) == [(4, 2), (4, 3)]
+    assert store.get(4, 3)[0] == b"s3"
+    with pytest.raises(SnapshotCorruptError):
+        store.put(4, 9, b"abc", 123)
+    with pytest.raises(KeyError):
+        store.get(5, 1)
+
+
+def test_replica_store_verify_drops_a_copy_that_went_bad_after_the_put():
+    store = ReplicaStore(keep=2)
+    for step in (2, 3):
+        data = f"s{step}".encode()
+        store.put(4, step, data, zlib.crc32(data))
+    _, crc = store.get(4, 3)
+    store._by_origin[4][3] = (b"s4", crc)  # a flipped bit in memory
+    good, bad = store.verify()
+    assert [(o, s) for o, s, _ in good] == [(4, 2)] and bad == [(4, 3)]
+    with pytest.raises(KeyError):
+        store.get(4, 3)  # never served again

@@ -1,0 +1,72 @@
+"""`distributed.worker.session`: the worker's handle on the multi-process world."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.env import WorldSpec
+from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
+from mnemojax._src.distributed.worker.recovery import WorldRecovery
+from mnemojax._src.distributed.worker.session import DistributedSession
+from mnemojax._src.errors import DistributedError
+from tests.distributed.fakes import held
+
+
+def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
+    """The agent would hold ~4 x the payload (two own slots, two of the ring neighbour's):
+    over the budget the worker stops publishing, says so once, and writes nothing."""
+    import jax.numpy as jnp
+
+    from mnemojax.errors import SnapshotBudgetWarning
+
+    _, agents = two_agents
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1, agent=agents[0].address))
+    leaves = [jnp.ones((256,), jnp.float32)]  # 1 KiB of shards, plus metadata
+    assert session.agent is not None
+    try:
+        assert session.publish(1, leaves, budget_bytes=1 << 20)
+        with pytest.warns(SnapshotBudgetWarning, match="host_memory_budget_bytes=4000"):
+            assert not session.publish(2, leaves, budget_bytes=4000)
+        assert session.publish_refused
+        assert not session.publish(3, leaves, budget_bytes=1 << 20)  # for good
+        assert held(agents[0].address)[0] == {"0": [1]}
+    finally:
+        session.agent.close()
+
+
+def test_restore_places_the_agreed_state_with_the_given_put():
+    """The state goes through ``put`` (the device layer's), never around it."""
+    import jax
+
+    w = np.arange(8, dtype=np.float32)
+    payload = bytearray(b"".join(bytes(p) for p in pack(
+        4, 0, [ShardEntry(0, (8,), ((0, 4),), w[:4]), ShardEntry(0, (8,), ((4, 8),), w[4:])],
+        num_leaves=1)))
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=1)
+    agreement = Agreement(generation=1, worker_id=0, process_id=0, num_processes=1,
+                          coordinator="127.0.0.1:1", resume_step=4, survivors=(0,),
+                          previous_members=(0, 1), sources={0: ("127.0.0.1:2",)})
+    rec = WorldRecovery(agreement, world, [payload], phases={}, fetched_from={})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    calls = []
+
+    def put(value, s):
+        calls.append((value.copy(), s))
+        return jax.device_put(value, s)
+
+    [leaf] = DistributedSession(world).restore(rec, [sharding], put=put)
+    np.testing.assert_array_equal(np.asarray(leaf), w)
+    [(value, placed_on)] = calls
+    np.testing.assert_array_equal(value, w)
+    assert placed_on is sharding
+
+
+def test_a_session_without_a_launcher_cannot_recover():
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1))
+    assert not session.can_recover
+    with pytest.raises(DistributedError, match="no coordinator"):
+        session.recover(last_step=3, reason="test")

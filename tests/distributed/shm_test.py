@@ -1,0 +1,63 @@
+"""`distributed.shm`: the double-buffered snapshot slots in shared memory."""
+
+from __future__ import annotations
+
+from multiprocessing import resource_tracker, shared_memory
+
+import pytest
+
+from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
+from mnemojax._src.errors import DistributedError, SnapshotCorruptError
+
+
+@pytest.fixture
+def buffer():
+    buf = SnapshotBuffer.create(1024)
+    yield buf
+    buf.close()
+
+
+def test_publish_flips_and_keeps_previous_step(buffer):
+    writer = SnapshotBuffer.attach(buffer.name)  # the worker's side
+    try:
+        assert buffer.holdings() == {}
+        crc = None
+        for step in (1, 2, 3):
+            crc = writer.publish(step, [b"step-", str(step).encode()])
+        assert sorted(buffer.holdings()) == [2, 3]  # newest + the one before it
+        step, data, got_crc = buffer.read()
+        assert (step, data, got_crc) == (3, b"step-3", crc)
+        assert buffer.read(2)[1] == b"step-2"
+        with pytest.raises(KeyError):
+            buffer.read(1)
+    finally:
+        writer.close()
+    assert buffer.read()[0] == 3  # the worker detaching does not remove the agent's segment
+
+
+def test_torn_or_corrupt_slot_fails_crc(buffer):
+    buffer.publish(7, [b"x" * 100])
+    raw = shared_memory.SharedMemory(name=buffer.name)
+    resource_tracker.unregister(raw._name, "shared_memory")  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        slot = buffer.holdings()[7]
+        raw.buf[DATA_AT + slot * buffer.slot_bytes] ^= 0xFF
+    finally:
+        raw.close()
+    with pytest.raises(SnapshotCorruptError, match="CRC32"):
+        buffer.read(7)
+
+
+def test_publish_over_capacity_is_typed(buffer):
+    with pytest.raises(DistributedError, match="exceeds the slot"):
+        buffer.publish(1, [b"x" * 2000])
+
+
+def test_attach_rejects_foreign_segment():
+    raw = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        with pytest.raises(DistributedError, match="not a mnemojax"):
+            SnapshotBuffer.attach(raw.name)
+    finally:
+        raw.close()
+        raw.unlink()
