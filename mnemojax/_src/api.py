@@ -446,6 +446,8 @@ class ResilientStep(Generic[P, R]):
                     old_plan, places, step=step, last_step=self._step, reason=reason,
                     t_fault=t_fault, rules=self._rules(), compile_barrier=self._compile_barrier)
             except jax.errors.JaxRuntimeError as again:
+                if b.processes.built is not None:  # the new world formed, then failed
+                    b.runtime = b.processes.built
                 if not self._is_peer_failure(again):
                     raise
                 check_budget(rec.stop, attempts, rec.clock() - t_first, step=step,

@@ -259,6 +259,7 @@ class ProcessRecovery:
         self._session = session
         self._leaf_keys = list(leaf_keys)
         self._persistent = _PersistentFallback(durability, batches, builder.leaf_structs)
+        self.built: Runtime | None = None  # the new world's runtime, once built
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
@@ -267,7 +268,8 @@ class ProcessRecovery:
         restores the agreed state.
 
         The caller must hold no array or executable of the old world (see
-        `recover_world`): it has closed the old runtime.
+        `recover_world`): it has closed the old runtime. If a peer dies once the new
+        world's runtime is built, `built` is that runtime: the world that failed next.
 
         Args:
             old_plan: the mesh of the world that failed, in its device ids.
@@ -287,6 +289,7 @@ class ProcessRecovery:
             jax.errors.JaxRuntimeError: a peer failed during the recovery.
         """
         session = self._session
+        self.built = None
         t0 = time.perf_counter()
         before = session.world
         log.warning("mnemojax: step %d: a peer process failed (%s); recovering the world",
@@ -300,7 +303,7 @@ class ProcessRecovery:
         new_devices: dict[int, list[int]] = {}
         for d in jax.devices():
             new_devices.setdefault(d.process_index, []).append(d.id)
-        renumbering = renumber_devices(places, agreement.previous_members,
+        renumbering = renumber_devices(places, rec.members,
                                        agreement.survivors, new_devices)
         in_mesh = {int(i) for i in old_plan.device_ids.flat}
         try:
@@ -311,7 +314,7 @@ class ProcessRecovery:
             self._persist_agreed_state(rec, exc)
         phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
-        runtime = self._builder.build(plan, spares=plan.idle)
+        runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
         compile_barrier(runtime)
         phases["compile"] = time.perf_counter() - t
