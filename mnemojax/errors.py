@@ -1,6 +1,7 @@
 """Typed errors and warnings of mnemojax, rooted at `MnemojaxError` / `MnemojaxWarning`."""
 
 from mnemojax._src.errors import AgreementError as AgreementError
+from mnemojax._src.errors import BaselineError as BaselineError
 from mnemojax._src.errors import BatchSplitError as BatchSplitError
 from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
@@ -16,6 +17,7 @@ from mnemojax._src.errors import PreemptionExit as PreemptionExit
 from mnemojax._src.errors import ProtocolError as ProtocolError
 from mnemojax._src.errors import RecoveryExhaustedError as RecoveryExhaustedError
 from mnemojax._src.errors import ShardingMismatchError as ShardingMismatchError
+from mnemojax._src.errors import SimulationConfigError as SimulationConfigError
 from mnemojax._src.errors import SnapshotBudgetWarning as SnapshotBudgetWarning
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
 from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
@@ -26,6 +28,7 @@ from mnemojax._src.errors import WorldConfigError as WorldConfigError
 
 __all__ = [
     "AgreementError",
+    "BaselineError",
     "BatchSplitError",
     "CheckpointMismatchError",
     "DeviceFailureError",
@@ -41,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "RecoveryExhaustedError",
     "ShardingMismatchError",
+    "SimulationConfigError",
     "SnapshotBudgetWarning",
     "SnapshotCorruptError",
     "StateUnavailableError",

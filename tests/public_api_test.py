@@ -34,7 +34,8 @@ def test_unknown_name_is_an_attribute_error():
 
 
 ERRORS = {
-    "AgreementError", "BatchSplitError", "CheckpointMismatchError", "DeviceFailureError",
+    "AgreementError", "BaselineError", "BatchSplitError", "CheckpointMismatchError",
+    "DeviceFailureError", "SimulationConfigError",
     "DistributedError", "InvalidOptionError", "MathChangedWarning", "MeshTooSmallError",
     "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",
     "PreemptionExit", "ProtocolError", "RecoveryExhaustedError", "ShardingMismatchError",

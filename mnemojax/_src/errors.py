@@ -176,6 +176,25 @@ class AgreementError(DistributedError):
         self.generation = generation
 
 
+class SimulationConfigError(InvalidOptionError):
+    """A simulator parameter is outside its legal range (the message names value and range)."""
+
+
+class BaselineError(MnemojaxError, RuntimeError):
+    """A benchmark's classical-baseline worker failed other than by the injected kill, or
+    ran past its deadline.
+
+    Attributes:
+        returncode: the worker's exit status (negative: killed by that signal).
+        stderr_tail: the end of its stderr.
+    """
+
+    def __init__(self, message: str, *, returncode: int | None, stderr_tail: str):
+        super().__init__(f"{message}\n--- worker stderr (tail) ---\n{stderr_tail}")
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
 class PreemptionExit(SystemExit):
     """Raised from a step after a preemption notice, once the persistent checkpoint of the
     last complete step is committed. Exits the process with status 0 unless caught.

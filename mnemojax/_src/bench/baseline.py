@@ -26,26 +26,12 @@ import time
 from pathlib import Path
 
 from mnemojax._src.bench.config import BenchConfig
-from mnemojax._src.errors import MnemojaxError
+from mnemojax._src.errors import BaselineError
 from mnemojax._src.events import EventLog, read_events
 
 log = logging.getLogger("mnemojax")
 
 WORKER_MODULE = "mnemojax._src.bench.baseline_worker"
-
-
-class BaselineError(MnemojaxError, RuntimeError):
-    """A baseline worker failed other than by the injected kill, or ran past its deadline.
-
-    Attributes:
-        returncode: the worker's exit status (negative: killed by that signal).
-        stderr_tail: the end of its stderr.
-    """
-
-    def __init__(self, message: str, *, returncode: int | None, stderr_tail: str):
-        super().__init__(f"{message}\n--- worker stderr (tail) ---\n{stderr_tail}")
-        self.returncode = returncode
-        self.stderr_tail = stderr_tail
 
 
 @dataclasses.dataclass(frozen=True)

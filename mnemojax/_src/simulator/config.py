@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from mnemojax._src.errors import InvalidOptionError
+from mnemojax._src.errors import SimulationConfigError
 
 # Llama 3 405B pre-training (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.4):
 # 419 unexpected interruptions in a 54-day snapshot on 16,384 H100 GPUs.
@@ -28,10 +28,6 @@ MnemojaxMode = Literal["auto", "hot_spare", "reduced_mesh"]
 IntervalRule = Literal["young", "daly"]
 _MODES = ("auto", "hot_spare", "reduced_mesh")
 _RULES = ("young", "daly")
-
-
-class SimulationConfigError(InvalidOptionError):
-    """A simulator parameter is outside its legal range (the message names value and range)."""
 
 
 def _check(cond: bool, name: str, value: object, legal: str) -> None:
