@@ -327,12 +327,8 @@ class ResilientStep(Generic[P, R]):
             except Exception as exc:
                 t_fault = time.perf_counter()
                 t_first = rec.clock() if t_first is None else t_first
-                if pending is not None:  # a failure in the replay ended the last recovery
-                    self._statistics.faults_during_recovery += int(run_step < step)
-                    finish_recovery(pending.record, t_fault=t_fault, t_end=t_fault,
-                                    statistics=self._statistics, durability=b.durability)
-                    pending = None
                 if self._is_peer_failure(exc):
+                    pending = self._end_pending(pending, t_fault, during_replay=run_step < step)
                     if worlds:
                         check_budget(rec.stop, worlds, rec.clock() - t_first, step=step,
                                      exc=exc, what="recovery")
@@ -343,8 +339,9 @@ class ResilientStep(Generic[P, R]):
                 else:
                     verdict = b.runtime.proxy.classify(exc)
                     if verdict.kind == "user":
+                        self._end_pending(pending, t_fault, during_replay=False)
                         raise
-                    if verdict.kind == "transient":
+                    if verdict.kind == "transient":  # retried in place: a recovery goes on
                         check_budget(rec.retry_stop, retries, rec.clock() - t_first,
                                      step=step, exc=exc, what="transient-error retries")
                         retries += 1
@@ -355,6 +352,7 @@ class ResilientStep(Generic[P, R]):
                                     step, retries, exc)
                         rec.sleep(rec.retry_backoff(retries))
                         continue
+                    pending = self._end_pending(pending, t_fault, during_replay=run_step < step)
                     resumed, recoveries = self._recover_devices(
                         step, state_step, leaves, verdict, exc, t_first, recoveries)
                 self._adopt(resumed)
@@ -377,6 +375,15 @@ class ResilientStep(Generic[P, R]):
                 self._step_times.append(t_end - t_run)
             new_leaves, metrics, finite = out
             return new_leaves, metrics, finite, leaves
+
+    def _end_pending(self, pending: _Pending | None, t_fault: float, *,
+                     during_replay: bool) -> None:
+        """A failure ends the recovery in progress, if any: it is recorded as it stands."""
+        if pending is not None:
+            self._statistics.faults_during_recovery += int(during_replay)
+            finish_recovery(pending.record, t_fault=pending.t_fault, t_end=t_fault,
+                            statistics=self._statistics,
+                            durability=self._require_built().durability)
 
     def _finish_replay(self, step: int, pending: _Pending, t_run: float, t_end: float) -> None:
         b = self._require_built()
