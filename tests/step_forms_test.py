@@ -53,7 +53,8 @@ def test_nnx_form_rejects_another_model_and_wrong_arity():
     with pytest.raises(UnsupportedStateError, match="another model"):
         form.state_of((other, other_opt))
     with pytest.raises(UnsupportedStateError, match=r"step\(model, optimizer, batch\)"):
-        form.check_call((model, None))
+        form.split_call((model, None))
+    assert form.split_call((model, optimizer, "b")) == ((model, optimizer), "b")
 
 
 def test_nnx_form_forgets_its_device_arrays():

@@ -5,8 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from mnemojax._src.errors import InvalidOptionError, MeshTooSmallError
+from mnemojax._src.errors import DistributedError, InvalidOptionError, MeshTooSmallError
 from mnemojax._src.topology import (
+    ShapeRules,
     collective_groups,
     plan_after_process_loss,
     plan_reduced_mesh,
@@ -153,6 +154,11 @@ def test_plans_are_deterministic():
 
 # -- process loss: the same planner, renumbered into the new world ---------------------------
 
+def rules(batch_size=None, min_devices=1) -> ShapeRules:
+    return ShapeRules(data_axis="data", sharded_dims={}, batch_size=batch_size,
+                      batch_policy="keep_math", min_devices=min_devices)
+
+
 def world(processes: int, per_process: int) -> dict[int, tuple[int, int]]:
     """Places of a world of `processes` x `per_process` devices, ids by process."""
     return {p * per_process + r: (p, r) for p in range(processes) for r in range(per_process)}
@@ -170,7 +176,7 @@ def test_renumber_maps_survivors_in_rank_order():
 
 
 def test_renumber_rejects_a_process_that_lost_devices():
-    with pytest.raises(InvalidOptionError, match="has 1 devices"):
+    with pytest.raises(DistributedError, match="has 1 devices"):
         renumber_devices(world(2, 2), (0, 1), (0, 1), {0: [0, 1], 1: [2]})
 
 
@@ -187,7 +193,7 @@ def test_process_loss_drops_the_replicas_of_the_lost_process(processes, per_proc
     survivors = tuple(w for w in members if w != lost)
     renumbering = renumber_devices(places, members, survivors,
                                    new_world_devices(len(survivors), per_process))
-    plan = plan_after_process_loss(ids, AXES, renumbering, data_axis="data", batch_size=None)
+    plan = plan_after_process_loss(ids, AXES, renumbering, rules())
     lost_ids = {i for i, (p, _) in places.items() if p == lost}
     lost_replicas = {r for r in range(ids.shape[0]) if set(ids[r].tolist()) & lost_ids}
     assert plan.kind == "drop_replicas"
@@ -206,15 +212,12 @@ def test_process_loss_keeps_the_math_and_uses_idle_processes_as_spares():
     ids = grid(6, 1)
     renumbering = renumber_devices(places, tuple(range(8)), (0, 1, 3, 4, 5, 6, 7),
                                    new_world_devices(7, 1))
-    plan = plan_after_process_loss(ids, AXES, renumbering, spares=[6, 7], data_axis="data",
-                                   batch_size=24)
+    plan = plan_after_process_loss(ids, AXES, renumbering, rules(24), spares=[6, 7])
     assert plan.kind == "spare_swap" and plan.shape == {"data": 6, "model": 1}
     assert plan.spares_used == (renumbering[6],) and plan.idle == (renumbering[7],)
-    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, data_axis="data",
-                                   batch_size=24)
+    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, rules(24))
     assert plan.shape == {"data": 6, "model": 1} and not plan.math_changed
-    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, data_axis="data",
-                                   batch_size=16)
+    plan = plan_after_process_loss(grid(8, 1), AXES, renumbering, rules(16))
     assert plan.shape == {"data": 4, "model": 1} and len(plan.idle) == 3
 
 
@@ -224,8 +227,7 @@ def test_process_loss_never_shrinks_the_model_axis():
     renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 2, 3),
                                    new_world_devices(3, 2))
     with pytest.raises(MeshTooSmallError, match="not shrunk across processes") as info:
-        plan_after_process_loss(grid(1, 8), AXES, renumbering, data_axis="data",
-                                batch_size=24)
+        plan_after_process_loss(grid(1, 8), AXES, renumbering, rules(24))
     assert info.value.healthy_devices == 6 and info.value.required == 8
 
 
@@ -233,8 +235,7 @@ def test_process_loss_applies_min_devices():
     renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 1, 2),
                                    new_world_devices(3, 2))
     with pytest.raises(MeshTooSmallError, match="min_devices=8"):
-        plan_after_process_loss(grid(4, 2), AXES, renumbering, data_axis="data",
-                                min_devices=8)
+        plan_after_process_loss(grid(4, 2), AXES, renumbering, rules(min_devices=8))
 
 
 def test_the_planner_never_imports_jax():

@@ -29,21 +29,23 @@ from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,
     DeviceFailureError,
+    DistributedError,
     InvalidOptionError,
+    MathChangedWarning,
     NonFiniteLossError,
     NonFiniteSkipWarning,
     StepHangError,
     UnsupportedStateError,
 )
 from mnemojax._src.fault_injection import FaultInjector
-from mnemojax._src.options import ResilienceOptions
+from mnemojax._src.options import RecoveryOptions, ResilienceOptions
 from mnemojax._src.proxy import Verdict, host_batch, looks_transient
 from mnemojax._src.recovery import (
     DeviceRecovery,
     ProcessRecovery,
     Resumed,
-    ShapeRules,
     check_budget,
+    compile_with_barrier,
     finish_recovery,
 )
 from mnemojax._src.replay import ReplayBuffer, batch_struct
@@ -51,12 +53,56 @@ from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.step_forms import StepForm, form_for
-from mnemojax._src.topology import MeshPlan, single_failure_plans
+from mnemojax._src.topology import MeshPlan, ShapeRules, single_failure_plans
 
 log = logging.getLogger("mnemojax")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class _StepBudget:
+    """The budgets of one step, its replays and recoveries included, on one clock.
+
+    The clock starts at the step's first failure. Recoveries of devices and of processes
+    both count against ``RecoveryOptions.stop`` (per step) and ``run_stop`` (per run);
+    transient retries against ``retry_stop``.
+    """
+
+    def __init__(self, options: RecoveryOptions, step: int, run_recoveries: list[float]):
+        self._options = options
+        self._step = step
+        self._run = run_recoveries  # budget clock of every recovery this run
+        self._t_first: float | None = None
+        self.retries = 0
+        self.recoveries = 0
+
+    def start(self) -> None:
+        if self._t_first is None:
+            self._t_first = self._options.clock()
+
+    def _elapsed(self, since: float | None = None) -> float:
+        self.start()
+        assert self._t_first is not None
+        return self._options.clock() - (self._t_first if since is None else since)
+
+    def charge_retry(self, exc: BaseException) -> int:
+        """Counts a transient retry, or raises `RecoveryExhaustedError`."""
+        check_budget(self._options.retry_stop, self.retries, self._elapsed(), step=self._step,
+                     exc=exc, what="transient-error retries")
+        self.retries += 1
+        return self.retries
+
+    def charge_recovery(self, exc: BaseException) -> None:
+        """Counts a recovery attempt, or raises `RecoveryExhaustedError` (from `exc`)."""
+        opts = self._options
+        check_budget(opts.stop, self.recoveries, self._elapsed(), step=self._step, exc=exc,
+                     what="recovery")
+        run_first = self._run[0] if self._run else None
+        check_budget(opts.run_stop, len(self._run), self._elapsed(run_first), step=self._step,
+                     exc=exc, what="run-wide recovery")
+        self.recoveries += 1
+        self._run.append(opts.clock())
 
 
 @dataclasses.dataclass
@@ -186,16 +232,15 @@ class ResilientStep(Generic[P, R]):
                 f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
         t_call = time.perf_counter()
         b = self._built if self._built is not None else self._build(args)
-        b.form.check_call(args)
+        state_args, user_batch = b.form.split_call(args)
         b.durability.check_preemption(self._step, b.last_written)
-        state_args = args[:-1]
         leaves = b.form.state_of(state_args)
-        batch = host_batch(b.form.batch_of(args))
+        batch = host_batch(user_batch)
         self._check_batch(b, batch)
         step = self._step + 1
         self._batches.append(step, batch)
         if b.session is not None and b.exe is None:
-            self._compile_barrier(b.runtime)
+            compile_with_barrier(b.session, b.runtime, batch, b.examples)
         leaves = self._place_state(b, leaves)
         if b.session is not None and self._step == 0:
             self._publish(0, leaves)  # a peer lost in the first step needs the initial state
@@ -269,7 +314,7 @@ class ResilientStep(Generic[P, R]):
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:
             raise InvalidOptionError(f"spare_devices={overlap!r} are already in the mesh")
-        values = form.state_of(args[:len(form.state_arg_names)])
+        values = form.state_of(form.split_call(args)[0])
         shapes = [tuple(np.shape(v)) for v in values]
         shd.validate_specs(form.specs, shapes, form.leaf_paths, dict(mesh.shape))
         enable_persistent_cache(opts.compile.cache_dir)
@@ -291,8 +336,9 @@ class ResilientStep(Generic[P, R]):
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
-            devices=DeviceRecovery(opts, builder, durability, self._statistics, self._batches),
-            processes=ProcessRecovery(opts, builder, durability, self._statistics,
+            device_recovery=DeviceRecovery(opts, builder, durability, self._statistics,
+                                           self._batches),
+            process_recovery=ProcessRecovery(opts, builder, durability, self._statistics,
                                       self._batches, session, form.leaf_keys)
             if session is not None else None)
         return self._built
@@ -304,106 +350,102 @@ class ResilientStep(Generic[P, R]):
 
         On a failure, a recovery returns a runtime and an older or equal state; the loop
         replays the steps since with their kept batches, then runs `step` again. Transient
-        errors are retried in place. Everything is bounded by the recovery budgets.
+        errors are retried in place. One `_StepBudget` bounds all of it, replays included.
         """
         b = self._require_built()
-        rec = self.options.recovery
+        budget = _StepBudget(self.options.recovery, step, self._run_recoveries)
         state_step = step - 1
-        retries = recoveries = worlds = 0
-        t_first: float | None = None  # budget clock at this step's first failure
-        pending: _Pending | None = None
+        pending: _Pending | None = None  # the recovery whose failed step has not run yet
         publish_replayed = False
-        while True:
-            run_step = state_step + 1
-            run_batch = batch if run_step == step else self._batches.batch(run_step)
-            exe = self._executable_now(run_batch)
-            t_run = time.perf_counter()
-            try:
-                device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
-                                                           b.examples)
-                t_run = time.perf_counter()
-                out = b.runtime.proxy.run(exe.compiled, leaves, device_batch, run_step,
-                                          timeout_s=self._hang_timeout_s())
-            except Exception as exc:
-                t_fault = time.perf_counter()
-                t_first = rec.clock() if t_first is None else t_first
-                if self._is_peer_failure(exc):
-                    pending = self._end_pending(pending, t_fault, during_replay=run_step < step)
-                    if worlds:
-                        check_budget(rec.stop, worlds, rec.clock() - t_first, step=step,
-                                     exc=exc, what="recovery")
-                    worlds += 1
-                    reason = f"{type(exc).__name__}: {exc}"
-                    del exc  # hold nothing of the old world (see recover_world)
-                    resumed = self._recover_world(step, reason, t_fault)
-                else:
-                    verdict = b.runtime.proxy.classify(exc)
-                    if verdict.kind == "user":
-                        self._end_pending(pending, t_fault, during_replay=False)
-                        raise
-                    if verdict.kind == "transient":  # retried in place: a recovery goes on
-                        check_budget(rec.retry_stop, retries, rec.clock() - t_first,
-                                     step=step, exc=exc, what="transient-error retries")
-                        retries += 1
-                        self._statistics.transient_retries += 1
-                        b.durability.emit("fault", step=step, classification="transient",
-                                          detail=str(exc)[:200], retry=retries)
-                        log.warning("mnemojax: step %d: transient error, retry %d: %s",
-                                    step, retries, exc)
-                        rec.sleep(rec.retry_backoff(retries))
-                        continue
-                    pending = self._end_pending(pending, t_fault, during_replay=run_step < step)
-                    resumed, recoveries = self._recover_devices(
-                        step, state_step, leaves, verdict, exc, t_first, recoveries)
-                self._adopt(resumed)
-                leaves, state_step = resumed.leaves, resumed.state_step
-                publish_replayed = resumed.publish_replayed
-                pending = _Pending(resumed.record, t_fault)
-                continue
-            t_end = time.perf_counter()
-            if run_step < step:  # a step replayed after a recovery
+        try:
+            while True:
+                run_step = state_step + 1
+                run_batch = batch if run_step == step else self._batches.batch(run_step)
+                exe = self._executable_now(run_batch)
+                try:
+                    device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
+                                                               b.examples)
+                    t_run = time.perf_counter()
+                    out = b.runtime.proxy.run(exe.compiled, leaves, device_batch, run_step,
+                                              timeout_s=self._hang_timeout_s())
+                except Exception as exc:
+                    t_fault = time.perf_counter()
+                    budget.start()
+                    if self._is_peer_failure(exc):
+                        reason = f"{type(exc).__name__}: {exc}"
+                        del exc  # hold nothing of the old world (see recover_world)
+                        self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
+                        pending = None
+                        resumed = self._recover_world(step, reason, t_fault, budget)
+                    else:
+                        verdict = b.runtime.proxy.classify(exc)
+                        if verdict.kind == "user":
+                            raise
+                        if verdict.kind == "transient":  # retried in place
+                            self._retry_transient(run_step, exc, budget)
+                            continue
+                        self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
+                        pending = None
+                        resumed = self._recover_devices(step, state_step, leaves, verdict, exc,
+                                                        budget)
+                    self._adopt(resumed)
+                    leaves, state_step = resumed.leaves, resumed.state_step
+                    publish_replayed = resumed.publish_replayed
+                    pending = _Pending(resumed.record, t_fault)
+                    continue
+                t_end = time.perf_counter()
+                if run_step < step or pending is None:  # not a first run on a new mesh
+                    self._step_times.append(t_end - t_run)
+                if run_step < step:  # a step replayed after a recovery
+                    if pending is not None:
+                        pending.replay_s += t_end - t_run
+                    leaves, state_step = out[0], run_step
+                    if publish_replayed:
+                        self._publish(run_step, leaves)
+                        self._step = run_step
+                    continue
                 if pending is not None:
-                    pending.replay_s += t_end - t_run
-                leaves, state_step = out[0], run_step
-                if publish_replayed:
-                    self._publish(run_step, leaves)
-                    self._step = run_step
-                continue
-            if pending is not None:
-                self._finish_replay(step, pending, t_run, t_end)
-            else:
-                self._step_times.append(t_end - t_run)
-            new_leaves, metrics, finite = out
-            return new_leaves, metrics, finite, leaves
+                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
+                    pending = None
+                    b.precompile_due = True
+                new_leaves, metrics, finite = out
+                return new_leaves, metrics, finite, leaves
+        except BaseException:
+            self._close_recovery(pending, time.perf_counter())  # recorded as it stands
+            raise
 
-    def _end_pending(self, pending: _Pending | None, t_fault: float, *,
-                     during_replay: bool) -> None:
-        """A failure ends the recovery in progress, if any: it is recorded as it stands."""
-        if pending is not None:
-            self._statistics.faults_during_recovery += int(during_replay)
-            finish_recovery(pending.record, t_fault=pending.t_fault, t_end=t_fault,
-                            statistics=self._statistics,
-                            durability=self._require_built().durability)
-
-    def _finish_replay(self, step: int, pending: _Pending, t_run: float, t_end: float) -> None:
+    def _close_recovery(self, pending: _Pending | None, t_end: float, *,
+                        failed_in_replay: bool = False, failed_step_s: float = 0.0) -> None:
+        """Records the recovery in progress, if any: when its failed step has run again
+        (in `failed_step_s`), or when a failure or an error ends it early. Its replay
+        phase is the replayed steps plus the failed step's run."""
+        if pending is None:
+            return
         b = self._require_built()
         record = pending.record
-        lost = step - 1 - record.source_step
-        if lost:
-            b.durability.emit("wasted_progress", step=step, steps=lost,
+        self._statistics.faults_during_recovery += int(failed_in_replay)
+        record.phases_s["replay"] = pending.replay_s + failed_step_s
+        if record.steps_lost:
+            b.durability.emit("wasted_progress", step=record.step, steps=record.steps_lost,
                               duration_s=pending.replay_s)
-        record.phases_s["replay"] = pending.replay_s + (t_end - t_run)
         finish_recovery(record, t_fault=pending.t_fault, t_end=t_end,
                         statistics=self._statistics, durability=b.durability)
-        b.precompile_due = True
+
+    def _retry_transient(self, run_step: int, exc: BaseException, budget: _StepBudget) -> None:
+        b = self._require_built()
+        rec = self.options.recovery
+        retries = budget.charge_retry(exc)
+        self._statistics.transient_retries += 1
+        b.durability.emit("fault", step=run_step, classification="transient",
+                          detail=str(exc)[:200], retry=retries)
+        log.warning("mnemojax: step %d: transient error, retry %d: %s", run_step, retries, exc)
+        rec.sleep(rec.retry_backoff(retries))
 
     def _recover_devices(self, step: int, state_step: int, leaves: list, verdict: Verdict,
-                         exc: BaseException, t_first: float,
-                         recoveries: int) -> tuple[Resumed, int]:
+                         exc: BaseException, budget: _StepBudget) -> Resumed:
         """`DeviceRecovery.recover` within the budgets; a device failure during the
         recovery itself starts it again, over every device lost so far."""
         b = self._require_built()
-        rec = self.options.recovery
         failed = set(verdict.failed)
         first = exc
         while True:
@@ -411,21 +453,15 @@ class ResilientStep(Generic[P, R]):
                 f"step {step}: devices {sorted(failed)} failed ({exc})",
                 failed_devices=sorted(failed), step=step)
             last.__cause__ = exc
-            check_budget(rec.stop, recoveries, rec.clock() - t_first, step=step, exc=last,
-                         what="recovery")
-            run_first = self._run_recoveries[0] if self._run_recoveries else t_first
-            check_budget(rec.run_stop, len(self._run_recoveries), rec.clock() - run_first,
-                         step=step, exc=last, what="run-wide recovery")
-            recoveries += 1
-            self._run_recoveries.append(rec.clock())
+            budget.charge_recovery(last)
             log.warning("mnemojax: step %d: devices %s failed; recovering", step,
                         sorted(failed))
             try:
-                resumed = b.devices.recover(
+                resumed = b.device_recovery.recover(
                     b.runtime, step=step, state_step=state_step, leaves=leaves,
                     failed=failed, detect_s=verdict.detect_s, rules=self._rules())
                 resumed.record.hang = isinstance(first, StepHangError)
-                return resumed, recoveries
+                return resumed
             except jax.errors.JaxRuntimeError as again:
                 exc = again
                 verdict = b.runtime.proxy.classify(exc)
@@ -436,29 +472,27 @@ class ResilientStep(Generic[P, R]):
                 log.warning("mnemojax: step %d: devices %s failed during the recovery; "
                             "starting it again", step, list(verdict.failed))
 
-    def _recover_world(self, step: int, reason: str, t_fault: float) -> Resumed:
+    def _recover_world(self, step: int, reason: str, t_fault: float,
+                       budget: _StepBudget) -> Resumed:
         """A collective failed: forget the old world, then `ProcessRecovery.recover`;
         again whenever a peer dies while it runs (each time over the world that failed),
-        within the recovery budget."""
+        within the budgets."""
         b = self._require_built()
-        assert b.processes is not None
-        rec = self.options.recovery
-        attempts, t_first = 0, rec.clock()
+        assert b.process_recovery is not None
         while True:
-            attempts += 1
-            old_plan, places = b.runtime.plan, b.runtime.proxy.device_places()
+            budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
+            proxy = b.runtime.proxy
+            old_plan, places, spares = proxy.plan, proxy.device_places(), list(proxy.spares)
             self._forget_world()
             try:
-                return b.processes.recover(
+                return b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
-                    t_fault=t_fault, rules=self._rules(), compile_barrier=self._compile_barrier)
+                    t_fault=t_fault, rules=self._rules(), spares=spares)
             except jax.errors.JaxRuntimeError as again:
-                if b.processes.built is not None:  # the new world formed, then failed
-                    b.runtime = b.processes.built
+                if b.process_recovery.built is not None:  # the new world formed, then failed
+                    b.runtime = b.process_recovery.built
                 if not self._is_peer_failure(again):
                     raise
-                check_budget(rec.stop, attempts, rec.clock() - t_first, step=step,
-                             exc=again, what="recovery")
                 reason = f"during the recovery: {type(again).__name__}: {again}"
             self._statistics.faults_during_recovery += 1  # the exception is gone here
             log.warning("mnemojax: step %d: a peer failed during the recovery; recovering "
@@ -473,12 +507,23 @@ class ResilientStep(Generic[P, R]):
         b.form.forget_arrays(b.builder.leaf_structs)
 
     def _adopt(self, resumed: Resumed) -> None:
+        """Continues on a recovery's runtime, from the state of ``resumed.state_step``."""
         b = self._require_built()
         b.runtime = resumed.runtime
         b.durability.layer = resumed.runtime.layer
         b.snapshot_every = None  # re-chosen for the new mesh at the next commit
         b.examples = resumed.record.examples_per_step
         b.last_written = None
+        if resumed.publish_replayed:  # the agents hold this step now; replays publish on
+            self._step = resumed.state_step
+        record = resumed.record
+        if record.math_changed:
+            self._statistics.math_changed = True
+            warnings.warn(
+                f"mnemojax: step {record.step}: batch_policy='truncate_batch' continues with "
+                f"{record.examples_per_step} of {b.batch_size} examples per step; the run no "
+                "longer computes what a failure-free run computes", MathChangedWarning,
+                stacklevel=5)
 
     def _rules(self) -> ShapeRules:
         b = self._require_built()
@@ -545,16 +590,6 @@ class ResilientStep(Generic[P, R]):
             b.exe, _ = b.runtime.compiler.get(b.runtime.plan, batch_struct(batch, b.examples))
             b.exe_sig = sig
         return b.exe
-
-    def _compile_barrier(self, runtime: Runtime) -> None:
-        """Multi-process: compile the step for `runtime`'s mesh, then wait until every
-        process has (DESIGN §4)."""
-        b = self._require_built()
-        assert b.session is not None
-        b.session.phase("compile")
-        examples = runtime.plan.examples_per_step or b.examples
-        runtime.compiler.get(runtime.plan, batch_struct(self._batches.last, examples))
-        b.session.compiled()
 
     def _accept(self, step: int, metrics: Any, finite: Any) -> bool:
         """The non-finite policy: False means skip this batch (the state is unchanged)."""
@@ -664,8 +699,8 @@ class _Built:
     durability: Durability
     session: dist_session.DistributedSession | None
     sharded_dims: dict[str, set[int]]
-    devices: DeviceRecovery
-    processes: ProcessRecovery | None
+    device_recovery: DeviceRecovery
+    process_recovery: ProcessRecovery | None
     last_written: list | None = None  # the leaves the user's state holds (identity check)
     exe: Executable | None = None
     exe_sig: tuple | None = None

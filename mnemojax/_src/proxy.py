@@ -60,9 +60,9 @@ class DeviceProxy:
         self._devices = frozenset(int(i) for i in plan.device_ids.flat)
         self._waiter = _Waiter()
 
-    @property
-    def devices(self) -> frozenset[int]:
-        return self._devices
+    def close(self) -> None:
+        """Stops the thread that waits for step results."""
+        self._waiter.close()
 
     def spares_after(self, plan: MeshPlan) -> list[int]:
         """The spare pool once `plan` is adopted: spares it leaves out, then its idle
@@ -161,11 +161,20 @@ class _Waiter:
     @staticmethod
     def _serve(requests):
         while True:
-            fn, args, future = requests.get()
+            request = requests.get()
+            if request is None:  # closed
+                return
+            fn, args, future = request
             try:
                 future.set_result(fn(*args[:1], step=args[1], devices=args[2]))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+
+    def close(self) -> None:
+        """Ends the serving thread once it is idle (an abandoned one stays blocked)."""
+        if self._requests is not None:
+            self._requests.put(None)
+        self._thread = self._requests = None
 
     def wait(self, block, outputs, step, devices, timeout_s):
         requests = self._requests

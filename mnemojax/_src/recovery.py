@@ -20,21 +20,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
 
 from mnemojax._src import monitoring
+from mnemojax._src.compiler import Executable
+from mnemojax._src.distributed import snapshot_codec
+from mnemojax._src.distributed.worker import coordination
+from mnemojax._src.distributed.worker.recovery import WorldRecovery
+from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
-    MathChangedWarning,
     MeshTooSmallError,
     RecoveryExhaustedError,
     StateUnavailableError,
 )
 from mnemojax._src.options import ResilienceOptions
+from mnemojax._src.persistent import PersistentTier
 from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.retry import Attempts, StopRule
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
@@ -43,6 +47,7 @@ from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.topology import (
     MeshPlan,
     Place,
+    ShapeRules,
     plan_after_process_loss,
     plan_reduced_mesh,
     renumber_devices,
@@ -100,31 +105,20 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
                     bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
 
 
+def compile_with_barrier(session: DistributedSession, runtime: Runtime, batch: Any,
+                         examples: int | None) -> Executable:
+    """Multi-process: compiles the step for `runtime`'s mesh, then waits at a barrier until
+    every process has (so no peer enters a collective while another still compiles:
+    DESIGN §4)."""
+    session.phase("compile")
+    exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, examples))
+    session.compiled()
+    return exe
+
+
 def _groups_of(plan: MeshPlan) -> dict[str, dict[str, list]]:
     return {a: {"kept": list(c.kept), "added": list(c.added), "removed": list(c.removed)}
             for a, c in plan.groups.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeRules:
-    """What every plan must respect, whatever failed (the planner's rules).
-
-    Attributes:
-        data_axis: the mesh axis the batch is split along.
-        sharded_dims: per mesh axis, the sizes of the array dimensions sharded along it.
-        batch_size: examples in the global batch (None: not known yet).
-        batch_policy: `RecoveryOptions.batch_policy`.
-        min_devices: `RecoveryOptions.min_devices`.
-    """
-
-    data_axis: str
-    sharded_dims: Mapping[str, Collection[int]]
-    batch_size: int | None
-    batch_policy: str
-    min_devices: int
-
-    def as_kwargs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class _PersistentFallback:
@@ -187,13 +181,6 @@ class DeviceRecovery:
         plan = plan_reduced_mesh(old_plan.device_ids, old_plan.axis_names, proxy.dead,
                                  spares=proxy.spares, **rules.as_kwargs())
         phases["plan"] = time.perf_counter() - t
-        if plan.math_changed:
-            self._statistics.math_changed = True
-            warnings.warn(
-                f"mnemojax: step {step}: batch_policy='truncate_batch' continues with "
-                f"{plan.examples_per_step} of {rules.batch_size} examples per step; the run "
-                "no longer computes what a failure-free run computes", MathChangedWarning,
-                stacklevel=5)
         t = time.perf_counter()
         runtime.store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
         unavailable: StateUnavailableError | None = None
@@ -244,13 +231,18 @@ class ProcessRecovery:
     """Recovers from the loss of peer processes (see module docstring).
 
     Args:
+        options: the options in force.
+        builder: builds the new world's runtime.
+        durability: the persistent tier (reopened for the new world) and the event log.
+        statistics: the step's statistics.
+        batches: the kept batches (the oldest replayable step goes to the agreement).
         session: this worker's `DistributedSession`.
         leaf_keys: per state leaf, its key (to checkpoint the agreed state).
     """
 
     def __init__(self, options: ResilienceOptions, builder: RuntimeBuilder,
                  durability: Durability, statistics: Statistics, batches: ReplayBuffer,
-                 session: Any, leaf_keys: Sequence[tuple[str, ...]]):
+                 session: DistributedSession, leaf_keys: Sequence[tuple[str, ...]]):
         self._options = options
         self._builder = builder
         self._durability = durability
@@ -263,7 +255,7 @@ class ProcessRecovery:
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
-                compile_barrier) -> Resumed:
+                spares: Sequence[int]) -> Resumed:
         """Agrees with the survivors, joins their world, plans its mesh, compiles and
         restores the agreed state.
 
@@ -279,8 +271,7 @@ class ProcessRecovery:
             reason: what was seen (logged by the coordinator).
             t_fault: when the failure surfaced (perf_counter).
             rules: the planner's rules.
-            compile_barrier: ``compile_barrier(runtime)`` compiles the step for the new
-                mesh and waits until every process has.
+            spares: old ids of the old world's spare devices (idle survivors can swap in).
 
         Raises:
             MeshTooSmallError: too few processes survive (the agreed state is
@@ -305,22 +296,19 @@ class ProcessRecovery:
             new_devices.setdefault(d.process_index, []).append(d.id)
         renumbering = renumber_devices(places, rec.members,
                                        agreement.survivors, new_devices)
-        in_mesh = {int(i) for i in old_plan.device_ids.flat}
         try:
-            plan = plan_after_process_loss(
-                old_plan.device_ids, old_plan.axis_names, renumbering,
-                spares=sorted(i for i in places if i not in in_mesh), **rules.as_kwargs())
+            plan = plan_after_process_loss(old_plan.device_ids, old_plan.axis_names,
+                                           renumbering, rules, spares=spares)
         except MeshTooSmallError as exc:
             self._persist_agreed_state(rec, exc)
         phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
-        compile_barrier(runtime)
+        exe = compile_with_barrier(session, runtime, self._batches.last,
+                                   plan.examples_per_step)
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
-        exe, _ = runtime.compiler.get(plan, batch_struct(self._batches.last,
-                                                         plan.examples_per_step))
         shardings = exe.state_shardings
         if agreement.resume_step < 0:
             resume, leaves = self._from_persistent(step, agreement.why, runtime, shardings)
@@ -351,7 +339,7 @@ class ProcessRecovery:
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
 
     def _from_persistent(self, step: int, why: str, runtime: Runtime,
-                         shardings) -> tuple[int, list]:
+                         shardings: Sequence[Any]) -> tuple[int, list]:
         """No step's state survives in memory (`Agreement.lost`): every survivor restores
         the newest Orbax checkpoint onto the new world's mesh, else a typed error."""
         unavailable = StateUnavailableError(f"step {step}: {why}")
@@ -363,14 +351,10 @@ class ProcessRecovery:
         leaves = [runtime.layer.put(h, s) for h, s in zip(host.leaves, shardings, strict=True)]
         return host.step, leaves
 
-    def _persist_agreed_state(self, rec, exc: MeshTooSmallError) -> NoReturn:
+    def _persist_agreed_state(self, rec: WorldRecovery, exc: MeshTooSmallError) -> NoReturn:
         """Too few processes survive to hold the model: the agreed state (every shard of
         it, from the agents) goes to the persistent tier before the typed error. Rank 0
         leaves the distributed world first, so Orbax runs as a single process."""
-        from mnemojax._src.distributed import snapshot_codec
-        from mnemojax._src.distributed.worker import coordination
-        from mnemojax._src.persistent import PersistentTier
-
         step = rec.agreement.resume_step
         directory = self._options.persistent.directory
         where = "no persistent tier is configured (PersistentOptions(directory=...))"

@@ -59,7 +59,8 @@ class Runtime:
         return self.proxy.mesh
 
     def close(self) -> None:
-        """Stops the background threads (compiler, snapshot copiers)."""
+        """Stops the background threads (result waiter, compiler, snapshot copiers)."""
+        self.proxy.close()
         self.compiler.close()
         self.store.close()
         if self.grads_store is not None:
@@ -107,6 +108,7 @@ class RuntimeBuilder:
         mesh = mesh if mesh is not None else shd.mesh_from_plan(plan)
         opts = self._options
         if same_world is not None:
+            same_world.proxy.close()  # replaced below
             layer, compiler = same_world.layer, same_world.compiler
             store, grads_store = same_world.store, same_world.grads_store
         else:

@@ -3,10 +3,10 @@
 * Flax NNX: ``step(model, optimizer, batch) -> metrics``, updating both in place.
 * Pure: ``step(state, batch) -> (state, metrics)`` on any pytree of arrays.
 
-The runtime only ever sees the `StepForm` interface: ``state_of(args)`` reads the state
-leaves out of a call's arguments, ``batch_of(args)`` the batch, ``pure(leaves, batch) ->
-(leaves, metrics)`` is what gets compiled, and ``result(args, leaves, metrics)`` hands the
-new state back the way the user's step would have (in place for NNX, returned for the pure
+The runtime only ever sees the `StepForm` interface: ``split_call(args)`` separates a
+call's state arguments from its batch, ``state_of(state_args)`` reads the state leaves out
+of them, ``pure(leaves, batch) -> (leaves, metrics)`` is what gets compiled, and
+``result(state_args, leaves, metrics)`` hands the new state back the way the user's step would have (in place for NNX, returned for the pure
 form). It never asks which form it holds. The leaves are what gets sharded, snapshotted and
 resharded; typed PRNG keys travel as their raw key data so every leaf is a plain numeric
 array.
@@ -107,15 +107,17 @@ class StepForm(abc.ABC):
             UnsupportedStateError: they are not the state this form was built for.
         """
 
-    def batch_of(self, args: Sequence[Any]) -> Any:
-        """The batch of a call's arguments (the last one)."""
-        return args[-1]
+    def split_call(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+        """A call's arguments as (state arguments, batch).
 
-    def check_call(self, args: Sequence[Any]) -> None:
+        Raises:
+            UnsupportedStateError: the call does not have this form's arguments.
+        """
         if len(args) != self.arity:
             raise UnsupportedStateError(
                 f"this resilient step was built for step({', '.join(self.state_arg_names)}, "
                 f"batch); got {len(args)} positional arguments")
+        return tuple(args[:-1]), args[-1]
 
     @abc.abstractmethod
     def pure(self, leaves: list, batch: Any) -> tuple[list, Any]:

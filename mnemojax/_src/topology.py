@@ -11,11 +11,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from mnemojax._src.errors import InvalidOptionError, MeshTooSmallError
+from mnemojax._src.errors import DistributedError, InvalidOptionError, MeshTooSmallError
 
 PlanKind = Literal["unchanged", "spare_swap", "drop_replicas", "shrink_model"]
 Group = tuple[int, ...]
@@ -68,6 +68,30 @@ class MeshPlan:
 
     def kept_group_count(self) -> int:
         return sum(len(c.kept) for c in self.groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeRules:
+    """What every plan must respect, whatever failed: the keyword arguments of
+    `plan_reduced_mesh` that come from the job, not from the failure.
+
+    Attributes:
+        data_axis: the mesh axis the batch is split along.
+        sharded_dims: per mesh axis, the sizes of the array dimensions sharded along it.
+        batch_size: examples in the global batch (None: not known yet).
+        batch_policy: `RecoveryOptions.batch_policy`.
+        min_devices: `RecoveryOptions.min_devices`.
+    """
+
+    data_axis: str
+    sharded_dims: Mapping[str, Collection[int]]
+    batch_size: int | None
+    batch_policy: str
+    min_devices: int
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The rules as keyword arguments of `plan_reduced_mesh`."""
+        return dataclasses.asdict(self)
 
 
 def collective_groups(device_ids: np.ndarray, axis_names: Sequence[str]) -> dict[str, set[Group]]:
@@ -318,7 +342,7 @@ def renumber_devices(
         Old device id -> new device id, for the devices of surviving processes.
 
     Raises:
-        InvalidOptionError: a surviving process has fewer devices than before.
+        DistributedError: a surviving process has fewer devices than before.
     """
     rank_of = {worker: rank for rank, worker in enumerate(survivors)}
     out = {}
@@ -328,7 +352,7 @@ def renumber_devices(
             continue
         ids = sorted(new_devices.get(new_process, ()))
         if rank >= len(ids):
-            raise InvalidOptionError(
+            raise DistributedError(
                 f"process {new_process} of the new world has {len(ids)} devices; device "
                 f"{old_id} was its device {rank} in the old world")
         out[int(old_id)] = int(ids[rank])
@@ -339,15 +363,14 @@ def plan_after_process_loss(
     device_ids: np.ndarray,
     axis_names: Sequence[str],
     renumbering: Mapping[int, int],
+    rules: ShapeRules,
     *,
     spares: Sequence[int] = (),
-    **rules,
 ) -> MeshPlan:
     """Plans the mesh of a new multi-process world after processes died.
 
     The devices of lost processes are the failed devices, and `plan_reduced_mesh` plans as
-    for a device loss, with the same rules (``rules``: ``data_axis``, ``sharded_dims``,
-    ``batch_size``, ``batch_policy``, ``min_devices``), except that no model axis shrinks:
+    for a device loss, with the same `rules`, except that no model axis shrinks:
     a replica stays whole on the processes that hold it. The plan is then renumbered into
     the new world's device ids; its group changes stay in the old world's ids (which
     collectives lost a member).
@@ -357,6 +380,7 @@ def plan_after_process_loss(
         axis_names: its axis names.
         renumbering: old device id -> new device id for every surviving device
             (`renumber_devices`); a mesh device missing from it is lost.
+        rules: the job's planning rules.
         spares: old ids of surviving devices outside the mesh, in order of preference.
 
     Raises:
@@ -366,7 +390,7 @@ def plan_after_process_loss(
     failed = {int(d) for d in device_ids.flat if int(d) not in renumbering}
     live_spares = [int(s) for s in spares if int(s) in renumbering]
     plan = plan_reduced_mesh(device_ids, axis_names, failed, spares=live_spares,
-                             shrink_model=False, **rules)
+                             shrink_model=False, **rules.as_kwargs())
     new_ids = np.vectorize(lambda i: renumbering[int(i)], otypes=[np.int64])(plan.device_ids)
     return dataclasses.replace(
         plan, device_ids=new_ids,
