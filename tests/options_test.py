@@ -44,3 +44,10 @@ def test_nested_defaults():
     opts = mnemojax.ResilienceOptions(snapshot=mnemojax.SnapshotOptions(every_steps=5))
     assert opts.snapshot.every_steps == 5
     assert opts.recovery.batch_policy == "keep_math" and opts.compile.precompile
+
+
+def test_donated_state_cannot_skip_batches():
+    """Regression: skip_batch kept the donated (deleted) state and the next step crashed."""
+    with pytest.raises(mnemojax.errors.InvalidOptionError, match="donate_state"):
+        mnemojax.ResilienceOptions(nonfinite="skip_batch",
+                                   compile=mnemojax.CompileOptions(donate_state=True))

@@ -151,7 +151,9 @@ class CompileOptions:
             alone). Set once, when the first resilient step is built.
         donate_state: donate the state buffers to the step. Saves one copy of the state
             in device memory, but a step that fails after donation leaves no live state,
-            so recovery must use the host snapshot (keep ``every_steps=1``).
+            so recovery must use the host snapshot (keep ``every_steps=1``). With donation
+            a `NonFiniteLossError` leaves no previous state to continue from (restore a
+            checkpoint), and ``nonfinite="skip_batch"`` is refused.
     """
 
     precompile: bool = True
@@ -242,3 +244,8 @@ class ResilienceOptions:
             _check(isinstance(value, cls), name, value, f"a {cls.__name__}")
         _check(bool(self.data_axis), "data_axis", self.data_axis, "a non-empty axis name")
         _check_choice("nonfinite", self.nonfinite, _NONFINITE_POLICIES)
+        # A skipped batch keeps the previous state, which a donating step has consumed.
+        _check(not (self.compile.donate_state and self.nonfinite == "skip_batch"),
+               "nonfinite", self.nonfinite,
+               "'raise' or 'ignore' with CompileOptions(donate_state=True) (the skipped "
+               "step's input state is donated, so there is no previous state to keep)")
