@@ -3,7 +3,9 @@
 from mnemojax._src.errors import AgreementError as AgreementError
 from mnemojax._src.errors import BaselineError as BaselineError
 from mnemojax._src.errors import BatchSplitError as BatchSplitError
+from mnemojax._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchError
+from mnemojax._src.errors import CheckpointSaveError as CheckpointSaveError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
 from mnemojax._src.errors import DistributedError as DistributedError
 from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
@@ -30,7 +32,9 @@ __all__ = [
     "AgreementError",
     "BaselineError",
     "BatchSplitError",
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "DeviceFailureError",
     "DistributedError",
     "InvalidOptionError",

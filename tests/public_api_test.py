@@ -35,6 +35,7 @@ def test_unknown_name_is_an_attribute_error():
 
 ERRORS = {
     "AgreementError", "BaselineError", "BatchSplitError", "CheckpointMismatchError",
+    "CheckpointCorruptError", "CheckpointSaveError",
     "DeviceFailureError", "SimulationConfigError",
     "DistributedError", "InvalidOptionError", "MathChangedWarning", "MeshTooSmallError",
     "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",

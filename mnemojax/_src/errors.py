@@ -124,6 +124,46 @@ class CheckpointMismatchError(MnemojaxError, ValueError):
     """A persistent checkpoint (or snapshot) belongs to another model."""
 
 
+class CheckpointSaveError(MnemojaxError):
+    """A persistent checkpoint could not be written (disk full, no permission, ...).
+
+    Raised at the start of the first call after the failure is known, before that call
+    does anything, or by `close()`; each failure once. The training state is not touched
+    by a checkpoint's failure: the step counter, the model and the committed checkpoints
+    stay as they were, so calling again with the same arguments continues the run exactly
+    as if no save had failed; the steps named are just not checkpointed (the next
+    scheduled save tries again). The Orbax error is the ``__cause__``.
+
+    Attributes:
+        steps: the steps whose checkpoints failed, oldest first.
+        step: the newest of them.
+        directory: the checkpoint directory.
+    """
+
+    def __init__(self, message: str, *, steps: Sequence[int], directory: str):
+        super().__init__(message)
+        self.steps = tuple(steps)
+        self.step = self.steps[-1]
+        self.directory = directory
+
+
+class CheckpointCorruptError(MnemojaxError, ValueError):
+    """No checkpoint in the directory can be read (each was tried, newest first).
+
+    Attributes:
+        directory: the checkpoint directory.
+        steps: the checkpoints tried, newest first.
+        errors: per step tried, the error its restore ended with.
+    """
+
+    def __init__(self, message: str, *, directory: str, steps: Sequence[int],
+                 errors: Sequence[BaseException]):
+        super().__init__(message)
+        self.directory = directory
+        self.steps = tuple(steps)
+        self.errors = tuple(errors)
+
+
 class DistributedError(MnemojaxError):
     """Root of the errors of the multi-process layer (launcher, agents, world
     re-initialisation); also raised directly when it is used out of order, e.g.
