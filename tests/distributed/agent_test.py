@@ -10,28 +10,29 @@ from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack
 from mnemojax._src.distributed.worker.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.errors import StateUnavailableError
 from mnemojax.testing import corrupt_agent_copies
-from tests.distributed.fakes import held, wait_until
+from tests.distributed.fakes import SECRET, closed_without_reply, held, wait_until
 
 
 def test_buddy_replication_and_serving(two_agents):
     fake, agents = two_agents
     fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
-    client = AgentClient(agents[0].address)
+    client = AgentClient(agents[0].address, secret=SECRET)
     w = np.arange(8, dtype=np.float32)
     try:
         for step in (1, 2, 3):
             client.publish(step, pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)],
                                       num_leaves=1))
         wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [3])
-        data, addr = fetch_snapshot([agents[1].address], 0, 3)
+        data, addr = fetch_snapshot([agents[1].address], 0, 3, secret=SECRET)
         np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
         assert addr == agents[1].address
         # The worker's own agent serves both slots; a missing step is a typed error.
         assert held(agents[0].address) == ({"0": [2, 3]}, [])
-        data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2)  # first one dead
+        # The first one is dead.
+        data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2, secret=SECRET)
         np.testing.assert_array_equal(assemble([data], 1)[0], w + 2)
         with pytest.raises(StateUnavailableError):
-            fetch_snapshot([agents[1].address], 0, 9)
+            fetch_snapshot([agents[1].address], 0, 9, secret=SECRET)
         assert [e.step for e in fake.events if isinstance(e, wire.Progress)] == [1, 2, 3]
         # A flipped bit in the shared memory: the agent no longer counts that copy, and
         # serving it fails its CRC, so a survivor takes the buddy's.
@@ -39,7 +40,8 @@ def test_buddy_replication_and_serving(two_agents):
         assert buffer is not None and corrupt_agent_copies(buffer.name, step=3) == [3]
         steps, corrupt = held(agents[0].address)
         assert steps == {"0": [2]} and [(c.origin, c.step) for c in corrupt] == [(0, 3)]
-        data, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3)
+        data, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3,
+                                    secret=SECRET)
         assert addr == agents[1].address
         np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
     finally:
@@ -51,7 +53,7 @@ def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
     count too): over it the replica is refused and reported, never held."""
     fake, agents = two_agents
     fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
-    c0, c1 = AgentClient(agents[0].address), AgentClient(agents[1].address)
+    c0, c1 = AgentClient(agents[0].address, secret=SECRET), AgentClient(agents[1].address, secret=SECRET)
     try:
         def payload(step, worker, n):
             return pack(step, worker, [ShardEntry(0, (n,), ((0, n),), np.ones(n, np.uint8))],
@@ -64,7 +66,7 @@ def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
         wait_until(lambda: any(isinstance(e, wire.ReplicaRefused) for e in fake.events))
         assert held(agents[1].address)[0].get("0") == [1]  # step 2 was never held
         with pytest.raises(StateUnavailableError):
-            fetch_snapshot([agents[1].address], 0, 2)
+            fetch_snapshot([agents[1].address], 0, 2, secret=SECRET)
     finally:
         c0.close()
         c1.close()
@@ -74,7 +76,39 @@ def test_agent_answers_a_malformed_request_with_an_error(two_agents):
     from mnemojax._src.distributed import transport
 
     _, agents = two_agents
-    with transport.connect(agents[0].address) as sock:
+    with transport.connect(agents[0].address, secret=SECRET) as sock:
         transport.send_frame(sock, {"op": "get", "origin": 0, "step": "three"})
         reply, _ = transport.recv(sock)
     assert isinstance(reply, wire.ErrorReply) and "'step'" in reply.message
+
+
+def test_an_unauthenticated_client_is_refused_and_reported(two_agents):
+    """A forged `alloc` (it would wipe the buddy replicas) or `get` (it would read a
+    snapshot) without the job secret: the connection is closed with no reply, the agent
+    tells the launcher, and it goes on serving its own processes."""
+    import socket
+
+    from mnemojax._src.distributed import transport
+
+    fake, agents = two_agents
+    client = AgentClient(agents[0].address, secret=SECRET)
+    try:
+        client.publish(1, pack(1, 0, [ShardEntry(0, (4,), ((0, 4),), np.ones(4, np.float32))],
+                               num_leaves=1))
+        wait_until(lambda: held(agents[0].address)[0] == {"0": [1]})
+        host, port = agents[0].address.rsplit(":", 1)
+        for forged in (wire.Alloc(nbytes=1 << 20, budget_bytes=None), wire.Get(origin=0, step=1)):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                assert isinstance(transport.recv(sock)[0], wire.AuthChallenge)
+                transport.send(sock, forged)
+                assert closed_without_reply(sock)
+        with pytest.raises(StateUnavailableError):  # a wrong secret is refused too
+            fetch_snapshot([agents[0].address], 0, 1, secret=b"w" * 32)
+        wait_until(lambda: len([e for e in fake.events
+                                if isinstance(e, wire.RefusedConnection)]) == 3)
+        assert all(e.worker_id == 0 for e in fake.events if isinstance(e, wire.RefusedConnection))
+        assert held(agents[0].address)[0] == {"0": [1]}  # nothing was wiped
+        data, _ = fetch_snapshot([agents[0].address], 0, 1, secret=SECRET)
+        np.testing.assert_array_equal(assemble([data], 1)[0], np.ones(4, np.float32))
+    finally:
+        client.close()

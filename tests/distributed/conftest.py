@@ -8,14 +8,15 @@ import pytest
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.agent import Agent
-from tests.distributed.fakes import FakeLauncher, wait_until
+from tests.distributed.fakes import SECRET, FakeLauncher, wait_until
 
 
 @pytest.fixture
 def two_agents():
     """Two agents (threads of this process, no workers) linked to a fake launcher."""
     fake = FakeLauncher()
-    agents = [Agent(worker_id=i, launcher=fake.address, command=[]) for i in range(2)]
+    agents = [Agent(worker_id=i, launcher=fake.address, command=[], secret=SECRET)
+              for i in range(2)]
     threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
     for t in threads:
         t.start()

@@ -9,24 +9,23 @@ from collections.abc import Callable
 
 from mnemojax._src.distributed import transport, wire
 
+SECRET = bytes(range(32))  # the job secret of the unit tests' agents
+
 
 class FakeLauncher:
-    """Accepts agent links, records their events, and lets a test send them commands."""
+    """Accepts (authenticated) agent links, records their events, and lets a test send
+    them commands."""
 
     def __init__(self):
         self.server, self.address = transport.listen()
         self.links: dict[int, socket.socket] = {}
         self.addresses: dict[int, str] = {}
         self.events: list[wire.Message] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+        self.refused: list[tuple[str, str]] = []
+        threading.Thread(target=transport.accept_loop, args=(self.server, self._read),
+                         kwargs={"secret": SECRET,
+                                 "on_refused": lambda *r: self.refused.append(r)},
+                         daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
         try:
@@ -48,6 +47,14 @@ class FakeLauncher:
         self.server.close()
 
 
+def closed_without_reply(sock: socket.socket) -> bool:
+    """The peer closed the connection (unread bytes make that a reset) without a word."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
 def wait_until(cond: Callable[[], object], timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -57,7 +64,8 @@ def wait_until(cond: Callable[[], object], timeout: float = 10.0) -> None:
 
 def held(agent_address: str) -> tuple[dict[str, list[int]], list[wire.CorruptCopy]]:
     """What an agent holds: ``{origin: [steps]}`` and its corrupt copies."""
-    reply, _ = transport.request(agent_address, wire.HoldingsQuery(), wire.Holdings)
+    reply, _ = transport.request(agent_address, wire.HoldingsQuery(), wire.Holdings,
+                                 secret=SECRET)
     steps: dict[str, list[int]] = {}
     for c in reply.copies:
         steps.setdefault(str(c.origin), []).append(c.step)

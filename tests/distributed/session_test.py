@@ -11,7 +11,7 @@ from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
 from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.errors import DistributedError
-from tests.distributed.fakes import held
+from tests.distributed.fakes import SECRET, held
 
 
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
@@ -23,7 +23,8 @@ def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
 
     _, agents = two_agents
     session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
-                                           num_processes=1, agent=agents[0].address))
+                                           num_processes=1, agent=agents[0].address,
+                                           secret=SECRET))
     leaves = [jnp.ones((256,), jnp.float32)]  # 1 KiB of shards, plus metadata
     assert session.agent is not None
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from multiprocessing import resource_tracker, shared_memory
 
 import pytest
@@ -61,3 +63,9 @@ def test_attach_rejects_foreign_segment():
     finally:
         raw.close()
         raw.unlink()
+
+
+def test_segments_are_private_to_the_owner(buffer):
+    """Mode 0600: another user can neither read a snapshot nor plant one."""
+    mode = os.stat(os.path.join("/dev/shm", buffer.name.lstrip("/"))).st_mode
+    assert stat.S_IMODE(mode) == 0o600

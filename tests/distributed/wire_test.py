@@ -52,6 +52,10 @@ EXAMPLES = [
     wire.Replica(origin=0, step=7, crc=0xFFFFFFFF),
     wire.Get(origin=0, step=7),
     wire.Snapshot(origin=0, step=7, crc=12345),
+    wire.RefusedConnection(worker_id=1, peer="127.0.0.1:7", reason="wrong proof"),
+    wire.AuthChallenge(nonce="ab" * 32),
+    wire.AuthResponse(nonce="cd" * 32, mac="ef" * 32),
+    wire.AuthAccepted(mac="01" * 32),
     wire.Ok(),
     wire.ErrorReply(message="no copy"),
 ]

@@ -98,6 +98,22 @@ def test_kill_whole_host_takes_state_from_the_buddy(tmp_path, reference):
     assert rec["fetched_from"] == {"0": report["agents"][1]}  # 0's ring buddy
 
 
+def test_an_outsider_without_the_job_secret_is_refused_and_the_job_is_exact(
+        tmp_path, reference):
+    """During the job, forged requests without the secret go to the launcher's port (a
+    ``hello`` that would replace agent 0's link, an ``agree``) and to agent 0's (an
+    ``alloc``, a ``get``): every connection is closed unanswered and logged, and a later
+    recovery (worker 1 killed) still fetches the state over authenticated connections."""
+    report = _run(tmp_path, [ProcessFault("intrude", 0, 2), ProcessFault("kill", 1, 4)])
+    rec = _one_recovery(tmp_path, reference, report)
+    intrusion = next(f for f in report["fired"] if f["kind"] == "intrude")
+    assert intrusion["answered"] == []
+    refused = _launcher_events(report, "refused_connection")
+    assert len([e for e in refused if "worker_id" not in e]) == 2  # the launcher's port
+    assert len([e for e in refused if e.get("worker_id") == 0]) == 2  # agent 0's
+    assert rec["failed_processes"] == [1]  # the forged hello took no agent's place
+
+
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     report = _run(tmp_path, [ProcessFault("hang", 1, 4)])
     rec = _one_recovery(tmp_path, reference, report)

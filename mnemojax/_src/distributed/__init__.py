@@ -4,7 +4,8 @@ the modules they share at the top.
 
 Shared (no JAX):
     wire            every message between the processes, one frozen class each
-    transport       framing and request/reply over loopback TCP
+    transport       framing, request/reply over loopback TCP, the connection handshake
+    auth            the per-job secret (``MNEMOJAX_JOB_SECRET``) and the handshake's proofs
     env             `WorldSpec`, `world_from_env` (``MNEMOJAX_*``, SLURM fallback)
     agreement       `Agreement`, `CopyInfo` and the coverage rule (which step to resume)
     shm             double-buffered snapshot slots in POSIX shared memory

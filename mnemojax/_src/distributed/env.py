@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from mnemojax._src.distributed import auth
 from mnemojax._src.errors import WorldConfigError
 
 COORDINATOR = "MNEMOJAX_COORDINATOR"
@@ -46,6 +47,9 @@ class WorldSpec:
             when a re-initialisation renumbers the processes). None: same as process_id.
         attach_timeout_s: how long joining a survivors' world may wait for its members;
             when one died after the agreement, the others agree again after this long.
+        secret: the job secret that authenticates every connection to the launcher and
+            the agents (``MNEMOJAX_JOB_SECRET``, `auth`); required with ``control`` or
+            ``agent``. Never shown by ``repr``.
     """
 
     coordinator: str
@@ -59,6 +63,7 @@ class WorldSpec:
     generation: int = 0
     worker_id: int | None = None
     attach_timeout_s: int = 60
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     @property
     def stable_id(self) -> int:
@@ -77,6 +82,9 @@ class WorldSpec:
         if self.heartbeat_s < 1 or self.collective_timeout_s < 1:
             raise WorldConfigError("heartbeat_s and collective_timeout_s must be >= 1 s")
         split_address(self.coordinator)
+        if (self.control or self.agent) and not self.secret:
+            raise WorldConfigError(f"{auth.JOB_SECRET} is not set: the launcher's and the "
+                                   "agents' connections need the job secret")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -132,6 +140,7 @@ def world_from_env(env: Mapping[str, str] | None = None) -> WorldSpec:
         generation=_int(env, GENERATION) or 0,
         worker_id=_int(env, WORKER_ID),
         attach_timeout_s=_int(env, ATTACH_TIMEOUT_S) or 60,
+        secret=auth.secret_from_env(env),
     )
     if env.get(COORDINATOR):
         pid, n = _int(env, PROCESS_ID), _int(env, NUM_PROCESSES)

@@ -86,6 +86,8 @@ class SnapshotBuffer:
         """
         if slot_bytes < 1:
             raise DistributedError(f"slot_bytes={slot_bytes} is invalid: expected >= 1")
+        # Mode 0600 (CPython's default, only narrowed by the umask): other users can
+        # neither read a worker's snapshot nor plant one (shm_test checks it).
         shm = shared_memory.SharedMemory(name=name, create=True,
                                          size=DATA_AT + NUM_SLOTS * slot_bytes)
         buf = _untrack(shm)

@@ -2,23 +2,31 @@
 
 A frame is ``!II`` (header length, payload length), a UTF-8 JSON header (a `wire` message),
 then the raw payload bytes. JSON keeps the control plane debuggable; the payload is binary
-so snapshots travel without encoding. No JAX here: the agent imports this.
+so snapshots travel without encoding. Every connection is authenticated before its first
+message: `connect` and `accept_loop` run the job secret's handshake (`auth`), and a peer
+that fails it is closed (and logged) before it can send anything else. No JAX here: the
+agent imports this.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from mnemojax._src.distributed import wire
+from mnemojax._src.distributed import auth, wire
 from mnemojax._src.errors import ProtocolError
+
+logger = logging.getLogger("mnemojax")
 
 _PREFIX = struct.Struct("!II")
 MAX_HEADER = 1 << 20
+HANDSHAKE_MAX_HEADER = 1024  # an unauthenticated peer cannot make the server allocate more
+HANDSHAKE_TIMEOUT_S = 10.0
 
 M = TypeVar("M", bound=wire.Message)
 
@@ -44,16 +52,19 @@ def send_frame(sock: socket.socket, header: dict[str, Any],
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[Any, bytearray]:
+def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,
+               max_payload: int | None = None) -> tuple[Any, bytearray]:
     """Receives one frame: its decoded JSON header (not checked) and its payload.
 
     Raises:
         ConnectionError: the peer closed the connection.
-        ProtocolError: the header is too large or not JSON.
+        ProtocolError: the header (or the payload) is too large, or the header is not JSON.
     """
     head_len, payload_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
-    if head_len > MAX_HEADER:
+    if head_len > max_header:
         raise ProtocolError(f"header of {head_len} bytes is too large")
+    if max_payload is not None and payload_len > max_payload:
+        raise ProtocolError(f"payload of {payload_len} bytes is too large")
     try:
         header = json.loads(_recv_exact(sock, head_len))
     except ValueError as e:
@@ -87,16 +98,63 @@ def expect(message: wire.Message, kind: type[M]) -> M:
     return message
 
 
-def connect(address: str, timeout_s: float | None = 10.0) -> socket.socket:
-    """Opens a TCP connection to ``host:port`` with Nagle off (small control messages)."""
+def _handshake_message(sock: socket.socket, kind: type[M]) -> M:
+    header, _ = recv_frame(sock, max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
+    return expect(wire.decode(header), kind)
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Proves the job secret to the server and checks the server's proof (`auth`).
+
+    Raises:
+        ProtocolError: the server's proof is wrong or it sent something else.
+        ConnectionError: the server closed the connection (it refused our proof).
+    """
+    challenge = _handshake_message(sock, wire.AuthChallenge)
+    nonce = auth.new_nonce()
+    send(sock, wire.AuthResponse(nonce=nonce, mac=auth.proof(secret, "client",
+                                                              challenge.nonce, nonce)))
+    accepted = _handshake_message(sock, wire.AuthAccepted)
+    if not auth.verify(secret, "server", challenge.nonce, nonce, accepted.mac):
+        raise ProtocolError("the server did not prove the job secret", op=accepted.OP)
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> None:
+    """Challenges a new client; returns once it proved the job secret (then proves it back).
+
+    Raises:
+        ProtocolError: the client's proof is wrong, or it sent something else first.
+        ConnectionError, OSError: it closed the connection or was too slow.
+    """
+    nonce = auth.new_nonce()
+    send(sock, wire.AuthChallenge(nonce=nonce))
+    response = _handshake_message(sock, wire.AuthResponse)
+    if not auth.verify(secret, "client", nonce, response.nonce, response.mac):
+        raise ProtocolError("wrong proof of the job secret", op=response.OP)
+    send(sock, wire.AuthAccepted(mac=auth.proof(secret, "server", nonce, response.nonce)))
+
+
+def connect(address: str, timeout_s: float | None = 10.0, *, secret: bytes) -> socket.socket:
+    """Opens an authenticated TCP connection to ``host:port`` (`client_handshake`), with
+    Nagle off (small control messages).
+
+    Raises:
+        OSError, ConnectionError: the peer is unreachable or refused our proof.
+        ProtocolError: the peer did not prove the job secret.
+    """
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
 def request(address: str, message: wire.Message, reply: type[M],
-            payload: bytes | bytearray | memoryview = b"", *,
+            payload: bytes | bytearray | memoryview = b"", *, secret: bytes,
             timeout_s: float | None = 10.0) -> tuple[M, bytearray]:
     """One request/response exchange on a fresh connection.
 
@@ -105,7 +163,7 @@ def request(address: str, message: wire.Message, reply: type[M],
             another message than ``reply``.
         OSError, ConnectionError: the peer is unreachable or closed the connection.
     """
-    with connect(address, timeout_s) as sock:
+    with connect(address, timeout_s, secret=secret) as sock:
         send(sock, message, payload)
         answer, data = recv(sock)
     if isinstance(answer, wire.ErrorReply):
@@ -130,14 +188,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _authenticated(conn: socket.socket, peer: str, secret: bytes,
+                   handle: Callable[[socket.socket], None],
+                   on_refused: Callable[[str, str], None] | None) -> None:
+    try:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)  # a silent peer cannot hold the thread
+        server_handshake(conn, secret)
+        conn.settimeout(None)
+    except (OSError, ConnectionError, ProtocolError) as e:
+        conn.close()
+        reason = f"{type(e).__name__}: {e}"
+        logger.warning("refused a connection from %s: %s", peer, reason)
+        if on_refused is not None:
+            on_refused(peer, reason)
+        return
+    handle(conn)
+
+
 def accept_loop(server: socket.socket, handle: Callable[[socket.socket], None], *,
-                stop: threading.Event | None = None) -> None:
-    """Accepts connections on `server` until it is closed (or `stop` is set), handing each
-    to `handle(conn)` on its own daemon thread."""
+                secret: bytes, stop: threading.Event | None = None,
+                on_refused: Callable[[str, str], None] | None = None) -> None:
+    """Accepts connections on `server` until it is closed (or `stop` is set). Each one, on
+    its own daemon thread, must first pass `server_handshake`; then it goes to
+    `handle(conn)`. One that fails is closed, logged, and passed to
+    ``on_refused(peer, reason)``."""
     while stop is None or not stop.is_set():
         try:
-            conn, _ = server.accept()
+            conn, addr = server.accept()
         except OSError:
             return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+        peer = f"{addr[0]}:{addr[1]}"
+        threading.Thread(target=_authenticated, args=(conn, peer, secret, handle, on_refused),
+                         daemon=True).start()

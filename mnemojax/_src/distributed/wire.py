@@ -21,6 +21,9 @@ worker -> its agent         Alloc                                  Allocated
 worker -> its agent         Published, Phase                       none
 agent -> its ring buddy     Replica (+ payload)                    Ok | ErrorReply
 anyone -> agent             Get                                    Snapshot (+ payload) | ErrorReply
+server -> client (setup)    AuthChallenge; the client answers      AuthAccepted, or closed
+                            AuthResponse (`auth`)
+agent -> launcher (link)    RefusedConnection                      none (event)
 ==========================  =====================================  ===========================
 """
 
@@ -223,6 +226,16 @@ class ReplicaRefused(Message):
     origin: int
     step: int
     budget_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RefusedConnection(Message):
+    """The agent closed a connection that failed the handshake (`auth`)."""
+
+    OP: ClassVar[str] = "refused_connection"
+    worker_id: int
+    peer: str
+    reason: str
 
 
 # -- launcher -> agent: commands on the same link -------------------------------------------
@@ -438,6 +451,34 @@ class Snapshot(Message):
 # -- generic replies ------------------------------------------------------------------------------
 
 
+# -- every connection's first exchange: the handshake (`auth`) -------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuthChallenge(Message):
+    """The server's fresh nonce (hex)."""
+
+    OP: ClassVar[str] = "auth_challenge"
+    nonce: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuthResponse(Message):
+    """The client's fresh nonce and its proof of the job secret over both nonces."""
+
+    OP: ClassVar[str] = "auth_response"
+    nonce: str
+    mac: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AuthAccepted(Message):
+    """The server's proof of the job secret over both nonces."""
+
+    OP: ClassVar[str] = "auth_accepted"
+    mac: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Ok(Message):
     OP: ClassVar[str] = "ok"
@@ -451,14 +492,16 @@ class ErrorReply(Message):
     message: str
 
 
-AgentEvent = Hello | WorkerStarted | WorkerExit | Progress | Hang | ReplicaRefused
+AgentEvent = (Hello | WorkerStarted | WorkerExit | Progress | Hang | ReplicaRefused
+              | RefusedConnection)
 Command = Start | SetBuddy | PauseWatchdog | KillWorker | Shutdown
 
 MESSAGES: tuple[type[Message], ...] = (
-    Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused,
+    Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, RefusedConnection,
     Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
     ReportFailure, Agree, AgreementReply, HoldingsQuery, Holdings,
-    Alloc, Allocated, Published, Phase, Replica, Get, Snapshot, Ok, ErrorReply)
+    Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,
+    AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}
 
 

@@ -45,21 +45,24 @@ class Agent:
         command: the worker's command line.
         hang_factor, hang_min_s: the hang rule (`watchdog.HangWatchdog`).
         shm_prefix: the job's shared-memory prefix.
+        secret: the job secret (`auth`): proves every connection it opens and is required
+            of every connection it accepts. Its worker inherits it with the environment.
     """
 
     def __init__(self, *, worker_id: int, launcher: str, command: Sequence[str],
-                 hang_factor: float = 10.0, hang_min_s: float = 5.0, shm_prefix: str = "mnjx_"):
+                 hang_factor: float = 10.0, hang_min_s: float = 5.0, shm_prefix: str = "mnjx_",
+                 secret: bytes):
         self.worker_id = worker_id
         self._stop = threading.Event()
         self.watchdog = HangWatchdog(factor=hang_factor, min_s=hang_min_s)
-        self.link = LauncherLink(launcher, on_lost=self._stop.set)
+        self.link = LauncherLink(launcher, on_lost=self._stop.set, secret=secret)
         self.snapshots = SnapshotHolder(worker_id, shm_prefix=shm_prefix,
                                         report=self.link.report)
-        self.replicator = Replicator(worker_id, self.snapshots, self._stop)
+        self.replicator = Replicator(worker_id, self.snapshots, self._stop, secret=secret)
         self.worker = WorkerProcess(command)
         self.server = AgentServer(worker_id, holder=self.snapshots, replicator=self.replicator,
                                   watchdog=self.watchdog, report=self.link.report,
-                                  stop=self._stop)
+                                  stop=self._stop, secret=secret)
         self.address = self.server.address
 
     def stop(self) -> None:

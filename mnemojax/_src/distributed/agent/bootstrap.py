@@ -14,13 +14,16 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """This process gets SIGKILL when its parent dies (Linux PDEATHSIG), so nothing leaks.
+    """This process gets SIGTERM when its parent dies (Linux PDEATHSIG), so nothing leaks:
+    the agent's SIGTERM handler ends its main loop, which kills its worker and removes its
+    shared-memory segment (a SIGKILL would leave the segment behind when the launcher is
+    itself SIGKILLed and cannot sweep).
 
     Called in the child itself (never as ``preexec_fn``: forking a multithreaded parent,
     like a JAX process, and running Python before ``exec`` can deadlock).
     """
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -44,6 +47,7 @@ def agent_command(*args: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Parses the agent's arguments and runs it until shutdown (or SIGTERM)."""
     # Here, not at the top: the launcher imports this module for `agent_command` only.
+    from mnemojax._src.distributed import auth
     from mnemojax._src.distributed.agent.agent import Agent
 
     p = argparse.ArgumentParser(prog="mnemojax agent")
@@ -59,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s agent %(message)s")
+    secret = auth.secret_from_env(os.environ)  # never argv: command lines are world-readable
+    if secret is None:
+        p.error(f"{auth.JOB_SECRET} is not set (the launcher sets it)")
     agent = Agent(worker_id=args.worker_id, launcher=args.launcher, command=command,
                   hang_factor=args.hang_factor, hang_min_s=args.hang_min_s,
-                  shm_prefix=args.shm_prefix)
+                  shm_prefix=args.shm_prefix, secret=secret)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # the main loop cleans up
     return agent.run()
 

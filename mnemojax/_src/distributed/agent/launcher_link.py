@@ -19,14 +19,15 @@ class LauncherLink:
     Args:
         address: the launcher's control endpoint (``host:port``).
         on_lost: called when an event cannot be sent (the launcher is gone).
+        secret: the job secret (`auth`).
 
     Attributes:
         commands: the launcher's commands in arrival order; a `wire.Shutdown` is queued
             when the link breaks.
     """
 
-    def __init__(self, address: str, *, on_lost: Callable[[], None]):
-        self._sock = transport.connect(address, timeout_s=30)
+    def __init__(self, address: str, *, on_lost: Callable[[], None], secret: bytes):
+        self._sock = transport.connect(address, timeout_s=30, secret=secret)
         self._sock.settimeout(None)
         self._on_lost = on_lost
         self._send_lock = threading.Lock()

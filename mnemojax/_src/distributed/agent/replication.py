@@ -28,10 +28,13 @@ class Replicator:
         worker_id: the origin of the copies sent.
         holder: where the snapshots are.
         stop: ends `run`.
+        secret: the job secret (`auth`): the buddy must prove it before it gets a copy.
     """
 
-    def __init__(self, worker_id: int, holder: SnapshotHolder, stop: threading.Event):
+    def __init__(self, worker_id: int, holder: SnapshotHolder, stop: threading.Event, *,
+                 secret: bytes):
         self.worker_id, self._holder, self._stop = worker_id, holder, stop
+        self._secret = secret
         self._cv = threading.Condition()
         self._published: int | None = None
         self._buddy: str | None = None
@@ -64,7 +67,7 @@ class Replicator:
                 if sock is None or target != buddy:
                     if sock is not None:
                         sock.close()
-                    sock, target = transport.connect(buddy), buddy
+                    sock, target = transport.connect(buddy, secret=self._secret), buddy
                 transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
                                data)
                 transport.recv(sock)

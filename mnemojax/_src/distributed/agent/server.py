@@ -4,7 +4,9 @@ Its worker (one persistent connection, `worker.agent_client.AgentClient`) asks f
 (`wire.Alloc`), says it published a step (`wire.Published`: the watchdog's progress signal,
 and what triggers replication) and which phase it is in (`wire.Phase`). The predecessor's
 agent pushes replicas (`wire.Replica`); survivors fetch copies (`wire.Get`); the launcher
-asks what is held (`wire.HoldingsQuery`) when survivors agree. No JAX here.
+asks what is held (`wire.HoldingsQuery`) when survivors agree. Every connection must prove
+the job secret first (`transport.accept_loop`); a refused one is reported to the launcher
+(`wire.RefusedConnection`). No JAX here.
 """
 
 from __future__ import annotations
@@ -29,19 +31,25 @@ class AgentServer:
         holder, replicator, watchdog: what the requests act on.
         report: sends an event to the launcher.
         stop: ends the accept loop.
+        secret: the job secret every connection must prove (`auth`).
     """
 
     def __init__(self, worker_id: int, *, holder: SnapshotHolder, replicator: Replicator,
                  watchdog: HangWatchdog, report: Callable[[wire.AgentEvent], None],
-                 stop: threading.Event):
+                 stop: threading.Event, secret: bytes):
         self.worker_id = worker_id
         self._holder, self._replicator, self._watchdog = holder, replicator, watchdog
-        self._report, self._stop = report, stop
+        self._report, self._stop, self._secret = report, stop, secret
         self._server, self.address = transport.listen()
 
     def start(self) -> None:
         threading.Thread(target=transport.accept_loop, args=(self._server, self._handle),
-                         kwargs={"stop": self._stop}, daemon=True).start()
+                         kwargs={"stop": self._stop, "secret": self._secret,
+                                 "on_refused": self._refused}, daemon=True).start()
+
+    def _refused(self, peer: str, reason: str) -> None:
+        self._report(wire.RefusedConnection(worker_id=self.worker_id, peer=peer,
+                                            reason=reason[:200]))
 
     def close(self) -> None:
         self._server.close()

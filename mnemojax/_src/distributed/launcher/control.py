@@ -3,7 +3,9 @@
 A connection that opens with `wire.Hello` is an agent's persistent link: its events
 (`wire.AgentEvent`) flow in until it breaks, and the launcher's commands flow out on it
 (`roster.AgentRoster.command`). Any other connection is one request and its reply (a
-worker's `wire.ReportFailure` or `wire.Agree`). Each connection has its own thread.
+worker's `wire.ReportFailure` or `wire.Agree`). Each connection has its own thread, and
+must prove the job secret before its first message (`transport.accept_loop`); one that
+does not is closed, logged and reported to ``on_refused``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from mnemojax._src.distributed import transport, wire
@@ -34,14 +37,22 @@ class ControlHandler(Protocol):
 
 
 class ControlServer:
-    """Listens on a free loopback port (``address``) and dispatches to ``handler``."""
+    """Listens on a free loopback port (``address``) and dispatches to ``handler``.
 
-    def __init__(self, handler: ControlHandler):
-        self._handler = handler
+    Args:
+        handler: what the launcher does with what arrives.
+        secret: the job secret every connection must prove (`auth`).
+        on_refused: called with (peer, reason) for each connection refused.
+    """
+
+    def __init__(self, handler: ControlHandler, *, secret: bytes,
+                 on_refused: Callable[[str, str], None] | None = None):
+        self._handler, self._secret, self._on_refused = handler, secret, on_refused
         self._server, self.address = transport.listen()
 
     def start(self) -> None:
         threading.Thread(target=transport.accept_loop, args=(self._server, self._handle),
+                         kwargs={"secret": self._secret, "on_refused": self._on_refused},
                          daemon=True).start()
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mnemojax._src.distributed import wire
+from mnemojax._src.distributed import auth, wire
 from mnemojax._src.distributed.launcher.arbiter import Arbiter
 from mnemojax._src.distributed.launcher.control import ControlServer
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
@@ -54,16 +54,19 @@ class Launcher:
         self.extra_env = dict(extra_env or {})
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
-        self.roster = AgentRoster()
+        self.secret = auth.new_secret()  # proves every connection of this job (`auth`)
+        self.roster = AgentRoster(secret=self.secret)
         self.services = ServiceHost(heartbeat_s=options.heartbeat_s)
         self.arbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
                                roster=self.roster, services=self.services, record=self._record)
         self._failed_code: int | None = None
-        self._control = ControlServer(self)
+        self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
+                                      self._record({"op": "refused_connection",
+                                                    "peer": peer, "reason": why}))
         self.control = self._control.address
         self.shm_prefix = f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
         self.supervisor = AgentSupervisor(options, self.command, control=self.control,
-                                          shm_prefix=self.shm_prefix)
+                                          shm_prefix=self.shm_prefix, secret=self.secret)
         self.agents = self.supervisor.agents
         self.worker_pids = self.roster.worker_pids
         self.agent_addr = self.roster.addresses

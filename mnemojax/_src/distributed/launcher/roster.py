@@ -19,6 +19,9 @@ from mnemojax._src.errors import ProtocolError
 class AgentRoster:
     """Who is connected. Read and change the dicts with `cv` held.
 
+    Args:
+        secret: the job secret (`auth`), proved when it asks the agents what they hold.
+
     Attributes:
         cv: the launcher's one lock (a condition: waiters are woken on every change).
         links: worker id -> the agent's persistent link (events in, commands out).
@@ -27,7 +30,8 @@ class AgentRoster:
         exit_codes: worker id -> how its worker ended (negative: killed by that signal).
     """
 
-    def __init__(self):
+    def __init__(self, *, secret: bytes):
+        self.secret = secret
         self.cv = threading.Condition()
         self.links: dict[int, socket.socket] = {}
         self.addresses: dict[int, str] = {}
@@ -59,7 +63,7 @@ class AgentRoster:
         def ask(address: str) -> wire.Holdings | None:
             try:
                 return transport.request(address, wire.HoldingsQuery(), wire.Holdings,
-                                         timeout_s=timeout_s)[0]
+                                         secret=self.secret, timeout_s=timeout_s)[0]
             except (OSError, ConnectionError, ProtocolError):
                 return None
 

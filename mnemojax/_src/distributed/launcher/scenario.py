@@ -8,6 +8,10 @@ flips a bit in every snapshot its agent holds in shared memory (its own copy mus
 restored), ``kill_in_agreement`` kills the worker when it calls ``agree`` (it may die
 before or after the decision), and ``kill_after_decision`` kills it as soon as the
 launcher has decided a new world that includes it (the others must agree again).
+``intrude`` harms nothing by itself: an outsider without the job secret connects to the
+launcher's port and to the victim's agent and sends forged requests (a ``hello`` that would
+replace the agent's link, an ``agree``, an ``alloc`` that would wipe the replicas, a ``get``
+that would read a snapshot); every one must be refused and the job must end exact.
 
 A fault fires when its victim has published ``at_step`` (the agent's ``progress`` event);
 the two agreement kinds fire at the first agreement after every fault listed before them
@@ -20,16 +24,19 @@ import dataclasses
 import glob
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
 
+from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.shm import SnapshotBuffer
-from mnemojax._src.errors import InvalidOptionError
+from mnemojax._src.errors import InvalidOptionError, ProtocolError
 
-KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision")
+KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision",
+         "intrude")
 AGREEMENT_KINDS = ("kill_in_agreement", "kill_after_decision")
 
 
@@ -38,8 +45,8 @@ class ProcessFault:
     """One fault done to worker ``victim`` once it has published step ``at_step``.
 
     Attributes:
-        kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement`` or
-            ``kill_after_decision`` (module docstring).
+        kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement``,
+            ``kill_after_decision`` or ``intrude`` (module docstring).
         victim: the worker's stable id (its process id at launch).
         at_step: the step after which it fires (ignored by the agreement kinds).
     """
@@ -72,6 +79,27 @@ def corrupt_agent_copies(segment: str, step: int | None = None) -> list[int]:
         return buffer.flip_bit(step)
     finally:
         buffer.close()
+
+
+def forged_requests_answered(address: str, messages: Sequence[wire.Message]) -> list[str]:
+    """Sends each message, on its own raw connection, without the job secret, the way an
+    outsider would (it skips the handshake: the server's challenge is read and ignored).
+
+    Returns:
+        What came back instead of the connection closing: ``[]`` when all were refused.
+    """
+    answered = []
+    host, _, port = address.rpartition(":")
+    for message in messages:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            try:
+                transport.recv(sock)  # the challenge
+                transport.send(sock, message)
+                reply, _ = transport.recv(sock)
+                answered.append(f"{message.OP} -> {reply.OP}")
+            except (OSError, ConnectionError, ProtocolError):
+                pass  # closed: refused
+    return answered
 
 
 def process_alive(pid: int) -> bool:
@@ -120,6 +148,15 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
     def fire(fault: ProcessFault, event: dict) -> None:
         record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
                   "t": time.time()}
+        if fault.kind == "intrude":
+            v = fault.victim
+            record["answered"] = forged_requests_answered(launcher.control, [
+                wire.Hello(worker_id=v, address="127.0.0.1:1", pid=1),
+                wire.Agree(worker_id=v, generation=0, last_step=0)]) + forged_requests_answered(
+                launcher.agent_addr[v], [wire.Alloc(nbytes=4096, budget_bytes=None),
+                                         wire.Get(origin=v, step=event.get("step") or 0)])
+            fired.append(record)
+            return
         try:
             worker = launcher.worker_pids[fault.victim]
             os.kill(worker, signal.SIGSTOP if fault.kind == "hang" else signal.SIGKILL)

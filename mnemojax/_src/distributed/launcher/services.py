@@ -40,8 +40,10 @@ class CoordinationService:
 
 def start_service(port: int, num_processes: int, *, heartbeat_s: int = 10,
                   shutdown_timeout_s: int = 30, host: str = "127.0.0.1") -> CoordinationService:
-    """Starts a recoverable coordination service in this process."""
-    handle = jax_private.new_service(f"[::]:{port}", num_processes, heartbeat_s=heartbeat_s,
+    """Starts a recoverable coordination service in this process, listening on ``host``
+    only (loopback: the launcher's jobs are single-machine, and JAX's service
+    authenticates no one, so it must not be reachable from other hosts)."""
+    handle = jax_private.new_service(f"{host}:{port}", num_processes, heartbeat_s=heartbeat_s,
                                      shutdown_timeout_s=shutdown_timeout_s)
     logger.info("coordination service on %s:%d for %d processes", host, port, num_processes)
     return CoordinationService(address=f"{host}:{port}", num_processes=num_processes,

@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from mnemojax._src.distributed import auth
 from mnemojax._src.distributed.agent.bootstrap import agent_command
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.shm import sweep
@@ -31,15 +32,18 @@ class AgentSupervisor:
         command: the worker command each agent runs.
         control: the launcher's control endpoint (``host:port``).
         shm_prefix: the job's shared-memory prefix.
+        secret: the job secret, handed to each agent in its environment (never its
+            command line, which other users can read in ``/proc``).
 
     Attributes:
         agents: worker id -> agent ``Popen`` (its pid is its process group's id).
     """
 
     def __init__(self, options: LaunchOptions, command: Sequence[str], *, control: str,
-                 shm_prefix: str):
+                 shm_prefix: str, secret: bytes):
         self.options, self.command = options, list(command)
         self.control, self.shm_prefix = control, shm_prefix
+        self._secret = secret
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
@@ -51,6 +55,7 @@ class AgentSupervisor:
                     "--parent-pid", str(os.getpid()), "--shm-prefix", self.shm_prefix,
                     "--hang-factor", str(o.hang_factor), "--hang-min-s", str(o.hang_floor_s),
                     "--", *self.command),
+                env={**os.environ, **auth.secret_env(self._secret)},
                 start_new_session=True)
 
     def kill_group(self, worker_id: int, sig: int) -> None:

@@ -22,11 +22,12 @@ class AgentClient:
     Args:
         address: the agent's ``host:port`` (``MNEMOJAX_AGENT``).
         headroom: slot capacity as a multiple of the first snapshot's size.
+        secret: the job secret (`auth`); the agent must prove it too.
     """
 
-    def __init__(self, address: str, *, headroom: float = 1.25):
+    def __init__(self, address: str, *, secret: bytes, headroom: float = 1.25):
         self.address, self.headroom = address, headroom
-        self._sock = transport.connect(address)
+        self._sock = transport.connect(address, secret=secret)
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
 
@@ -69,9 +70,10 @@ class AgentClient:
         self._sock.close()
 
 
-def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *,
+def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *, secret: bytes,
                    timeout_s: float = 30.0) -> tuple[bytearray, str]:
-    """Fetches worker ``origin``'s snapshot of ``step`` from the first agent that has it.
+    """Fetches worker ``origin``'s snapshot of ``step`` from the first agent that has it
+    (and proves the job secret ``secret``: an agent that cannot is skipped).
 
     Returns:
         (payload, address of the agent it came from).
@@ -83,7 +85,7 @@ def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *,
     for addr in addresses:
         try:
             reply, data = transport.request(addr, wire.Get(origin=origin, step=step),
-                                            wire.Snapshot, timeout_s=timeout_s)
+                                            wire.Snapshot, secret=secret, timeout_s=timeout_s)
             if zlib.crc32(data) != reply.crc:
                 raise SnapshotCorruptError(f"copy from {addr} fails its CRC32 check")
             return data, addr

@@ -40,15 +40,18 @@ class LauncherCoordinator:
         control: ``host:port`` of the launcher (``MNEMOJAX_CONTROL``).
         worker_id: this worker's stable id.
         timeout_s: bound on one barrier call (the launcher's own deadline is shorter).
+        secret: the job secret (`auth`); the launcher must prove it too.
     """
 
-    def __init__(self, control: str, worker_id: int, *, timeout_s: float = 300.0):
+    def __init__(self, control: str, worker_id: int, *, secret: bytes,
+                 timeout_s: float = 300.0):
         self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
+        self._secret = secret
 
     def _call(self, message: wire.ReportFailure | wire.Agree,
               reply: type[transport.M]) -> transport.M:
         try:
-            answer, _ = transport.request(self.control, message, reply,
+            answer, _ = transport.request(self.control, message, reply, secret=self._secret,
                                           timeout_s=self.timeout_s)
         except (OSError, ConnectionError, ProtocolError) as e:
             raise AgreementError(f"{message.OP} failed: {e}",

@@ -102,7 +102,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         # process stays out of the new world, so it never forms and everyone agrees again.
         t = time.perf_counter()
         try:
-            payloads, fetched_from = _fetch(agreement)
+            payloads, fetched_from = _fetch(agreement, world.secret or b"")
         except StateUnavailableError as e:
             phases["fetch"] += time.perf_counter() - t
             _next_round(coordinator, world, f"the agreed state could not be fetched: {e}")
@@ -123,12 +123,13 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)
 
 
-def _fetch(agreement: Agreement) -> tuple[list[bytearray], dict[int, str]]:
+def _fetch(agreement: Agreement, secret: bytes) -> tuple[list[bytearray], dict[int, str]]:
     """The agreed step's payloads from the sources (each worker's own agent first),
     checked to be of the agreed step and world."""
     payloads, fetched_from = [], {}
     for origin, addrs in agreement.sources.items():
-        payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step)
+        payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step,
+                                                       secret=secret)
         meta = snapshot_codec.read_meta(payload)
         if (meta["step"], meta.get("generation", 0)) != (agreement.resume_step,
                                                           agreement.resume_generation):

@@ -48,9 +48,11 @@ class DistributedSession:
 
     def __init__(self, world: WorldSpec):
         self.world = world
-        self.agent = AgentClient(world.agent) if world.agent else None
-        self.coordinator = LauncherCoordinator(world.control, world.stable_id) \
-            if world.control else None
+        # WorldSpec guarantees a secret wherever there is an agent or a control endpoint.
+        secret = world.secret or b""
+        self.agent = AgentClient(world.agent, secret=secret) if world.agent else None
+        self.coordinator = LauncherCoordinator(world.control, world.stable_id,
+                                               secret=secret) if world.control else None
         self.publish_refused = False  # over the host-memory budget (see `publish`)
 
     @property
