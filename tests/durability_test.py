@@ -4,8 +4,10 @@ restore onto another mesh, preemption signals, memory-pressure checkpoints, the 
 Durability is driven directly with state leaves: no step is compiled.
 """
 
+import errno
 import os
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ import mnemojax
 from mnemojax._src.device_layer import JaxDeviceLayer
 from mnemojax._src.durability import Durability
 from mnemojax._src.events import read_events
-from mnemojax.errors import PreemptionExit
+from mnemojax.errors import CheckpointCorruptError, CheckpointSaveError, PreemptionExit
 from tests import helpers as h
 
 pytestmark = pytest.mark.needs8
@@ -205,3 +207,167 @@ def test_close_is_idempotent_and_later_events_are_dropped(tmp_path):
     dur.close()
     dur.emit("step", step=2)
     assert [e["step"] for e in _events(tmp_path, "step")] == [1]
+
+
+# -- a failed save, a corrupt checkpoint ----------------------------------------------------
+class _FailingManager:
+    """Wraps the tier's Orbax manager: the saves of `steps` fail with ENOSPC, synchronously
+    (from ``save``) or asynchronously (from the wait, leaving Orbax's temporary directory,
+    as a disk that fills during the background write does). Each step fails `times` times."""
+
+    def __init__(self, manager, directory, steps, *, when, times=1):
+        self._manager, self._directory, self._when = manager, Path(directory), when
+        self._left = dict.fromkeys(steps, times)
+        self._pending: int | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def save(self, step, *args, **kwargs):
+        if self._left.get(step) and self._when == "sync":
+            self._left[step] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._manager.save(step, *args, **kwargs)
+        self._pending = step
+
+    def wait_until_finished(self):
+        self._manager.wait_until_finished()
+        step, self._pending = self._pending, None
+        if step is not None and self._left.get(step) and self._when == "async":
+            self._left[step] -= 1
+            (self._directory / str(step)).rename(
+                self._directory / f"{step}.orbax-checkpoint-tmp-1234")
+            self._manager.reload()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _fail(dur, steps, *, when, times=1):
+    dur.tier._manager = _FailingManager(dur.tier._manager, dur.tier.directory, steps,
+                                        when=when, times=times)
+
+
+def _on_disk(tmp_path):
+    return sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("when", ["sync", "async"])
+def test_a_failed_save_is_raised_once_at_the_next_call_and_cleaned(tmp_path, when):
+    """Disk full while saving step 2: nothing raises after the commit; the next call's start
+    raises CheckpointSaveError(step 2) once, before it does anything; later saves work,
+    no temporary directory is left and close() does not raise it again."""
+    mesh = h.mesh_of((4, 2))
+    dur = Durability(_options(tmp_path, every_steps=2), keys=KEYS, layer=JaxDeviceLayer())
+    _fail(dur, [2], when=when)
+    dur.after_commit(1, _leaves(1, mesh), mesh.devices.flat)
+    dur.after_commit(2, _leaves(2, mesh), mesh.devices.flat)  # never raises
+    dur.tier.settle()  # the watcher's wait, made deterministic for the test
+    with pytest.raises(CheckpointSaveError, match="step 2") as info:
+        dur.check_preemption(2, _leaves(2, mesh))
+    err = info.value
+    assert err.steps == (2,) and err.step == 2 and err.directory == str(tmp_path / "ckpt")
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
+    dur.check_preemption(2, _leaves(2, mesh))  # raised once
+    assert _on_disk(tmp_path) == []  # the temporary directory is gone
+    for step in (3, 4):
+        dur.check_preemption(step - 1, _leaves(step - 1, mesh))
+        dur.after_commit(step, _leaves(step, mesh), mesh.devices.flat)
+    dur.close()  # no stale error
+    assert _on_disk(tmp_path) == ["4"]
+    [fault] = _events(tmp_path, "fault")
+    assert fault["step"] == 2 and fault["classification"] == "checkpoint_failed"
+    again = Durability(_options(tmp_path), keys=KEYS, layer=JaxDeviceLayer())
+    step, leaves = again.restore_latest([NamedSharding(mesh, s) for s in SPECS], _structs())
+    again.close()
+    assert step == 4 and int(leaves[1]) == 4
+
+
+def test_a_failure_not_yet_raised_is_raised_by_close_once(tmp_path):
+    mesh = h.mesh_of((4, 2))
+    dur = Durability(_options(tmp_path, every_steps=1), keys=KEYS, layer=JaxDeviceLayer())
+    _fail(dur, [2], when="async")
+    dur.after_commit(1, _leaves(1, mesh), mesh.devices.flat)
+    dur.after_commit(2, _leaves(2, mesh), mesh.devices.flat)  # the last step
+    with pytest.raises(CheckpointSaveError) as info:
+        dur.close()
+    assert info.value.steps == (2,) and dur.tier is None and dur.events is None
+    dur.close()  # already raised: not again
+    assert _on_disk(tmp_path) == ["1"]
+
+
+def test_a_failed_preemption_checkpoint_is_raised_then_retried(tmp_path):
+    original = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        mesh = h.mesh_of((4, 2))
+        dur = Durability(_options(tmp_path, preemption_signals=(signal.SIGUSR1,)), keys=KEYS,
+                         layer=JaxDeviceLayer())
+        _fail(dur, [2], when="sync", times=2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        dur.after_commit(2, _leaves(2, mesh), mesh.devices.flat)  # committed: not raised
+        with pytest.raises(CheckpointSaveError, match="preemption checkpoint"):
+            dur.check_preemption(2, _leaves(2, mesh))  # the retry fails too: raised
+        with pytest.raises(PreemptionExit) as info:
+            dur.check_preemption(2, _leaves(2, mesh))  # written at the third try
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+    assert info.value.step == 2 and _on_disk(tmp_path) == ["2"]
+
+
+def test_temporary_directories_of_a_crashed_run_are_removed_on_open(tmp_path):
+    (tmp_path / "ckpt" / "3.orbax-checkpoint-tmp-99" / "state").mkdir(parents=True)
+    dur = Durability(_options(tmp_path), keys=KEYS, layer=JaxDeviceLayer())
+    assert dur.restore_latest(None, _structs()) is None
+    dur.close()
+    assert _on_disk(tmp_path) == []
+
+
+def _truncate_data(step_dir: Path) -> None:
+    for f in (step_dir / "state" / "d").iterdir():
+        os.truncate(f, f.stat().st_size // 2)
+
+
+def _garble_data(step_dir: Path) -> None:
+    for f in (step_dir / "state" / "d").iterdir():
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+
+def _garble_metadata(step_dir: Path) -> None:
+    (step_dir / "mnemojax" / "metadata").write_text('{"step": ')
+
+
+@pytest.mark.parametrize("corrupt", [_truncate_data, _garble_data, _garble_metadata])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, corrupt):
+    mesh = h.mesh_of((4, 2))
+    dur = Durability(_options(tmp_path, every_steps=1, max_to_keep=3), keys=KEYS,
+                     layer=JaxDeviceLayer())
+    for step in (1, 2, 3):
+        dur.after_commit(step, _leaves(step, mesh), mesh.devices.flat)
+    dur.close()
+    corrupt(tmp_path / "ckpt" / "3")
+    again = Durability(_options(tmp_path), keys=KEYS, layer=JaxDeviceLayer())
+    step, leaves = again.restore_latest([NamedSharding(mesh, s) for s in SPECS], _structs())
+    again.close()
+    assert step == 2
+    for got, want in zip(leaves, _host(2), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    [fault] = _events(tmp_path, "fault")
+    assert fault["step"] == 3 and fault["classification"] == "checkpoint_corrupt"
+
+
+def test_every_checkpoint_corrupt_is_a_typed_error(tmp_path):
+    mesh = h.mesh_of((4, 2))
+    dur = Durability(_options(tmp_path, every_steps=1, max_to_keep=3), keys=KEYS,
+                     layer=JaxDeviceLayer())
+    for step in (1, 2, 3):
+        dur.after_commit(step, _leaves(step, mesh), mesh.devices.flat)
+    dur.close()
+    for step, corrupt in zip((1, 2, 3), (_truncate_data, _garble_metadata, _garble_data),
+                             strict=True):
+        corrupt(tmp_path / "ckpt" / str(step))
+    again = Durability(_options(tmp_path), keys=KEYS, layer=JaxDeviceLayer())
+    with pytest.raises(CheckpointCorruptError, match="no checkpoint") as info:
+        again.restore_latest([NamedSharding(mesh, s) for s in SPECS], _structs())
+    again.close()
+    assert info.value.steps == (3, 2, 1) and len(info.value.errors) == 3
+    assert isinstance(info.value, ValueError)

@@ -1,5 +1,7 @@
 """The persistent tier: plain Orbax, any mesh, last resort, preemption and memory triggers."""
 
+import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -15,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import mnemojax
 from mnemojax._src.events import read_events
 from mnemojax._src.persistent import PersistentTier
-from mnemojax.errors import CheckpointMismatchError, PreemptionExit
+from mnemojax.errors import CheckpointMismatchError, CheckpointSaveError, PreemptionExit
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -165,3 +167,127 @@ def test_sigterm_to_a_running_job_then_restart_matches_reference(tmp_path):
     want = h.reference_run(h.make_batches(STEPS))
     for i, b in enumerate(want.state):
         np.testing.assert_allclose(final[f"arr_{i}"], b, rtol=1e-5, atol=1e-5)
+
+
+# -- disk full -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _tiny_tmpfs(path: Path, size: str = "4m"):
+    """A tmpfs of `size` at `path` (skips where mount is not allowed)."""
+    path.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}); the injected case covers it")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)
+
+
+def _fill(directory: Path) -> Path:
+    """Fills the file system of `directory`; returns the file that holds the space."""
+    filler = directory / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def _disk_full_run(tmp_path, ckpt: Path, *, make_full, make_free):
+    """Six steps, a checkpoint every two; the disk is full from step 2 until the
+    CheckpointSaveError is caught, then freed and the same batch is passed again."""
+    batches = h.make_batches(6)
+    model, optimizer = h.make_mlp()
+    opts = h.no_precompile(persistent=mnemojax.PersistentOptions(
+        directory=str(ckpt), every_steps=2, max_to_keep=3),
+        event_log=str(tmp_path / "events.jsonl"))
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts)
+    errors, losses = [], []
+    for i, batch in enumerate(batches, start=1):
+        if i == 2:
+            make_full()
+        while True:
+            try:
+                losses.append(float(step(model, optimizer, batch)["loss"]))
+                break
+            except CheckpointSaveError as e:  # before the call did anything
+                assert step.step_count == i - 1
+                errors.append(e)
+                make_free()
+    try:
+        step.close()
+    except CheckpointSaveError as e:
+        errors.append(e)
+        make_free()
+    step.close()  # never a stale error
+    return h.Run(losses, h.host_state(model, optimizer)), step, errors
+
+
+def _failure_free(n: int) -> h.Run:
+    """The same steps through mnemojax on the same mesh, no checkpoints: bit-equal."""
+    return h.resilient_run(h.make_batches(n), mesh=h.mesh_of((4, 2)))[0]
+
+
+def _check_consistent(tmp_path, ckpt: Path, got, step, errors):
+    h.assert_same_run(got, _failure_free(6), tol=0)
+    assert step.step_count == 6
+    failed = [s for e in errors for s in e.steps]
+    assert len(errors) >= 1 and failed[0] == 2 and len(set(failed)) == len(failed)
+    left = sorted(p.name for p in ckpt.iterdir() if p.name != "filler")
+    assert all(name.isdigit() for name in left), left  # no temporary directory
+    assert not set(failed) & {int(n) for n in left}
+    # The newest checkpoint left restores to the failure-free run's state at its step.
+    fresh, fresh_opt = h.make_mlp()
+    again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
+    restored = again.restore(fresh, fresh_opt)
+    again.close()
+    assert restored == max(int(n) for n in left)
+    want = _failure_free(restored).state
+    for a, b in zip(h.host_state(fresh, fresh_opt), want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# Orbax's write tasks may outlive their event loop after a failed write (its internals).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_disk_full_on_a_tiny_tmpfs_keeps_the_run_consistent(tmp_path):
+    with _tiny_tmpfs(tmp_path / "disk") as disk:
+        ckpt = disk / "ckpt"
+        holder: list[Path] = []
+        got, step, errors = _disk_full_run(
+            tmp_path, ckpt, make_full=lambda: holder.append(_fill(disk)),
+            make_free=lambda: [p.unlink() for p in holder if p.exists()])
+        _check_consistent(tmp_path, ckpt, got, step, errors)
+
+
+def test_disk_full_from_orbax_as_an_oserror_keeps_the_run_consistent(tmp_path, monkeypatch):
+    """Where no tmpfs can be mounted: Orbax's save raises ENOSPC until the disk is freed,
+    leaving its temporary directory behind as a real failed write does."""
+    import orbax.checkpoint as ocp
+
+    full = [False]
+    real_save = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if full[0]:
+            (Path(self.directory) / f"{step}.orbax-checkpoint-tmp-77" / "state").mkdir(
+                parents=True)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    ckpt = tmp_path / "ckpt"
+
+    def make_free():
+        full[0] = False
+
+    got, step, errors = _disk_full_run(tmp_path, ckpt, make_full=lambda: full.__setitem__(0, True),
+                                       make_free=make_free)
+    _check_consistent(tmp_path, ckpt, got, step, errors)
+    assert errors[0].steps == (2,) and isinstance(errors[0].__cause__, OSError)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6"]

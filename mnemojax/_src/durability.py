@@ -7,6 +7,19 @@
   step is checkpointed synchronously and `PreemptionExit` is raised;
 * memory pressure rising toward the limit: checkpoint at once, keep training;
 * the JSONL event log (`ResilienceOptions.event_log`).
+
+A failed save (disk full, ...) never changes the training state, and is never silent. It
+is raised as `CheckpointSaveError`, naming the steps not checkpointed, at the start of the
+first call after it is known (`check_preemption`, which the step calls before it does
+anything) or by `close()`: raised there, the step counter, the model and the checkpoints
+agree, and calling again with the same arguments continues the failure-free run; each
+failure is raised once. Raising it from the call whose save failed would leave that call
+committed but its result (the NNX model's write-back, the pure form's return value)
+undelivered. An asynchronous save is waited for on a watcher thread, so its failure is
+known as soon as the write ends at no cost to the training thread. The next scheduled
+save is the retry; a failed preemption checkpoint is retried at every call until it is
+written. Restoring tries the checkpoints newest first and falls back past unreadable ones
+(`CheckpointCorruptError` when none can be read).
 """
 
 from __future__ import annotations
@@ -16,11 +29,19 @@ import threading
 import time
 from collections.abc import Sequence
 
+import jax
+
 from mnemojax._src.device_layer import DeviceLayer
-from mnemojax._src.errors import PreemptionExit
+from mnemojax._src.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    MnemojaxError,
+    PreemptionExit,
+)
 from mnemojax._src.events import EventLog
 from mnemojax._src.options import ResilienceOptions
-from mnemojax._src.persistent import PersistentTier
+from mnemojax._src.persistent import PersistentTier, SaveFailure
 from mnemojax._src.triggers import MemoryWatch, PreemptionWatch
 
 log = logging.getLogger("mnemojax")
@@ -44,7 +65,8 @@ class Durability:
         self.events = EventLog(options.event_log, options.run_name) if options.event_log \
             else None
         self._keys = keys
-        self.tier = self._open_tier() if popts.directory else None
+        self._failed: list[SaveFailure] = []  # known, not yet raised
+        self.tier = self._open_tier(clean_tmp=True) if popts.directory else None
         self._preemption = PreemptionWatch(popts.preemption_signals) \
             if self.tier is not None and popts.preemption_signals else None
         self._memory = MemoryWatch(popts.memory_pressure_fraction) \
@@ -56,6 +78,19 @@ class Durability:
             self.events.emit(kind, **fields)
 
     def check_preemption(self, step: int, leaves: Sequence | None) -> None:
+        """Called at the start of a call, before it does anything (`step` is the last
+        complete step, `leaves` its state or None when not on the devices).
+
+        Raises:
+            PreemptionExit: after a preemption notice, once `step` is checkpointed.
+            CheckpointSaveError: checkpoints that failed since the last call, or the
+                preemption checkpoint itself (tried again at the next call).
+        """
+        self._preempt_if_noticed(step, leaves, at_call_start=True)
+        self._raise_failed_saves()
+
+    def _preempt_if_noticed(self, step: int, leaves: Sequence | None, *,
+                            at_call_start: bool) -> None:
         """Checkpoints the last complete step and raises `PreemptionExit` after a notice."""
         tier = self.tier
         if self._preemption is None or tier is None or not self._preemption.notice.is_set():
@@ -64,16 +99,27 @@ class Durability:
         self.emit("preemption", step=step, trigger=f"signal {sig}")
         if leaves is not None and step > 0:
             blocked = tier.save(step, leaves, wait=True)
+            self._collect()
+            if any(f.step == step for f in self._failed):
+                if at_call_start:
+                    self._raise_failed_saves(during=f"the preemption checkpoint (signal {sig})")
+                return  # after a commit: raised, and the save tried again, at the next call
             self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
+            for failure in self._failed:  # superseded by the checkpoint of `step`
+                log.warning("mnemojax: the checkpoint of step %d had failed (%s); step %d "
+                            "is checkpointed", failure.step, failure.error, step)
+            self._failed.clear()
         directory = str(tier.directory)
         log.warning("mnemojax: preemption notice (signal %s): step %d checkpointed to %s; "
                     "exiting", sig, step, directory)
-        self.close()
+        self._close(report=False)
         raise PreemptionExit(
             f"preempted (signal {sig}); step {step} is checkpointed in {directory}",
             step=step, directory=directory)
 
     def after_commit(self, step: int, leaves: Sequence, devices) -> None:
+        """Checkpoints and triggers after `step` is committed. A failed save is recorded,
+        not raised (see the module docstring)."""
         tier = self.tier
         if tier is None:
             return
@@ -86,17 +132,52 @@ class Durability:
             if source is not None:
                 self.jit_checkpoints += 1
                 blocked = tier.save(step, leaves, wait=True)
-                log.warning("mnemojax: %s memory above %.0f%% of its limit and rising: step %d "
-                            "checkpointed to %s", source, 100 * self._memory.fraction, step,
-                            tier.directory)
                 self.emit("preemption", step=step, trigger=f"memory pressure ({source})")
-                self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
-        self.check_preemption(step, leaves)
+                if tier.last_saved_step == step:
+                    log.warning("mnemojax: %s memory above %.0f%% of its limit and rising: "
+                                "step %d checkpointed to %s", source,
+                                100 * self._memory.fraction, step, tier.directory)
+                    self.emit("checkpoint_save", step=step, duration_s=blocked,
+                              just_in_time=True)
+        self._preempt_if_noticed(step, leaves, at_call_start=False)
+        self._collect()
 
-    def _open_tier(self) -> PersistentTier:
+    def _collect(self) -> None:
+        """Takes the failures the tier knows of (never blocks); one event each."""
+        if self.tier is None:
+            return
+        for failure in self.tier.take_failures():
+            self._failed.append(failure)
+            self.emit("fault", step=failure.step, classification="checkpoint_failed",
+                      detail=str(failure.error)[:200])
+
+    def _raise_failed_saves(self, during: str | None = None) -> None:
+        self._collect()
+        failures, self._failed = self._failed, []
+        raised = []
+        for failure in failures:
+            if isinstance(failure.error, jax.errors.JaxRuntimeError):
+                # A peer process lost inside the save's collective (multi-process): the
+                # step's own collective fails next and recovers the world.
+                log.warning("mnemojax: the checkpoint of step %d failed in a collective "
+                            "(%s); not raised", failure.step, str(failure.error)[:200])
+            else:
+                raised.append(failure)
+        if not raised:
+            return
+        steps = [f.step for f in raised]
+        directory = str(self._popts.directory)
+        what = during or ("the checkpoint of step " if len(steps) == 1 else
+                          "the checkpoints of steps ") + ", ".join(map(str, steps))
+        raise CheckpointSaveError(
+            f"{what} to {directory} failed: {raised[-1].error}. The training state is "
+            "unaffected (call again to continue); those steps are not checkpointed",
+            steps=steps, directory=directory) from raised[-1].error
+
+    def _open_tier(self, *, clean_tmp: bool) -> PersistentTier:
         assert self._popts.directory is not None  # only called with a directory
         return PersistentTier(self._popts.directory, keys=self._keys,
-                              max_to_keep=self._popts.max_to_keep)
+                              max_to_keep=self._popts.max_to_keep, clean_tmp=clean_tmp)
 
     def reopen_tier(self, layer: DeviceLayer) -> None:
         """A new Orbax manager for a new multi-process world (the old one's processes and
@@ -107,7 +188,7 @@ class Durability:
         if self.tier is None:
             return
         old = self.tier
-        self.tier = self._open_tier()
+        self.tier = self._open_tier(clean_tmp=False)  # the new world's peers may be saving
 
         def close_quietly():
             try:
@@ -117,24 +198,65 @@ class Durability:
         threading.Thread(target=close_quietly, daemon=True).start()
 
     def restore_latest(self, shardings, structs):
-        """(step, leaves on `shardings`) of the newest checkpoint, or None."""
+        """(step, leaves on `shardings`) of the newest readable checkpoint, or None when
+        there is none. An unreadable checkpoint (truncated, garbled) is skipped for the
+        one before it, with a warning and a ``fault`` event.
+
+        Raises:
+            CheckpointMismatchError: the newest checkpoint belongs to another model.
+            CheckpointCorruptError: there are checkpoints, and none can be read.
+        """
         if self.tier is None:
             return None
-        step = self.tier.latest_step()
-        if step is None:
+        steps = self.tier.steps()
+        errors: list[BaseException] = []
+        for step in steps:
+            t0 = time.perf_counter()
+            try:
+                leaves = self.tier.restore(step, shardings, structs)
+            except (CheckpointMismatchError, jax.errors.JaxRuntimeError):
+                raise  # another model; a device lost while placing the state
+            except Exception as e:
+                if isinstance(e, MnemojaxError):
+                    raise
+                errors.append(e)
+                log.warning("mnemojax: checkpoint %s/%d cannot be read (%s: %s); trying the "
+                            "one before it", self.tier.directory, step, type(e).__name__,
+                            str(e)[:200])
+                self.emit("fault", step=step, classification="checkpoint_corrupt",
+                          detail=f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            self.emit("checkpoint_restore", step=step, duration_s=time.perf_counter() - t0)
+            return step, leaves
+        if not errors:
             return None
-        t0 = time.perf_counter()
-        leaves = self.tier.restore(step, shardings, structs)
-        self.emit("checkpoint_restore", step=step, duration_s=time.perf_counter() - t0)
-        return step, leaves
+        directory = str(self.tier.directory)
+        raise CheckpointCorruptError(
+            f"no checkpoint in {directory} can be read (tried steps {steps}); the newest "
+            f"failed with {type(errors[0]).__name__}: {str(errors[0])[:300]}",
+            directory=directory, steps=steps, errors=errors) from errors[0]
 
     def close(self) -> None:
+        """Waits for the save in flight, closes the tier and the event log.
+
+        Raises:
+            CheckpointSaveError: a checkpoint failed and was not raised yet (after
+                everything is closed; a second `close` does not raise it again).
+        """
+        self._close(report=True)
+
+    def _close(self, *, report: bool) -> None:
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
         if self.tier is not None:
             self.tier.close()
+            self._collect()
             self.tier = None
         if self.events is not None:
             self.events.close()
             self.events = None
+        if report:
+            self._raise_failed_saves()
+        else:
+            self._failed.clear()

@@ -11,15 +11,23 @@ A checkpoint is an Orbax `CheckpointManager` step directory with two items:
 Saves are asynchronous (Orbax copies to host, then writes in the background); Orbax's
 commit marker makes a step visible only when complete, so a crash mid-save leaves the
 previous checkpoint as the latest.
+
+A save that fails (disk full, permissions, ...) never raises here: the tier records it as
+a `SaveFailure`, removes the temporary directory the save left, and hands it to its owner
+through `take_failures` (`Durability` raises it at a point where the step counter, the
+model and the checkpoints agree). A background watcher waits for each asynchronous save,
+so a failure is known as soon as the write ends, without blocking the training thread.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -29,6 +37,17 @@ from mnemojax._src.errors import CheckpointMismatchError
 log = logging.getLogger("mnemojax")
 
 Key = tuple[str, ...]
+
+# Orbax writes a step into ``<step>.orbax-checkpoint-tmp...`` and renames it on commit.
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_DRAIN_WAITS = 4
+
+
+class SaveFailure(NamedTuple):
+    """A checkpoint that was not written: its step and the exception the save ended with."""
+
+    step: int
+    error: BaseException
 
 
 def nest(keys: Sequence[Key], leaves: Sequence[Any]) -> dict[str, Any]:
@@ -53,9 +72,19 @@ def unnest(keys: Sequence[Key], tree: dict[str, Any]) -> list[Any]:
 
 
 class PersistentTier:
-    """Orbax checkpoints of the flat state leaves (see module docstring)."""
+    """Orbax checkpoints of the flat state leaves (see module docstring).
 
-    def __init__(self, directory: str, *, keys: Sequence[Key], max_to_keep: int):
+    Args:
+        directory: the checkpoint directory.
+        keys: per state leaf, its key in a checkpoint.
+        max_to_keep: the newest checkpoints kept.
+        clean_tmp: remove the temporary directories of saves that never committed (an
+            earlier run that crashed mid-save) when opening. Off when reopening for a new
+            multi-process world, whose peers may already be saving.
+    """
+
+    def __init__(self, directory: str, *, keys: Sequence[Key], max_to_keep: int,
+                 clean_tmp: bool = True):
         import orbax.checkpoint as ocp  # lazily: only jobs with a persistent tier need it
 
         self._ocp = ocp
@@ -66,6 +95,14 @@ class PersistentTier:
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                  enable_async_checkpointing=True))
         self.last_saved_step: int | None = None
+        self._attempts = 0  # saves started; a failure is recorded once per attempt
+        self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
+        self._watcher: threading.Thread | None = None
+        self._failures: list[SaveFailure] = []
+        self._failed_attempts: set[int] = set()
+        self._lock = threading.Lock()
+        if clean_tmp:
+            self._clean_tmp(None)
 
     def _describe(self, leaves: Sequence[Any]) -> list[dict[str, Any]]:
         return [{"path": "/".join(k), "shape": list(np.shape(x)), "dtype": str(x.dtype)}
@@ -74,35 +111,122 @@ class PersistentTier:
     def save(self, step: int, leaves: Sequence[Any], *, wait: bool = False) -> float:
         """Starts saving the state after `step`; returns the seconds the caller was blocked.
 
-        With `wait`, returns only once the checkpoint is committed on disk.
+        With `wait`, returns only once the checkpoint is committed on disk (or failed).
+        A failure is recorded (see `take_failures`), never raised, except a
+        `jax.errors.JaxRuntimeError` from the synchronous part (a device or a peer process
+        lost during the copy), which the step loop classifies.
         """
         if step == self.last_saved_step:
             if wait:
-                self._manager.wait_until_finished()
+                self.settle()
             return 0.0
         t0 = time.perf_counter()
+        self.settle()  # Orbax would wait for the previous save anyway
         ocp = self._ocp
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(nest(self._keys, leaves)),
-            mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
-        if wait:
-            self._manager.wait_until_finished()
+        self._attempts += 1
+        attempt = self._attempts
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(nest(self._keys, leaves)),
+                mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
+        except jax.errors.JaxRuntimeError:
+            raise
+        except Exception as e:
+            self._record(step, attempt, e)
+            self._clean_tmp(step)
+            return time.perf_counter() - t0
         self.last_saved_step = step
+        self._in_flight = (step, attempt)
+        if wait:
+            self.settle()
+        else:
+            self._watcher = threading.Thread(target=self._watch, args=(step, attempt),
+                                             daemon=True, name=f"mnemojax-checkpoint-{step}")
+            self._watcher.start()
         return time.perf_counter() - t0
 
-    def latest_step(self) -> int | None:
-        self._manager.wait_until_finished()
+    def _watch(self, step: int, attempt: int) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._record(step, attempt, e)
+
+    def _record(self, step: int, attempt: int, error: BaseException) -> None:
+        with self._lock:
+            if attempt in self._failed_attempts:
+                return  # Orbax raises a failed save's error again at the next waits
+            self._failed_attempts.add(attempt)
+            self._failures.append(SaveFailure(step, error))
+            if self.last_saved_step == step:
+                self.last_saved_step = None  # so a just-in-time save retries this step
+        log.warning("mnemojax: the checkpoint of step %d to %s failed: %s", step,
+                    self.directory, str(error)[:300])
+
+    def settle(self) -> None:
+        """Waits for the save in flight, records its failure and removes what it left."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.join()
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        step, attempt = in_flight
+        # The save has ended; Orbax raises its error at more than one wait after that, so
+        # drain them here rather than at the next save (which would seem to fail too).
+        for _ in range(_DRAIN_WAITS):
+            try:
+                self._manager.wait_until_finished()
+                break
+            except Exception as e:
+                self._record(step, attempt, e)
+        if attempt in self._failed_attempts:
+            self._clean_tmp(step)
+
+    def take_failures(self) -> list[SaveFailure]:
+        """The saves known to have failed since the last call (oldest first); never
+        blocks."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def _clean_tmp(self, step: int | None) -> None:
+        """Removes the temporary directories of failed saves up to `step` (None: all), on
+        the primary process only (the directory is shared)."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for path in self.directory.iterdir():
+            head, mark, _ = path.name.partition(_TMP_MARK)
+            if mark and head.isdigit() and (step is None or int(head) <= step):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """The committed checkpoints' steps, newest first."""
+        self.settle()
         self._manager.reload()
-        return self._manager.latest_step()
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[0] if steps else None
 
     def restore(self, step: int, shardings: Sequence[jax.sharding.Sharding],
                 structs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[jax.Array]:
-        """Restores checkpoint `step` onto `shardings` (any mesh); checks it is ours."""
+        """Restores checkpoint `step` onto `shardings` (any mesh); checks it is ours.
+
+        Raises:
+            CheckpointMismatchError: the checkpoint belongs to another model.
+            Exception: whatever Orbax raises for an unreadable checkpoint (`Durability`
+                turns it into a fallback to an older one).
+        """
         ocp = self._ocp
         meta = self._manager.restore(step, args=ocp.args.Composite(
             mnemojax=ocp.args.JsonRestore()))["mnemojax"]
         want = [{"path": "/".join(k), "shape": list(shape), "dtype": str(np.dtype(dtype))}
                 for k, (shape, dtype) in zip(self._keys, structs, strict=True)]
+        if not isinstance(meta, dict) or meta.get("step") != step \
+                or not isinstance(meta.get("leaves"), list):
+            raise ValueError(f"checkpoint {self.directory}/{step}: malformed mnemojax "
+                             f"metadata {str(meta)[:200]}")
         if meta["leaves"] != want:
             raise CheckpointMismatchError(_mismatch(meta["leaves"], want, self.directory, step))
         abstract = nest(self._keys, [
@@ -113,8 +237,12 @@ class PersistentTier:
         return unnest(self._keys, state)
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight (its failure is recorded) and closes the manager."""
+        self.settle()
+        try:
+            self._manager.close()
+        except Exception as e:  # Orbax may raise the recorded failure once more
+            log.info("mnemojax: closing the checkpoint manager: %s", str(e)[:200])
 
 
 def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,
