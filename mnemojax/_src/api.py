@@ -219,7 +219,14 @@ class ResilientStep(Generic[P, R]):
                    if store is not None)
 
     def close(self) -> None:
-        """Stops the background threads (snapshot copiers, compiler)."""
+        """Stops the background threads (snapshot copiers, compiler) and waits for the
+        checkpoint save in flight.
+
+        Raises:
+            CheckpointSaveError: a checkpoint failed and no call has raised it yet (once,
+                after everything is closed). A call raises it at its start, before it does
+                anything, so calling again with the same arguments continues the run.
+        """
         if self._built is not None:
             self._built.runtime.close()
             self._built.durability.emit("run_end", step=self._step, steps=self._step)
@@ -273,6 +280,8 @@ class ResilientStep(Generic[P, R]):
 
         Raises:
             CheckpointMismatchError: the checkpoint belongs to another model.
+            CheckpointCorruptError: there are checkpoints and none can be read (an
+                unreadable newest one falls back to the one before it).
         """
         b = self._built if self._built is not None else self._build((*state_args, None))
         if self._step:
