@@ -54,6 +54,7 @@ class Agent:
                  secret: bytes):
         self.worker_id = worker_id
         self._stop = threading.Event()
+        self._stop_requested = False  # set by `stop` (a signal handler): no lock taken
         self.watchdog = HangWatchdog(factor=hang_factor, min_s=hang_min_s)
         self.link = LauncherLink(launcher, on_lost=self._stop.set, secret=secret)
         self.snapshots = SnapshotHolder(worker_id, shm_prefix=shm_prefix,
@@ -66,8 +67,14 @@ class Agent:
         self.address = self.server.address
 
     def stop(self) -> None:
-        """Asks the main loop to end (it kills the worker and removes the segment)."""
-        self._stop.set()
+        """Asks the main loop to end (it kills the worker and removes the segment).
+
+        Safe in a signal handler (SIGTERM, also the PDEATHSIG when the launcher dies): it
+        only sets a flag. Setting the `threading.Event` there could deadlock, when the
+        handler interrupts the main thread while it holds that event's lock (it sets it
+        itself when the launcher's link breaks).
+        """
+        self._stop_requested = True
 
     def run(self) -> int:
         """Main loop: hello, then commands, exit polling and the watchdog, until shutdown."""
@@ -77,7 +84,7 @@ class Agent:
         self.link.report(wire.Hello(worker_id=self.worker_id, address=self.address,
                                     pid=os.getpid()))
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._stop_requested:
                 try:
                     command = self.link.commands.get(timeout=0.01)
                 except queue.Empty:

@@ -2,6 +2,11 @@
 coordination service, on 127.0.0.1. Usage::
 
     mnemojax launch --nproc 4 --devices-per-proc 2 -- python train.py ...
+
+Exit status: 0 when the final world's workers all exit 0; a worker's own non-zero status
+when it ends the job (an uncaught exception: 1); 124 after ``--timeout-s``; 143 after
+SIGTERM and 130 after SIGINT to the launcher (forwarded to the workers as SIGTERM, their
+preemption notice; they have ``--stop-grace-s`` to checkpoint and exit).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recover", action="store_true",
                         help="end the job at the first worker failure")
     parser.add_argument("--timeout-s", type=float, default=None, help="kill the job after this")
+    parser.add_argument("--stop-grace-s", type=float, default=60.0,
+                        help="after SIGTERM/SIGINT, how long the workers may take to "
+                             "checkpoint and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the worker command, e.g. -- python train.py")
 
@@ -44,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc, devices_per_proc=args.devices_per_proc, heartbeat_s=args.heartbeat_s,
         collective_timeout_s=args.collective_timeout_s, hang_factor=args.hang_factor,
         hang_min_s=args.hang_min_s, agree_timeout_s=args.agree_timeout_s,
-        recover=not args.no_recover, job_timeout_s=args.timeout_s)
+        recover=not args.no_recover, job_timeout_s=args.timeout_s,
+        stop_grace_s=args.stop_grace_s)
     return Launcher(options, command).run()
 
 

@@ -10,11 +10,13 @@ the job's state: the event log, who failed, and when the job is over.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,13 +32,22 @@ from mnemojax._src.errors import AgreementError, DistributedError
 
 logger = logging.getLogger("mnemojax")
 
+# A worker's `wire.ReportFailure` whose reason starts so carries the user's exception it
+# ends with (`worker.session.UNCAUGHT`, the same text; the launcher imports no worker code).
+UNCAUGHT = "uncaught exception: "
+
 
 class Launcher:
     """Runs one job. ``on_event(event)`` sees every event (tests and demos use it).
 
     Events are dicts with an ``op``: the agents' `wire.AgentEvent` s and the workers'
     requests as sent (`wire.Message.to_wire`), and the launcher's own (``agent_lost``,
-    ``evicted``, ``corrupt_copy``, ``decided``, ``old_service_stopped``, ``job_timeout``).
+    ``evicted``, ``corrupt_copy``, ``decided``, ``old_service_stopped``, ``job_timeout``,
+    ``worker_error``).
+
+    A worker killed by a signal (negative exit status) is a crash: the survivors recover.
+    A worker that exits with a positive status ended itself (the user's exception, or
+    ``sys.exit(n)``): the job ends with that status, never recovered.
 
     Attributes:
         events: every event, each with ``t`` (``time.time()``).
@@ -60,6 +71,11 @@ class Launcher:
         self.arbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
                                roster=self.roster, services=self.services, record=self._record)
         self._failed_code: int | None = None
+        self._uncaught: dict[int, str] = {}  # worker id -> the exception it reported
+        # The first worker that ended itself with a non-zero status (an uncaught exception,
+        # sys.exit(n)): (worker id, status, when). It ends the job; nothing is recovered.
+        self._worker_error: tuple[int, int, float] | None = None
+        self._stop_signals: list[int] = []  # SIGTERM / SIGINT received, in order
         self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
@@ -105,9 +121,18 @@ class Launcher:
     def request(self, message: wire.Message) -> wire.Message:
         if isinstance(message, wire.ReportFailure):
             self._record(message.to_wire())
+            if message.reason.startswith(UNCAUGHT):
+                with self.roster.cv:
+                    self._uncaught[message.worker_id] = message.reason[len(UNCAUGHT):]
             return wire.Ok()
         if isinstance(message, wire.Agree):
             self._record(message.to_wire())
+            if (error := self._worker_error) is not None:  # the job is ending: no new world
+                return wire.ErrorReply(message=f"the job is ending: worker {error[0]} "
+                                               f"exited with status {error[1]}")
+            if self._stop_signals:
+                return wire.ErrorReply(message="the job is ending: the launcher was "
+                                               f"signalled ({self._stop_signals[0]})")
             try:
                 return wire.AgreementReply(agreement=self.arbiter.agree(message))
             except AgreementError as e:
@@ -119,11 +144,26 @@ class Launcher:
         if worker_id in self.roster.exit_codes:
             return
         self.roster.exit_codes[worker_id] = code
+        if code > 0 and self._worker_error is None and not self._stop_signals:
+            self._end_on_worker_error(worker_id, code)
         if code != 0:
             self.arbiter.member_died(worker_id)
             # The survivors may now block for up to the collective timeout.
             self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
             self._failed_code = 128 - code if code < 0 else code  # the newest failure
+
+    def _end_on_worker_error(self, worker_id: int, code: int) -> None:
+        """A worker ended itself with a non-zero status: the user's exception (reported by
+        the hook `mnemojax.initialize` installs) or ``sys.exit(n)``. Unlike a killed worker
+        (a negative status: a signal), this is no crash to recover from: the job ends with
+        that status once the others have had ``grace_s`` to end on their own (call with
+        ``roster.cv`` held)."""
+        self._worker_error = (worker_id, code, time.monotonic())
+        error = self._uncaught.get(worker_id)
+        self._record({"op": "worker_error", "worker_id": worker_id, "code": code,
+                      "error": error})
+        logger.error("mnemojax launch: worker %d exited with status %d%s; ending the job",
+                     worker_id, code, f" ({error})" if error else "")
 
     # -- the job ------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -143,6 +183,11 @@ class Launcher:
                                extra_env=self.extra_env), buddy=buddy))
 
     def _finished(self) -> int | None:
+        if (error := self._worker_error) is not None:
+            others = [m for m in self.roster.addresses if m not in self.roster.exit_codes]
+            if not others or time.monotonic() > error[2] + self.options.grace_s:
+                return error[1]
+            return None
         if self._failed_code is not None and not self.options.recover:
             return self._failed_code
         current = self.arbiter.live_members()
@@ -153,13 +198,24 @@ class Launcher:
         return None
 
     def run(self) -> int:
-        """Runs the job; returns its exit status (0 when the final world's workers all exit 0)."""
+        """Runs the job; returns its exit status: 0 when the final world's workers all exit
+        0; a worker's own non-zero status when it ended the job (its exception); 124 on the
+        job timeout; 128 + the signal (143, 130) after SIGTERM or SIGINT to the launcher.
+
+        SIGTERM and SIGINT (caught when run in the main thread) are forwarded to the workers
+        as SIGTERM, their preemption notice: each takes its just-in-time checkpoint (where
+        the persistent tier is on) and exits; after ``stop_grace_s``, or at a second signal,
+        everything left is killed. No world recovery runs meanwhile.
+        """
         t_end = None if self.options.job_timeout_s is None else (
             time.monotonic() + self.options.job_timeout_s)
+        previous = self._catch_stop_signals()
         try:
             self._start()
             with self.roster.cv:
                 while (rc := self._finished()) is None:
+                    if self._stop_signals:
+                        return self._stop_workers()
                     if t_end is not None and time.monotonic() > t_end:
                         self._record({"op": "job_timeout"})
                         return 124
@@ -169,6 +225,35 @@ class Launcher:
             return 130
         finally:
             self.cleanup()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """SIGTERM and SIGINT set a flag that `run` acts on; returns the previous handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, lambda signum, _: self._stop_signals.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop_workers(self) -> int:
+        """Forwards the stop to every running worker (SIGTERM) and waits up to
+        ``stop_grace_s`` (or a second signal) for them to exit (call with ``roster.cv``
+        held). Returns 128 + the first signal."""
+        first = self._stop_signals[0]
+        self._record({"op": "stop_signal", "signal": first})
+        logger.warning("mnemojax launch: signal %d: stopping the workers (SIGTERM), up to "
+                       "%.0f s", first, self.options.stop_grace_s)
+        running = [w for w in self.roster.worker_pids if w not in self.roster.exit_codes]
+        for w in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.roster.worker_pids[w], signal.SIGTERM)
+        deadline = time.monotonic() + self.options.stop_grace_s
+        while (any(w not in self.roster.exit_codes for w in running)
+               and len(self._stop_signals) == 1 and time.monotonic() < deadline):
+            self.roster.cv.wait(timeout=0.2)
+        self._record({"op": "stopped", "signal": first,
+                      "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
+        return 128 + first
 
     def cleanup(self) -> None:
         """Ends every agent and worker (process groups), then the services. Idempotent."""

@@ -26,7 +26,11 @@ class LaunchOptions:
             again (a member died after the decision).
         recover: False: any worker failure ends the job (the failure's exit status).
         job_timeout_s: kill everything after this long (None: no limit).
-        grace_s: SIGTERM-to-SIGKILL grace at cleanup.
+        grace_s: SIGTERM-to-SIGKILL grace at cleanup; also how long the other workers may
+            take to end on their own after one ended the job with an error.
+        stop_grace_s: after SIGTERM or SIGINT to the launcher, how long the workers (sent
+            SIGTERM: a just-in-time checkpoint where the persistent tier is on) may take to
+            exit before everything is killed.
     """
 
     nproc: int
@@ -39,6 +43,7 @@ class LaunchOptions:
     recover: bool = True
     job_timeout_s: float | None = None
     grace_s: float = 3.0
+    stop_grace_s: float = 60.0
 
     def __post_init__(self):
         for name in ("nproc", "devices_per_proc", "heartbeat_s", "collective_timeout_s"):
@@ -46,6 +51,8 @@ class LaunchOptions:
                 raise InvalidOptionError(f"{name}={getattr(self, name)} is invalid: expected >= 1")
         if self.hang_factor <= 1 or self.agree_timeout_s <= 0 or self.grace_s < 0:
             raise InvalidOptionError("hang_factor must be > 1, agree_timeout_s > 0, grace_s >= 0")
+        if self.stop_grace_s < 0:
+            raise InvalidOptionError(f"stop_grace_s={self.stop_grace_s} is invalid: expected >= 0")
 
     @property
     def hang_floor_s(self) -> float:

@@ -13,20 +13,22 @@ step then finds the session with `current()` and:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.env import COORDINATOR, WorldSpec
+from mnemojax._src.distributed.env import CONTROL, COORDINATOR, WorldSpec
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
 from mnemojax._src.distributed.worker.recovery import WorldRecovery, recover_world
 from mnemojax._src.distributed.worker.state_transfer import PutFn
-from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning
+from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning, WorldConfigError
 
 if TYPE_CHECKING:
     import jax
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("mnemojax")
 
 _current: DistributedSession | None = None
+
+# A `wire.ReportFailure` whose reason starts so is a user's exception, not a peer failure:
+# the launcher ends the job with it (`launcher.launcher.UNCAUGHT`, the same text).
+UNCAUGHT = "uncaught exception: "
 
 
 class DistributedSession:
@@ -150,9 +156,40 @@ def initialize() -> DistributedSession | None:
     if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
     _current = DistributedSession(coordination.initialize_worker())
+    _report_uncaught_exceptions(_current)
     return _current
 
 
+def _report_uncaught_exceptions(session: DistributedSession) -> None:
+    """Chains ``sys.excepthook``: after the traceback is printed, the launcher is told that
+    this worker ends with the user's exception (it then ends the job with it, rather than
+    recovering from the exit as from a crash). Best effort: a launcher that cannot be
+    reached still sees the exit status (1)."""
+    coordinator = session.coordinator
+    if coordinator is None:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)
+        with contextlib.suppress(Exception):
+            coordinator.report_failure(generation=session.world.generation,
+                                       reason=f"{UNCAUGHT}{kind.__name__}: {value}"[:500])
+
+    sys.excepthook = hook
+
+
 def current() -> DistributedSession | None:
-    """The session `initialize` created in this process (None: a single-process run)."""
+    """The session `initialize` created in this process (None: a single-process run).
+
+    Raises:
+        WorldConfigError: ``mnemojax launch`` started this process (``MNEMOJAX_CONTROL``
+            is set) but it never called `initialize`: it would train alone, on its own
+            devices, while the job believes it is one of its workers.
+    """
+    if _current is None and CONTROL in os.environ:
+        raise WorldConfigError(
+            "this process was started by `mnemojax launch` but never called "
+            "mnemojax.initialize(): call it at the top of the worker script, before any JAX "
+            "use, so that it joins the job's world")
     return _current
