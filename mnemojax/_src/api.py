@@ -245,14 +245,19 @@ class ResilientStep(Generic[P, R]):
         batch = host_batch(user_batch)
         self._check_batch(b, batch)
         step = self._step + 1
-        self._batches.append(step, batch)
-        if b.session is not None and b.exe is None:
-            compile_with_barrier(b.session, b.runtime, batch, b.examples)
-        leaves = self._place_state(b, leaves)
-        if b.session is not None and self._step == 0:
-            self._publish(0, leaves)  # a peer lost in the first step needs the initial state
-        new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch)
-        if not self._accept(step, metrics, finite):  # nonfinite="skip_batch"
+        batch = self._batches.append(step, batch)  # our own copy, kept for replay
+        try:
+            if b.session is not None and b.exe is None:
+                compile_with_barrier(b.session, b.runtime, batch, b.examples)
+            leaves = self._place_state(b, leaves)
+            if b.session is not None and self._step == 0:
+                self._publish(0, leaves)  # a peer lost in step 1 needs the initial state
+            new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch)
+            accepted = self._accept(step, metrics, finite)
+        except BaseException:
+            self._batches.pop()  # a call that raised leaves no trace for a later replay
+            raise
+        if not accepted:  # nonfinite="skip_batch"
             self._batches.pop()
             # ``ran_on`` is the state of step - 1: the recovered one, if a recovery ran.
             b.last_written = ran_on
@@ -569,15 +574,19 @@ class ResilientStep(Generic[P, R]):
             raise BatchSplitError(
                 f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
         size = sizes.pop() if sizes else None
-        if b.batch_size is None:
-            b.batch_size = size
-            b.examples = size
+        if b.batch_size is not None and size != b.batch_size:
+            raise BatchSplitError(
+                f"the global batch has {size} examples, the first one had {b.batch_size}: "
+                "the global batch size is fixed by the first call (a recovery keeps the "
+                "math of that size); pad or drop a short last batch")
         width = b.runtime.proxy.data_width()
-        used = size if b.examples == b.batch_size else b.examples
+        used = b.examples if b.batch_size is not None else size
         if size is not None and used is not None and used % width:
             raise BatchSplitError(
                 f"the global batch has {size} examples, which the data axis "
                 f"{self.options.data_axis!r} of width {width} cannot split evenly")
+        if b.batch_size is None:
+            b.batch_size = b.examples = size
 
     def _place_state(self, b: _Built, leaves: list) -> list:
         last = b.last_written

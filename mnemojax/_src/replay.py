@@ -7,27 +7,38 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from mnemojax._src.errors import StateUnavailableError
 
 
 class ReplayBuffer:
-    """The global host batches of the last `capacity` steps, by step number.
+    """Copies of the global host batches of the last `capacity` steps, by step number.
 
     A recovery that restores an older state (a host snapshot, an agent's copy, an Orbax
     checkpoint) replays the steps since from here, with the same batches, so the math does
-    not change.
+    not change. The buffer keeps its own copies (a loader may refill the caller's arrays in
+    place), in `capacity` slots whose arrays are reused when the next batch has the same
+    structure: no fresh memory per step.
     """
 
     def __init__(self, capacity: int):
         self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=capacity)
+        self._spare: Any = None  # the arrays of a forgotten batch, to copy the next one into
 
-    def append(self, step: int, batch: Any) -> None:
-        self._batches.append((step, batch))
+    def append(self, step: int, batch: Any) -> Any:
+        """Keeps a copy of `batch` (a pytree of numpy arrays) as the batch of `step`, and
+        returns the copy."""
+        if len(self._batches) == self._batches.maxlen:
+            self._spare = self._batches.popleft()[1]
+        kept = _copy_into(self._spare, batch)
+        self._spare = None
+        self._batches.append((step, kept))
+        return kept
 
     def pop(self) -> None:
-        """Forgets the newest batch (a skipped step)."""
-        self._batches.pop()
+        """Forgets the newest batch (a skipped step, or a call that raised)."""
+        self._spare = self._batches.pop()[1]
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         return iter(list(self._batches))
@@ -62,6 +73,18 @@ class ReplayBuffer:
             raise StateUnavailableError(
                 f"{what} is of step {source_step}, but the batches of steps "
                 f"{missing[0]}..{missing[-1]} are no longer kept for replay") from cause
+
+
+def _copy_into(spare: Any, batch: Any) -> Any:
+    """A copy of `batch`, written into `spare`'s arrays when they have the same structure,
+    shapes and dtypes."""
+    if spare is not None and jax.tree.structure(spare) == jax.tree.structure(batch):
+        pairs = list(zip(jax.tree.leaves(spare), jax.tree.leaves(batch), strict=True))
+        if all(s.shape == b.shape and s.dtype == b.dtype for s, b in pairs):
+            for s, b in pairs:
+                np.copyto(s, b)
+            return spare
+    return jax.tree.map(lambda x: np.array(x, copy=True), batch)
 
 
 def batch_struct(batch: Any, examples: int | None) -> Any:
