@@ -51,6 +51,29 @@ def test_tier_restores_onto_a_smaller_mesh_exactly(tmp_path):
     tier.close()
 
 
+def test_a_synchronous_save_that_fails_raises_and_can_be_retried(tmp_path, monkeypatch):
+    """``save(wait=True)`` (preemption, memory pressure, the checkpoint before giving up on
+    too few processes) raises the failure itself; nothing is left behind."""
+    host = [np.ones((8, 6), np.float32), np.arange(3, dtype=np.int32)]
+    tier = PersistentTier(str(tmp_path), keys=[("model", "w"), ("optimizer", "count")],
+                          max_to_keep=2)
+    real_save = tier._manager.save
+
+    def full(step, *args, **kwargs):
+        (tmp_path / f"{step}.orbax-checkpoint-tmp-5").mkdir()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier._manager, "save", full)
+    with pytest.raises(CheckpointSaveError, match="step 1") as info:
+        tier.save(1, [jax.numpy.asarray(x) for x in host], wait=True)
+    assert info.value.steps == (1,) and isinstance(info.value.__cause__, OSError)
+    assert tier.take_failures() == [] and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(tier._manager, "save", real_save)
+    tier.save(1, [jax.numpy.asarray(x) for x in host], wait=True)  # the same step again
+    assert tier.latest_step() == 1
+    tier.close()
+
+
 def test_checkpoint_is_plain_orbax(tmp_path):
     """What the README shows: load a mnemojax checkpoint with orbax.checkpoint alone."""
     import orbax.checkpoint as ocp

@@ -98,9 +98,8 @@ class Durability:
         sig = self._preemption.signal_received
         self.emit("preemption", step=step, trigger=f"signal {sig}")
         if leaves is not None and step > 0:
-            blocked = tier.save(step, leaves, wait=True)
-            self._collect()
-            if any(f.step == step for f in self._failed):
+            blocked = self._save_now(tier, step, leaves)
+            if blocked is None:
                 if at_call_start:
                     self._raise_failed_saves(during=f"the preemption checkpoint (signal {sig})")
                 return  # after a commit: raised, and the save tried again, at the next call
@@ -131,9 +130,9 @@ class Durability:
             source = self._memory.observe(self.layer.memory_fractions(devices, step=step))
             if source is not None:
                 self.jit_checkpoints += 1
-                blocked = tier.save(step, leaves, wait=True)
+                blocked = self._save_now(tier, step, leaves)
                 self.emit("preemption", step=step, trigger=f"memory pressure ({source})")
-                if tier.last_saved_step == step:
+                if blocked is not None:
                     log.warning("mnemojax: %s memory above %.0f%% of its limit and rising: "
                                 "step %d checkpointed to %s", source,
                                 100 * self._memory.fraction, step, tier.directory)
@@ -141,6 +140,18 @@ class Durability:
                               just_in_time=True)
         self._preempt_if_noticed(step, leaves, at_call_start=False)
         self._collect()
+
+    def _save_now(self, tier: PersistentTier, step: int, leaves: Sequence) -> float | None:
+        """A synchronous save: the seconds it blocked, or None when it failed (recorded)."""
+        try:
+            return tier.save(step, leaves, wait=True)
+        except CheckpointSaveError as e:
+            self._collect()
+            cause = e.__cause__ if e.__cause__ is not None else e
+            self._failed.append(SaveFailure(step, cause))
+            self.emit("fault", step=step, classification="checkpoint_failed",
+                      detail=str(cause)[:200])
+            return None
 
     def _collect(self) -> None:
         """Takes the failures the tier knows of (never blocks); one event each."""

@@ -12,10 +12,11 @@ Saves are asynchronous (Orbax copies to host, then writes in the background); Or
 commit marker makes a step visible only when complete, so a crash mid-save leaves the
 previous checkpoint as the latest.
 
-A save that fails (disk full, permissions, ...) never raises here: the tier records it as
-a `SaveFailure`, removes the temporary directory the save left, and hands it to its owner
-through `take_failures` (`Durability` raises it at a point where the step counter, the
-model and the checkpoints agree). A background watcher waits for each asynchronous save,
+An asynchronous save that fails (disk full, permissions, ...) never raises here: the tier
+records it as a `SaveFailure`, removes the temporary directory the save left, and hands it
+to its owner through `take_failures` (`Durability` raises it at a point where the step
+counter, the model and the checkpoints agree). A synchronous save (``wait=True``) raises
+`CheckpointSaveError` itself. A background watcher waits for each asynchronous save,
 so a failure is known as soon as the write ends, without blocking the training thread.
 """
 
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mnemojax._src.errors import CheckpointMismatchError
+from mnemojax._src.errors import CheckpointMismatchError, CheckpointSaveError
 
 log = logging.getLogger("mnemojax")
 
@@ -98,8 +99,9 @@ class PersistentTier:
         self._attempts = 0  # saves started; a failure is recorded once per attempt
         self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
         self._watcher: threading.Thread | None = None
-        self._failures: list[SaveFailure] = []
+        self._failures: list[tuple[int, SaveFailure]] = []  # (attempt, failure)
         self._failed_attempts: set[int] = set()
+        self._dirty_up_to: int | None = None  # temporary directories of failed saves
         self._lock = threading.Lock()
         if clean_tmp:
             self._clean_tmp(None)
@@ -111,17 +113,19 @@ class PersistentTier:
     def save(self, step: int, leaves: Sequence[Any], *, wait: bool = False) -> float:
         """Starts saving the state after `step`; returns the seconds the caller was blocked.
 
-        With `wait`, returns only once the checkpoint is committed on disk (or failed).
-        A failure is recorded (see `take_failures`), never raised, except a
-        `jax.errors.JaxRuntimeError` from the synchronous part (a device or a peer process
-        lost during the copy), which the step loop classifies.
+        Without `wait`, a failure is recorded (see `take_failures`), never raised. With
+        `wait`, returns only once the checkpoint is committed on disk.
+
+        Raises:
+            CheckpointSaveError: with `wait`, this checkpoint failed (not recorded then).
+            jax.errors.JaxRuntimeError: from the synchronous part (a device or a peer
+                process lost during the copy), which the step loop classifies.
         """
-        if step == self.last_saved_step:
-            if wait:
-                self.settle()
-            return 0.0
         t0 = time.perf_counter()
         self.settle()  # Orbax would wait for the previous save anyway
+        self._clean_dirty()
+        if step == self.last_saved_step:
+            return time.perf_counter() - t0
         ocp = self._ocp
         self._attempts += 1
         attempt = self._attempts
@@ -133,16 +137,26 @@ class PersistentTier:
             raise
         except Exception as e:
             self._record(step, attempt, e)
-            self._clean_tmp(step)
-            return time.perf_counter() - t0
-        self.last_saved_step = step
-        self._in_flight = (step, attempt)
-        if wait:
-            self.settle()
+            self._mark_dirty(step)
         else:
-            self._watcher = threading.Thread(target=self._watch, args=(step, attempt),
-                                             daemon=True, name=f"mnemojax-checkpoint-{step}")
-            self._watcher.start()
+            self.last_saved_step = step
+            self._in_flight = (step, attempt)
+            if not wait:
+                self._watcher = threading.Thread(target=self._watch, args=(step, attempt),
+                                                 daemon=True,
+                                                 name=f"mnemojax-checkpoint-{step}")
+                self._watcher.start()
+                return time.perf_counter() - t0
+            self.settle()
+        if wait:
+            with self._lock:
+                mine = [f for a, f in self._failures if a == attempt]
+                self._failures = [(a, f) for a, f in self._failures if a != attempt]
+            if mine:
+                raise CheckpointSaveError(
+                    f"the checkpoint of step {step} to {self.directory} failed: "
+                    f"{mine[0].error}", steps=[step], directory=str(self.directory)
+                ) from mine[0].error
         return time.perf_counter() - t0
 
     def _watch(self, step: int, attempt: int) -> None:
@@ -156,7 +170,7 @@ class PersistentTier:
             if attempt in self._failed_attempts:
                 return  # Orbax raises a failed save's error again at the next waits
             self._failed_attempts.add(attempt)
-            self._failures.append(SaveFailure(step, error))
+            self._failures.append((attempt, SaveFailure(step, error)))
             if self.last_saved_step == step:
                 self.last_saved_step = None  # so a just-in-time save retries this step
         log.warning("mnemojax: the checkpoint of step %d to %s failed: %s", step,
@@ -180,14 +194,25 @@ class PersistentTier:
             except Exception as e:
                 self._record(step, attempt, e)
         if attempt in self._failed_attempts:
-            self._clean_tmp(step)
+            self._mark_dirty(step)
 
     def take_failures(self) -> list[SaveFailure]:
         """The saves known to have failed since the last call (oldest first); never
         blocks."""
         with self._lock:
             failures, self._failures = self._failures, []
-        return failures
+        return [f for _, f in failures]
+
+    def _mark_dirty(self, step: int) -> None:
+        self._dirty_up_to = max(step, self._dirty_up_to or step)
+        self._clean_dirty()
+
+    def _clean_dirty(self) -> None:
+        """Removes the temporary directories of the failed saves, again at each later save
+        and at close: when its commit fails, Orbax may still have array writes of that
+        step running, which recreate the directory."""
+        if self._dirty_up_to is not None:
+            self._clean_tmp(self._dirty_up_to)
 
     def _clean_tmp(self, step: int | None) -> None:
         """Removes the temporary directories of failed saves up to `step` (None: all), on
@@ -243,6 +268,7 @@ class PersistentTier:
             self._manager.close()
         except Exception as e:  # Orbax may raise the recorded failure once more
             log.info("mnemojax: closing the checkpoint manager: %s", str(e)[:200])
+        self._clean_dirty()
 
 
 def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,
