@@ -25,6 +25,7 @@ written. Restoring tries the checkpoints newest first and falls back past unread
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -101,7 +102,8 @@ class Durability:
             blocked = self._save_now(tier, step, leaves)
             if blocked is None:
                 if at_call_start:
-                    self._raise_failed_saves(during=f"the preemption checkpoint (signal {sig})")
+                    self._raise_failed_saves(
+                        during=f"the preemption checkpoint of step {step} (signal {sig})")
                 return  # after a commit: raised, and the save tried again, at the next call
             self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
             for failure in self._failed:  # superseded by the checkpoint of `step`
@@ -187,7 +189,7 @@ class Durability:
 
     def _open_tier(self, *, clean_tmp: bool) -> PersistentTier:
         assert self._popts.directory is not None  # only called with a directory
-        return PersistentTier(self._popts.directory, keys=self._keys,
+        return PersistentTier(os.fspath(self._popts.directory), keys=self._keys,
                               max_to_keep=self._popts.max_to_keep, clean_tmp=clean_tmp)
 
     def reopen_tier(self, layer: DeviceLayer) -> None:

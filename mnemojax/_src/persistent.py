@@ -23,6 +23,7 @@ so a failure is known as soon as the write ends, without blocking the training t
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -84,8 +85,8 @@ class PersistentTier:
             multi-process world, whose peers may already be saving.
     """
 
-    def __init__(self, directory: str, *, keys: Sequence[Key], max_to_keep: int,
-                 clean_tmp: bool = True):
+    def __init__(self, directory: str | os.PathLike[str], *, keys: Sequence[Key],
+                 max_to_keep: int, clean_tmp: bool = True):
         import orbax.checkpoint as ocp  # lazily: only jobs with a persistent tier need it
 
         self._ocp = ocp
