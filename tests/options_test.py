@@ -51,3 +51,30 @@ def test_donated_state_cannot_skip_batches():
     with pytest.raises(mnemojax.errors.InvalidOptionError, match="donate_state"):
         mnemojax.ResilienceOptions(nonfinite="skip_batch",
                                    compile=mnemojax.CompileOptions(donate_state=True))
+
+
+@pytest.mark.parametrize("cls,field,value,legal", [
+    (mnemojax.SnapshotOptions, "every_steps", 2.5, "an int"),
+    (mnemojax.SnapshotOptions, "every_steps", True, "an int"),
+    (mnemojax.SnapshotOptions, "verify_checksums", "no", "a bool"),
+    (mnemojax.PersistentOptions, "directory", 123, "a str or a path or None"),
+    (mnemojax.PersistentOptions, "preemption_signals", [15], "a tuple of an int"),
+    (mnemojax.ResilienceOptions, "event_log", 123, "a str or a path or None"),
+    (mnemojax.ResilienceOptions, "data_axis", 5, "a str"),
+    (mnemojax.ResilienceOptions, "loss_key", None, "a str"),
+    (mnemojax.RecoveryOptions, "probe_timeout_s", "10", "a number"),
+    (mnemojax.RecoveryOptions, "clock", 0.0, "a callable"),
+    (mnemojax.CompileOptions, "cache_dir", 7, "a str or a path or None"),
+])
+def test_wrong_types_are_named_not_a_bare_type_error(cls, field, value, legal):
+    with pytest.raises(InvalidOptionError) as info:
+        cls(**{field: value})
+    assert f"{field}={value!r}" in str(info.value) and legal in str(info.value)
+
+
+def test_paths_and_ints_are_accepted_where_a_float_or_path_is_expected(tmp_path):
+    opts = mnemojax.ResilienceOptions(
+        event_log=tmp_path / "events.jsonl",
+        persistent=mnemojax.PersistentOptions(directory=tmp_path / "ckpt"),
+        recovery=mnemojax.RecoveryOptions(probe_timeout_s=5, hang_floor_s=30))
+    assert opts.recovery.probe_timeout_s == 5

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,13 +32,13 @@ _cache_lock = threading.Lock()
 _CACHE_FLAG = "jax_compilation_cache_dir"
 
 
-def enable_persistent_cache(cache_dir: str | None) -> None:
+def enable_persistent_cache(cache_dir: str | os.PathLike[str] | None) -> None:
     """Points JAX's persistent compilation cache at `cache_dir` unless the user set one."""
     if cache_dir is None:
         return
     with _cache_lock:
         if getattr(jax.config, _CACHE_FLAG) is None:  # a flag JAX's stubs do not declare
-            jax.config.update(_CACHE_FLAG, cache_dir)
+            jax.config.update(_CACHE_FLAG, os.fspath(cache_dir))
 
 
 @dataclasses.dataclass

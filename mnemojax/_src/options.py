@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import os
 import signal
 import time
+import types
+import typing
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from mnemojax._src import retry
 from mnemojax._src.errors import InvalidOptionError
@@ -16,6 +19,60 @@ BatchPolicy = Literal["keep_math", "truncate_batch"]
 NonFinitePolicy = Literal["raise", "skip_batch", "ignore"]
 _BATCH_POLICIES = ("keep_math", "truncate_batch")
 _NONFINITE_POLICIES = ("raise", "skip_batch", "ignore")
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if origin is tuple:
+        return f"a tuple of {_describe(typing.get_args(hint)[0])}"
+    if origin is collections.abc.Callable:
+        return "a callable"
+    if origin is os.PathLike:
+        return "a path"
+    name = getattr(hint, "__name__", str(hint))
+    return {"int": "an int", "float": "a number", "bool": "a bool", "str": "a str"}.get(
+        name, f"a {name}")
+
+
+def _matches(value: object, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(hint))
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        return isinstance(value, tuple) and all(_matches(v, item) for v in value)
+    if origin is collections.abc.Callable:
+        return callable(value)
+    if origin is os.PathLike:
+        return isinstance(value, os.PathLike)
+    if getattr(hint, "_is_protocol", False):  # e.g. StopRule: checked by its own rule
+        return True
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _check_types(options: object) -> None:
+    """Every field has its annotated type (bools are not ints, ints are numbers)."""
+    hints = typing.get_type_hints(type(options))
+    for field in dataclasses.fields(options):  # type: ignore[arg-type]
+        value = getattr(options, field.name)
+        _check(_matches(value, hints[field.name]), field.name, value,
+               _describe(hints[field.name]))
 
 
 def _check(cond: bool, name: str, value: object, legal: str) -> None:
@@ -61,6 +118,7 @@ class SnapshotOptions:
     verify_checksums: bool = True
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
         _check(self.unreplicated_every_steps >= 0, "unreplicated_every_steps",
                self.unreplicated_every_steps, "an int >= 0")
@@ -119,6 +177,7 @@ class RecoveryOptions:
     sleep: Callable[[float], None] = time.sleep
 
     def __post_init__(self):
+        _check_types(self)
         _check_choice("batch_policy", self.batch_policy, _BATCH_POLICIES)
         for name in ("stop", "run_stop", "retry_stop"):
             value = getattr(self, name)
@@ -158,10 +217,11 @@ class CompileOptions:
 
     precompile: bool = True
     max_precompiled: int = 8
-    cache_dir: str | None = dataclasses.field(default_factory=_default_cache_dir)
+    cache_dir: str | os.PathLike[str] | None = dataclasses.field(default_factory=_default_cache_dir)
     donate_state: bool = False
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.max_precompiled >= 0, "max_precompiled", self.max_precompiled, ">= 0")
 
 
@@ -181,7 +241,7 @@ class PersistentOptions:
         memory_check_every_steps: how often memory use is sampled.
     """
 
-    directory: str | None = None
+    directory: str | os.PathLike[str] | None = None
     every_steps: int = 0
     max_to_keep: int = 2
     preemption_signals: tuple[int, ...] = (signal.SIGTERM,)
@@ -189,6 +249,7 @@ class PersistentOptions:
     memory_check_every_steps: int = 5
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
         _check(self.max_to_keep >= 1, "max_to_keep", self.max_to_keep, ">= 1")
         valid = set(signal.valid_signals())
@@ -230,7 +291,7 @@ class ResilienceOptions:
     recovery: RecoveryOptions = dataclasses.field(default_factory=RecoveryOptions)
     compile: CompileOptions = dataclasses.field(default_factory=CompileOptions)
     persistent: PersistentOptions = dataclasses.field(default_factory=PersistentOptions)
-    event_log: str | None = None
+    event_log: str | os.PathLike[str] | None = None
     run_name: str = "mnemojax"
     data_axis: str = "data"
     loss_key: str = "loss"
@@ -238,6 +299,7 @@ class ResilienceOptions:
     check_state: bool = True
 
     def __post_init__(self):
+        _check_types(self)
         for name, cls in (("snapshot", SnapshotOptions), ("recovery", RecoveryOptions),
                           ("compile", CompileOptions), ("persistent", PersistentOptions)):
             value = getattr(self, name)

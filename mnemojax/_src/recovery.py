@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NoReturn
@@ -364,7 +365,7 @@ class ProcessRecovery:
         elif directory and rec.world.process_id == 0:
             leaves = snapshot_codec.assemble(rec.payloads, len(self._leaf_keys))
             coordination.detach_worker()
-            tier = PersistentTier(directory, keys=self._leaf_keys,
+            tier = PersistentTier(os.fspath(directory), keys=self._leaf_keys,
                                   max_to_keep=self._options.persistent.max_to_keep)
             tier.save(step, leaves, wait=True)
             tier.close()
