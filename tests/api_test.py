@@ -1,6 +1,9 @@
 """The resilient step's contract: error classification, budgets, forms, statistics."""
 
+import warnings
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,6 +12,7 @@ import mnemojax
 from mnemojax.errors import (
     BatchSplitError,
     InvalidOptionError,
+    LossCheckWarning,
     MeshTooSmallError,
     NonFiniteLossError,
     RecoveryExhaustedError,
@@ -259,4 +263,36 @@ def test_user_state_edit_between_steps_is_honoured():
     want = float(ref(ref_model, ref_opt, batches[1])["loss"])
     got = float(step(model, optimizer, batches[1])["loss"])
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    step.close()
+
+
+def test_a_model_shared_by_two_resilient_steps_is_refused_up_front():
+    """Each step moves its state on its own recoveries: the second step would run on
+    arrays of a mesh it does not know. Refused at its build, naming the state."""
+    model, optimizer = h.make_mlp()
+    first, second = _step(), _step()
+    assert first.restore(model, optimizer) == 0  # builds it (nothing to restore)
+    with pytest.raises(UnsupportedStateError, match=r"state model/l1/\w+ is already carried by another resilient step"):
+        second(model, optimizer, h.make_batches(1)[0])
+    first.close()  # releases the model
+    assert second.restore(model, optimizer) == 0
+    second.close()
+
+
+def test_a_loss_key_missing_from_the_metrics_warns_once_and_the_state_is_still_checked():
+    def fit(state, batch):
+        new = {"w": state["w"] - 0.1 * jnp.mean(batch["x"], axis=0)}
+        return new, {"mse": jnp.mean(batch["x"] ** 2)}
+
+    step = mnemojax.resilient(fit, options=h.no_precompile())
+    state = {"w": jnp.zeros((h.DIN,))}
+    batches = h.make_batches(2)
+    with pytest.warns(LossCheckWarning, match=r"no key 'loss' \(keys: \['mse'\]\)"):
+        state, _ = step(state, batches[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, _ = step(state, batches[1])  # once per step
+    poisoned = {"x": np.full_like(batches[0]["x"], np.nan), "y": batches[0]["y"]}
+    with pytest.raises(NonFiniteLossError, match="NaN/Inf"):
+        step(state, poisoned)
     step.close()

@@ -371,3 +371,61 @@ def test_every_checkpoint_corrupt_is_a_typed_error(tmp_path):
     again.close()
     assert info.value.steps == (3, 2, 1) and len(info.value.errors) == 3
     assert isinstance(info.value, ValueError)
+
+
+def test_a_notice_reaches_every_step_and_the_first_to_exit_checkpoints_the_others(tmp_path):
+    """Two resilient steps in one process: one handler serves both watches, the step that
+    exits first checkpoints the other's last complete step, whose next call exits without
+    saving again; the handler before them comes back when the last one closes."""
+    original = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        mesh = h.mesh_of((4, 2))
+        first, second = (Durability(_options(tmp_path / name,
+                                             preemption_signals=(signal.SIGUSR1,)),
+                                    keys=KEYS, layer=JaxDeviceLayer())
+                         for name in ("first", "second"))
+        second.committed = lambda: (5, _leaves(5, mesh))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(PreemptionExit) as info:
+            first.check_preemption(2, _leaves(2, mesh))
+        assert info.value.step == 2
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN  # second still watches
+        with pytest.raises(PreemptionExit) as info:
+            second.check_preemption(5, _leaves(5, mesh))
+        assert info.value.step == 5
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN  # restored after the last
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+    for name, step in (("first", 2), ("second", 5)):
+        assert [e["step"] for e in _events(tmp_path / name, "checkpoint_save")] == [step]
+        again = Durability(_options(tmp_path / name), keys=KEYS, layer=JaxDeviceLayer())
+        restored, leaves = again.restore_latest([NamedSharding(mesh, s) for s in SPECS],
+                                                _structs())
+        again.close()
+        assert restored == step and int(leaves[1]) == step
+
+
+def test_processes_agree_on_the_step_to_stop_after(tmp_path):
+    """Several processes: the notice's first proposer fixes the step (here a peer's 7);
+    this process trains on to it, then checkpoints it and exits."""
+    proposals = []
+
+    def agree(proposal):
+        proposals.append(proposal)
+        return 7
+
+    original = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        mesh = h.mesh_of((4, 2))
+        dur = Durability(_options(tmp_path, preemption_signals=(signal.SIGUSR2,)), keys=KEYS,
+                         layer=JaxDeviceLayer(), agree_stop=agree)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        dur.check_preemption(5, _leaves(5, mesh))  # trains on
+        dur.after_commit(6, _leaves(6, mesh), mesh.devices.flat)
+        dur.check_preemption(6, _leaves(6, mesh))
+        with pytest.raises(PreemptionExit) as info:
+            dur.after_commit(7, _leaves(7, mesh), mesh.devices.flat)
+    finally:
+        signal.signal(signal.SIGUSR2, original)
+    assert proposals == [6] and info.value.step == 7
+    assert [e["step"] for e in _events(tmp_path, "checkpoint_save")] == [7]

@@ -137,25 +137,38 @@ def test_memory_pressure_checkpoints_and_keeps_training(tmp_path):
     assert {"run_start", "step", "run_end"} <= {e["kind"] for e in events}
 
 
-def test_preemption_signal_in_process_checkpoints_then_exits(tmp_path):
+def test_preemption_signal_in_process_checkpoints_every_step_then_exits(tmp_path):
+    """Two resilient steps (two models) in one process: the notice reaches both; the one
+    called first checkpoints its own last step and the other's, then exits."""
     model, optimizer = h.make_mlp()
+    other_model, other_opt = h.make_mlp(seed=1)
     step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
-                              options=_opts(tmp_path))
+                              options=_opts(tmp_path / "a"))
+    other = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                               options=_opts(tmp_path / "b"))
     batches = h.make_batches(4)
-    step(model, optimizer, batches[0])
-    step(model, optimizer, batches[1])
+    for b in batches[:2]:
+        step(model, optimizer, b)
+    other(other_model, other_opt, batches[0])
     os.kill(os.getpid(), signal.SIGTERM)  # arrives between steps 2 and 3
     with pytest.raises(PreemptionExit) as info:
         step(model, optimizer, batches[2])
     assert info.value.code == 0 and info.value.step == 2  # step 3 never started
+    with pytest.raises(PreemptionExit) as info:
+        other(other_model, other_opt, batches[1])
+    assert info.value.step == 1  # checkpointed by the first exit; not saved again
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
-    fresh, fresh_opt = h.make_mlp()
-    again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=_opts(tmp_path))
-    assert again.restore(fresh, fresh_opt) == 2
-    for a, b in zip(h.host_state(fresh, fresh_opt), h.host_state(model, optimizer),
-                    strict=True):
-        np.testing.assert_array_equal(a, b)
-    again.close()
+    for sub, k, want in (("a", 2, (model, optimizer)), ("b", 1, (other_model, other_opt))):
+        fresh, fresh_opt = h.make_mlp()
+        again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                                   options=_opts(tmp_path / sub))
+        assert again.restore(fresh, fresh_opt) == k
+        for a, b in zip(h.host_state(fresh, fresh_opt), h.host_state(*want), strict=True):
+            np.testing.assert_array_equal(a, b)
+        again.close()
+        saves = [e["step"] for e in read_events(tmp_path / sub / "events.jsonl")
+                 if e["kind"] == "checkpoint_save"]
+        assert saves == [k]
 
 
 def _job(tmp_path, out, *extra):

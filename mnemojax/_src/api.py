@@ -11,10 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -31,6 +33,7 @@ from mnemojax._src.errors import (
     DeviceFailureError,
     DistributedError,
     InvalidOptionError,
+    LossCheckWarning,
     MathChangedWarning,
     NonFiniteLossError,
     NonFiniteSkipWarning,
@@ -45,7 +48,7 @@ from mnemojax._src.recovery import (
     ProcessRecovery,
     Resumed,
     check_budget,
-    compile_with_barrier,
+    compile_for_world,
     finish_recovery,
 )
 from mnemojax._src.replay import ReplayBuffer, batch_struct
@@ -157,6 +160,7 @@ class ResilientStep(Generic[P, R]):
         self._batches = ReplayBuffer(max(snap.every_steps, snap.unreplicated_every_steps,
                                          self.options.persistent.every_steps, 1) + 1)
         self._built: _Built | None = None
+        self._warned_no_loss = False
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -227,6 +231,7 @@ class ResilientStep(Generic[P, R]):
                 after everything is closed). A call raises it at its start, before it does
                 anything, so calling again with the same arguments continues the run.
         """
+        _release_state(self)
         if self._built is not None:
             self._built.runtime.close()
             self._built.durability.emit("run_end", step=self._step, steps=self._step)
@@ -247,12 +252,14 @@ class ResilientStep(Generic[P, R]):
         step = self._step + 1
         batch = self._batches.append(step, batch)  # our own copy, kept for replay
         try:
-            if b.session is not None and b.exe is None:
-                compile_with_barrier(b.session, b.runtime, batch, b.examples)
             leaves = self._place_state(b, leaves)
             if b.session is not None and self._step == 0:
-                self._publish(0, leaves)  # a peer lost in step 1 needs the initial state
-            new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch)
+                # Before the first compile: a peer lost in it, or in step 1, needs it.
+                self._publish(0, leaves)
+            barrier = b.session if b.session is not None and b.exe is None else None
+            if barrier is not None:  # `_run` waits at its barrier (a peer lost: recovered)
+                compile_for_world(barrier, b.runtime, batch, b.examples)
+            new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch, barrier)
             accepted = self._accept(step, metrics, finite)
         except BaseException:
             self._batches.pop()  # a call that raised leaves no trace for a later replay
@@ -332,7 +339,11 @@ class ResilientStep(Generic[P, R]):
         shapes = [tuple(np.shape(v)) for v in values]
         shd.validate_specs(form.specs, shapes, form.leaf_paths, dict(mesh.shape))
         enable_persistent_cache(opts.compile.cache_dir)
-        durability = Durability(opts, keys=form.leaf_keys)
+        number = next(_build_numbers)  # the same in every process of a job
+        durability = Durability(
+            opts, keys=form.leaf_keys,
+            agree_stop=functools.partial(session.agree_stop, f"step{number}")
+            if session is not None else None)
         builder = RuntimeBuilder(
             opts, pure=form.pure, specs=form.specs,
             leaf_structs=[(s, np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype)
@@ -347,6 +358,7 @@ class ResilientStep(Generic[P, R]):
         durability.emit("run_start", config={
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
+        _claim_state(self, form)
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
@@ -355,12 +367,21 @@ class ResilientStep(Generic[P, R]):
             process_recovery=ProcessRecovery(opts, builder, durability, self._statistics,
                                       self._batches, session, form.leaf_keys)
             if session is not None else None)
+        durability.committed = self._committed
         return self._built
 
+    def _committed(self) -> tuple[int, list | None]:
+        """The last complete step and its state leaves (None when not on the devices)."""
+        return self._step, self._built.last_written if self._built is not None else None
+
     # -- one step -------------------------------------------------------------------------
-    def _run(self, step: int, leaves: list, batch: Any) -> tuple[list, Any, Any, list]:
+    def _run(self, step: int, leaves: list, batch: Any,
+             barrier: dist_session.DistributedSession | None = None
+             ) -> tuple[list, Any, Any, list]:
         """Runs `step` on `leaves` (the state of step - 1) and returns (new leaves,
-        metrics, finiteness flags, the state it finally ran on).
+        metrics, finiteness flags, the state it finally ran on). ``barrier``: first wait
+        at that session's compile barrier (after the first compile), in the same
+        failure handling as the step: a peer that died before it passed is recovered.
 
         On a failure, a recovery returns a runtime and an older or equal state; the loop
         replays the steps since with their kept batches, then runs `step` again. Transient
@@ -377,6 +398,9 @@ class ResilientStep(Generic[P, R]):
                 run_batch = batch if run_step == step else self._batches.batch(run_step)
                 exe = self._executable_now(run_batch)
                 try:
+                    if barrier is not None:
+                        barrier, session = None, barrier
+                        session.compiled()
                     device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
                                                                b.examples)
                     t_run = time.perf_counter()
@@ -593,9 +617,11 @@ class ResilientStep(Generic[P, R]):
         if last is not None and len(leaves) == len(last) and all(
                 x is y for x, y in zip(leaves, last, strict=True)):
             return leaves
-        exe = self._executable_now()
+        # The shardings the step is compiled with (`StepCompiler`), without compiling it:
+        # under a session the initial state is placed and published before the first compile.
+        shardings = shd.named(shd.mesh_from_plan(b.runtime.plan), b.form.specs)
         return [x if isinstance(x, jax.Array) and x.sharding == s else b.runtime.layer.put(x, s)
-                for x, s in zip(leaves, exe.state_shardings, strict=True)]
+                for x, s in zip(leaves, shardings, strict=True)]
 
     def _executable_now(self, batch: Any = None) -> Executable:
         """The executable for the current mesh and this batch's shapes (cached per call
@@ -615,8 +641,17 @@ class ResilientStep(Generic[P, R]):
         if opts.nonfinite == "ignore":
             return True
         loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
-        value = float(np.asarray(loss)) \
-            if loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1 else 0.0
+        scalar = loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1
+        if not scalar and not self._warned_no_loss:
+            self._warned_no_loss = True
+            found = (f"the metrics have no key {opts.loss_key!r} (keys: "
+                     f"{sorted(map(str, metrics))})" if isinstance(metrics, dict) else
+                     f"the step returned a {type(metrics).__name__}, not a scalar loss or "
+                     "a dict of metrics")
+            warnings.warn(f"mnemojax: {found}: the loss is not checked for NaN/Inf, only the "
+                          "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
+                          "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
+        value = float(np.asarray(loss)) if scalar else 0.0
         if np.isfinite(value) and _all_true(finite):
             return True
         what = (f"{opts.loss_key}={value}" if not np.isfinite(value)
@@ -705,6 +740,38 @@ class ResilientStep(Generic[P, R]):
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
+
+
+_build_numbers = itertools.count()
+# id(state object) -> the live resilient step that carries it (see `_claim_state`).
+_owners: weakref.WeakValueDictionary[int, ResilientStep] = weakref.WeakValueDictionary()
+
+
+def _claim_state(step: ResilientStep, form: StepForm) -> None:
+    """Refuses a model (or optimizer, ...) that another live resilient step carries.
+
+    Each step moves its state to new meshes on its own recoveries; the other would then
+    run its executable on arrays of a mesh it does not know.
+
+    Raises:
+        UnsupportedStateError: naming the shared object and the other step.
+    """
+    objects = form.mutable_objects()
+    for obj, key in zip(objects, form.leaf_keys, strict=False):
+        other = _owners.get(id(obj))
+        if other is not None and other is not step:
+            raise UnsupportedStateError(
+                f"state {'/'.join(key)} is already carried by another resilient step "
+                f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
+                "a model: call other.close() first, or run the second computation (an eval "
+                "step, say) with plain nnx.jit on train_step.mesh")
+    for obj in objects:
+        _owners[id(obj)] = step
+
+
+def _release_state(step: ResilientStep) -> None:
+    for key in [k for k, v in _owners.items() if v is step]:
+        _owners.pop(key, None)
 
 
 @dataclasses.dataclass(eq=False)

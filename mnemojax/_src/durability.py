@@ -28,7 +28,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -47,6 +48,10 @@ from mnemojax._src.triggers import MemoryWatch, PreemptionWatch
 
 log = logging.getLogger("mnemojax")
 
+# The live handles with a preemption watch, in the order they were made (the same in
+# every process of a job): one exiting for a notice checkpoints the others first.
+_preemptible: list[weakref.ref[Durability]] = []
+
 
 class Durability:
     """The resilient step's handle on the persistent tier, its triggers and the event log.
@@ -59,7 +64,8 @@ class Durability:
     """
 
     def __init__(self, options: ResilienceOptions, *, keys: Sequence[tuple[str, ...]],
-                 layer: DeviceLayer | None = None):
+                 layer: DeviceLayer | None = None,
+                 agree_stop: Callable[[int], int] | None = None):
         popts = options.persistent
         self._popts = popts
         self.layer = layer
@@ -73,6 +79,13 @@ class Durability:
         self._memory = MemoryWatch(popts.memory_pressure_fraction) \
             if self.tier is not None and popts.memory_pressure_fraction else None
         self.jit_checkpoints = 0
+        self._agree_stop = agree_stop
+        self._stop_after: int | None = None  # the agreed last step (several processes)
+        self._preemption_saved: int | None = None  # the step a preemption checkpointed
+        # (step, leaves) of the last complete step, for a preemption another step noticed.
+        self.committed: Callable[[], tuple[int, Sequence | None]] | None = None
+        if self._preemption is not None:
+            _preemptible.append(weakref.ref(self))
 
     def emit(self, kind: str, **fields) -> None:
         if self.events is not None:
@@ -92,24 +105,27 @@ class Durability:
 
     def _preempt_if_noticed(self, step: int, leaves: Sequence | None, *,
                             at_call_start: bool) -> None:
-        """Checkpoints the last complete step and raises `PreemptionExit` after a notice."""
+        """Checkpoints the last complete step and raises `PreemptionExit` after a notice.
+
+        Several processes first agree on the step to stop after (the step after the first
+        proposer's last complete one; see `coordination.agree_stop_step`), so that all of
+        them checkpoint the same step; until then they keep training. The other resilient
+        steps of this process are checkpointed too, before the exit."""
         tier = self.tier
         if self._preemption is None or tier is None or not self._preemption.notice.is_set():
             return
+        if self._agree_stop is not None:
+            if self._stop_after is None:
+                self._stop_after = self._agreed_stop(step + 1)
+            if step < self._stop_after:
+                return
         sig = self._preemption.signal_received
-        self.emit("preemption", step=step, trigger=f"signal {sig}")
-        if leaves is not None and step > 0:
-            blocked = self._save_now(tier, step, leaves)
-            if blocked is None:
-                if at_call_start:
-                    self._raise_failed_saves(
-                        during=f"the preemption checkpoint of step {step} (signal {sig})")
-                return  # after a commit: raised, and the save tried again, at the next call
-            self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
-            for failure in self._failed:  # superseded by the checkpoint of `step`
-                log.warning("mnemojax: the checkpoint of step %d had failed (%s); step %d "
-                            "is checkpointed", failure.step, failure.error, step)
-            self._failed.clear()
+        if not self._checkpoint_for_preemption(tier, step, leaves, sig, at_call_start):
+            return  # after a commit: raised, and the save tried again, at the next call
+        for ref in list(_preemptible):
+            other = ref()
+            if other is not None and other is not self:
+                other.checkpoint_for_peer_preemption()
         directory = str(tier.directory)
         log.warning("mnemojax: preemption notice (signal %s): step %d checkpointed to %s; "
                     "exiting", sig, step, directory)
@@ -117,6 +133,58 @@ class Durability:
         raise PreemptionExit(
             f"preempted (signal {sig}); step {step} is checkpointed in {directory}",
             step=step, directory=directory)
+
+    def _agreed_stop(self, proposal: int) -> int:
+        assert self._agree_stop is not None
+        try:
+            stop = self._agree_stop(proposal)
+        except Exception as e:  # the world is failing: the step's collective says so next
+            log.warning("mnemojax: preemption: no agreement on the step to stop after (%s); "
+                        "stopping after step %d", e, proposal)
+            return proposal
+        log.warning("mnemojax: preemption notice: every process stops after step %d", stop)
+        return stop
+
+    def _checkpoint_for_preemption(self, tier: PersistentTier, step: int,
+                                   leaves: Sequence | None, sig: int | None,
+                                   at_call_start: bool) -> bool:
+        """Saves `step` for a preemption (once); False when the save failed."""
+        self.emit("preemption", step=step, trigger=f"signal {sig}")
+        if leaves is None or step <= 0 or self._preemption_saved == step:
+            return True
+        blocked = self._save_now(tier, step, leaves)
+        if blocked is None:
+            if at_call_start:
+                self._raise_failed_saves(
+                    during=f"the preemption checkpoint of step {step} (signal {sig})")
+            return False
+        self._preemption_saved = step
+        self.emit("checkpoint_save", step=step, duration_s=blocked, just_in_time=True)
+        for failure in self._failed:  # superseded by the checkpoint of `step`
+            log.warning("mnemojax: the checkpoint of step %d had failed (%s); step %d "
+                        "is checkpointed", failure.step, failure.error, step)
+        self._failed.clear()
+        return True
+
+    def checkpoint_for_peer_preemption(self) -> None:
+        """Another resilient step of this process is exiting for a preemption notice:
+        checkpoint this one's last complete step now (its next call, if any, exits
+        without saving again). A failure is logged: the process is exiting."""
+        tier = self.tier
+        if tier is None or self._preemption is None or self.committed is None:
+            return
+        step, leaves = self.committed()
+        if leaves is None or step <= 0 or self._preemption_saved == step:
+            return
+        self._preemption.notice.set()
+        if self._checkpoint_for_preemption(tier, step, leaves,
+                                           self._preemption.signal_received,
+                                           at_call_start=False):
+            log.warning("mnemojax: preemption: step %d of another resilient step "
+                        "checkpointed to %s", step, tier.directory)
+        else:
+            log.error("mnemojax: preemption: the checkpoint of step %d to %s failed",
+                      step, tier.directory)
 
     def after_commit(self, step: int, leaves: Sequence, devices) -> None:
         """Checkpoints and triggers after `step` is committed. A failed save is recorded,
@@ -262,6 +330,7 @@ class Durability:
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
+            _preemptible[:] = [r for r in _preemptible if r() not in (None, self)]
         if self.tier is not None:
             self.tier.close()
             self._collect()

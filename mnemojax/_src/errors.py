@@ -21,6 +21,11 @@ class NonFiniteSkipWarning(MnemojaxWarning):
     """A batch was skipped because the step produced NaN/Inf (nonfinite="skip_batch")."""
 
 
+class LossCheckWarning(MnemojaxWarning):
+    """The non-finite policy found no scalar loss in the step's metrics (``loss_key``):
+    only the new state is checked for NaN/Inf."""
+
+
 class SnapshotBudgetWarning(MnemojaxWarning):
     """The snapshot buffers would exceed the host-memory budget; snapshots are off."""
 

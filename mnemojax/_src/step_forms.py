@@ -131,6 +131,11 @@ class StepForm(abc.ABC):
     def restored(self, state_args: Sequence[Any], leaves: list, step: int) -> Any:
         """What `ResilientStep.restore` returns once `leaves` (of `step`) are restored."""
 
+    def mutable_objects(self) -> Sequence[object]:
+        """The user's objects the step updates in place, one per leaf where it has them
+        (a step that carries them is their only owner)."""
+        return ()
+
     def forget_arrays(self, structs: Sequence[tuple[tuple[int, ...], Any]]) -> None:  # noqa: B027
         """Drops every reference to the state's device arrays the form holds (before the
         backend that owns them is torn down); `structs` are the leaves' (shape, dtype)."""
@@ -172,6 +177,9 @@ class NnxForm(StepForm):
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
         # holding a plain array read and write the same through the raw accessors (0.13 ms).
         self._plain = all(_hookless(v) for v in self.live_vars)
+
+    def mutable_objects(self):
+        return self.live_vars
 
     def state_of(self, state_args):
         model, optimizer = state_args

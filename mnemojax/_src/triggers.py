@@ -26,29 +26,60 @@ class PreemptionWatch:
     """Turns the preemption signals into a flag the training thread checks between steps.
 
     The handler only sets the flag (signal handlers must not do real work); the step that
-    is running finishes, then the runtime checkpoints and exits. Handlers are installed only
-    from the main thread (Python's rule) and the previous ones are restored on `close`.
+    is running finishes, then the runtime checkpoints and exits. One handler per signal
+    serves every live watch of the process (each resilient step has one), so a notice
+    reaches all of them. It is installed only from the main thread (Python's rule), and
+    the handler it replaced is restored when the last watch closes.
     """
 
     def __init__(self, signals: Sequence[int]):
         self.notice = threading.Event()
         self.signal_received: int | None = None
-        self._previous: dict[int, _SignalHandler] = {}
+        self._signals: tuple[int, ...] = ()
         if threading.current_thread() is not threading.main_thread():
             log.warning("mnemojax: not on the main thread; preemption signals not watched")
             return
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._signals = tuple(signals)
+        for sig in self._signals:
+            _FANOUT.add(sig, self)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del frame
+    def set(self, signum: int) -> None:
         self.signal_received = signum
         self.notice.set()
 
     def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        for sig in self._signals:
+            _FANOUT.remove(sig, self)
+        self._signals = ()
+
+
+class _SignalFanout:
+    """The process's one handler per watched signal, forwarding to every live watch."""
+
+    def __init__(self):
+        self._watches: dict[int, list[PreemptionWatch]] = {}
+        self._previous: dict[int, _SignalHandler] = {}
+
+    def add(self, sig: int, watch: PreemptionWatch) -> None:
+        watches = self._watches.setdefault(sig, [])
+        if not watches:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        watches.append(watch)
+
+    def remove(self, sig: int, watch: PreemptionWatch) -> None:
+        watches = self._watches.get(sig, [])
+        if watch in watches:
+            watches.remove(watch)
+            if not watches and threading.current_thread() is threading.main_thread():
+                signal.signal(sig, self._previous.pop(sig))
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        for watch in list(self._watches.get(signum, ())):
+            watch.set(signum)
+
+
+_FANOUT = _SignalFanout()
 
 
 def host_memory_fraction() -> float | None:

@@ -1,7 +1,7 @@
 """The multi-process job's lifecycle under `mnemojax launch` (issue 14): a user's exception
 in one worker ends the job with it, a worker that never calls `mnemojax.initialize()` is
-an error naming it, SIGTERM to the launcher checkpoints and exits 143, and kill -9 of the
-launcher leaves nothing behind.
+an error naming it, SIGTERM to the launcher checkpoints one step all workers agreed on and
+exits 143, and kill -9 of the launcher leaves nothing behind.
 
 The first jobs run under `mnemojax.testing.run_scenario`, bounded by the launcher's timeout,
 which kills every process it started; the signal tests run ``python -m mnemojax launch`` as
@@ -20,10 +20,13 @@ import time
 
 import pytest
 
+import mnemojax
 from mnemojax._src.distributed.launcher.scenario import process_alive
 from mnemojax.testing import run_scenario
+from tests import helpers as h
 
 pytestmark = pytest.mark.multiprocess
+STEPS = 4000  # launched jobs run until signalled
 
 
 def _run(tmp_path, *extra: str, nproc: int = 3) -> dict:
@@ -92,7 +95,7 @@ def _wait_for(predicate, timeout_s: float) -> bool:
 def _launch(tmp_path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mnemojax", "launch", "--nproc", "2", "--devices-per-proc",
            "2", "--timeout-s", "150", "--", sys.executable, "-m", "tests.jobs.mp_lifecycle_job",
-           "--out", str(tmp_path), "--steps", "400", "--marker-at-step", "3", *extra]
+           "--out", str(tmp_path), "--steps", str(STEPS), "--marker-at-step", "3", *extra]
     return subprocess.Popen(cmd, start_new_session=True)
 
 
@@ -113,11 +116,14 @@ def _kill_job(proc: subprocess.Popen, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_the_launcher_stops_the_job_and_leaves_nothing(tmp_path, sig):
+def test_signal_to_the_launcher_checkpoints_one_agreed_step_and_leaves_nothing(tmp_path, sig):
     """What a scheduler does on preemption (or Ctrl-C): the launcher forwards SIGTERM to the
-    workers, exits 128 + the signal, and nothing is left. (The workers' just-in-time
-    checkpoint across processes is not asserted: they do not yet agree on its step.)"""
-    proc = _launch(tmp_path)
+    workers, which agree on the step to stop after, checkpoint it together (it equals the
+    failure-free run's state at that step), and the launcher exits 128 + the signal with
+    nothing left. No sleep between steps: the workers get the notice at different step
+    boundaries."""
+    ckpt = tmp_path / "ckpt"
+    proc = _launch(tmp_path, "--ckpt", str(ckpt), "--step-sleep-s", "0")
     try:
         assert _wait_for(lambda: (tmp_path / "step-3").exists(), 120), "no step 3"
         t0 = time.monotonic()
@@ -127,6 +133,15 @@ def test_signal_to_the_launcher_stops_the_job_and_leaves_nothing(tmp_path, sig):
         _no_leftovers(tmp_path, proc.pid)
     finally:
         _kill_job(proc, tmp_path)
+    [saved] = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+    assert 3 <= saved < STEPS
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
+    assert step.restore(model, optimizer) == saved
+    step.close()
+    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                      h.Run([], h.reference_run(h.make_batches(saved)).state))
 
 
 def test_kill_9_of_the_launcher_leaves_nothing(tmp_path):

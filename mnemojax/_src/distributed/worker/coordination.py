@@ -131,3 +131,26 @@ def barrier(name: str, timeout_s: float = 300.0) -> None:
     if client is None:
         raise DistributedError("barrier needs an initialised distributed client")
     client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def agree_stop_step(name: str, proposal: int, *, timeout_s: float = 60.0) -> int:
+    """The step after which every process of the world stops (a preemption notice).
+
+    The first proposal stored under ``name`` wins (the service's set-if-absent); a later
+    caller gets that step back. A process proposes the step after its last complete one:
+    no peer can have completed that step yet (its collectives need the proposer), so every
+    peer can still stop right after it.
+
+    Raises:
+        DistributedError: no distributed client.
+    """
+    client = jax_private.global_state().client
+    if client is None:
+        raise DistributedError("agree_stop_step needs an initialised distributed client")
+    key = f"mnemojax/stop/{name}"
+    try:
+        client.key_value_set(key, str(proposal))
+        return proposal
+    except Exception as e:  # ALREADY_EXISTS: a peer proposed first
+        logger.info("stop step %s already proposed (%s)", key, str(e)[:120])
+    return int(client.blocking_key_value_get(key, int(timeout_s * 1000)))

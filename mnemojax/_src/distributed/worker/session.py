@@ -8,7 +8,8 @@ step then finds the session with `current()` and:
 * on a peer failure, drops the old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
 * waits at a barrier after every compile (`compiled`), so no peer enters a collective
-  while another still compiles (a false alarm on small machines, DESIGN §4).
+  while another still compiles (a false alarm on small machines, DESIGN §4); a peer's
+  death fails that barrier at once, and the step recovers as from a failed collective.
 """
 
 from __future__ import annotations
@@ -69,9 +70,31 @@ class DistributedSession:
         if self.agent is not None:
             self.agent.phase(name)
 
-    def compiled(self) -> None:
-        """Barrier after a compile, then tell the watchdog training resumed."""
-        coordination.barrier(f"mnemojax-compiled-{self.world.generation}")
+    def compiled(self, timeout_s: float = 300.0) -> None:
+        """Barrier after a compile, then tell the watchdog training resumed.
+
+        Barrier: returns once every member of the world has compiled. Under ``mnemojax
+        launch`` it is the launcher's (`Coordinator.barrier`): a member's death fails it
+        for every member at once (its agent tells the launcher within milliseconds), where
+        JAX's ``wait_at_barrier`` would only fail at its timeout. Without a launcher
+        (SLURM) it is the coordination service's barrier.
+
+        Raises:
+            jax.errors.JaxRuntimeError: a member died before every member had compiled:
+                a peer failure, recovered like a collective that failed on a dead peer.
+            AgreementError: the launcher could not be reached, or this worker is no
+                longer a member of the world (it was evicted).
+        """
+        name = f"mnemojax-compiled-{self.world.generation}"
+        if self.coordinator is None:
+            coordination.barrier(name, timeout_s)
+        else:
+            failed = self.coordinator.barrier(generation=self.world.generation, name=name,
+                                              timeout_s=timeout_s)
+            if failed:
+                raise _peer_failure(f"workers {list(failed)} of world "
+                                    f"{self.world.generation} died before every worker had "
+                                    f"reached barrier {name!r}")
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
@@ -135,8 +158,21 @@ class DistributedSession:
         """
         return state_transfer.restore_leaves(rec.payloads, shardings, put=put)
 
+    def agree_stop(self, name: str, proposal: int) -> int:
+        """The step after which every process stops for a preemption notice: the first
+        proposal for ``name`` in this world wins (`coordination.agree_stop_step`)."""
+        return coordination.agree_stop_step(f"{self.world.generation}/{name}", proposal)
+
     def finish(self) -> None:
         self.phase("finish")
+
+
+def _peer_failure(what: str) -> Exception:
+    """A peer failure the resilient step recovers from, as from a collective that failed
+    on a dead peer: the step classifies a non-retryable ``JaxRuntimeError`` under a
+    session so (its text must not read as a retryable status)."""
+    import jax
+    return jax.errors.JaxRuntimeError(f"UNKNOWN: mnemojax: {what}")
 
 
 def initialize() -> DistributedSession | None:
