@@ -296,3 +296,18 @@ def test_a_loss_key_missing_from_the_metrics_warns_once_and_the_state_is_still_c
     with pytest.raises(NonFiniteLossError, match="NaN/Inf"):
         step(state, poisoned)
     step.close()
+
+
+def test_a_mesh_without_the_data_axis_is_refused_at_build_naming_the_option():
+    model, optimizer = h.make_mlp()
+    batch = h.make_batches(1)[0]
+    mesh = h.mesh_of((4, 2), ("fsdp", "model"))
+    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile())
+    with pytest.raises(InvalidOptionError, match=r"data_axis='data' is not an axis of the "
+                                                 r"mesh \(axes \('fsdp', 'model'\)\)"):
+        step(model, optimizer, batch)
+    named = step.with_options(options=h.no_precompile(data_axis="fsdp"))
+    loss = float(named(model, optimizer, batch)["loss"])
+    named.close()
+    assert named.statistics.mesh_shape == {"fsdp": 4, "model": 2}
+    assert loss == pytest.approx(h.reference_run([batch]).losses[0], rel=1e-6)

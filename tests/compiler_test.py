@@ -4,6 +4,7 @@ background compiles and their accounting, the fused per-device finiteness flags.
 The step is a two-leaf toy, so each compile takes a fraction of a second.
 """
 
+import logging
 import threading
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mnemojax._src.compiler import StepCompiler
+from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
 from mnemojax._src.topology import MeshPlan
 
 pytestmark = pytest.mark.needs8
@@ -201,3 +202,24 @@ def test_cancel_pending_keeps_the_running_compile():
     finally:
         gate.release.set()
         compiler.close()
+
+
+def test_the_persistent_cache_is_announced_once_and_the_users_setting_wins(tmp_path, caplog):
+    flag = "jax_compilation_cache_dir"
+    before = getattr(jax.config, flag)
+    try:
+        jax.config.update(flag, None)
+        jax.config.update("jax_enable_compilation_cache", False)
+        assert not enable_persistent_cache(tmp_path / "off")  # switched off by the user
+        assert getattr(jax.config, flag) is None
+        jax.config.update("jax_enable_compilation_cache", True)
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            assert enable_persistent_cache(tmp_path / "xla")
+            assert not enable_persistent_cache(tmp_path / "other")  # set now: left alone
+        assert getattr(jax.config, flag) == str(tmp_path / "xla")
+        [announced] = [r.getMessage() for r in caplog.records if "compilation cache" in
+                       r.getMessage()]
+        assert str(tmp_path / "xla") in announced
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update(flag, before)

@@ -329,8 +329,14 @@ class ResilientStep(Generic[P, R]):
         mesh = self._mesh_arg
         if mesh is None:
             devices = [d for d in jax.devices() if d.id not in spares]
-            mesh = jax.make_mesh((len(devices),), (opts.data_axis,), devices=devices,
+            mesh = jax.make_mesh((len(devices),), (opts.data_axis or "data",), devices=devices,
                                  axis_types=(jax.sharding.AxisType.Auto,))
+        if opts.data_axis is not None and opts.data_axis not in mesh.axis_names:
+            raise InvalidOptionError(
+                f"data_axis={opts.data_axis!r} is not an axis of the mesh (axes "
+                f"{tuple(mesh.axis_names)}): set ResilienceOptions(data_axis=...) to the axis "
+                "the batch is split along, or data_axis=None if the mesh has none (every "
+                "device then sees the whole batch)")
         ids = shd.device_ids(mesh)
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:
@@ -350,6 +356,7 @@ class ResilientStep(Generic[P, R]):
                           for s, v in zip(shapes, values, strict=True)],
             leaf_entries=form.leaf_entries,
             wrap_layer=self._injector.wrap if self._injector is not None else None,
+            axis_types=shd.axis_types_of(mesh),
             on_corrupt=lambda s: durability.emit("fault", step=s,
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,
@@ -619,7 +626,7 @@ class ResilientStep(Generic[P, R]):
             return leaves
         # The shardings the step is compiled with (`StepCompiler`), without compiling it:
         # under a session the initial state is placed and published before the first compile.
-        shardings = shd.named(shd.mesh_from_plan(b.runtime.plan), b.form.specs)
+        shardings = shd.named(b.runtime.mesh, b.form.specs)
         return [x if isinstance(x, jax.Array) and x.sharding == s else b.runtime.layer.put(x, s)
                 for x, s in zip(leaves, shardings, strict=True)]
 

@@ -30,15 +30,30 @@ log = logging.getLogger("mnemojax")
 
 _cache_lock = threading.Lock()
 _CACHE_FLAG = "jax_compilation_cache_dir"
+_CACHE_ON_FLAG = "jax_enable_compilation_cache"
 
 
-def enable_persistent_cache(cache_dir: str | os.PathLike[str] | None) -> None:
-    """Points JAX's persistent compilation cache at `cache_dir` unless the user set one."""
+def enable_persistent_cache(cache_dir: str | os.PathLike[str] | None) -> bool:
+    """Points JAX's persistent compilation cache at `cache_dir`, a process-wide setting,
+    and says so once (a warning naming the path). The user's own setting wins: a cache
+    directory already set (``JAX_COMPILATION_CACHE_DIR``, ``jax.config``) or the cache
+    switched off (``jax_enable_compilation_cache=False``) is left alone.
+
+    Returns:
+        Whether this call turned the cache on.
+    """
     if cache_dir is None:
-        return
+        return False
     with _cache_lock:
-        if getattr(jax.config, _CACHE_FLAG) is None:  # a flag JAX's stubs do not declare
-            jax.config.update(_CACHE_FLAG, os.fspath(cache_dir))
+        # Flags JAX's stubs do not declare.
+        if getattr(jax.config, _CACHE_FLAG) is not None \
+                or not getattr(jax.config, _CACHE_ON_FLAG):
+            return False
+        path = os.fspath(cache_dir)
+        jax.config.update(_CACHE_FLAG, path)
+    log.warning("mnemojax: JAX's persistent compilation cache is on, in %s, for this "
+                "process (CompileOptions(cache_dir=None) leaves JAX's setting alone)", path)
+    return True
 
 
 @dataclasses.dataclass
@@ -53,11 +68,17 @@ class Executable:
 
 
 class StepCompiler:
-    """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch."""
+    """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch.
+
+    Every mesh keeps the user's axis types (`axis_types`, by name): a step written for
+    Explicit axes (``out_sharding`` specs on activations) is traced under such a mesh.
+    """
 
     def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
-                 *, data_axis: str, donate: bool, check_state: bool = True):
+                 *, data_axis: str | None, donate: bool, check_state: bool = True,
+                 axis_types: shd.AxisTypes | None = None):
         self._pure = pure
+        self._axis_types = dict(axis_types or {})
         self._specs = list(specs)
         self.leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
         self._data_axis = data_axis
@@ -110,7 +131,7 @@ class StepCompiler:
             batch_struct)
 
     def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
-        mesh = shd.mesh_from_plan(plan)
+        mesh = shd.mesh_from_plan(plan, self._axis_types)
         state_sh = shd.named(mesh, self._specs)
         batch_sh = self.batch_shardings(mesh, batch_struct)
         jitted = jax.jit(self._checked_for(mesh), in_shardings=(state_sh, batch_sh),

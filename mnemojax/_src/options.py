@@ -206,8 +206,10 @@ class CompileOptions:
         precompile: after the first step, compile in the background the step for every
             mesh that the loss of one device would produce.
         max_precompiled: at most this many fallback meshes are compiled ahead.
-        cache_dir: JAX's persistent compilation cache directory (None: leave JAX's setting
-            alone). Set once, when the first resilient step is built.
+        cache_dir: JAX's persistent compilation cache directory, a process-wide setting
+            made when the first resilient step is built and announced once with its path
+            (a logged warning). None: leave JAX's setting alone. A cache directory the user
+            set already, or ``jax_enable_compilation_cache=False``, always wins.
         donate_state: donate the state buffers to the step. Saves one copy of the state
             in device memory, but a step that fails after donation leaves no live state,
             so recovery must use the host snapshot (keep ``every_steps=1``). With donation
@@ -274,7 +276,9 @@ class ResilienceOptions:
         persistent: the persistent (Orbax) tier.
         event_log: path of a JSONL event log to append to (None: no log).
         run_name: the ``run`` field of this step's events.
-        data_axis: the mesh axis along which the batch is split and replicas are dropped.
+        data_axis: the mesh axis along which the batch is split and replicas are dropped;
+            the mesh must have it (checked when the step is built). None: the mesh has no
+            data-parallel axis, and every device sees the whole batch.
         loss_key: metrics key checked for NaN/Inf (a scalar metrics value is checked itself).
         nonfinite: what a NaN/Inf in the loss or in the new state (from non-finite
             gradients) does. ``"raise"`` (default): `NonFiniteLossError`, the state of the
@@ -293,7 +297,7 @@ class ResilienceOptions:
     persistent: PersistentOptions = dataclasses.field(default_factory=PersistentOptions)
     event_log: str | os.PathLike[str] | None = None
     run_name: str = "mnemojax"
-    data_axis: str = "data"
+    data_axis: str | None = "data"
     loss_key: str = "loss"
     nonfinite: NonFinitePolicy = "raise"
     check_state: bool = True
@@ -304,7 +308,8 @@ class ResilienceOptions:
                           ("compile", CompileOptions), ("persistent", PersistentOptions)):
             value = getattr(self, name)
             _check(isinstance(value, cls), name, value, f"a {cls.__name__}")
-        _check(bool(self.data_axis), "data_axis", self.data_axis, "a non-empty axis name")
+        _check(self.data_axis is None or bool(self.data_axis), "data_axis", self.data_axis,
+               "a non-empty axis name or None")
         _check_choice("nonfinite", self.nonfinite, _NONFINITE_POLICIES)
         # A skipped batch keeps the previous state, which a donating step has consumed.
         _check(not (self.compile.donate_state and self.nonfinite == "skip_batch"),

@@ -48,7 +48,8 @@ class DeviceProxy:
     """Owns the current mesh, the set of dead devices and the spare pool."""
 
     def __init__(self, layer: DeviceLayer, plan: MeshPlan, mesh: Mesh, spares: Sequence[int],
-                 *, data_axis: str, probe_timeout_s: float, dead: Collection[int] = ()):
+                 *, data_axis: str | None, probe_timeout_s: float,
+                 dead: Collection[int] = ()):
         self.layer = layer
         self._data_axis = data_axis
         self.plan = plan

@@ -78,14 +78,17 @@ class RuntimeBuilder:
         leaf_entries: per state leaf, its snapshot entry.
         wrap_layer: wraps the device layer (a fault injector's ``wrap``), or None.
         on_corrupt: called with the step of a snapshot found corrupt when it is retired.
+        axis_types: the user's mesh's axis types by name, kept on every mesh built.
     """
 
     def __init__(self, options: ResilienceOptions, *, pure: Callable,
                  specs: Sequence[PartitionSpec], leaf_structs: Sequence[LeafStruct],
                  leaf_entries: Sequence[str],
                  wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
-                 on_corrupt: Callable[[int], None] | None = None):
+                 on_corrupt: Callable[[int], None] | None = None,
+                 axis_types: shd.AxisTypes | None = None):
         self._options = options
+        self.axis_types = dict(axis_types or {})
         self._pure = pure
         self._specs = list(specs)
         self.leaf_structs: list[LeafStruct] = list(leaf_structs)
@@ -105,7 +108,7 @@ class RuntimeBuilder:
             same_world: the runtime this one replaces in the same backend: its layer,
                 compiler and snapshot stores are kept. None: everything is new.
         """
-        mesh = mesh if mesh is not None else shd.mesh_from_plan(plan)
+        mesh = mesh if mesh is not None else shd.mesh_from_plan(plan, self.axis_types)
         opts = self._options
         if same_world is not None:
             same_world.proxy.close()  # replaced below
@@ -118,7 +121,8 @@ class RuntimeBuilder:
             compiler = StepCompiler(
                 self._pure, self._specs, self.leaf_structs, data_axis=opts.data_axis,
                 donate=opts.compile.donate_state,
-                check_state=opts.check_state and opts.nonfinite != "ignore")
+                check_state=opts.check_state and opts.nonfinite != "ignore",
+                axis_types=self.axis_types)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, data_axis=opts.data_axis,

@@ -20,11 +20,22 @@ def devices_by_id() -> dict[int, Device]:
     return {d.id: d for d in jax.devices()}
 
 
-def mesh_from_plan(plan: MeshPlan) -> Mesh:
-    """A GSPMD-style (`AxisType.Auto`) mesh over the plan's devices."""
+AxisTypes = Mapping[str, jax.sharding.AxisType]
+
+
+def axis_types_of(mesh: Mesh) -> dict[str, jax.sharding.AxisType]:
+    """The user's mesh's axis types by axis name (kept on every mesh derived from it)."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def mesh_from_plan(plan: MeshPlan, axis_types: AxisTypes | None = None) -> Mesh:
+    """A mesh over the plan's devices; each axis keeps its type from `axis_types` (by
+    name: the user's Auto, Explicit or Manual), `AxisType.Auto` when not given."""
     by_id = devices_by_id()
     devices = np.vectorize(lambda i: by_id[int(i)], otypes=[object])(plan.device_ids)
-    return Mesh(devices, plan.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * devices.ndim)
+    types = axis_types or {}
+    return Mesh(devices, plan.axis_names, axis_types=tuple(
+        types.get(name, jax.sharding.AxisType.Auto) for name in plan.axis_names))
 
 
 def device_ids(mesh: Mesh) -> np.ndarray:
@@ -80,7 +91,7 @@ def sharded_dims(specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...
     return out
 
 
-def batch_spec(mesh: Mesh, data_axis: str, ndim: int) -> PartitionSpec:
+def batch_spec(mesh: Mesh, data_axis: str | None, ndim: int) -> PartitionSpec:
     if data_axis in mesh.axis_names and ndim > 0:
         return PartitionSpec(data_axis)
     return PartitionSpec()

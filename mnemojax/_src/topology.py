@@ -76,14 +76,14 @@ class ShapeRules:
     `plan_reduced_mesh` that come from the job, not from the failure.
 
     Attributes:
-        data_axis: the mesh axis the batch is split along.
+        data_axis: the mesh axis the batch is split along (None: none).
         sharded_dims: per mesh axis, the sizes of the array dimensions sharded along it.
         batch_size: examples in the global batch (None: not known yet).
         batch_policy: `RecoveryOptions.batch_policy`.
         min_devices: `RecoveryOptions.min_devices`.
     """
 
-    data_axis: str
+    data_axis: str | None
     sharded_dims: Mapping[str, Collection[int]]
     batch_size: int | None
     batch_policy: str

@@ -1,0 +1,92 @@
+"""Meshes keep the user's axis types (Auto, Explicit, mixed) through recoveries; a model
+written for Explicit axes (``out_sharding`` on its activations) trains, loses two devices,
+and ends equal to the plain ``nnx.jit`` run on the same mesh."""
+
+import jax
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import mnemojax
+from mnemojax.models.tasks import classification_loss, shard_onto
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+pytestmark = pytest.mark.needs8
+STEPS = 6
+
+
+class ActivationSpecMLP(nnx.Module):
+    """A tensor-parallel MLP whose activations carry ``out_sharding`` specs (which need
+    Explicit axes: a spec naming an Auto axis is an error)."""
+
+    def __init__(self, hidden_spec, out_spec, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.l1 = nnx.Linear(h.DIN, h.DHIDDEN, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, (None, "model")),
+                             bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                             ("model",)))
+        self.l2 = nnx.Linear(h.DHIDDEN, h.DOUT, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("model", None)))
+        self.hidden_spec, self.out_spec = hidden_spec, out_spec
+
+    def __call__(self, x):
+        x = nnx.relu(self.l1(x, out_sharding=self.hidden_spec))
+        return self.l2(x, out_sharding=self.out_spec)
+
+
+def _train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(classification_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+KINDS = {  # axis types (data, model), activation specs (hidden, logits)
+    "auto": ((AxisType.Auto, AxisType.Auto), (None, None)),
+    "explicit": ((AxisType.Explicit, AxisType.Explicit), (P("data", "model"), P("data", None))),
+    "mixed": ((AxisType.Explicit, AxisType.Auto), (P("data", None), P("data", None))),
+}
+
+
+def _mesh(kind):
+    return jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8],
+                         axis_types=KINDS[kind][0])
+
+
+def _build(kind):
+    with nnx.use_eager_sharding(False):
+        model = ActivationSpecMLP(*KINDS[kind][1], rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _plain_run(kind, batches):
+    mesh = _mesh(kind)
+    model, optimizer = _build(kind)
+    shard_onto(model, optimizer, mesh)
+    step = nnx.jit(_train_step)
+    with jax.set_mesh(mesh):
+        losses = [float(step(model, optimizer, jax.device_put(
+            b, jax.sharding.NamedSharding(mesh, P("data")))) ["loss"]) for b in batches]
+    return h.Run(losses, h.host_state(model, optimizer))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_axis_types_survive_two_device_losses_and_the_math_is_unchanged(kind):
+    batches = h.make_batches(STEPS)
+    model, optimizer = _build(kind)
+    faults = FaultInjector().lose_devices(2, [5]).lose_devices(4, [2])
+    step = mnemojax.resilient(_train_step, mesh=_mesh(kind), options=h.no_precompile(),
+                              fault_injector=faults)
+    try:
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+        assert len(step.statistics.recoveries) == 2
+        assert step.mesh is not None
+        assert dict(step.mesh.shape) == {"data": 3, "model": 2}  # a replica dropped, a spare swapped in
+        assert tuple(step.mesh.axis_types) == KINDS[kind][0]  # the user's types, kept
+        kernel = model.l1.kernel.get_value()
+        assert kernel.sharding.mesh.axis_types == KINDS[kind][0]
+    finally:
+        step.close()
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), _plain_run(kind, batches))
