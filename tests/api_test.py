@@ -311,3 +311,21 @@ def test_a_mesh_without_the_data_axis_is_refused_at_build_naming_the_option():
     named.close()
     assert named.statistics.mesh_shape == {"fsdp": 4, "model": 2}
     assert loss == pytest.approx(h.reference_run([batch]).losses[0], rel=1e-6)
+
+
+def test_a_loss_callable_finds_the_loss_in_any_return_value():
+    def fit(state, batch):
+        loss = jnp.mean(batch["x"] ** 2)
+        return {"w": state["w"] + loss}, (loss, {"aux": loss})
+
+    step = mnemojax.resilient(fit, options=h.no_precompile(loss_key=lambda out: out[0]))
+    state = {"w": jnp.zeros(())}
+    batch = h.make_batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the loss is found: no LossCheckWarning
+        state, (loss, _) = step(state, batch)
+    assert float(loss) == pytest.approx(float(np.mean(batch["x"] ** 2)), rel=1e-6)
+    poisoned = {"x": np.full_like(batch["x"], np.inf), "y": batch["y"]}
+    with pytest.raises(NonFiniteLossError, match="loss=inf"):
+        step(state, poisoned)
+    step.close()

@@ -647,21 +647,29 @@ class ResilientStep(Generic[P, R]):
         opts = self.options
         if opts.nonfinite == "ignore":
             return True
-        loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
+        if callable(opts.loss_key):
+            loss = opts.loss_key(metrics)
+        else:
+            loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
         scalar = loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1
         if not scalar and not self._warned_no_loss:
             self._warned_no_loss = True
-            found = (f"the metrics have no key {opts.loss_key!r} (keys: "
-                     f"{sorted(map(str, metrics))})" if isinstance(metrics, dict) else
-                     f"the step returned a {type(metrics).__name__}, not a scalar loss or "
-                     "a dict of metrics")
+            if callable(opts.loss_key):
+                found = f"loss_key={opts.loss_key!r} returned a {type(loss).__name__}"
+            elif isinstance(metrics, dict):
+                found = (f"the metrics have no key {opts.loss_key!r} (keys: "
+                         f"{sorted(map(str, metrics))})")
+            else:
+                found = (f"the step returned a {type(metrics).__name__}, not a scalar loss "
+                         "or a dict of metrics")
             warnings.warn(f"mnemojax: {found}: the loss is not checked for NaN/Inf, only the "
                           "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
                           "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
         value = float(np.asarray(loss)) if scalar else 0.0
         if np.isfinite(value) and _all_true(finite):
             return True
-        what = (f"{opts.loss_key}={value}" if not np.isfinite(value)
+        what = (f"{'loss' if callable(opts.loss_key) else opts.loss_key}={value}"
+                if not np.isfinite(value)
                 else "the new state (from the gradients) has NaN/Inf")
         if opts.nonfinite == "raise":
             raise NonFiniteLossError(

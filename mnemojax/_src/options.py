@@ -279,7 +279,11 @@ class ResilienceOptions:
         data_axis: the mesh axis along which the batch is split and replicas are dropped;
             the mesh must have it (checked when the step is built). None: the mesh has no
             data-parallel axis, and every device sees the whole batch.
-        loss_key: metrics key checked for NaN/Inf (a scalar metrics value is checked itself).
+        loss_key: where the NaN/Inf policy finds the loss in what the step returns: a
+            key of a metrics dict, or a callable taking the return value and giving the
+            scalar loss (``lambda out: out[0]``, say). A scalar return value is the loss
+            itself. Where no scalar loss is found, `LossCheckWarning` is issued once and
+            only the new state is checked.
         nonfinite: what a NaN/Inf in the loss or in the new state (from non-finite
             gradients) does. ``"raise"`` (default): `NonFiniteLossError`, the state of the
             previous step is kept; ``"skip_batch"``: keep the previous state, skip the batch,
@@ -298,7 +302,7 @@ class ResilienceOptions:
     event_log: str | os.PathLike[str] | None = None
     run_name: str = "mnemojax"
     data_axis: str | None = "data"
-    loss_key: str = "loss"
+    loss_key: str | Callable[[Any], Any] = "loss"
     nonfinite: NonFinitePolicy = "raise"
     check_state: bool = True
 
