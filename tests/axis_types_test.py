@@ -1,8 +1,10 @@
 """Meshes keep the user's axis types (Auto, Explicit, mixed) through recoveries; a model
 written for Explicit axes (``out_sharding`` on its activations) trains, loses two devices,
-and ends equal to the plain ``nnx.jit`` run on the same mesh."""
+and ends equal to the plain ``nnx.jit`` run on the same mesh; an eval step then runs on
+``train_step.mesh``."""
 
 import jax
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -69,7 +71,7 @@ def _plain_run(kind, batches):
     with jax.set_mesh(mesh):
         losses = [float(step(model, optimizer, jax.device_put(
             b, jax.sharding.NamedSharding(mesh, P("data")))) ["loss"]) for b in batches]
-    return h.Run(losses, h.host_state(model, optimizer))
+    return h.Run(losses, h.host_state(model, optimizer)), model
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -87,6 +89,19 @@ def test_axis_types_survive_two_device_losses_and_the_math_is_unchanged(kind):
         assert tuple(step.mesh.axis_types) == KINDS[kind][0]  # the user's types, kept
         kernel = model.l1.kernel.get_value()
         assert kernel.sharding.mesh.axis_types == KINDS[kind][0]
+        # User code after a recovery: an eval step, plain nnx.jit, on the current mesh.
+        logits = _eval(model, step.mesh, batches[0])
     finally:
         step.close()
-    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), _plain_run(kind, batches))
+    plain, plain_model = _plain_run(kind, batches)
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), plain)
+    np.testing.assert_allclose(logits, _eval(plain_model, _mesh(kind), batches[0]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _eval(model, mesh, batch):
+    """The supported way to run user code on the model after a recovery: under
+    ``jax.set_mesh(train_step.mesh)``, the batch placed on that mesh."""
+    with jax.set_mesh(mesh):
+        x = jax.device_put(batch["x"], jax.sharding.NamedSharding(mesh, P("data")))
+        return np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
