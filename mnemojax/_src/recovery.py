@@ -106,13 +106,26 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
                     bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
 
 
+def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
+                      examples: int | None) -> Executable:
+    """Multi-process: compiles the step for `runtime`'s mesh (the ``compile`` phase), with
+    no barrier yet: the caller waits at ``session.compiled()`` before the first collective."""
+    session.phase("compile")
+    exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, examples))
+    return exe
+
+
 def compile_with_barrier(session: DistributedSession, runtime: Runtime, batch: Any,
                          examples: int | None) -> Executable:
     """Multi-process: compiles the step for `runtime`'s mesh, then waits at a barrier until
     every process has (so no peer enters a collective while another still compiles:
-    DESIGN §4)."""
-    session.phase("compile")
-    exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, examples))
+    DESIGN §4).
+
+    Raises:
+        jax.errors.JaxRuntimeError: a peer died before every process had compiled (the
+            barrier fails at once: `DistributedSession.compiled`); a peer failure.
+    """
+    exe = compile_for_world(session, runtime, batch, examples)
     session.compiled()
     return exe
 

@@ -11,11 +11,13 @@ The format is shared by the processes of one mnemojax version only. No JAX here.
 sender -> receiver          message                                reply
 ==========================  =====================================  ===========================
 agent -> launcher (link)    Hello, WorkerStarted, WorkerExit,      none (events)
-                            Progress, Hang, ReplicaRefused
+                            Progress, Hang, ReplicaRefused,
+                            WorkerPhase
 launcher -> agent (link)    Start, SetBuddy, PauseWatchdog,        none (commands)
                             KillWorker, Shutdown
 worker -> launcher          ReportFailure                          Ok
 worker -> launcher          Agree (a barrier, `agreement`)         AgreementReply | ErrorReply
+worker -> launcher          Barrier (after each compile)           BarrierReply | ErrorReply
 launcher -> agent           HoldingsQuery                          Holdings
 worker -> its agent         Alloc                                  Allocated
 worker -> its agent         Published, Phase                       none
@@ -130,7 +132,7 @@ _READERS: dict[object, Callable[[_Fields, str], Any]] = {
     int: _Fields.integer, int | None: _Fields.opt_integer,
     float: _Fields.number, float | None: _Fields.opt_number,
     str: _Fields.text, str | None: _Fields.opt_text,
-    dict[str, str]: _Fields.text_map,
+    dict[str, str]: _Fields.text_map, tuple[int, ...]: _Fields.integers,
 }
 
 
@@ -226,6 +228,15 @@ class ReplicaRefused(Message):
     origin: int
     step: int
     budget_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerPhase(Message):
+    """The worker entered ``phase`` (its `Phase`, passed on: the launcher logs it)."""
+
+    OP: ClassVar[str] = "worker_phase"
+    worker_id: int
+    phase: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,6 +337,28 @@ class AgreementReply(Message):
             survivors=f.integers("survivors"), previous_members=f.integers("previous_members"),
             sources=f.addresses_by_worker("sources"), lost=f.integers("lost"),
             resume_generation=f.integer("resume_generation"), why=f.text("why")))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Barrier(Message):
+    """`Coordinator.barrier`: wait until every member of world ``generation`` has arrived
+    at barrier ``name``, or one of them has died (``timeout_s``: then the missing members
+    are evicted, as at the agreement)."""
+
+    OP: ClassVar[str] = "barrier"
+    worker_id: int
+    generation: int
+    name: str
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BarrierReply(Message):
+    """The barrier's outcome, the same for every member: passed (``failed`` empty), or
+    failed because the members ``failed`` died (or were evicted) before all arrived."""
+
+    OP: ClassVar[str] = "barrier_result"
+    failed: tuple[int, ...]
 
 
 # -- launcher -> agent: what it holds ----------------------------------------------------------
@@ -493,13 +526,13 @@ class ErrorReply(Message):
 
 
 AgentEvent = (Hello | WorkerStarted | WorkerExit | Progress | Hang | ReplicaRefused
-              | RefusedConnection)
+              | WorkerPhase | RefusedConnection)
 Command = Start | SetBuddy | PauseWatchdog | KillWorker | Shutdown
 
 MESSAGES: tuple[type[Message], ...] = (
-    Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, RefusedConnection,
-    Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
-    ReportFailure, Agree, AgreementReply, HoldingsQuery, Holdings,
+    Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, WorkerPhase,
+    RefusedConnection, Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
+    ReportFailure, Agree, AgreementReply, Barrier, BarrierReply, HoldingsQuery, Holdings,
     Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}

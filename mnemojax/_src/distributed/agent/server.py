@@ -2,7 +2,8 @@
 
 Its worker (one persistent connection, `worker.agent_client.AgentClient`) asks for slots
 (`wire.Alloc`), says it published a step (`wire.Published`: the watchdog's progress signal,
-and what triggers replication) and which phase it is in (`wire.Phase`). The predecessor's
+and what triggers replication) and which phase it is in (`wire.Phase`, passed on to the
+launcher as `wire.WorkerPhase`). The predecessor's
 agent pushes replicas (`wire.Replica`); survivors fetch copies (`wire.Get`); the launcher
 asks what is held (`wire.HoldingsQuery`) when survivors agree. Every connection must prove
 the job secret first (`transport.accept_loop`); a refused one is reported to the launcher
@@ -81,6 +82,7 @@ class AgentServer:
             return None
         if isinstance(message, wire.Phase):
             self._watchdog.set_phase(message.phase, now)
+            self._report(wire.WorkerPhase(worker_id=self.worker_id, phase=message.phase))
             return None
         if isinstance(message, wire.Replica):
             return self._holder.accept_replica(message, payload), b""

@@ -8,6 +8,9 @@ lock, for everyone: it asks every live agent what it holds, starts the new world
 coordination service, lets `book.AgreementBook` decide, stops the old world's service
 (every survivor has detached by then: clients first) and re-forms the buddy ring over
 the survivors' agents.
+
+The same lock serves the barriers after each compile (`Arbiter.barrier`, `barriers`): a
+member's death, which the launcher hears of from its agent, fails them at once.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.launcher.barriers import BarrierBook
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
@@ -43,6 +47,8 @@ class Arbiter:
         self.worlds: dict[int, tuple[int, ...]] = {0: self.book.members}  # gen -> members
         self._timeout_s = agree_timeout_s
         self._roster, self._services, self._record = roster, services, record
+        self._barriers = BarrierBook()
+        self._failed_logged: set[tuple[int, str]] = set()
 
     def member_died(self, worker_id: int) -> None:
         self.book.mark_dead(worker_id)
@@ -78,6 +84,41 @@ class Arbiter:
                 raise AgreementError(f"worker {w} died during the agreement",
                                      generation=book.generation)
             return decision[w]
+
+    def barrier(self, request: wire.Barrier) -> wire.BarrierReply:
+        """Waits until every member of world ``request.generation`` has arrived at barrier
+        ``request.name`` (passed), or one of them is dead (failed, naming the dead: the
+        caller recovers as from a failed collective). Atomic (`barriers`). A member not
+        there within ``request.timeout_s`` of this arrival is evicted, as at the agreement:
+        killed, so the barrier fails for the others.
+
+        Raises:
+            AgreementError: the caller is not a live member of the current world.
+        """
+        w, g, cv = request.worker_id, request.generation, self._roster.cv
+        key = (g, request.name)
+        with cv:
+            book = self.book
+            if g != book.generation or w not in book.members or w in book.dead:
+                raise AgreementError(f"worker {w} is not a live member of world {g} (the "
+                                     f"current world is {book.generation})", generation=g)
+            self._barriers.arrive(key, w)
+            cv.notify_all()
+            deadline = time.monotonic() + request.timeout_s
+            while (failed := self._barriers.outcome(key, book.members, book.dead)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for m in self._barriers.missing(key, book.members):
+                        self._record({"op": "evicted", "worker_id": m, "barrier": request.name})
+                        book.mark_dead(m)
+                        self._roster.command(m, wire.KillWorker())
+                    continue
+                cv.wait(timeout=min(left, 0.5))
+            if failed and key not in self._failed_logged:
+                self._failed_logged.add(key)
+                self._record({"op": "barrier_failed", "generation": g, "name": request.name,
+                              "failed": list(failed)})
+            return wire.BarrierReply(failed=failed)
 
     def _decide(self, book: AgreementBook) -> dict[int, Agreement]:
         replies = self._roster.holdings()

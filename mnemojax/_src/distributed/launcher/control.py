@@ -3,9 +3,10 @@
 A connection that opens with `wire.Hello` is an agent's persistent link: its events
 (`wire.AgentEvent`) flow in until it breaks, and the launcher's commands flow out on it
 (`roster.AgentRoster.command`). Any other connection is one request and its reply (a
-worker's `wire.ReportFailure` or `wire.Agree`). Each connection has its own thread, and
-must prove the job secret before its first message (`transport.accept_loop`); one that
-does not is closed, logged and reported to ``on_refused``.
+worker's `wire.ReportFailure`, `wire.Agree` or `wire.Barrier`). Each connection has its
+own thread, and must prove the job secret before its first message
+(`transport.accept_loop`); one that does not is closed, logged and reported to
+``on_refused``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ControlHandler(Protocol):
         ...
 
     def request(self, message: wire.Message) -> wire.Message:
-        """Answers one request (may block: `wire.Agree` is a barrier)."""
+        """Answers one request (may block: `wire.Agree` and `wire.Barrier` are barriers)."""
         ...
 
 

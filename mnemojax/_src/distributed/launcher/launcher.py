@@ -119,6 +119,8 @@ class Launcher:
         self.supervisor.kill_group(worker_id, signal.SIGKILL)  # fence its worker
 
     def request(self, message: wire.Message) -> wire.Message:
+        """Answers a worker's request (`control.ControlHandler`); `wire.Agree` and
+        `wire.Barrier` block until their barrier is decided."""
         if isinstance(message, wire.ReportFailure):
             self._record(message.to_wire())
             if message.reason.startswith(UNCAUGHT):
@@ -135,6 +137,12 @@ class Launcher:
                                                f"signalled ({self._stop_signals[0]})")
             try:
                 return wire.AgreementReply(agreement=self.arbiter.agree(message))
+            except AgreementError as e:
+                return wire.ErrorReply(message=str(e))
+        if isinstance(message, wire.Barrier):
+            self._record(message.to_wire())
+            try:
+                return self.arbiter.barrier(message)
             except AgreementError as e:
                 return wire.ErrorReply(message=str(e))
         return wire.ErrorReply(message=f"unknown op {message.OP!r}")

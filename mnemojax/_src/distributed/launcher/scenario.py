@@ -6,16 +6,20 @@ host is gone, with its copy of the snapshot), ``hang`` stops the worker (SIGSTOP
 no progress; only the agent's watchdog can notice), ``corrupt`` kills the worker and then
 flips a bit in every snapshot its agent holds in shared memory (its own copy must not be
 restored), ``kill_in_agreement`` kills the worker when it calls ``agree`` (it may die
-before or after the decision), and ``kill_after_decision`` kills it as soon as the
-launcher has decided a new world that includes it (the others must agree again).
+before or after the decision), ``kill_after_decision`` kills it as soon as the
+launcher has decided a new world that includes it (the others must agree again), and
+``kill_in_compile`` kills it as soon as it starts compiling (its agent passes the
+worker's ``compile`` phase on to the launcher): the others are compiling too, or waiting
+at the barrier after the compile.
 ``intrude`` harms nothing by itself: an outsider without the job secret connects to the
 launcher's port and to the victim's agent and sends forged requests (a ``hello`` that would
 replace the agent's link, an ``agree``, an ``alloc`` that would wipe the replicas, a ``get``
 that would read a snapshot); every one must be refused and the job must end exact.
 
 A fault fires when its victim has published ``at_step`` (the agent's ``progress`` event);
-the two agreement kinds fire at the first agreement after every fault listed before them
-has fired. ``python -m mnemojax launch`` is the same launcher without the faults.
+the two agreement kinds and ``kill_in_compile`` fire at the first agreement (compile)
+after every fault listed before them has fired: first listed, ``kill_in_compile`` kills
+during the first compile; after a ``kill``, during the recovery's compile. ``python -m mnemojax launch`` is the same launcher without the faults.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import InvalidOptionError, ProtocolError
 
 KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision",
-         "intrude")
-AGREEMENT_KINDS = ("kill_in_agreement", "kill_after_decision")
+         "kill_in_compile", "intrude")
+# Kinds that fire on an event of the recovery path, once every earlier fault has fired.
+ORDERED_KINDS = ("kill_in_agreement", "kill_after_decision", "kill_in_compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +51,10 @@ class ProcessFault:
 
     Attributes:
         kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement``,
-            ``kill_after_decision`` or ``intrude`` (module docstring).
+            ``kill_after_decision``, ``kill_in_compile`` or ``intrude`` (module docstring).
         victim: the worker's stable id (its process id at launch).
-        at_step: the step after which it fires (ignored by the agreement kinds).
+        at_step: the step after which it fires (ignored by the agreement kinds and
+            ``kill_in_compile``).
     """
 
     kind: str
@@ -171,18 +177,21 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
 
     def due(fault: ProcessFault, event: dict) -> bool:
         op = event["op"]
-        if fault.kind in AGREEMENT_KINDS:
+        if fault.kind in ORDERED_KINDS:
             earlier = faults[:faults.index(fault)]
             if any(f in pending for f in earlier):
                 return False
             if fault.kind == "kill_in_agreement":
                 return op == "agree" and event["worker_id"] == fault.victim
+            if fault.kind == "kill_in_compile":
+                return (op == "worker_phase" and event["worker_id"] == fault.victim
+                        and event["phase"] == "compile")
             return op == "decided" and fault.victim in event["survivors"]
         return (op == "progress" and event["worker_id"] == fault.victim
                 and event["step"] >= fault.at_step)
 
     def on_event(event: dict) -> None:
-        if event["op"] not in ("progress", "agree", "decided"):
+        if event["op"] not in ("progress", "agree", "decided", "worker_phase"):
             return
         with lock:
             for fault in list(pending):

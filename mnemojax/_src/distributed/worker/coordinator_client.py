@@ -1,7 +1,7 @@
 """The worker's side of the agreement: the `Coordinator` it calls after a peer failure.
 
 `LauncherCoordinator` implements it against the launcher's control endpoint on one machine
-(`launcher.arbiter` answers); a later issue can put the same two calls on etcd. No JAX here.
+(`launcher.arbiter` answers); a later issue can put the same calls on etcd. No JAX here.
 """
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ class Coordinator(Protocol):
         """
         ...
 
+    def barrier(self, *, generation: int, name: str, timeout_s: float) -> tuple[int, ...]:
+        """Barrier over the members of world ``generation``: returns ``()`` once every
+        member has arrived, or the members that died first (at once, not at a timeout).
+
+        Atomic: every member gets the same outcome. A member missing ``timeout_s`` after
+        this call is evicted (killed), which fails the barrier.
+        """
+        ...
+
 
 class LauncherCoordinator:
     """`Coordinator` backed by the launcher's control endpoint (one machine).
@@ -48,11 +57,12 @@ class LauncherCoordinator:
         self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
         self._secret = secret
 
-    def _call(self, message: wire.ReportFailure | wire.Agree,
-              reply: type[transport.M]) -> transport.M:
+    def _call(self, message: wire.ReportFailure | wire.Agree | wire.Barrier,
+              reply: type[transport.M], *, timeout_s: float | None = None) -> transport.M:
         try:
-            answer, _ = transport.request(self.control, message, reply, secret=self._secret,
-                                          timeout_s=self.timeout_s)
+            answer, _ = transport.request(
+                self.control, message, reply, secret=self._secret,
+                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
         except (OSError, ConnectionError, ProtocolError) as e:
             raise AgreementError(f"{message.OP} failed: {e}",
                                  generation=message.generation) from e
@@ -67,3 +77,9 @@ class LauncherCoordinator:
         return self._call(wire.Agree(worker_id=self.worker_id, generation=generation,
                                      last_step=last_step, first_replayable=first_replayable),
                           wire.AgreementReply).agreement
+
+    def barrier(self, *, generation: int, name: str, timeout_s: float) -> tuple[int, ...]:
+        # The launcher evicts a missing member at timeout_s; the reply follows at once.
+        return self._call(wire.Barrier(worker_id=self.worker_id, generation=generation,
+                                       name=name, timeout_s=timeout_s),
+                          wire.BarrierReply, timeout_s=timeout_s + 30.0).failed
