@@ -256,6 +256,8 @@ class ResilientStep(Generic[P, R]):
             if b.session is not None and self._step == 0:
                 # Before the first compile: a peer lost in it, or in step 1, needs it.
                 self._publish(0, leaves)
+            if b.snapshot_every is None and b.session is None:
+                self._snapshot_initial(b, leaves)
             barrier = b.session if b.session is not None and b.exe is None else None
             if barrier is not None:  # `_run` waits at its barrier (a peer lost: recovered)
                 compile_for_world(barrier, b.runtime, batch, b.examples)
@@ -695,6 +697,7 @@ class ResilientStep(Generic[P, R]):
             b.snapshot_every = self._snapshot_cadence(new_leaves)
         rt = b.runtime
         if b.snapshot_every and step % b.snapshot_every == 0:
+            self._wait_snapshot(rt, step)
             rt.store.submit(step, new_leaves)
             if opts.compile.donate_state:
                 rt.store.wait_idle()  # the next step donates these buffers
@@ -733,6 +736,26 @@ class ResilientStep(Generic[P, R]):
         session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes)
         if session.publish_refused and not refused:
             b.durability.emit("fault", step=step, classification="snapshot_budget")
+
+    def _snapshot_initial(self, b: _Built, leaves: list) -> None:
+        """The snapshot of the state the first call starts from, complete before it runs,
+        where some shards have a single copy: a device lost in either of the first two
+        steps then costs at most one step too (see `_wait_snapshot`)."""
+        b.snapshot_every = self._snapshot_cadence(leaves)
+        if self._statistics.unreplicated_state and b.snapshot_every:
+            b.runtime.store.submit(self._step, leaves)
+            self._wait_snapshot(b.runtime, self._step + 1)
+
+    def _wait_snapshot(self, rt: Runtime, step: int) -> None:
+        """Backpressure: the snapshot in flight completes before `step`'s is queued (it
+        copies while the step computes, so this rarely waits). A device lost during step
+        k + 1 can take the copy of step k with it; the copy of step k - 1 is then complete,
+        so at most one step is lost. Bounded by the hang timeout's floor: a copy from a
+        hung device is the watchdog's business."""
+        bound = self.options.recovery.hang_timeout_s or self.options.recovery.hang_floor_s
+        if not rt.store.wait_idle(timeout_s=bound):
+            log.warning("mnemojax: step %d: the previous snapshot's copy is still running "
+                        "after %.0f s; not waiting for it", step, bound)
 
     def _snapshot_cadence(self, leaves: list) -> int:
         """Snapshots are the only second copy of single-copy shards: take them more often."""
