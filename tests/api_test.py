@@ -303,8 +303,8 @@ def test_a_mesh_without_the_data_axis_is_refused_at_build_naming_the_option():
     batch = h.make_batches(1)[0]
     mesh = h.mesh_of((4, 2), ("fsdp", "model"))
     step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile())
-    with pytest.raises(InvalidOptionError, match=r"data_axis='data' is not an axis of the "
-                                                 r"mesh \(axes \('fsdp', 'model'\)\)"):
+    with pytest.raises(InvalidOptionError, match=r"data_axis='data': 'data' is not an axis "
+                                                 r"of the mesh \(axes \('fsdp', 'model'\)\)"):
         step(model, optimizer, batch)
     named = step.with_options(options=h.no_precompile(data_axis="fsdp"))
     loss = float(named(model, optimizer, batch)["loss"])

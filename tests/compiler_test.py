@@ -36,7 +36,7 @@ def _plan(shape, first=0):
 
 def _compiler(pure=_pure, **kw):
     kw.setdefault("donate", False)
-    return StepCompiler(pure, SPECS, STRUCTS, data_axis="data", **kw)
+    return StepCompiler(pure, SPECS, STRUCTS, batch_axes=("data",), **kw)
 
 
 class _Gate:

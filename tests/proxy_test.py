@@ -41,7 +41,7 @@ def _proxy(faults=None, ids=((0, 1), (2, 3), (4, 5)), spares=(6, 7)):
     inner = _CountingLayer()
     layer = faults.wrap(inner) if faults is not None else inner
     plan = _plan(ids)
-    proxy = DeviceProxy(layer, plan, shd.mesh_from_plan(plan), spares, data_axis="data",
+    proxy = DeviceProxy(layer, plan, shd.mesh_from_plan(plan), spares, batch_axes=("data",),
                         probe_timeout_s=5.0)
     return proxy, inner
 
@@ -152,7 +152,7 @@ def test_slow_step_with_healthy_devices_is_a_transient_hang():
             return super().block(outputs, step=step, devices=devices)
 
     plan = _plan([[0, 1], [2, 3]])
-    proxy = DeviceProxy(_SlowLayer(), plan, shd.mesh_from_plan(plan), [], data_axis="data",
+    proxy = DeviceProxy(_SlowLayer(), plan, shd.mesh_from_plan(plan), [], batch_axes=("data",),
                         probe_timeout_s=5.0)
     with pytest.raises(StepHangError) as info:
         proxy.run(_noop_step, [], {}, step=4, timeout_s=0.1)
@@ -201,7 +201,7 @@ def test_probe_all_covers_mesh_and_spares_only():
 def test_known_dead_devices_never_join_the_spare_pool():
     plan = _plan([[0, 1], [2, 3]])
     proxy = DeviceProxy(JaxDeviceLayer(), plan, shd.mesh_from_plan(plan), [4, 5, 6],
-                        data_axis="data", probe_timeout_s=5.0, dead=[5])
+                        batch_axes=("data",), probe_timeout_s=5.0, dead=[5])
     assert proxy.dead == {5} and proxy.spares == [4, 6]
 
 
@@ -230,7 +230,7 @@ def test_device_places_are_process_and_rank_in_one_process():
 
 def _batch_shardings(proxy, batch):
     return jax.tree.map(lambda x: NamedSharding(
-        proxy.mesh, shd.batch_spec(proxy.mesh, "data", np.ndim(x))), batch)
+        proxy.mesh, shd.batch_spec(proxy.mesh, ("data",), np.ndim(x))), batch)
 
 
 def test_place_batch_splits_along_the_data_axis():

@@ -78,9 +78,10 @@ def test_sharded_dims_collects_sizes_per_axis():
 
 def test_batch_spec_splits_along_the_data_axis_only_when_it_can():
     mesh = h.mesh_of((4, 2))
-    assert shd.batch_spec(mesh, "data", 2) == P("data")
-    assert shd.batch_spec(mesh, "data", 0) == P()  # a scalar is replicated
-    assert shd.batch_spec(mesh, "batch", 1) == P()  # no such axis: replicated
+    assert shd.batch_spec(mesh, ("data",), 2) == P("data")
+    assert shd.batch_spec(mesh, ("data",), 0) == P()  # a scalar is replicated
+    assert shd.batch_spec(mesh, ("batch",), 1) == P()  # no such axis: replicated
+    assert shd.batch_spec(mesh, ("data", "model"), 2) == P(("data", "model"))
 
 
 def test_named_shardings_follow_the_specs():

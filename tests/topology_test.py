@@ -109,9 +109,46 @@ def test_three_axes_512_devices():
     assert plan.shape == {"data": 7, "fsdp": 8, "model": 8}
 
 
-def test_no_data_axis_and_two_model_axes_is_too_small():
-    with pytest.raises(MeshTooSmallError, match="exactly one is supported"):
-        plan_reduced_mesh(grid(2, 2), ("x", "y"), {0}, data_axis=None)
+def test_no_data_axis_and_two_model_axes_shrinks_the_first_that_keeps_most():
+    plan = plan_reduced_mesh(grid(2, 2), ("x", "y"), {0}, data_axis=None)
+    assert plan.kind == "shrink_model" and plan.shape == {"x": 1, "y": 2}
+    assert plan.device_ids.tolist() == [[2, 3]]
+
+
+def test_the_axis_that_keeps_most_devices_shrinks():
+    """Dropping a data replica keeps 4 of 8 devices; shrinking the model axis to 3 (which
+    divides its sharded dimension, 48) keeps 6."""
+    plan = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8, sharded_dims={"model": {48}})
+    assert plan.kind == "shrink_model" and plan.shape == {"data": 2, "model": 3}
+    assert not plan.math_changed and plan.examples_per_step == 8
+    narrow = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8,
+                               sharded_dims={"model": {64}})  # 3 does not divide 64
+    assert narrow.kind == "drop_replicas" and narrow.shape == {"data": 1, "model": 4}
+
+
+@pytest.mark.parametrize("scale,want", [
+    (1, {"data": 2, "fsdp": 3, "tensor": 2}),  # 12 devices, against 8 dropping a replica
+    (4, {"data": 6, "fsdp": 4, "tensor": 8}),  # 1024 devices: 192 either way; data first
+])
+def test_batch_split_over_two_axes_shrinks_fsdp_keeping_the_math(scale, want):
+    """(data, fsdp, tensor) with the batch over (data, fsdp), MaxText-style: the fsdp axis
+    shrinks to 3 (dividing its sharded dimension and the batch over data) where that keeps
+    more devices than dropping a whole data replica."""
+    data, fsdp, tensor = 2 * scale, 4, 2 * scale
+    ids = grid(data, fsdp, tensor)
+    batch = 12 * data
+    plan = plan_reduced_mesh(ids, ("data", "fsdp", "tensor"), {int(ids[0, 1, 0])},
+                             data_axis=("data", "fsdp"), batch_size=batch,
+                             sharded_dims={"fsdp": {48}, "tensor": {64}})
+    assert plan.kind == "drop_replicas"
+    assert plan.shape == want
+    assert plan.examples_per_step == batch and not plan.math_changed
+    # Under truncate_batch the widths need not divide the batch.
+    cut = plan_reduced_mesh(ids, ("data", "fsdp", "tensor"), {int(ids[0, 1, 0])},
+                            data_axis=("data", "fsdp"), batch_size=batch + 2,
+                            batch_policy="truncate_batch", sharded_dims={"fsdp": {48}})
+    widths = cut.shape["data"] * cut.shape["fsdp"]
+    assert cut.math_changed and cut.examples_per_step == (batch + 2) // widths * widths
 
 
 def test_min_devices_is_enforced():

@@ -331,14 +331,16 @@ class ResilientStep(Generic[P, R]):
         mesh = self._mesh_arg
         if mesh is None:
             devices = [d for d in jax.devices() if d.id not in spares]
-            mesh = jax.make_mesh((len(devices),), (opts.data_axis or "data",), devices=devices,
-                                 axis_types=(jax.sharding.AxisType.Auto,))
-        if opts.data_axis is not None and opts.data_axis not in mesh.axis_names:
+            mesh = jax.make_mesh((len(devices),), (opts.batch_axes or ("data",))[:1],
+                                 devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+        missing = [a for a in opts.batch_axes if a not in mesh.axis_names]
+        if missing:
             raise InvalidOptionError(
-                f"data_axis={opts.data_axis!r} is not an axis of the mesh (axes "
-                f"{tuple(mesh.axis_names)}): set ResilienceOptions(data_axis=...) to the axis "
-                "the batch is split along, or data_axis=None if the mesh has none (every "
-                "device then sees the whole batch)")
+                f"data_axis={opts.data_axis!r}: {', '.join(map(repr, missing))} is not an "
+                f"axis of the mesh (axes {tuple(mesh.axis_names)}): set "
+                "ResilienceOptions(data_axis=...) to the axis (or axes) the batch is split "
+                "along, or data_axis=None if the mesh has none (every device then sees the "
+                "whole batch)")
         ids = shd.device_ids(mesh)
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:
@@ -616,8 +618,8 @@ class ResilientStep(Generic[P, R]):
         used = b.examples if b.batch_size is not None else size
         if size is not None and used is not None and used % width:
             raise BatchSplitError(
-                f"the global batch has {size} examples, which the data axis "
-                f"{self.options.data_axis!r} of width {width} cannot split evenly")
+                f"the global batch has {size} examples, which the batch axes "
+                f"{self.options.batch_axes} of width {width} cannot split evenly")
         if b.batch_size is None:
             b.batch_size = b.examples = size
 

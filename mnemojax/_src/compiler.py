@@ -75,13 +75,13 @@ class StepCompiler:
     """
 
     def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
-                 *, data_axis: str | None, donate: bool, check_state: bool = True,
+                 *, batch_axes: Sequence[str], donate: bool, check_state: bool = True,
                  axis_types: shd.AxisTypes | None = None):
         self._pure = pure
         self._axis_types = dict(axis_types or {})
         self._specs = list(specs)
         self.leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
-        self._data_axis = data_axis
+        self._batch_axes = tuple(batch_axes)
         self._donate = donate
         self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
@@ -127,7 +127,7 @@ class StepCompiler:
 
     def batch_shardings(self, mesh: Mesh, batch_struct):
         return jax.tree.map(
-            lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._data_axis, len(s.shape))),
+            lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape))),
             batch_struct)
 
     def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:

@@ -276,9 +276,11 @@ class ResilienceOptions:
         persistent: the persistent (Orbax) tier.
         event_log: path of a JSONL event log to append to (None: no log).
         run_name: the ``run`` field of this step's events.
-        data_axis: the mesh axis along which the batch is split and replicas are dropped;
-            the mesh must have it (checked when the step is built). None: the mesh has no
-            data-parallel axis, and every device sees the whole batch.
+        data_axis: the mesh axis along which the batch is split and replicas are dropped,
+            or several (``("data", "fsdp")``: the batch is split over their product, as
+            MaxText does); the mesh must have them (checked when the step is built).
+            None: the mesh has no data-parallel axis, and every device sees the whole
+            batch.
         loss_key: where the NaN/Inf policy finds the loss in what the step returns: a
             key of a metrics dict, or a callable taking the return value and giving the
             scalar loss (``lambda out: out[0]``, say). A scalar return value is the loss
@@ -301,10 +303,16 @@ class ResilienceOptions:
     persistent: PersistentOptions = dataclasses.field(default_factory=PersistentOptions)
     event_log: str | os.PathLike[str] | None = None
     run_name: str = "mnemojax"
-    data_axis: str | None = "data"
+    data_axis: str | tuple[str, ...] | None = "data"
     loss_key: str | Callable[[Any], Any] = "loss"
     nonfinite: NonFinitePolicy = "raise"
     check_state: bool = True
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """`data_axis` as a tuple (empty for None)."""
+        axis = self.data_axis
+        return (axis,) if isinstance(axis, str) else tuple(axis or ())
 
     def __post_init__(self):
         _check_types(self)
@@ -312,8 +320,10 @@ class ResilienceOptions:
                           ("compile", CompileOptions), ("persistent", PersistentOptions)):
             value = getattr(self, name)
             _check(isinstance(value, cls), name, value, f"a {cls.__name__}")
-        _check(self.data_axis is None or bool(self.data_axis), "data_axis", self.data_axis,
-               "a non-empty axis name or None")
+        axes = self.batch_axes
+        _check(all(axes) and len(set(axes)) == len(axes)
+               and (self.data_axis is None or bool(axes)), "data_axis", self.data_axis,
+               "a non-empty axis name, a tuple of distinct ones, or None")
         _check_choice("nonfinite", self.nonfinite, _NONFINITE_POLICIES)
         # A skipped batch keeps the previous state, which a donating step has consumed.
         _check(not (self.compile.donate_state and self.nonfinite == "skip_batch"),

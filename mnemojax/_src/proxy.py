@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import queue
 import re
 import threading
@@ -48,10 +49,10 @@ class DeviceProxy:
     """Owns the current mesh, the set of dead devices and the spare pool."""
 
     def __init__(self, layer: DeviceLayer, plan: MeshPlan, mesh: Mesh, spares: Sequence[int],
-                 *, data_axis: str | None, probe_timeout_s: float,
+                 *, batch_axes: Sequence[str], probe_timeout_s: float,
                  dead: Collection[int] = ()):
         self.layer = layer
-        self._data_axis = data_axis
+        self._batch_axes = tuple(batch_axes)
         self.plan = plan
         self.mesh = mesh
         self.dead: set[int] = {int(d) for d in dead}
@@ -99,7 +100,7 @@ class DeviceProxy:
         return jax.tree_util.tree_map_with_path(place, host_batch, shardings)
 
     def data_width(self) -> int:
-        return int(self.mesh.shape.get(self._data_axis, 1))
+        return math.prod(int(self.mesh.shape.get(a, 1)) for a in self._batch_axes)
 
     def run(self, executable, leaves, device_batch, step: int, *,
             timeout_s: float | None = None):

@@ -119,13 +119,13 @@ class RuntimeBuilder:
             if self._wrap_layer is not None:
                 layer = self._wrap_layer(layer)
             compiler = StepCompiler(
-                self._pure, self._specs, self.leaf_structs, data_axis=opts.data_axis,
+                self._pure, self._specs, self.leaf_structs, batch_axes=opts.batch_axes,
                 donate=opts.compile.donate_state,
                 check_state=opts.check_state and opts.nonfinite != "ignore",
                 axis_types=self.axis_types)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
-        proxy = DeviceProxy(layer, plan, mesh, spares, data_axis=opts.data_axis,
+        proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
                             probe_timeout_s=opts.recovery.probe_timeout_s, dead=dead)
         return Runtime(layer, proxy, compiler, store, grads_store)
 

@@ -91,9 +91,11 @@ def sharded_dims(specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...
     return out
 
 
-def batch_spec(mesh: Mesh, data_axis: str | None, ndim: int) -> PartitionSpec:
-    if data_axis in mesh.axis_names and ndim > 0:
-        return PartitionSpec(data_axis)
+def batch_spec(mesh: Mesh, batch_axes: Sequence[str], ndim: int) -> PartitionSpec:
+    """The leading dimension split over the batch axes the mesh has (replicated if none)."""
+    axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+    if axes and ndim > 0:
+        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
     return PartitionSpec()
 
 

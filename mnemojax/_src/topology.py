@@ -76,14 +76,14 @@ class ShapeRules:
     `plan_reduced_mesh` that come from the job, not from the failure.
 
     Attributes:
-        data_axis: the mesh axis the batch is split along (None: none).
+        data_axis: the mesh axis the batch is split along, or several (None: none).
         sharded_dims: per mesh axis, the sizes of the array dimensions sharded along it.
         batch_size: examples in the global batch (None: not known yet).
         batch_policy: `RecoveryOptions.batch_policy`.
         min_devices: `RecoveryOptions.min_devices`.
     """
 
-    data_axis: str | None
+    data_axis: str | tuple[str, ...] | None
     sharded_dims: Mapping[str, Collection[int]]
     batch_size: int | None
     batch_policy: str
@@ -130,7 +130,7 @@ def plan_reduced_mesh(
     failed: Collection[int],
     *,
     spares: Sequence[int] = (),
-    data_axis: str | None = "data",
+    data_axis: str | Sequence[str] | None = "data",
     sharded_dims: Mapping[str, Collection[int]] | None = None,
     batch_size: int | None = None,
     batch_policy: str = "keep_math",
@@ -143,26 +143,31 @@ def plan_reduced_mesh(
 
     1. ``spare_swap``: enough healthy spares: each failed device is replaced in place, the
        mesh keeps its shape and only the groups through the failed devices change.
-    2. ``drop_replicas``: drop every data-parallel replica (slice along `data_axis`) that
-       holds a failed device; the healthy devices of dropped replicas and the spares form
-       new whole replicas where they can. The model axes stay whole. The data width is the
-       widest that divides the batch (``keep_math``) and every dimension sharded along the
-       data axis; extra replicas stay idle.
-    3. ``shrink_model``: no whole replica left: one model axis shrinks to the widest size
-       that fits the healthy devices and divides every dimension sharded along it.
+    2. Otherwise one axis shrinks, whichever keeps the most devices (ties: the batch axes
+       first, in order, then the other axes in mesh order). Shrinking axis ``a`` drops
+       every slice along ``a`` (the sub-mesh at one index of ``a``) that holds a failed
+       device; the healthy devices of dropped slices and the spares form new whole
+       slices where they can; the other axes stay whole. The new width is the widest that
+       divides every array dimension sharded along ``a`` and, for a batch axis under
+       ``keep_math``, the global batch over the other batch axes; extra slices stay idle.
+       A batch axis shrinking is ``drop_replicas`` (its slices are data-parallel
+       replicas, or FSDP groups whose lost shards come from snapshots); any other axis
+       is ``shrink_model``. Every such plan keeps the math (``keep_math``): the same
+       global batch and the same parameters, laid out on fewer devices.
 
     Args:
         device_ids: integer array of device ids, the current mesh.
         axis_names: its axis names.
         failed: ids of dead devices (ids outside the mesh and spares are ignored).
         spares: reserved healthy devices, in order of preference.
-        data_axis: name of the data-parallel axis, or None.
+        data_axis: the batch axis, or several (the batch is split over their product:
+            ``("data", "fsdp")``), or None.
         sharded_dims: per axis name, the sizes of the array dimensions sharded along it.
-        batch_size: examples in the global batch (split along `data_axis`).
+        batch_size: examples in the global batch (split along the batch axes).
         batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
         min_devices: the plan must keep at least this many devices.
-        shrink_model: whether step 3 is allowed (across processes it is not: see
-            `plan_after_process_loss`).
+        shrink_model: whether axes other than the batch axes may shrink (across processes
+            they may not: see `plan_after_process_loss`).
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -177,8 +182,12 @@ def plan_reduced_mesh(
         raise InvalidOptionError(
             f"axis_names={axis_names!r} do not match a mesh of shape {device_ids.shape}"
         )
-    if data_axis is not None and data_axis not in axis_names:
-        data_axis = None
+    named = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis or ())
+    batch_axes = tuple(a for a in named if a in axis_names)
+    if batch_policy not in ("keep_math", "truncate_batch"):
+        raise InvalidOptionError(
+            f"batch_policy={batch_policy!r} is invalid: expected 'keep_math' or 'truncate_batch'"
+        )
     sharded_dims = {a: tuple(sharded_dims.get(a, ())) for a in axis_names} if sharded_dims else {
         a: () for a in axis_names
     }
@@ -186,7 +195,6 @@ def plan_reduced_mesh(
     in_mesh = [int(d) for d in device_ids.flat]
     failed_in_mesh = [d for d in in_mesh if d in failed]
     healthy_spares = [int(s) for s in spares if int(s) not in failed and int(s) not in in_mesh]
-    batch_constraint = () if batch_size is None else (batch_size,)
 
     def finish(new_ids, kind, *, used=(), examples=batch_size, math_changed=False):
         new_ids = np.asarray(new_ids, dtype=np.int64)
@@ -223,82 +231,64 @@ def plan_reduced_mesh(
                 swapped[pos] = next(replacement)
         return finish(swapped, "spare_swap")
 
-    if data_axis is not None:
-        plan = _drop_replicas(
-            device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims,
-            batch_constraint, batch_policy,
-        )
-        if plan is not None:
-            new_ids, examples, math_changed = plan
-            return finish(new_ids, "drop_replicas", examples=examples, math_changed=math_changed)
-
-    if not shrink_model:
-        healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
+    order = list(batch_axes) + ([a for a in axis_names if a not in batch_axes]
+                                if shrink_model else [])
+    best = None
+    for axis in order:
+        plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
+                            sharded_dims, batch_size, batch_policy)
+        if plan is not None and (best is None or plan[0].size > best[1].size):
+            best = (axis, *plan)
+    healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
+    if best is None and not shrink_model:
         per_replica = math.prod(n for a, n in zip(axis_names, device_ids.shape, strict=True)
-                                if a != data_axis)
+                                if a not in batch_axes)
         raise MeshTooSmallError(
             f"no whole data-parallel replica ({per_replica} devices) can be formed from the "
             f"{healthy} healthy devices, and the model axes are not shrunk across processes",
             healthy_devices=healthy, required=per_replica)
-    return finish(
-        _shrink_model(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims),
-        "shrink_model",
-    )
+    if best is None:
+        raise MeshTooSmallError(
+            f"no axis of the mesh {dict(zip(axis_names, device_ids.shape, strict=True))} can "
+            f"shrink onto the {healthy} healthy devices (each width must divide the array "
+            "dimensions sharded along it and, for a batch axis, the global batch)",
+            healthy_devices=healthy, required=math.prod(device_ids.shape))
+    axis, new_ids, examples, math_changed = best
+    return finish(new_ids, "drop_replicas" if axis in batch_axes else "shrink_model",
+                  examples=examples, math_changed=math_changed)
 
 
-def _drop_replicas(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims,
-                   batch_constraint, batch_policy):
-    d = axis_names.index(data_axis)
-    by_replica = np.moveaxis(device_ids, d, 0)
-    replica_shape = by_replica.shape[1:]
-    survivors = [r for r in by_replica if not any(int(x) in failed for x in r.flat)]
-    # Healthy devices of dropped replicas, then spares, regrouped into whole new replicas.
-    pool = [int(x) for r in by_replica if any(int(y) in failed for y in r.flat)
-            for x in r.flat if int(x) not in failed] + list(healthy_spares)
-    size = math.prod(replica_shape)
-    fresh = [np.array(pool[i:i + size]).reshape(replica_shape)
+def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
+                 sharded_dims, batch_size, batch_policy):
+    """(new ids, examples per step, math changed) with `axis` shrunk, or None."""
+    d = axis_names.index(axis)
+    slices = np.moveaxis(device_ids, d, 0)
+    slice_shape = slices.shape[1:]
+    survivors = [s for s in slices if not any(int(x) in failed for x in s.flat)]
+    # Healthy devices of dropped slices, then spares, regrouped into whole new slices.
+    pool = [int(x) for s in slices if any(int(y) in failed for y in s.flat)
+            for x in s.flat if int(x) not in failed] + list(healthy_spares)
+    size = math.prod(slice_shape)
+    fresh = [np.array(pool[i:i + size]).reshape(slice_shape)
              for i in range(0, len(pool) - size + 1, size)]
     candidates = survivors + fresh
-    data_dims = sharded_dims.get(data_axis, ())
-    if batch_policy == "keep_math":
-        width = _widest_dividing(len(candidates), (*batch_constraint, *data_dims))
-        examples = batch_constraint[0] if batch_constraint else None
-        math_changed = False
-    elif batch_policy == "truncate_batch":
-        width = _widest_dividing(len(candidates), data_dims)
-        examples = (batch_constraint[0] // width * width) if batch_constraint and width else None
-        math_changed = bool(batch_constraint) and width > 0 and examples != batch_constraint[0]
+    dims = tuple(sharded_dims.get(axis, ()))
+    examples, math_changed = batch_size, False
+    if axis in batch_axes and batch_size is not None:
+        other = math.prod(n for a, n in zip(axis_names, device_ids.shape, strict=True)
+                          if a in batch_axes and a != axis)
+        if batch_policy == "keep_math":
+            width = _widest_dividing(len(candidates), (batch_size // other, *dims)) \
+                if batch_size % other == 0 else 0
+        else:
+            width = _widest_dividing(len(candidates), dims)
+            examples = batch_size // (width * other) * (width * other) if width else None
+            math_changed = width > 0 and examples != batch_size
     else:
-        raise InvalidOptionError(
-            f"batch_policy={batch_policy!r} is invalid: expected 'keep_math' or 'truncate_batch'"
-        )
+        width = _widest_dividing(len(candidates), dims)
     if width == 0:
         return None
     return np.moveaxis(np.stack(candidates[:width]), 0, d), examples, math_changed
-
-
-def _shrink_model(device_ids, axis_names, failed, healthy_spares, data_axis, sharded_dims):
-    healthy = [int(x) for x in device_ids.flat if int(x) not in failed] + list(healthy_spares)
-    model_axes = [a for a, n in zip(axis_names, device_ids.shape, strict=True)
-                  if a != data_axis and n > 1]
-    if len(model_axes) != 1:
-        raise MeshTooSmallError(
-            f"no whole data-parallel replica survives and the mesh has {len(model_axes)} model "
-            f"axes {model_axes!r} to shrink (exactly one is supported); {len(healthy)} healthy "
-            "devices remain",
-            healthy_devices=len(healthy),
-            required=math.prod(device_ids.shape),
-        )
-    axis = model_axes[0]
-    width = _widest_dividing(min(len(healthy), device_ids.shape[axis_names.index(axis)]),
-                             sharded_dims.get(axis, ()))
-    if width == 0:
-        raise MeshTooSmallError(
-            f"no healthy device left for model axis {axis!r}",
-            healthy_devices=len(healthy), required=1,
-        )
-    shape = [width if a == axis else 1 for a in axis_names]
-    return np.array(healthy[:width]).reshape(shape)
 
 
 def single_failure_plans(device_ids: np.ndarray, axis_names: Sequence[str], **kwargs) -> list[MeshPlan]:

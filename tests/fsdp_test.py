@@ -1,0 +1,79 @@
+"""FSDP plus tensor parallelism on a (data, fsdp, tensor) mesh, the batch split over
+(data, fsdp) as MaxText does: a device loss shrinks the fsdp axis (the parameters are
+resharded over the survivors, the lost shards come from the host snapshot), and the run
+ends equal to the plain ``nnx.jit`` run on the full mesh."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mnemojax
+from mnemojax.models.tasks import classification_loss, shard_onto
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+pytestmark = pytest.mark.needs8
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+class FsdpMLP(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.l1 = nnx.Linear(h.DIN, h.DHIDDEN, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("fsdp", "tensor")))
+        self.l2 = nnx.Linear(h.DHIDDEN, h.DOUT, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("tensor", "fsdp")))
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def _train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(classification_loss)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def _build():
+    with nnx.use_eager_sharding(False):
+        model = FsdpMLP(rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _mesh():
+    return h.mesh_of((1, 4, 2), AXES)
+
+
+def test_fsdp_axis_shrinks_and_lost_shards_come_from_the_snapshot():
+    batches = h.make_batches(6)
+    model, optimizer = _build()
+    step = mnemojax.resilient(
+        _train_step, mesh=_mesh(), options=h.no_precompile(data_axis=BATCH_AXES),
+        fault_injector=FaultInjector().lose_devices(2, [1]).lose_devices(4, [4]))
+    try:
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+        first, second = step.statistics.recoveries
+    finally:
+        step.close()
+    assert step.statistics.unreplicated_state
+    assert first.plan_kind == "drop_replicas" and first.new_mesh_shape == {
+        "data": 1, "fsdp": 2, "tensor": 2}  # fsdp 4 -> 2: it divides the sharded dims
+    assert first.source != "live_replicas"  # device 1's shards had no other copy
+    assert all(r.steps_lost <= 1 for r in (first, second))
+    assert step.mesh is not None and dict(step.mesh.shape)["tensor"] == 2
+
+    plain_model, plain_opt = _build()
+    mesh = _mesh()
+    shard_onto(plain_model, plain_opt, mesh)
+    plain = nnx.jit(_train_step)
+    with jax.set_mesh(mesh):
+        want = [float(plain(plain_model, plain_opt, jax.device_put(
+            b, NamedSharding(mesh, P(BATCH_AXES))))["loss"]) for b in batches]
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
+                      h.Run(want, h.host_state(plain_model, plain_opt)))
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
