@@ -1,4 +1,6 @@
-"""Step forms: one interface over the NNX and the pure step (no compiles here)."""
+"""Step forms: nnx.jit's conventions over NNX objects and pure steps (traces, no compiles)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-from mnemojax._src.errors import UnsupportedStateError
-from mnemojax._src.step_forms import NnxForm, PytreeForm, form_for
+import mnemojax
+from mnemojax._src.errors import BatchSplitError, InvalidOptionError, UnsupportedStateError
+from mnemojax._src.proxy import host_batch
+from mnemojax._src.step_forms import Convention, NnxForm, PytreeForm, form_for
 from tests import helpers as h
 
 
@@ -19,11 +23,11 @@ def _nnx_form():
 
 def test_nnx_form_reads_every_variable_and_writes_back_in_place():
     form, model, optimizer = _nnx_form()
-    assert isinstance(form, NnxForm) and form.kind == "nnx" and form.arity == 3
+    assert isinstance(form, NnxForm) and form.kind == "nnx"
     leaves = form.state_of((model, optimizer))
     assert len(leaves) == len(jax.tree.leaves(nnx.state((model, optimizer))))
     assert {"params", "opt_state", "other"} >= set(form.leaf_entries)
-    assert form.leaf_keys[0][0] in ("model", "optimizer")
+    assert {k[0] for k in form.leaf_keys} == {"model", "optimizer"}
     doubled = [x * 2 for x in leaves]
     assert form.result((model, optimizer), doubled, {"loss": 1.0}) == {"loss": 1.0}
     for got, want in zip(form.state_of((model, optimizer)), doubled, strict=True):
@@ -35,9 +39,9 @@ def test_nnx_form_reads_every_variable_and_writes_back_in_place():
 
 def test_nnx_form_pure_is_the_step_on_leaves():
     form, model, optimizer = _nnx_form()
-    leaves = form.state_of((model, optimizer))
-    batch = h.make_batches(1)[0]
-    new, metrics = form.pure(leaves, batch)
+    state_args, inputs = form.split_call((model, optimizer, h.make_batches(1)[0]))
+    leaves = form.state_of(state_args)
+    new, metrics = jax.jit(form.pure)(leaves, host_batch(inputs))
     assert np.isfinite(float(metrics["loss"]))
     assert len(new) == len(leaves)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
@@ -47,14 +51,18 @@ def test_nnx_form_pure_is_the_step_on_leaves():
                                   np.asarray(leaves[0]))
 
 
-def test_nnx_form_rejects_another_model_and_wrong_arity():
+def test_nnx_form_rejects_another_model_and_a_call_that_lacks_one():
     form, model, optimizer = _nnx_form()
     other, other_opt = h.make_mlp(seed=1)
     with pytest.raises(UnsupportedStateError, match="another model"):
         form.state_of((other, other_opt))
-    with pytest.raises(UnsupportedStateError, match=r"step\(model, optimizer, batch\)"):
-        form.split_call((model, None))
-    assert form.split_call((model, optimizer, "b")) == ((model, optimizer), "b")
+    with pytest.raises(UnsupportedStateError, match="another model"):
+        form.split_call((other, other_opt, h.make_batches(1)[0]))
+    with pytest.raises(UnsupportedStateError, match="lacks optimizer"):
+        form.split_call((model, None, h.make_batches(1)[0]))
+    state_args, inputs = form.split_call((model, optimizer, h.make_batches(1)[0]))
+    assert state_args == (model, optimizer) and inputs.layout.names == ("batch['x']",
+                                                                          "batch['y']")
 
 
 def test_nnx_form_forgets_its_device_arrays():
@@ -77,41 +85,192 @@ def test_typed_prng_keys_travel_as_raw_key_data():
     assert keys and all(jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) for k in keys)
 
 
+def _gemma_like():
+    """NNX objects anywhere: positional, keyword, nested; numbers and statics."""
+    model, optimizer = h.make_mlp()
+    rngs = nnx.Rngs(dropout=3)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+
+    def step(model, optimizer, rngs, batch, metrics, scale, pad_id, *, extra):
+        key = rngs.dropout()
+        loss, grads = nnx.value_and_grad(h.loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss)
+        noise = jax.random.uniform(key, ())
+        return {"loss": loss * scale + pad_id + extra["offset"] + 0 * noise,
+                "scale_dtype": jnp.zeros((), jnp.bfloat16) * scale, "model": model}
+
+    return step, model, optimizer, rngs, metrics
+
+
+def test_nnx_objects_anywhere_are_state_and_numbers_are_weakly_typed_inputs():
+    step, model, optimizer, rngs, metrics = _gemma_like()
+    conv = Convention(step, static_argnames=("pad_id",))
+    batch = h.make_batches(1)[0]
+    args = (model, optimizer, rngs, batch, metrics, 0.5, 2)
+    kwargs = {"extra": {"offset": np.float32(1.0)}}
+    form = form_for(step, args, kwargs, conv)
+    assert [n for n in form.object_names] == ["model", "optimizer", "rngs", "metrics"]
+    assert ("rngs", "dropout", "count") in form.leaf_keys
+    state_args, inputs = form.split_call(args, kwargs)
+    assert inputs.layout.names == ("batch['x']", "batch['y']", "scale",
+                                   "extra['offset']")
+    assert inputs.layout.statics == ((6, 2),) and inputs.layout.weak == (False, False, True,
+                                                                         False)
+    host = host_batch(inputs)
+    assert host.leaves[2].dtype == np.float32  # a Python float: float32, weakly typed
+    leaves = form.state_of(state_args)
+    new, out = jax.jit(form.pure)(leaves, host)
+    assert out["scale_dtype"].dtype == jnp.bfloat16  # 0.5 stayed weak, as under nnx.jit
+    count = form.leaf_keys.index(("rngs", "dropout", "count"))
+    assert int(new[count]) == int(leaves[count]) + 1  # the Rngs counter is state
+    # A carried object returned by the step comes back as the caller's own.
+    got = form.result(state_args, new, out)
+    assert got["model"] is model
+    assert int(rngs.dropout.count.get_value()) == 1
+    np.testing.assert_allclose(float(got["loss"]), float(out["loss"]))
+    # Another static value is another layout (another compile), the same otherwise.
+    assert form.split_call(args, kwargs)[1].layout is inputs.layout
+    other = form.split_call((*args[:6], 3), kwargs)[1].layout
+    assert other != inputs.layout and other.statics == ((6, 3),)
+
+
+def test_inputs_are_checked_by_name():
+    step, model, optimizer, rngs, metrics = _gemma_like()
+    form = form_for(step, (model, optimizer, rngs, h.make_batches(1)[0], metrics, 0.5, 0),
+                    {"extra": {"offset": 1.0}})
+    batch = h.make_batches(1)[0]
+    with pytest.raises(BatchSplitError, match=r"batch\['x'\] has 24 examples and input "
+                                              r"extra\['offset'\] has 2"):
+        form.split_call((model, optimizer, rngs, batch, metrics, 0.5, 0),
+                        {"extra": {"offset": np.zeros(2, np.float32)}})
+    with pytest.raises(UnsupportedStateError, match=r"input extra\['offset'\] is a str .*"
+                                                    "static_argnames"):
+        form.split_call((model, optimizer, rngs, batch, metrics, 0.5, 0),
+                        {"extra": {"offset": "one"}})
+    with pytest.raises(UnsupportedStateError, match="input scale is a typed PRNG key"):
+        form.split_call((model, optimizer, rngs, batch, metrics, jax.random.key(0), 0),
+                        {"extra": {"offset": 1.0}})
+    conv = Convention(step, static_argnums=(6,))
+    form = form_for(step, (model, optimizer, rngs, batch, metrics, 0.5, 0),
+                    {"extra": {"offset": 1.0}}, conv)
+    with pytest.raises(UnsupportedStateError, match="static argument 'pad_id' is a list"):
+        form.split_call((model, optimizer, rngs, batch, metrics, 0.5, [0]),
+                        {"extra": {"offset": 1.0}})
+    with pytest.raises(UnsupportedStateError, match=r"step\(model, optimizer, .*missing"):
+        form_for(step, (model, optimizer, rngs, batch))
+
+
+def test_convention_resolves_names_and_positions_like_jax_jit():
+    def step(model, optimizer, batch, label_smoothing, pad_id=0):
+        return None
+
+    conv = Convention(step, static_argnames=("pad_id",), donate_argnums=(0, 1))
+    assert conv.static_argnums == {4} and conv.static_argnames == {"pad_id"}
+    assert conv.donate_argnames == {"model", "optimizer"} and conv.donated("optimizer")
+    assert Convention(step, static_argnums=-1).static_argnames == {"pad_id"}
+    with pytest.raises(InvalidOptionError, match="no parameter 'pad'.*pad_id"):
+        Convention(step, static_argnames=("pad",))
+    with pytest.raises(InvalidOptionError, match="5 positional arguments, so 7"):
+        Convention(step, donate_argnums=7)
+    with pytest.raises(InvalidOptionError, match="expected an int"):
+        Convention(step, static_argnums="pad_id")
+
+
+@pytest.mark.parametrize("jit", [jax.jit, nnx.jit,
+                                 functools.partial(nnx.jit, static_argnames="batch")])
+def test_a_jitted_step_is_refused_naming_the_fix(jit):
+    with pytest.raises(InvalidOptionError, match=r"already jitted .*mlp_train_step.__wrapped__"):
+        mnemojax.resilient(jit(h.train_step))
+    with pytest.raises(InvalidOptionError, match="already jitted"):
+        mnemojax.resilient(mesh=None)(jit(h.train_step))
+
+
+def test_closing_over_mutated_nnx_state_names_the_object_and_the_fix():
+    model, optimizer = h.make_mlp()
+    rngs = nnx.Rngs(dropout=0)
+
+    def step(model, optimizer, batch):
+        key = rngs.dropout()  # mutates an Rngs the step closes over
+        return {"loss": jax.random.uniform(key, ())}
+
+    form = form_for(step, (model, optimizer, None))
+    state_args, inputs = form.split_call((model, optimizer, h.make_batches(1)[0]))
+    with pytest.raises(UnsupportedStateError,
+                       match=r"step closes over rngs \(an flax.Rngs\).*pass rngs to the step"):
+        jax.eval_shape(form.pure, form.state_of(state_args), host_batch(inputs))
+
+    def nested(model, optimizer, rngs, batch):
+        def loss_fn(model):  # closes over rngs inside an inner transform
+            return jnp.mean(model(batch["x"])) * jax.random.uniform(rngs.dropout(), ())
+
+        return {"loss": nnx.grad(loss_fn)(model)}
+
+    form = form_for(nested, (model, optimizer, rngs, None))
+    state_args, inputs = form.split_call((model, optimizer, rngs, h.make_batches(1)[0]))
+    with pytest.raises(UnsupportedStateError, match=r"inner nnx transform"):
+        jax.eval_shape(form.pure, form.state_of(state_args), host_batch(inputs))
+
+
+def test_a_step_that_changes_its_state_structure_is_told_to_pop_intermediates():
+    model, optimizer = h.make_mlp()
+
+    def step(model, optimizer, batch):
+        model.h = nnx.Intermediate(jnp.mean(batch["x"]))
+        return {}
+
+    form = form_for(step, (model, optimizer, None))
+    state_args, inputs = form.split_call((model, optimizer, h.make_batches(1)[0]))
+    with pytest.raises(UnsupportedStateError, match=r"added \['model/h'\].*nnx.pop"):
+        jax.eval_shape(form.pure, form.state_of(state_args), host_batch(inputs))
+
+
 def test_pytree_form_round_trips_state_and_checks_it():
     state = {"w": jnp.ones((4, 2)), "n": jnp.zeros((), jnp.int32), "key": jax.random.key(0)}
 
     def step(s, batch):
         return {**s, "w": s["w"] + batch, "n": s["n"] + 1}, {"loss": jnp.sum(s["w"])}
 
-    form = form_for(step, (state, None))
-    assert isinstance(form, PytreeForm) and form.arity == 2
-    leaves = form.state_of((state,))
-    new, metrics = form.pure(leaves, 1.0)
-    out_state, out_metrics = form.result((state,), new, metrics)
+    form = form_for(step, (state, 1.0))
+    assert isinstance(form, PytreeForm)
+    state_args, inputs = form.split_call((state, 1.0))
+    leaves = form.state_of(state_args)
+    new, metrics = form.pure(leaves, host_batch(inputs))
+    out_state, out_metrics = form.result(state_args, new, metrics)
     assert int(out_state["n"]) == 1 and float(out_metrics["loss"]) == 8.0
     assert jax.dtypes.issubdtype(out_state["key"].dtype, jax.dtypes.prng_key)
-    restored, k = form.restored((state,), leaves, 3)
+    restored, k = form.restored(form.split_restore((state,), {}), leaves, 3)
     assert k == 3 and float(restored["w"][0, 0]) == 1.0
     with pytest.raises(UnsupportedStateError, match="has 1 leaves"):
         form.state_of(({"w": jnp.ones(2)},))
+    # The state by keyword, the input by keyword.
+    form = form_for(step, (), {"s": state, "batch": 1.0})
+    assert form.split_call((), {"s": state, "batch": 2.0})[0][0] is state
+
+
+def test_pytree_form_takes_python_numbers_in_the_state():
+    state = {"w": jnp.ones(2), "step": 0}  # a fresh TrainState's step is an int
+    form = form_for(lambda s, b: (s, {}), (state, None))
+    leaves = form.state_of((state,))
+    assert leaves[0].dtype == np.int32 and form.leaf_paths == ["step", "w"]
 
 
 def test_pytree_form_rejects_bad_states_and_returns():
     with pytest.raises(UnsupportedStateError, match="pytree of arrays"):
         form_for(lambda s, b: (s, {}), ({"name": "not an array"}, None))
+
+    def pure(form, state):
+        args, inputs = form.split_call((state, None))
+        return form.pure(form.state_of(args), inputs)
+
     form = form_for(lambda s, b: s, ({"w": jnp.ones(2)}, None))
-    with pytest.raises(UnsupportedStateError, match=r"return \(state, metrics\)"):
-        form.pure(form.state_of(({"w": jnp.ones(2)},)), None)
+    with pytest.raises(UnsupportedStateError, match=r"return \(state, out\)"):
+        pure(form, {"w": jnp.ones(2)})
     form = form_for(lambda s, b: ({"v": s["w"]}, {}), ({"w": jnp.ones(2)}, None))
     with pytest.raises(UnsupportedStateError, match="another structure"):
-        form.pure(form.state_of(({"w": jnp.ones(2)},)), None)
+        pure(form, {"w": jnp.ones(2)})
 
 
 def test_form_for_names_the_supported_signatures():
-    model, optimizer = h.make_mlp()
-    with pytest.raises(UnsupportedStateError, match="not an nnx.Optimizer"):
-        form_for(h.train_step, (model, {"not": "an optimizer"}, None))
-    with pytest.raises(UnsupportedStateError, match="pass the optimizer too"):
-        form_for(h.train_step, (model, None))
-    with pytest.raises(UnsupportedStateError, match="4 positional arguments"):
-        form_for(h.train_step, (1, 2, 3, 4))
+    with pytest.raises(UnsupportedStateError, match="NNX objects .* its state as first"):
+        form_for(lambda *a: None, ())

@@ -55,7 +55,7 @@ from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
-from mnemojax._src.step_forms import StepForm, form_for
+from mnemojax._src.step_forms import Convention, StepForm, form_for
 from mnemojax._src.topology import MeshPlan, ShapeRules, single_failure_plans
 
 log = logging.getLogger("mnemojax")
@@ -120,9 +120,12 @@ class _Pending:
 class ResilientStep(Generic[P, R]):
     """A train step that survives device loss. Built by `mnemojax.resilient`.
 
-    Call it like the undecorated step: ``metrics = step(model, optimizer, batch)`` (Flax
-    NNX, updates both in place) or ``state, metrics = step(state, batch)`` (pure). `batch`
-    is the global batch as host arrays; it is split along the data axis of the current mesh.
+    Call it like the undecorated step, with ``nnx.jit``'s conventions: NNX objects anywhere
+    in the arguments are the state, updated in place (``out = step(model, optimizer, rngs,
+    batch, metrics, 0.1, 0)``); without them the step is pure, ``state, out = step(state,
+    batch)``. The other arguments are inputs, given on the host: every input array is
+    part of the global batch, split along the data axis of the current mesh; numbers are
+    replicated. See `mnemojax.resilient`.
 
     Attributes:
         statistics: live `Statistics` (steps run, mesh, snapshots, recoveries).
@@ -133,6 +136,10 @@ class ResilientStep(Generic[P, R]):
     """
 
     def __init__(self, fn: Callable[P, R], *, mesh: Mesh | None = None,
+                 static_argnums: int | Sequence[int] | None = None,
+                 static_argnames: str | Sequence[str] | None = None,
+                 donate_argnums: int | Sequence[int] | None = None,
+                 donate_argnames: str | Sequence[str] | None = None,
                  options: ResilienceOptions | None = None,
                  fault_injector: FaultInjector | None = None,
                  spare_devices: Sequence[Any] = ()):
@@ -144,6 +151,12 @@ class ResilientStep(Generic[P, R]):
         if fault_injector is not None and not isinstance(fault_injector, FaultInjector):
             raise InvalidOptionError(f"fault_injector={fault_injector!r} is invalid: expected "
                                      "a mnemojax.testing.FaultInjector")
+        self._convention = Convention(
+            fn, static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+        self._jit_args: dict[str, Any] = dict(
+            static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames)
         functools.update_wrapper(self, fn)
         self.__wrapped__ = fn
         self._fn = fn
@@ -164,10 +177,11 @@ class ResilientStep(Generic[P, R]):
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
-        (``mesh``, ``options``, ``fault_injector``, ``spare_devices``)."""
+        (``mesh``, ``static_argnums``, ``static_argnames``, ``donate_argnums``,
+        ``donate_argnames``, ``options``, ``fault_injector``, ``spare_devices``)."""
         kwargs: dict[str, Any] = dict(mesh=self._mesh_arg, options=self._given_options,
                                       fault_injector=self._injector,
-                                      spare_devices=self._spares_arg)
+                                      spare_devices=self._spares_arg, **self._jit_args)
         unknown = set(changes) - set(kwargs)
         if unknown:
             raise InvalidOptionError(f"with_options got unknown argument(s) {sorted(unknown)}")
@@ -239,12 +253,9 @@ class ResilientStep(Generic[P, R]):
 
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if kwargs:
-            raise UnsupportedStateError(
-                f"pass the step's arguments positionally; got keywords {sorted(kwargs)}")
         t_call = time.perf_counter()
-        b = self._built if self._built is not None else self._build(args)
-        state_args, user_batch = b.form.split_call(args)
+        b = self._built if self._built is not None else self._build(args, kwargs)
+        state_args, user_batch = b.form.split_call(args, kwargs)
         b.durability.check_preemption(self._step, b.last_written)
         leaves = b.form.state_of(state_args)
         batch = host_batch(user_batch)
@@ -283,13 +294,15 @@ class ResilientStep(Generic[P, R]):
             self._schedule_precompile()
         return result
 
-    def restore(self, *state_args: Any) -> Any:
+    def restore(self, *args: Any, **kwargs: Any) -> Any:
         """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
         the step counter to its step.
 
-        Call it with the step's state arguments before the first step: NNX
-        ``step.restore(model, optimizer) -> int`` (updates both in place, returns the
-        step restored, 0 if there is no checkpoint); pure ``state, k = step.restore(state)``.
+        Call it before the first step with the step's state, as the step takes it: the
+        NNX objects it carries, positionally as a prefix of the step's arguments or by
+        parameter name (``step.restore(model, optimizer, rngs=rngs, metrics=metrics) ->
+        int``: updates them in place, returns the step restored, 0 if there is no
+        checkpoint), or a whole call's arguments; pure: ``state, k = step.restore(state)``.
         Restores onto the current mesh, whatever mesh saved it.
 
         Raises:
@@ -297,10 +310,12 @@ class ResilientStep(Generic[P, R]):
             CheckpointCorruptError: there are checkpoints and none can be read (an
                 unreadable newest one falls back to the one before it).
         """
-        b = self._built if self._built is not None else self._build((*state_args, None))
+        b = self._built if self._built is not None else self._build(args, kwargs,
+                                                                    restoring=True)
         if self._step:
             raise UnsupportedStateError(
                 f"restore() must come before the first step; {self._step} steps have run")
+        state_args = b.form.split_restore(args, kwargs)
         leaves = b.form.state_of(state_args)
         shardings = shd.named(b.runtime.mesh, b.form.specs)
         restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
@@ -311,7 +326,16 @@ class ResilientStep(Generic[P, R]):
         return b.form.restored(state_args, leaves, self._step)
 
     # -- building -------------------------------------------------------------------------
-    def _build(self, args: tuple) -> _Built:
+    def _build(self, args: tuple, kwargs: dict[str, Any], *, restoring: bool = False
+               ) -> _Built:
+        form = form_for(self._fn, args, kwargs, self._convention, restoring=restoring)
+        if form.donates_state and not self.options.compile.donate_state:
+            try:  # donate_argnames naming state: the runtime donates all of the state
+                self.options = dataclasses.replace(self.options, compile=dataclasses.replace(
+                    self.options.compile, donate_state=True))
+            except InvalidOptionError as exc:
+                raise InvalidOptionError(
+                    f"donate_argnums/donate_argnames donate the step's state: {exc}") from None
         opts = self.options
         session = dist_session.current()
         if session is not None:
@@ -322,7 +346,6 @@ class ResilientStep(Generic[P, R]):
                 opts, compile=dataclasses.replace(opts.compile, precompile=False),
                 snapshot=dataclasses.replace(opts.snapshot, every_steps=0,
                                              unreplicated_every_steps=0))
-        form = form_for(self._fn, args)
         all_devices = {d.id for d in jax.devices()}
         spares = [int(getattr(d, "id", d)) for d in self._spares_arg]
         bad = [s for s in spares if s not in all_devices]
@@ -345,7 +368,7 @@ class ResilientStep(Generic[P, R]):
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:
             raise InvalidOptionError(f"spare_devices={overlap!r} are already in the mesh")
-        values = form.state_of(form.split_call(args)[0])
+        values = form.state_of(form.split_restore(args, kwargs))
         shapes = [tuple(np.shape(v)) for v in values]
         shd.validate_specs(form.specs, shapes, form.leaf_paths, dict(mesh.shape))
         enable_persistent_cache(opts.compile.cache_dir)
@@ -639,7 +662,7 @@ class ResilientStep(Generic[P, R]):
         signature: the steady-state path does no lookups)."""
         b = self._require_built()
         batch = batch if batch is not None else self._batches.last
-        sig = (b.runtime.plan.key, b.examples,
+        sig = (b.runtime.plan.key, b.examples, jax.tree.structure(batch),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
         if b.exe_sig != sig or b.exe is None:
             b.exe, _ = b.runtime.compiler.get(b.runtime.plan, batch_struct(batch, b.examples))
@@ -841,20 +864,31 @@ def _all_true(flags: Any) -> bool:
     return all(bool(np.asarray(s.data).all()) for s in flags.addressable_shards)
 
 
+_Argnums = int | Sequence[int] | None
+_Argnames = str | Sequence[str] | None
+
+
 @overload
 def resilient(fn: Callable[P, R], /, *, mesh: Mesh | None = None,
+              static_argnums: _Argnums = None, static_argnames: _Argnames = None,
+              donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()) -> ResilientStep[P, R]: ...
 
 
 @overload
-def resilient(*, mesh: Mesh | None = None, options: ResilienceOptions | None = None,
+def resilient(*, mesh: Mesh | None = None,
+              static_argnums: _Argnums = None, static_argnames: _Argnames = None,
+              donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
+              options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None, spare_devices: Sequence[Any] = ()
               ) -> Callable[[Callable[P, R]], ResilientStep[P, R]]: ...
 
 
 def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
+              static_argnums: _Argnums = None, static_argnames: _Argnames = None,
+              donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()
@@ -863,14 +897,38 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
 
     Use bare (``@mnemojax.resilient``), with keywords
     (``@mnemojax.resilient(mesh=mesh, options=...)``) or as a call
-    (``mnemojax.resilient(train_step, mesh=mesh)``). Write the step un-jitted: mnemojax
-    compiles it with shardings from the model's ``nnx.with_partitioning`` annotations (or
-    the state arrays' `NamedSharding`s) on `mesh`.
+    (``mnemojax.resilient(train_step, mesh=mesh)``). Write the step un-jitted, as for
+    ``nnx.jit``: mnemojax compiles it for each mesh, with shardings from the model's
+    ``nnx.with_partitioning`` annotations (or the state arrays' `NamedSharding`s).
+
+    The arguments follow ``nnx.jit``'s conventions:
+
+    * NNX objects (Module, Optimizer, Rngs, Metric, Variable) anywhere in the arguments,
+      positional or keyword, nested in containers, are the state: the step updates them
+      in place, and mnemojax snapshots, reshards and restores them (Rngs counters too).
+      A step given no NNX object is pure: ``step(state, ...) -> (state, out)``, its
+      first argument a pytree of arrays (a Linen ``TrainState`` too).
+    * Static arguments are passed as given (hashable; another value compiles again).
+    * Every other argument is an input, given on the host (numpy). Every input array is
+      part of the global batch: all have its size as leading dimension, and they are
+      split along the data axis (the size is fixed by the first call). 0-d arrays and
+      Python numbers are replicated and traced (numbers weakly typed). Keep other arrays
+      (a raw PRNG key, a table) in the state, or close over them as constants.
+    * The step returns what it returns (a dict of metrics, a scalar loss, any pytree);
+      the NaN policy finds the loss with ``ResilienceOptions.loss_key``.
+    * A step that mutates NNX objects it closes over, instead of taking them as
+      arguments, raises `UnsupportedStateError` naming them (as ``nnx.jit`` would fail).
 
     Args:
-        fn: ``step(model, optimizer, batch) -> metrics`` (Flax NNX, in place) or
-            ``step(state, batch) -> (state, metrics)`` (any pytree of arrays).
+        fn: the step, un-jitted (a ``jax.jit``/``nnx.jit`` function is refused: pass its
+            ``__wrapped__`` and its static and donated arguments here).
         mesh: the mesh to train on; default: all devices but the spares on one data axis.
+        static_argnums: positional arguments that are static, as in ``jax.jit``.
+        static_argnames: keyword (or positional, by name) arguments that are static.
+        donate_argnums: arguments whose buffers are donated, as in ``jax.jit``. Donating
+            any state argument donates all of the state (`CompileOptions.donate_state`);
+            inputs are mnemojax's own copies, placed per call, and are not donated.
+        donate_argnames: the same, by name.
         options: `ResilienceOptions`.
         fault_injector: a `mnemojax.testing.FaultInjector` to rehearse failures with.
         spare_devices: devices (or ids) kept out of the mesh to swap in for failed ones.
@@ -879,24 +937,30 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
         A `ResilientStep`, or a decorator that makes one.
 
     Raises:
-        InvalidOptionError: `fn` is not callable, or an argument has the wrong type.
+        InvalidOptionError: `fn` is not callable or already jitted, an argument has the
+            wrong type, or a static or donated argument names no parameter of `fn`.
 
     Example::
 
-        @mnemojax.resilient(mesh=mesh)
-        def train_step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        @mnemojax.resilient(mesh=mesh, static_argnames=("pad_id",))
+        def train_step(model, optimizer, rngs, batch, metrics, label_smoothing, pad_id):
+            grad_fn = nnx.value_and_grad(loss_fn)
+            loss, grads = grad_fn(model, batch, rngs, label_smoothing, pad_id)
             optimizer.update(model, grads)
+            metrics.update(loss=loss)
             return {"loss": loss}
     """
+    jit_args: dict[str, Any] = dict(
+        static_argnums=static_argnums, static_argnames=static_argnames,
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames)
     if fn is not None:
         if not callable(fn):
             raise InvalidOptionError(f"resilient() got {fn!r}, which is not callable")
         return ResilientStep(fn, mesh=mesh, options=options, fault_injector=fault_injector,
-                             spare_devices=spare_devices)
+                             spare_devices=spare_devices, **jit_args)
 
     def decorate(f: Callable[P, R]) -> ResilientStep[P, R]:
         return ResilientStep(f, mesh=mesh, options=options, fault_injector=fault_injector,
-                             spare_devices=spare_devices)
+                             spare_devices=spare_devices, **jit_args)
 
     return decorate

@@ -1,34 +1,62 @@
 """Step forms: how a user's call maps onto one pure function on a flat list of arrays.
 
-* Flax NNX: ``step(model, optimizer, batch) -> metrics``, updating both in place.
-* Pure: ``step(state, batch) -> (state, metrics)`` on any pytree of arrays.
+A resilient step takes its arguments the way ``nnx.jit`` (and ``jax.jit``) does:
 
-The runtime only ever sees the `StepForm` interface: ``split_call(args)`` separates a
-call's state arguments from its batch, ``state_of(state_args)`` reads the state leaves out
-of them, ``pure(leaves, batch) -> (leaves, metrics)`` is what gets compiled, and
-``result(state_args, leaves, metrics)`` hands the new state back the way the user's step would have (in place for NNX, returned for the pure
-form). It never asks which form it holds. The leaves are what gets sharded, snapshotted and
-resharded; typed PRNG keys travel as their raw key data so every leaf is a plain numeric
-array.
+* **State.** NNX graph objects (Module, Optimizer, Rngs, Metric / MultiMetric, Variable)
+  anywhere in the arguments, positional or keyword, nested in tuples, lists or dicts, are
+  the carried state (`NnxForm`): their Variables are the state leaves, and the step
+  updates the objects in place. Rngs counters are state, so random streams continue
+  exactly after a recovery. A step given no NNX object is pure (`PytreeForm`): its first
+  argument is the state, a pytree of arrays (a Linen ``TrainState`` too, whose
+  ``apply_fn`` and ``tx`` are static fields), and it returns ``(state, out)``.
+* **Statics** (``static_argnums`` / ``static_argnames``) are passed as given: hashable,
+  part of the compile key (another value compiles the step again).
+* **Inputs** are every other argument's leaves: arrays and Python numbers, on the host.
+  Every input array with a leading dimension is part of the global batch: all of them
+  have the global batch size as leading dimension, and they are split along the data
+  axis. 0-d arrays and Python numbers are replicated and traced (Python numbers weakly
+  typed, as under jit). An array that is not per-example (a raw PRNG key, a table) belongs
+  in the state, or is a constant the step closes over.
+* **Return values** come back as the function returns them; carried NNX objects it
+  returns are the caller's own objects.
+
+The runtime only ever sees the `StepForm` interface: ``split_call(args, kwargs)``
+separates a call's state arguments from its inputs (a `CallInputs` pytree, whose tree
+structure also holds the statics), ``state_of(state_args)`` reads the state leaves out of
+them, ``pure(leaves, inputs) -> (leaves, out)`` is what gets compiled, and
+``result(state_args, leaves, out)`` hands the new state back the way the user's step would
+have (in place for NNX, returned for the pure form). It never asks which form it holds.
+The leaves are what gets sharded, snapshotted and resharded; typed PRNG keys travel as
+their raw key data so every leaf is a plain numeric array.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mnemojax._src.errors import UnsupportedStateError
+from mnemojax._src.errors import BatchSplitError, InvalidOptionError, UnsupportedStateError
+
+_PY_NUMBERS = (bool, int, float, complex)
 
 
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def _is_graph(x) -> bool:
+    return nnx.graph.is_graph_node(x)
 
 
 def _is_key(x) -> bool:
@@ -37,6 +65,20 @@ def _is_key(x) -> bool:
 
 def _to_raw(x):
     return jax.random.key_data(x) if _is_key(x) else x
+
+
+def host_scalar(x) -> np.ndarray:
+    """A Python number as the 0-d numpy array JAX would make of it (int32, float32, ...)."""
+    return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
+
+
+def _weakly_typed(x):
+    """`x` as a weakly typed value, as jit traces a Python number. The compiled program is
+    the same; only dtype promotion inside the step depends on it (``0.1 * bf16`` stays
+    bf16). JAX has no public spelling of this conversion."""
+    from jax._src.lax import lax as lax_internal  # noqa: PLC0415
+
+    return lax_internal._convert_element_type(x, weak_type=True)
 
 
 def _leaf_path(path) -> str:
@@ -50,14 +92,6 @@ def _key_part(k) -> str:
     return str(k)
 
 
-def _leaf_key(path, top_names: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """A leaf's path as strings, for nested-dict checkpoints (top level renamed)."""
-    parts = [_key_part(k) for k in path] or ["state"]
-    if top_names and parts[0].isdigit() and int(parts[0]) < len(top_names):
-        parts[0] = top_names[int(parts[0])]
-    return tuple(parts)
-
-
 def _hookless(var: nnx.Variable) -> bool:
     """True if `var`'s value accessors reduce to reading/writing its raw array."""
     meta = var.get_metadata()
@@ -65,7 +99,7 @@ def _hookless(var: nnx.Variable) -> bool:
             and isinstance(var.get_raw_value(), jax.Array))
 
 
-def _entry_of(path, var) -> str:
+def _entry_of(var) -> str:
     """Which snapshot entry a leaf belongs to: params, opt_state or other."""
     if isinstance(var, nnx.Param):
         return "params"
@@ -74,8 +108,206 @@ def _entry_of(path, var) -> str:
     return "other"
 
 
+def _is_jitted(fn) -> bool:
+    """`fn` is already a jit-compiled function (``jax.jit``, ``nnx.jit``)."""
+    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
+
+
+def _argnums(value, what: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, int) else tuple(value)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise InvalidOptionError(f"{what}={value!r} is invalid: expected an int or ints")
+    return items
+
+
+def _argnames(value, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(n, str) for n in items):
+        raise InvalidOptionError(f"{what}={value!r} is invalid: expected a str or strs")
+    return items
+
+
+class Convention:
+    """jit's argument conventions for one step function: which arguments are static,
+    which are donated, and the names of its positional parameters.
+
+    As with ``jax.jit``: given only argnums (or only argnames), the other is inferred from
+    ``inspect.signature(fn)``; given both, they are used as given.
+
+    Raises:
+        InvalidOptionError: `fn` is already jitted, an argnum or argname has the wrong type
+            or names no parameter of `fn`.
+    """
+
+    def __init__(self, fn: Callable, *, static_argnums=None, static_argnames=None,
+                 donate_argnums=None, donate_argnames=None):
+        name = getattr(fn, "__name__", repr(fn))
+        if _is_jitted(fn):
+            raise InvalidOptionError(
+                f"resilient() got {name}, which is already jitted (jax.jit or nnx.jit): "
+                "mnemojax compiles the step itself, for every mesh it runs on (a recovery "
+                "changes the mesh, so the jit's shardings would not hold). Pass the "
+                f"undecorated function ({name}.__wrapped__), and give its static_argnums, "
+                "static_argnames and donate_argnames to mnemojax.resilient")
+        self.name = name
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(fn)
+            params = list(self.signature.parameters.values())
+        except (TypeError, ValueError):  # builtins and other callables without a signature
+            self.signature = params = None
+        kinds = inspect.Parameter
+        positional = [p.name for p in params or ()
+                      if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+        self.positional_names = tuple(positional)
+        self.var_positional = any(p.kind == kinds.VAR_POSITIONAL for p in params or ())
+        keywords = {p.name for p in params or ()
+                    if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+        any_keyword = params is None or any(p.kind == kinds.VAR_KEYWORD for p in params)
+
+        def resolve(nums, names, what):
+            nums, names = _argnums(nums, f"{what}_argnums"), _argnames(names, f"{what}_argnames")
+            bad = [n for n in names if n not in keywords and not any_keyword]
+            if bad:
+                raise InvalidOptionError(
+                    f"{what}_argnames={names!r}: {name} has no parameter {bad[0]!r} "
+                    f"(parameters: {', '.join(p.name for p in params or ())})")
+            if params is not None and not self.var_positional:
+                bad_nums = [i for i in nums if not -len(positional) <= i < len(positional)]
+                if bad_nums:
+                    raise InvalidOptionError(
+                        f"{what}_argnums={nums!r}: {name} takes {len(positional)} positional "
+                        f"arguments, so {bad_nums[0]} is out of range")
+                nums = tuple(i % len(positional) for i in nums)
+            elif any(i < 0 for i in nums):
+                raise InvalidOptionError(f"{what}_argnums={nums!r}: negative argnums need "
+                                         f"a signature with a fixed number of arguments")
+            if nums and not names:
+                names = tuple(positional[i] for i in nums if i < len(positional))
+            elif names and not nums:
+                nums = tuple(positional.index(n) for n in names if n in positional)
+            return frozenset(nums), frozenset(names)
+
+        self.static_argnums, self.static_argnames = resolve(static_argnums, static_argnames,
+                                                            "static")
+        self.donate_argnums, self.donate_argnames = resolve(donate_argnums, donate_argnames,
+                                                            "donate")
+
+    def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Raises `UnsupportedStateError` if `fn` cannot take these arguments."""
+        if self.signature is None:
+            return
+        try:
+            self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise UnsupportedStateError(
+                f"{self.name}{self.signature} cannot be called with {len(args)} positional "
+                f"arguments and keywords {sorted(kwargs)}: {exc}") from None
+
+    def arg_name(self, position: int) -> str:
+        """The name of positional argument `position` (``arg{i}`` beyond the named ones)."""
+        if position < len(self.positional_names):
+            return self.positional_names[position]
+        return f"arg{position}"
+
+    def donated(self, where: int | str) -> bool:
+        """Whether the argument at `where` (a position or a keyword) is donated."""
+        if isinstance(where, int):
+            return where in self.donate_argnums or self.arg_name(where) in self.donate_argnames
+        return where in self.donate_argnames
+
+    def split_statics(self, args: Sequence[Any], kwargs: dict[str, Any]
+                      ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any], ...]]:
+        """A call's (dynamic positional arguments with None for statics, dynamic keyword
+        arguments, statics as ``(position or keyword, value)`` pairs)."""
+        if not self.static_argnums and not self.static_argnames:
+            return tuple(args), kwargs, ()
+        dyn = list(args)
+        statics: list[tuple[Any, Any]] = []
+        for i in sorted(self.static_argnums):
+            if i < len(args):
+                statics.append((i, args[i]))
+                dyn[i] = None
+        dyn_kwargs = {}
+        for k, v in kwargs.items():
+            if k in self.static_argnames:
+                statics.append((k, v))
+            else:
+                dyn_kwargs[k] = v
+        return tuple(dyn), dyn_kwargs, tuple(statics)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a call's arguments are rebuilt from its state and its inputs (hashable: it is
+    the aux data of `CallInputs`, so compiled executables are keyed by it)."""
+
+    treedef: Any  # (dynamic args, dynamic kwargs), state objects and inputs as leaves
+    slots: tuple[int, ...]  # per leaf: an input's index (>= 0) or state object -1 - slot
+    weak: tuple[bool, ...]  # per input: a Python number (traced weakly typed)
+    statics: tuple[tuple[Any, Any], ...]  # (position or keyword, value)
+    names: tuple[str, ...] = dataclasses.field(compare=False)  # per input, for messages
+
+    def rebuild(self, objects: Sequence[Any], inputs: Sequence[Any]
+                ) -> tuple[list[Any], dict[str, Any]]:
+        inputs = [_weakly_typed(x) if weak else x
+                  for x, weak in zip(inputs, self.weak, strict=True)]
+        leaves = [objects[-1 - s] if s < 0 else inputs[s] for s in self.slots]
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        args, kwargs = list(args), dict(kwargs)
+        for where, value in self.statics:
+            if isinstance(where, int):
+                args[where] = value
+            else:
+                kwargs[where] = value
+        return args, kwargs
+
+
+class CallInputs:
+    """The inputs of one call as a pytree: its leaves are the input arrays; its tree
+    structure holds the rest of the call (the statics, where state objects go)."""
+
+    __slots__ = ("leaves", "layout")
+
+    def __init__(self, leaves: Sequence[Any], layout: _Layout):
+        self.leaves = list(leaves)
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return f"CallInputs({dict(zip(self.layout.names, self.leaves, strict=True))!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    CallInputs,
+    lambda c: ([(jax.tree_util.GetAttrKey(n), x) for n, x in
+                zip(c.layout.names, c.leaves, strict=True)], c.layout),
+    lambda layout, leaves: CallInputs(list(leaves), layout),
+    lambda c: (c.leaves, c.layout))
+
+
+class _Returned:
+    """A carried state object in a step's return value (given back as the caller's own)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+jax.tree_util.register_pytree_node(
+    _Returned, lambda r: ((), r.index), lambda index, _: _Returned(index))
+
+
+def _path_name(top: str, path) -> str:
+    return "/".join([top, *(_key_part(k) for k in path)])
+
+
 class StepForm(abc.ABC):
-    """A step reduced to ``pure(leaves, batch)``, plus how to read and write the user's state.
+    """A step reduced to ``pure(leaves, inputs)``, plus how to read and write the user's
+    state (see the module docstring).
 
     Attributes:
         kind: a short name for logs and events (``"nnx"``, ``"pytree"``).
@@ -83,6 +315,8 @@ class StepForm(abc.ABC):
         leaf_keys: per leaf, its path as strings (nested-dict checkpoints).
         leaf_entries: per leaf, its snapshot entry (``params``, ``opt_state``, ...).
         specs: per leaf, its partition spec.
+        key_impls: per leaf, the PRNG impl if the leaf is a typed key, else None.
+        donates_state: a donated argument holds state (the runtime donates all of it).
     """
 
     kind: str
@@ -90,41 +324,136 @@ class StepForm(abc.ABC):
     leaf_keys: list[tuple[str, ...]]
     leaf_entries: list[str]
     specs: list[PartitionSpec]
-    key_impls: list[Any]  # per leaf: the PRNG impl if the leaf is a typed key, else None
+    key_impls: list[Any]
+    donates_state: bool = False
 
-    @property
-    def arity(self) -> int:
-        """Positional arguments of a call, batch included."""
-        return len(self.state_arg_names) + 1
+    def __init__(self, fn: Callable, convention: Convention):
+        self.fn = fn
+        self.convention = convention
+        self._layouts: dict[tuple, _Layout] = {}
+        self._found: dict[int, int] = {}  # id(state object) -> its index (set by subclasses)
 
-    state_arg_names: tuple[str, ...]
+    # -- the call ------------------------------------------------------------------------
+    def split_call(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+                   ) -> tuple[tuple[Any, ...], CallInputs]:
+        """A call's arguments as (state arguments, inputs).
+
+        Raises:
+            UnsupportedStateError: the call does not carry this form's state, an input is
+                not an array or a number, or a static argument is not hashable.
+            BatchSplitError: input arrays of different leading (batch) sizes.
+        """
+        dyn, dyn_kwargs, statics = self.convention.split_statics(args, kwargs or {})
+        leaves, treedef = jax.tree.flatten(self._mark_state(dyn, dyn_kwargs),
+                                           is_leaf=self._is_state_leaf)
+        slots, inputs, weak = [], [], []
+        for x in leaves:
+            index = self._state_index(x)
+            if index is not None:
+                slots.append(-1 - index)
+                continue
+            slots.append(len(inputs))
+            if type(x) in _PY_NUMBERS:  # traced weakly typed, as jit does
+                weak.append(True)
+                x = host_scalar(x)
+            elif hasattr(x, "shape") and hasattr(x, "dtype") and not _is_key(x):
+                weak.append(False)
+            else:
+                weak.append(False)
+                self._bad_input(dyn, dyn_kwargs, len(inputs), x)
+            inputs.append(x)
+        state_args = self._state_args(slots, leaves)
+        key = (treedef, tuple(slots), tuple(weak), statics)
+        try:
+            layout = self._layouts.get(key)
+        except TypeError:
+            bad = next((w, v) for w, v in statics if not _hashable(v))
+            raise UnsupportedStateError(
+                f"static argument {self._where(bad[0])} is a {type(bad[1]).__name__}, which "
+                "is not hashable: static arguments are part of the compile key") from None
+        if layout is None:
+            self.convention.check_call(args, kwargs or {})
+            layout = self._layouts[key] = _Layout(
+                treedef, tuple(slots), tuple(weak), statics,
+                self._input_names(dyn, dyn_kwargs))
+        _check_batch_sizes(inputs, layout.names)
+        return state_args, CallInputs(inputs, layout)
+
+    def _where(self, where: int | str) -> str:
+        return repr(self.convention.arg_name(where) if isinstance(where, int) else where)
+
+    def _input_names(self, dyn, dyn_kwargs) -> tuple[str, ...]:
+        marked = self._mark_state(dyn, dyn_kwargs)
+        flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=self._is_state_leaf)[0]
+        names = []
+        for path, x in flat:
+            if self._state_index(x) is not None:
+                continue
+            top = path[0].idx if hasattr(path[0], "idx") else 0
+            where = path[1]
+            name = (self.convention.arg_name(where.idx) if top == 0 and hasattr(where, "idx")
+                    else _key_part(where))
+            names.append(name + jax.tree_util.keystr(path[2:]))
+        return tuple(names)
+
+    def _bad_input(self, dyn, dyn_kwargs, index: int, x) -> None:
+        name = self._input_names(dyn, dyn_kwargs)[index]
+        what = ("a typed PRNG key" if _is_key(x)
+                else f"a {type(x).__name__} ({x!r:.60})")
+        raise UnsupportedStateError(
+            f"input {name} is {what}: a resilient step's inputs are arrays and numbers "
+            "(every input array is part of the global batch, split along the data axis). "
+            "Mark a non-array argument static (static_argnames=...); keep random keys in "
+            "the state (an nnx.Rngs, or a key in the pure form's state)")
+
+    # -- what the forms differ in ----------------------------------------------------------
+    @abc.abstractmethod
+    def _mark_state(self, dyn: tuple, dyn_kwargs: dict) -> Any:
+        """The call's dynamic arguments with the state where `_is_state_leaf` finds it."""
+
+    @abc.abstractmethod
+    def _is_state_leaf(self, x) -> bool: ...
+
+    def _state_index(self, x) -> int | None:
+        """The index of the state object `x`, None for an input.
+
+        Raises:
+            UnsupportedStateError: `x` is state this form was not built for.
+        """
+        if not self._is_state_leaf(x):
+            return None
+        index = self._found.get(id(x))
+        if index is None:
+            self._unknown_state(x)
+        return index
+
+    def _unknown_state(self, x) -> None:
+        raise UnsupportedStateError(
+            f"this resilient step was built for other state objects; got a "
+            f"{type(x).__name__} it does not carry: decorate a new step (or use "
+            "step.with_options()) for a different model")
+
+    @abc.abstractmethod
+    def _state_args(self, slots: list[int], leaves: list) -> tuple[Any, ...]: ...
+
+    @abc.abstractmethod
+    def split_restore(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The state arguments among `ResilientStep.restore`'s arguments."""
 
     @abc.abstractmethod
     def state_of(self, state_args: Sequence[Any]) -> list:
-        """The state leaves held by a call's state arguments (all but the batch).
+        """The state leaves held by a call's state arguments.
 
         Raises:
             UnsupportedStateError: they are not the state this form was built for.
         """
 
-    def split_call(self, args: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
-        """A call's arguments as (state arguments, batch).
-
-        Raises:
-            UnsupportedStateError: the call does not have this form's arguments.
-        """
-        if len(args) != self.arity:
-            raise UnsupportedStateError(
-                f"this resilient step was built for step({', '.join(self.state_arg_names)}, "
-                f"batch); got {len(args)} positional arguments")
-        return tuple(args[:-1]), args[-1]
+    @abc.abstractmethod
+    def pure(self, leaves: list, inputs: CallInputs) -> tuple[list, Any]:
+        """The user's step as a function of the state leaves and the inputs."""
 
     @abc.abstractmethod
-    def pure(self, leaves: list, batch: Any) -> tuple[list, Any]:
-        """The user's step as a function of the state leaves and the batch."""
-
-    @abc.abstractmethod
-    def result(self, state_args: Sequence[Any], leaves: list, metrics: Any) -> Any:
+    def result(self, state_args: Sequence[Any], leaves: list, out: Any) -> Any:
         """Hands `leaves` back as the user's step would, and returns what it returns."""
 
     @abc.abstractmethod
@@ -144,24 +473,119 @@ class StepForm(abc.ABC):
         return [leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
                 for leaf, impl in zip(leaves, self.key_impls, strict=True)]
 
+    def _call(self, objects: Sequence[Any], inputs: CallInputs) -> Any:
+        """Calls the user's function (tracing), on rebuilt arguments."""
+        args, kwargs = inputs.layout.rebuild(objects, inputs.leaves)
+        try:
+            return self.fn(*args, **kwargs)
+        except flax_errors.TraceContextError as exc:
+            raise _closure_error(self.fn, exc, set(self._found)) from exc
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_batch_sizes(inputs: Sequence[Any], names: Sequence[str]) -> None:
+    sizes = {}
+    for x, name in zip(inputs, names, strict=True):
+        shape = np.shape(x)
+        if shape:
+            sizes.setdefault(shape[0], name)
+    if len(sizes) > 1:
+        (a, name_a), (b, name_b) = list(sizes.items())[:2]
+        raise BatchSplitError(
+            f"input {name_a} has {a} examples and input {name_b} has {b}: every input array "
+            "is part of the global batch, split along the data axis, so all of them have "
+            "its size as leading dimension. Keep other arrays in the state (or close over "
+            "a constant)")
+
+
+def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> UnsupportedStateError:
+    """The error for a step that mutates NNX state it reaches without taking it as an
+    argument (Flax raises a trace-level error)."""
+    found = [f"{name} (an {type(obj).__module__.split('.')[0]}.{type(obj).__name__})"
+             for name, obj in _closed_over_graph_objects(fn) if id(obj) not in carried]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    name = getattr(fn, "__name__", "the step")
+    if found:
+        what = f"{name} closes over {', '.join(found)} and mutates NNX state outside its arguments"
+        fix = f"pass {'them' if len(found) > 1 else found[0].split(' ')[0]} to the step"
+    else:
+        what = (f"{name} mutates an NNX object that it (or a function it calls) closes over "
+                "instead of taking as an argument")
+        fix = ("pass the object to the step, and to any inner nnx transform "
+               "(nnx.value_and_grad(loss_fn)(model, rngs), not a loss_fn closing over rngs)")
+    return UnsupportedStateError(
+        f"{what} ({type(exc).__name__}: {first}). A resilient step, like nnx.jit, carries "
+        f"and updates only the NNX objects passed to it as arguments: {fix}, e.g. "
+        "train_step(model, optimizer, rngs, batch)")
+
+
+def _closed_over_graph_objects(fn: Callable, depth: int = 0) -> list[tuple[str, Any]]:
+    """NNX objects `fn` reaches through its closure, the globals it names and partial
+    arguments; also through the plain functions it reaches (two levels)."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(fn, functools.partial):
+        values: Iterable[tuple[str, Any]] = [
+            *((f"partial argument {i}", a) for i, a in enumerate(fn.args)),
+            *fn.keywords.items()]
+        inner = fn.func
+    else:
+        inner = inspect.unwrap(fn) if callable(fn) else fn
+        if not hasattr(inner, "__code__"):
+            return found
+        try:
+            cv = inspect.getclosurevars(inner)
+        except (TypeError, ValueError):
+            return found
+        values = [*cv.nonlocals.items(), *cv.globals.items()]
+        inner = None
+    for name, value in values:
+        if _is_graph(value):
+            found.append((name, value))
+        elif depth < 2 and (inspect.isfunction(value) or isinstance(value, functools.partial)):
+            found.extend(_closed_over_graph_objects(value, depth + 1))
+    if inner is not None and depth < 2:
+        found.extend(_closed_over_graph_objects(inner, depth + 1))
+    return found
+
 
 class NnxForm(StepForm):
-    """``step(model, optimizer, batch) -> metrics``; updates model and optimizer in place."""
+    """A step whose arguments hold NNX objects; it updates them in place (``nnx.jit``).
+
+    Args:
+        fn: the user's step.
+        *objects: the NNX objects the step carries, in call order.
+        names: per object, its name in the call (``model``, ``state/model``); default: the
+            names of `fn`'s first positional parameters.
+        convention: statics and donation (default: none).
+        donated: per object, whether the argument holding it is donated.
+    """
 
     kind = "nnx"
-    state_arg_names = ("model", "optimizer")
 
-    def __init__(self, fn: Callable, model: nnx.Module, optimizer: nnx.Optimizer):
-        self.fn = fn
-        self.model, self.optimizer = model, optimizer
-        self.graphdef, state = nnx.split((model, optimizer))
+    def __init__(self, fn: Callable, *objects: Any, names: Sequence[str] | None = None,
+                 convention: Convention | None = None, donated: Sequence[bool] = ()):
+        convention = convention or Convention(fn)
+        super().__init__(fn, convention)
+        self.objects = tuple(objects)
+        self._found = {id(obj): i for i, obj in enumerate(self.objects)}
+        names = list(names) if names is not None else [
+            convention.arg_name(i) for i in range(len(self.objects))]
+        self.object_names = names
+        self.donates_state = any(donated)
+        self.graphdef, state = nnx.split(self.objects)
         self.treedef = jax.tree.structure(state)
-        flat = jax.tree_util.tree_flatten_with_path(
-            nnx.state((model, optimizer)), is_leaf=_is_var)[0]
+        flat = jax.tree_util.tree_flatten_with_path(nnx.state(self.objects), is_leaf=_is_var)[0]
         self.live_vars: list[nnx.Variable] = [v for _, v in flat]
-        self.leaf_paths = [_leaf_path(p) for p, _ in flat]
-        self.leaf_keys = [_leaf_key(p, ("model", "optimizer")) for p, _ in flat]
-        self.leaf_entries = [_entry_of(p, v) for p, v in flat]
+        self.leaf_paths = [_path_name(names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
+        self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
+        self.leaf_entries = [_entry_of(v) for _, v in flat]
         values = [v.get_value() for v in self.live_vars]
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
         specs = jax.tree.leaves(nnx.get_partition_spec(state),
@@ -172,6 +596,7 @@ class NnxForm(StepForm):
                 f"{len(values)} leaves)"
             )
         self.specs = specs
+        self._returns_objects = False
 
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
@@ -181,12 +606,43 @@ class NnxForm(StepForm):
     def mutable_objects(self):
         return self.live_vars
 
-    def state_of(self, state_args):
-        model, optimizer = state_args
-        if model is not self.model or optimizer is not self.optimizer:
+    def _mark_state(self, dyn, dyn_kwargs):
+        return (dyn, dyn_kwargs)
+
+    def _is_state_leaf(self, x) -> bool:
+        return _is_graph(x)
+
+    def _unknown_state(self, x) -> None:
+        raise UnsupportedStateError(
+            f"got a {type(x).__name__} this resilient step does not carry: it was built for "
+            f"another model (it carries {', '.join(self.object_names)}); decorate a new "
+            "step (or use step.with_options()) for a different model")
+
+    def _state_args(self, slots, leaves):
+        seen = {-1 - s for s in slots if s < 0}
+        if len(seen) != len(self.objects):
+            missing = [n for i, n in enumerate(self.object_names) if i not in seen]
             raise UnsupportedStateError(
-                "this resilient step was built for another model/optimizer pair; decorate "
-                "a new step (or use step.with_options()) for a different model")
+                f"this resilient step carries {', '.join(self.object_names)}; the call lacks "
+                f"{', '.join(missing)}: pass every NNX object the step carries at each call")
+        return self.objects
+
+    def split_restore(self, args, kwargs):
+        flat = jax.tree.leaves((tuple(args), kwargs), is_leaf=_is_graph)
+        seen = {self._state_index(x) for x in flat if _is_graph(x)}
+        if len(seen) != len(self.objects):
+            missing = [n for i, n in enumerate(self.object_names) if i not in seen]
+            raise UnsupportedStateError(
+                f"restore() needs every NNX object the step carries; missing "
+                f"{', '.join(missing)}")
+        return self.objects
+
+    def state_of(self, state_args):
+        if len(state_args) != len(self.objects) or any(
+                a is not b for a, b in zip(state_args, self.objects, strict=False)):
+            raise UnsupportedStateError(
+                "this resilient step was built for another model/optimizer; decorate a new "
+                "step (or use step.with_options()) for a different model")
         if self._plain:
             return [_to_raw(v.get_raw_value()) for v in self.live_vars]
         return [_to_raw(v.get_value()) for v in self.live_vars]
@@ -199,16 +655,44 @@ class NnxForm(StepForm):
             else:
                 var.set_value(value)
 
-    def pure(self, leaves, batch):
+    def pure(self, leaves, inputs):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
-        model, optimizer = nnx.merge(self.graphdef, state)
-        metrics = self.fn(model, optimizer, batch)
-        new = jax.tree.leaves(nnx.state((model, optimizer)))
-        return [_to_raw(x) for x in new], metrics
+        objects = nnx.merge(self.graphdef, state)
+        out = self._call(objects, inputs)
+        new_state = nnx.state(objects)
+        new = jax.tree.leaves(new_state)
+        if len(new) != len(leaves):
+            self._changed_structure(new_state)
+        index = {id(obj): i for i, obj in enumerate(objects)}
 
-    def result(self, state_args, leaves, metrics):
+        def returned(x):
+            if _is_graph(x) and id(x) in index:
+                self._returns_objects = True
+                return _Returned(index[id(x)])
+            return x
+
+        out = jax.tree.map(returned, out, is_leaf=_is_graph)
+        return [_to_raw(x) for x in new], out
+
+    def _changed_structure(self, new_state) -> None:
+        flat = jax.tree_util.tree_flatten_with_path(new_state, is_leaf=_is_var)[0]
+        paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
+                 for p, _ in flat]
+        added = sorted(set(paths) - set(self.leaf_paths))
+        removed = sorted(set(self.leaf_paths) - set(paths))
+        raise UnsupportedStateError(
+            "the step changed the structure of its NNX state (added "
+            f"{added[:5] or 'none'}, removed {removed[:5] or 'none'}): a resilient step's "
+            "state keeps its shape from step to step. Take sown intermediates out inside "
+            "the step (nnx.pop(model, nnx.Intermediate)) and return them instead")
+
+    def result(self, state_args, leaves, out):
         self._write(leaves)
-        return metrics
+        if self._returns_objects:
+            out = jax.tree.map(
+                lambda x: self.objects[x.index] if isinstance(x, _Returned) else x, out,
+                is_leaf=lambda x: isinstance(x, _Returned))
+        return out
 
     def restored(self, state_args, leaves, step):
         self._write(leaves)
@@ -219,25 +703,36 @@ class NnxForm(StepForm):
             var.set_value(np.zeros(shape, dtype))
 
 
+_STATE = object()  # where the pure form's state sits in a call's arguments
+
+
 class PytreeForm(StepForm):
-    """``step(state, batch) -> (state, metrics)`` on any pytree of arrays."""
+    """``step(state, *inputs) -> (state, out)`` on any pytree of arrays (``jax.jit``).
+
+    The state is the first argument (positional, or by the name of `fn`'s first
+    parameter). Python numbers in it (a fresh ``TrainState.step``) become 0-d arrays.
+    """
 
     kind = "pytree"
-    state_arg_names = ("state",)
 
-    def __init__(self, fn: Callable, state: Any):
-        self.fn = fn
+    def __init__(self, fn: Callable, state: Any, *, where: int | str = 0,
+                 convention: Convention | None = None):
+        convention = convention or Convention(fn)
+        super().__init__(fn, convention)
+        self.where = where
+        self.donates_state = convention.donated(where)
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
-        bad = [(p, x) for p, x in flat if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+        bad = [(p, x) for p, x in flat if not _arraylike(x)]
         if bad:
             path, value = bad[0]
             raise UnsupportedStateError(
                 f"state leaf {_leaf_path(path)} is a {type(value).__name__} ({value!r:.60}); "
-                "the pure step form needs a pytree of arrays (or pass a Flax NNX model and "
-                "optimizer)"
+                "the pure step form needs a pytree of arrays (mark non-array fields "
+                "static, as flax.struct.field(pytree_node=False) does, or pass Flax NNX "
+                "objects)"
             )
         self.leaf_paths = [_leaf_path(p) for p, _ in flat]
-        self.leaf_keys = [_leaf_key(p) for p, _ in flat]
+        self.leaf_keys = [tuple(_key_part(k) for k in p) or ("state",) for p, _ in flat]
         self.leaf_entries = ["state"] * len(flat)
         values = [x for _, x in flat]
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
@@ -247,6 +742,39 @@ class PytreeForm(StepForm):
             for x in values
         ]
 
+    def _mark_state(self, dyn, dyn_kwargs):
+        if isinstance(self.where, int):
+            if len(dyn) <= self.where:
+                raise UnsupportedStateError(
+                    f"a pure resilient step takes the state as its first argument; the call "
+                    f"has {len(dyn)} positional arguments")
+            self._state = dyn[self.where]
+            return ((*dyn[:self.where], _STATE, *dyn[self.where + 1:]), dyn_kwargs)
+        if self.where not in dyn_kwargs:
+            raise UnsupportedStateError(
+                f"a pure resilient step takes the state as its first argument, "
+                f"{self.where!r}; the call lacks it")
+        self._state = dyn_kwargs[self.where]
+        return (dyn, {**dyn_kwargs, self.where: _STATE})
+
+    def _is_state_leaf(self, x) -> bool:
+        return x is _STATE
+
+    def _state_index(self, x) -> int | None:
+        return 0 if x is _STATE else None
+
+    def _state_args(self, slots, leaves):
+        state, self._state = self._state, None
+        return (state,)
+
+    def split_restore(self, args, kwargs):
+        if isinstance(self.where, str) and self.where in kwargs:
+            return (kwargs[self.where],)
+        if args:
+            return (args[0],)
+        raise UnsupportedStateError("restore() of a pure step takes the state: "
+                                    "state, step = train_step.restore(state)")
+
     def state_of(self, state_args):
         leaves = jax.tree.leaves(state_args[0])
         if len(leaves) != len(self.leaf_paths):
@@ -254,16 +782,16 @@ class PytreeForm(StepForm):
                 f"the state passed has {len(leaves)} leaves; the step was built for "
                 f"{len(self.leaf_paths)}"
             )
-        return [_to_raw(x) if hasattr(x, "dtype") else np.asarray(x) for x in leaves]
+        return [_to_raw(x) if hasattr(x, "dtype") else host_scalar(x) for x in leaves]
 
     def _unflatten(self, leaves):
         return jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
 
-    def pure(self, leaves, batch):
-        out = self.fn(self._unflatten(leaves), batch)
+    def pure(self, leaves, inputs):
+        out = self._call([self._unflatten(leaves)], inputs)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise UnsupportedStateError(
-                f"a pure step must return (state, metrics); it returned {type(out).__name__}"
+                f"a pure step must return (state, out); it returned {type(out).__name__}"
             )
         new_state, metrics = out
         new = jax.tree.leaves(new_state)
@@ -274,29 +802,58 @@ class PytreeForm(StepForm):
             )
         return [_to_raw(jnp.asarray(x)) for x in new], metrics
 
-    def result(self, state_args, leaves, metrics):
-        return self._unflatten(leaves), metrics
+    def result(self, state_args, leaves, out):
+        return self._unflatten(leaves), out
 
     def restored(self, state_args, leaves, step):
         return self._unflatten(leaves), step
 
 
-def form_for(fn: Callable, args: tuple) -> StepForm:
-    """Picks the step form from the call's arguments."""
-    if len(args) == 3 and isinstance(args[0], nnx.Module):
-        if not isinstance(args[1], nnx.Optimizer):
-            raise UnsupportedStateError(
-                f"the NNX step form is step(model, optimizer, batch); the second argument is "
-                f"a {type(args[1]).__name__}, not an nnx.Optimizer"
-            )
-        return NnxForm(fn, args[0], args[1])
-    if len(args) == 2:
-        if isinstance(args[0], nnx.Module):
-            raise UnsupportedStateError(
-                "got step(model, batch): pass the optimizer too, step(model, optimizer, batch)"
-            )
-        return PytreeForm(fn, args[0])
+def _arraylike(x) -> bool:
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or type(x) in _PY_NUMBERS
+
+
+def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+             convention: Convention | None = None, *, restoring: bool = False) -> StepForm:
+    """Picks the step form from a call's arguments (or `ResilientStep.restore`'s): NNX if
+    any argument holds an NNX object, else the pure form with the first argument as state.
+
+    Raises:
+        UnsupportedStateError: a pure call without arguments, or a state that is not a
+            pytree of arrays.
+    """
+    convention = convention or Convention(fn)
+    kwargs = kwargs or {}
+    form = _form_for(fn, args, kwargs, convention)
+    if not restoring:
+        convention.check_call(args, kwargs)
+    return form
+
+
+def _form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
+              convention: Convention) -> StepForm:
+    dyn, dyn_kwargs, _ = convention.split_statics(args, kwargs)
+    flat = jax.tree_util.tree_flatten_with_path((dyn, dyn_kwargs), is_leaf=_is_graph)[0]
+    objects: list[Any] = []
+    names: list[str] = []
+    donated: list[bool] = []
+    for path, x in flat:
+        if not _is_graph(x) or any(x is o for o in objects):
+            continue
+        where = path[1].idx if path[0].idx == 0 else _key_part(path[1])
+        top = convention.arg_name(where) if isinstance(where, int) else where
+        objects.append(x)
+        names.append(_path_name(top, path[2:]))
+        donated.append(convention.donated(where))
+    if objects:
+        return NnxForm(fn, *objects, names=names, convention=convention, donated=donated)
+    if dyn and 0 not in convention.static_argnums:
+        return PytreeForm(fn, dyn[0], where=0, convention=convention)
+    first = convention.arg_name(0) if convention.positional_names else None
+    if first is not None and first in dyn_kwargs:
+        return PytreeForm(fn, dyn_kwargs[first], where=first, convention=convention)
     raise UnsupportedStateError(
-        f"a resilient step is called as step(model, optimizer, batch) or step(state, batch); "
-        f"got {len(args)} positional arguments ({', '.join(type(a).__name__ for a in args)})"
-    )
+        "a resilient step takes NNX objects (a model, an optimizer, ...) anywhere in its "
+        "arguments, or, for a pure step, its state as first argument: step(state, batch) "
+        f"-> (state, out); got {len(args)} positional arguments "
+        f"({', '.join(type(a).__name__ for a in args)}) and keywords {sorted(kwargs)}")
