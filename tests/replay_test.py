@@ -34,3 +34,31 @@ def test_batch_struct_cuts_examples():
     struct = batch_struct(batch, 16)
     assert struct["x"].shape == (16, 3) and struct["scale"].shape == ()
     assert batch_struct(batch, None)["x"].shape == (24, 3)
+
+
+def test_a_calls_inputs_are_kept_as_copies_with_their_statics():
+    """A step's inputs (CallInputs: batch, numbers, statics in the tree structure): the
+    buffer holds its own copy of every input, and reuses a slot only for the same call
+    layout (another static value is another structure)."""
+    from mnemojax._src.proxy import host_batch
+    from mnemojax._src.step_forms import Convention, form_for
+
+    def step(state, batch, scale, pad_id):
+        return state, {}
+
+    conv = Convention(step, static_argnames=("pad_id",))
+    state = {"w": np.zeros(2, np.float32)}
+    form = form_for(step, (state, None, 1.0, 0), convention=conv)
+    buf = ReplayBuffer(2)
+    x = np.ones((4, 3), np.float32)
+    kept = []
+    for step_no, pad in ((1, 0), (2, 0), (3, 5)):
+        _, inputs = form.split_call((state, {"x": x}, 0.5 * step_no, pad))
+        kept.append(buf.append(step_no, host_batch(inputs)))
+        x[:] = step_no  # the loader refills its buffer in place
+    assert kept[2] is not kept[0]  # slot of step 1 not reused: other statics
+    first = buf.batch(2)
+    np.testing.assert_array_equal(first.leaves[0], np.ones((4, 3)))  # step 2's own copy
+    assert float(first.leaves[1]) == 1.0 and first.layout.statics == ((3, 0),)
+    assert buf.batch(3).layout.statics == ((3, 5),) and first.leaves[0] is not x
+    assert batch_struct(buf.batch(3), 2).leaves[0].shape == (2, 3)

@@ -13,7 +13,9 @@ from mnemojax._src.errors import StateUnavailableError
 
 
 class ReplayBuffer:
-    """Copies of the global host batches of the last `capacity` steps, by step number.
+    """Copies of the inputs of the last `capacity` steps, by step number: the global host
+    batch and every other input a step needs to run again (a call's `CallInputs`, whose
+    tree structure holds its static arguments).
 
     A recovery that restores an older state (a host snapshot, an agent's copy, an Orbax
     checkpoint) replays the steps since from here, with the same batches, so the math does
