@@ -298,18 +298,24 @@ def test_a_loss_key_missing_from_the_metrics_warns_once_and_the_state_is_still_c
     step.close()
 
 
-def test_a_mesh_without_the_data_axis_is_refused_at_build_naming_the_option():
+def test_batch_axes_are_inferred_or_named_and_a_mesh_without_them_is_refused_at_build():
     model, optimizer = h.make_mlp()
     batch = h.make_batches(1)[0]
-    mesh = h.mesh_of((4, 2), ("fsdp", "model"))
-    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile())
+    rows = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2), ("rows", "model")),
+                              options=h.no_precompile())
+    with pytest.raises(InvalidOptionError, match=r"data_axis='auto' finds no batch axis on the "
+                                                 r"mesh \(axes \('rows', 'model'\)"):
+        rows(model, optimizer, batch)
+    fsdp_mesh = h.mesh_of((4, 2), ("fsdp", "model"))
+    named = rows.with_options(mesh=fsdp_mesh, options=h.no_precompile(data_axis="data"))
     with pytest.raises(InvalidOptionError, match=r"data_axis='data': 'data' is not an axis "
                                                  r"of the mesh \(axes \('fsdp', 'model'\)\)"):
-        step(model, optimizer, batch)
-    named = step.with_options(options=h.no_precompile(data_axis="fsdp"))
-    loss = float(named(model, optimizer, batch)["loss"])
-    named.close()
-    assert named.statistics.mesh_shape == {"fsdp": 4, "model": 2}
+        named(model, optimizer, batch)
+    inferred = rows.with_options(mesh=fsdp_mesh)  # "auto": the batch goes over fsdp
+    loss = float(inferred(model, optimizer, batch)["loss"])
+    inferred.close()
+    assert inferred.options.data_axis == "fsdp"
+    assert inferred.statistics.mesh_shape == {"fsdp": 4, "model": 2}
     assert loss == pytest.approx(h.reference_run([batch]).losses[0], rel=1e-6)
 
 

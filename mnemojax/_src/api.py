@@ -41,7 +41,7 @@ from mnemojax._src.errors import (
     UnsupportedStateError,
 )
 from mnemojax._src.fault_injection import FaultInjector
-from mnemojax._src.options import RecoveryOptions, ResilienceOptions
+from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
 from mnemojax._src.proxy import Verdict, host_batch, looks_transient
 from mnemojax._src.recovery import (
     DeviceRecovery,
@@ -354,16 +354,13 @@ class ResilientStep(Generic[P, R]):
         mesh = self._mesh_arg
         if mesh is None:
             devices = [d for d in jax.devices() if d.id not in spares]
-            mesh = jax.make_mesh((len(devices),), (opts.batch_axes or ("data",))[:1],
-                                 devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
-        missing = [a for a in opts.batch_axes if a not in mesh.axis_names]
-        if missing:
-            raise InvalidOptionError(
-                f"data_axis={opts.data_axis!r}: {', '.join(map(repr, missing))} is not an "
-                f"axis of the mesh (axes {tuple(mesh.axis_names)}): set "
-                "ResilienceOptions(data_axis=...) to the axis (or axes) the batch is split "
-                "along, or data_axis=None if the mesh has none (every device then sees the "
-                "whole batch)")
+            name = "data" if opts.data_axis == AUTO else (opts.batch_axes or ("data",))[0]
+            mesh = jax.make_mesh((len(devices),), (name,), devices=devices,
+                                 axis_types=(jax.sharding.AxisType.Auto,))
+        axes = opts.batch_axes_of(mesh.axis_names)  # "auto" resolved on this mesh
+        if opts.data_axis == AUTO:
+            opts = self.options = dataclasses.replace(
+                opts, data_axis=axes[0] if len(axes) == 1 else axes)
         ids = shd.device_ids(mesh)
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:

@@ -9,7 +9,7 @@ import signal
 import time
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from mnemojax._src import retry
@@ -19,6 +19,10 @@ BatchPolicy = Literal["keep_math", "truncate_batch"]
 NonFinitePolicy = Literal["raise", "skip_batch", "ignore"]
 _BATCH_POLICIES = ("keep_math", "truncate_batch")
 _NONFINITE_POLICIES = ("raise", "skip_batch", "ignore")
+AUTO = "auto"
+# What data_axis="auto" takes for batch axes, in mesh order: the names data-parallel and
+# FSDP axes go by (MaxText and the Flax examples shard the batch over data and fsdp).
+AUTO_BATCH_AXES = ("data", "batch", "dp", "fsdp")
 
 
 def _describe(hint: Any) -> str:
@@ -279,8 +283,10 @@ class ResilienceOptions:
         data_axis: the mesh axis along which the batch is split and replicas are dropped,
             or several (``("data", "fsdp")``: the batch is split over their product, as
             MaxText does); the mesh must have them (checked when the step is built).
-            None: the mesh has no data-parallel axis, and every device sees the whole
-            batch.
+            ``"auto"`` (default): the mesh's axes named ``data``, ``batch``, ``dp`` or
+            ``fsdp`` (`AUTO_BATCH_AXES`), in mesh order; a mesh with none of them is an
+            `InvalidOptionError` naming this option. None: the mesh has no data-parallel
+            axis, and every device sees the whole batch.
         loss_key: where the NaN/Inf policy finds the loss in what the step returns: a
             key of a metrics dict, or a callable taking the return value and giving the
             scalar loss (``lambda out: out[0]``, say). A scalar return value is the loss
@@ -303,16 +309,43 @@ class ResilienceOptions:
     persistent: PersistentOptions = dataclasses.field(default_factory=PersistentOptions)
     event_log: str | os.PathLike[str] | None = None
     run_name: str = "mnemojax"
-    data_axis: str | tuple[str, ...] | None = "data"
+    data_axis: str | tuple[str, ...] | None = "auto"
     loss_key: str | Callable[[Any], Any] = "loss"
     nonfinite: NonFinitePolicy = "raise"
     check_state: bool = True
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """`data_axis` as a tuple (empty for None)."""
+        """`data_axis` as a tuple (empty for None; ``"auto"`` is resolved against the mesh
+        when the step is built, see `batch_axes_of`)."""
         axis = self.data_axis
         return (axis,) if isinstance(axis, str) else tuple(axis or ())
+
+    def batch_axes_of(self, axis_names: Sequence[str]) -> tuple[str, ...]:
+        """The batch axes on a mesh with `axis_names` (``"auto"`` resolved).
+
+        Raises:
+            InvalidOptionError: the mesh lacks one of them (or, for ``"auto"``, has none
+                of `AUTO_BATCH_AXES`), naming ``data_axis``.
+        """
+        names = tuple(axis_names)
+        if self.data_axis == AUTO:
+            axes = tuple(a for a in names if a in AUTO_BATCH_AXES)
+            if not axes:
+                raise InvalidOptionError(
+                    f"data_axis='auto' finds no batch axis on the mesh (axes {names}; "
+                    f"looked for {AUTO_BATCH_AXES}): set ResilienceOptions(data_axis=...) to "
+                    "the axis (or axes) the batch is split along, or data_axis=None if the "
+                    "mesh has none (every device then sees the whole batch)")
+            return axes
+        missing = [a for a in self.batch_axes if a not in names]
+        if missing:
+            raise InvalidOptionError(
+                f"data_axis={self.data_axis!r}: {', '.join(map(repr, missing))} is not an "
+                f"axis of the mesh (axes {names}): set ResilienceOptions(data_axis=...) to "
+                "the axis (or axes) the batch is split along, or data_axis=None if the mesh "
+                "has none (every device then sees the whole batch)")
+        return self.batch_axes
 
     def __post_init__(self):
         _check_types(self)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import mnemojax
 from mnemojax.models.tasks import shard_onto
 from mnemojax.testing import FaultInjector
+from tests import helpers as h
 from tests.programs.gemma_style_test import PAD, VOCAB, make_batches, train_step
 
 pytestmark = pytest.mark.needs8
@@ -90,8 +91,7 @@ def test_explicit_fsdp_tensor_program_through_two_losses_matches_the_plain_run()
     batches = make_batches()
     program = make_program()
     step = mnemojax.resilient(
-        train_step, mesh=_mesh(), options=mnemojax.ResilienceOptions(
-            data_axis="fsdp", compile=mnemojax.CompileOptions(precompile=False, cache_dir=None)),
+        train_step, mesh=_mesh(), options=h.no_precompile(),  # the batch axis: fsdp, inferred
         fault_injector=FaultInjector().lose_devices(2, [3]).lose_devices(4, [5],
                                                                          surface="block"))
     try:
@@ -100,6 +100,7 @@ def test_explicit_fsdp_tensor_program_through_two_losses_matches_the_plain_run()
         assert len(recoveries) == 2 and all(r.steps_lost <= 1 for r in recoveries)
         assert step.mesh is not None
         assert tuple(step.mesh.axis_types) == (AxisType.Explicit,) * 2
+        assert step.options.data_axis == "fsdp"
         logits = _eval(program[0], step.mesh, batches[0])
     finally:
         step.close()
