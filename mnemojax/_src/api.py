@@ -896,7 +896,7 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
     (``@mnemojax.resilient(mesh=mesh, options=...)``) or as a call
     (``mnemojax.resilient(train_step, mesh=mesh)``). Write the step un-jitted, as for
     ``nnx.jit``: mnemojax compiles it for each mesh, with shardings from the model's
-    ``nnx.with_partitioning`` annotations (or the state arrays' `NamedSharding`s).
+    ``nnx.with_partitioning`` annotations (or the state arrays' shardings).
 
     The arguments follow ``nnx.jit``'s conventions:
 
