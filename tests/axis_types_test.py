@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import mnemojax
-from mnemojax.models.tasks import classification_loss, shard_onto
+from mnemojax.models.tasks import classification_loss
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -64,14 +64,9 @@ def _build(kind):
 
 
 def _plain_run(kind, batches):
-    mesh = _mesh(kind)
     model, optimizer = _build(kind)
-    shard_onto(model, optimizer, mesh)
-    step = nnx.jit(_train_step)
-    with jax.set_mesh(mesh):
-        losses = [float(step(model, optimizer, jax.device_put(
-            b, jax.sharding.NamedSharding(mesh, P("data")))) ["loss"]) for b in batches]
-    return h.Run(losses, h.host_state(model, optimizer)), model
+    return h.plain_mesh_run(_train_step, model, optimizer, batches, _mesh(kind),
+                            P("data")), model
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

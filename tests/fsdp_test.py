@@ -3,16 +3,13 @@
 resharded over the survivors, the lost shards come from the host snapshot), and the run
 ends equal to the plain ``nnx.jit`` run on the full mesh."""
 
-import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mnemojax
-from mnemojax.models.tasks import classification_loss, shard_onto
+from mnemojax.models.tasks import classification_loss
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -67,13 +64,5 @@ def test_fsdp_axis_shrinks_and_lost_shards_come_from_the_snapshot():
     assert all(r.steps_lost <= 1 for r in (first, second))
     assert step.mesh is not None and dict(step.mesh.shape)["tensor"] == 2
 
-    plain_model, plain_opt = _build()
-    mesh = _mesh()
-    shard_onto(plain_model, plain_opt, mesh)
-    plain = nnx.jit(_train_step)
-    with jax.set_mesh(mesh):
-        want = [float(plain(plain_model, plain_opt, jax.device_put(
-            b, NamedSharding(mesh, P(BATCH_AXES))))["loss"]) for b in batches]
-    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
-                      h.Run(want, h.host_state(plain_model, plain_opt)))
-    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    want = h.plain_mesh_run(_train_step, *_build(), batches, _mesh(), P(BATCH_AXES))
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)

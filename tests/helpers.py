@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import jax
 import numpy as np
@@ -89,3 +91,43 @@ def mesh_of(shape, names=("data", "model"), devices=None):
     devices = devices if devices is not None else jax.devices()[: int(np.prod(shape))]
     return jax.make_mesh(shape, names, devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def check_job_report(report: dict) -> dict:
+    """A `run_scenario` report: every fault fired cleanly, and no process or shared-memory
+    segment outlived the job."""
+    from mnemojax._src.distributed.launcher.scenario import process_alive
+
+    assert not report["unfired"], report["unfired"]
+    assert not [f for f in report["fired"] if "error" in f], report["fired"]
+    assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
+    assert report["shm_left"] == [], "shared memory outlived the job"
+    return report
+
+
+def assert_job_exact(out_dir, reference: Run, steps: int) -> dict:
+    """A launched job's final state (``final.npz``, written by its process 0) equals the
+    failure-free `reference`; returns its ``stats.json``."""
+    final = np.load(os.path.join(out_dir, "final.npz"))
+    for i, want in enumerate(reference.state):
+        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
+    with open(os.path.join(out_dir, "stats.json")) as f:
+        stats = json.load(f)
+    assert stats["steps_run"] == steps
+    return stats
+
+
+def plain_mesh_run(train_step, model, optimizer, batches, mesh, batch_spec) -> Run:
+    """The plain ``nnx.jit`` run of `train_step` on `mesh` (state placed per its
+    annotations, each batch placed with `batch_spec`): what a resilient run on that mesh
+    must end equal to."""
+    from jax.sharding import NamedSharding
+
+    from mnemojax.models.tasks import shard_onto
+
+    shard_onto(model, optimizer, mesh)
+    step = nnx.jit(train_step)
+    with jax.set_mesh(mesh):
+        losses = [float(step(model, optimizer, jax.device_put(
+            b, NamedSharding(mesh, batch_spec)))["loss"]) for b in batches]
+    return Run(losses, host_state(model, optimizer))

@@ -18,10 +18,8 @@ import json
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from mnemojax._src.distributed.launcher.scenario import process_alive
 from mnemojax._src.events import read_events
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
@@ -40,23 +38,13 @@ def _run(tmp_path, faults, *, nproc=3) -> tuple[dict, float]:
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
            "--steps", str(STEPS), "--step-sleep-s", "0.1"]
     t0 = time.monotonic()
-    report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=faults,
-                          job_timeout_s=120)
-    wall = time.monotonic() - t0
-    assert not report["unfired"], report["unfired"]
-    assert not [f for f in report["fired"] if "error" in f], report["fired"]
-    assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
-    assert report["shm_left"] == [], "shared memory outlived the job"
-    return report, wall
+    report = h.check_job_report(run_scenario(cmd, nproc=nproc, devices_per_proc=2,
+                                             faults=faults, job_timeout_s=120))
+    return report, time.monotonic() - t0
 
 
 def _exact(tmp_path, reference) -> dict:
-    final = np.load(tmp_path / "final.npz")
-    for i, want in enumerate(reference.state):
-        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["steps_run"] == STEPS
-    return stats
+    return h.assert_job_exact(tmp_path, reference, STEPS)
 
 
 def _seconds_from_kill(tmp_path, report, victims) -> dict[str, dict[str, float]]:

@@ -14,14 +14,12 @@ In the (n, 2) mesh the parameters are replicated over the data axis, so worker 0
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from mnemojax._src.distributed.launcher.scenario import process_alive
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
 
@@ -38,22 +36,12 @@ def reference():
 def _run(tmp_path, faults, *, nproc=3, extra=(), **kw) -> dict:
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
            "--steps", str(STEPS), *extra]
-    report = run_scenario(cmd, nproc=nproc, devices_per_proc=2, faults=faults,
-                          job_timeout_s=240, **kw)
-    assert not report["unfired"], report["unfired"]
-    assert not [f for f in report["fired"] if "error" in f], report["fired"]
-    assert not any(process_alive(p) for p in report["pids"]), "a process outlived the job"
-    assert report["shm_left"] == [], "shared memory outlived the job"
-    return report
+    return h.check_job_report(run_scenario(cmd, nproc=nproc, devices_per_proc=2,
+                                           faults=faults, job_timeout_s=240, **kw))
 
 
 def _assert_exact(tmp_path, reference) -> dict:
-    final = np.load(tmp_path / "final.npz")
-    for i, want in enumerate(reference.state):
-        np.testing.assert_allclose(final[f"arr_{i}"], want, rtol=1e-5, atol=1e-5)
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["steps_run"] == STEPS
-    return stats
+    return h.assert_job_exact(tmp_path, reference, STEPS)
 
 
 def _one_recovery(tmp_path, reference, report, *, nproc=3) -> dict:

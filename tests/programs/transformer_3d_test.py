@@ -13,7 +13,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mnemojax
-from mnemojax.models.tasks import shard_onto
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -105,12 +104,7 @@ def test_two_device_losses_on_a_data_fsdp_tensor_mesh_match_the_plain_run():
     assert all(r.steps_lost <= 1 for r in step.statistics.recoveries)
 
     plain_model, plain_opt = make_program()
-    shard_onto(plain_model, plain_opt, mesh)
-    plain = nnx.jit(train_step)
-    with jax.set_mesh(mesh):
-        want = [float(plain(plain_model, plain_opt, jax.device_put(
-            b, NamedSharding(mesh, P(BATCH_AXES))))["loss"]) for b in batches]
-    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
-                      h.Run(want, h.host_state(plain_model, plain_opt)))
+    want = h.plain_mesh_run(train_step, plain_model, plain_opt, batches, mesh, P(BATCH_AXES))
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)
     np.testing.assert_allclose(logits, _eval(plain_model, mesh, batches[0]),
                                rtol=1e-5, atol=1e-5)
