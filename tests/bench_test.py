@@ -1,5 +1,6 @@
 """Tests of `mnemojax bench` (mnemojax/_src/bench): the classical baseline really restarts
-a process, the Young/Daly interval, preset validation, and the tiny bench end to end."""
+a process, the Young/Daly interval, preset validation, the tiny bench end to end (runs
+a-d), and the multi-process runs (e) and (f) with a real kill on a smaller config."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from mnemojax._src.bench import baseline, driver, interval, report
+from mnemojax._src.bench import baseline, driver, interval, multiproc, report, summary
 from mnemojax._src.bench import cli as bench_cli
 from mnemojax._src.bench.config import load_preset
 from mnemojax._src.config import configure_devices
@@ -94,6 +95,52 @@ def test_preset_validation_names_the_bad_value(tmp_path):
     path.write_text(RESTART_PRESET + "\ntypo = 1\n")
     with pytest.raises(InvalidOptionError, match="typo"):
         load_preset(path)
+
+
+# The multi-process runs' config: 2 processes x 2 devices (the bench's presets: 4 x 2), a
+# collective timeout of 5 s instead of the launcher's 20 s default, to keep the test short
+# (the bench itself runs the defaults); no timing is asserted.
+PROCESS_PRESET = """
+devices = 4
+mesh = [2, 2]
+steps = 14
+batch_size = 12
+processes = 2
+process_victim = 1
+collective_timeout_s = 5
+worker_timeout_s = 240
+[model]
+vocab_size = 64
+seq_len = 16
+d_model = 32
+n_heads = 2
+n_layers = 1
+d_ff = 64
+[[faults]]
+step = 9
+devices = [3]
+"""
+
+
+@pytest.mark.parametrize("edit, bad", [
+    ("processes = 3", "processes=3"), ("processes = 1", "processes=1"),
+    ("process_victim = 2", "process_victim=2"),
+    ("collective_timeout_s = 0", "collective_timeout_s=0")])
+def test_process_fields_are_validated(tmp_path, edit, bad):
+    path = tmp_path / "bench_bad.toml"
+    key = edit.split(" = ")[0]
+    text = "\n".join(edit if line.startswith(f"{key} =") else line
+                     for line in PROCESS_PRESET.splitlines())
+    path.write_text(text)
+    with pytest.raises(InvalidOptionError, match=bad):
+        load_preset(path)
+
+
+def test_presets_use_the_launcher_defaults_for_the_real_kill():
+    for name in ("tiny", "gpt10m"):
+        cfg = load_preset(name)
+        assert (cfg.processes, cfg.devices_per_process, cfg.collective_timeout_s) == (4, 2, None)
+        assert cfg.process_kill_after_step == cfg.fault_steps[0] - 1
 
 
 # -- the baseline really restarts a process ----------------------------------------------
@@ -201,3 +248,65 @@ def test_tiny_bench_event_log_reports_every_run(tiny_bench, capsys):
 
     table = format_table(s)
     assert "baseline / mnemojax" in table and "(d) baseline+faults" in table
+    assert "simulated" in table and s["processes"] is None  # (e), (f): their own test
+
+
+# -- (e) and (f): a real SIGKILL, several processes ------------------------------------------
+
+
+def _failure_free_final_state(cfg) -> list:
+    """The job without the kill, in this process (plain Flax on the same mesh)."""
+    import jax
+    from flax import nnx
+
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
+
+    mesh = jax.make_mesh(cfg.mesh, ("data", "model"),
+                         devices=jax.devices()[:int(np.prod(cfg.mesh))],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model, optimizer = build_gpt(GPTConfig(**cfg.model), seed=cfg.seed,
+                                 learning_rate=cfg.learning_rate)
+    shard_onto(model, optimizer, mesh)
+    corpus = BigramCorpus(cfg.model["vocab_size"], cfg.model["seq_len"], seed=cfg.seed)
+    step = nnx.jit(lm_train_step)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    with jax.set_mesh(mesh):
+        for i in range(cfg.steps):
+            step(model, optimizer, jax.device_put(corpus.batch(i, cfg.batch_size),
+                                                  batch_sharding))
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+
+@pytest.mark.multiprocess
+def test_process_runs_recover_from_a_real_kill_to_the_failure_free_state(tmp_path):
+    preset = tmp_path / "bench_processes.toml"
+    preset.write_text(PROCESS_PRESET)
+    cfg = load_preset(preset)
+    runs = driver.run_process_pair(cfg, preset=str(preset), out=tmp_path / "processes",
+                                   cache=str(tmp_path / "xla"), interval_steps=4,
+                                   progress=False)
+    e, f = runs[multiproc.RUN_E], runs[multiproc.RUN_F]
+    assert e["recoveries"] == 1 and e["steps_lost"] == 0 and e["processes_after"] == 1
+    assert e["collective_timeout_s"] == 5 and e["launcher_knows_s"] is not None
+    assert [x["returncodes"][1] for x in f["launches"]] == [-signal.SIGKILL, 0]
+    assert f["launches"][1]["returncodes"] == [0, 0] and f["processes_after"] == 2
+    assert f["restored_step"] in (0, 4, 8)
+    assert f["steps_lost"] == f["killed_step"] - 1 - f["restored_step"]
+    for run in (e, f):
+        # Killed once it completed step 8; it may finish step 9 before the signal lands.
+        assert run["killed_step"] in (9, 10)
+        assert run["next_good_step_s"] > 0 and run["back_past_killed_step_s"] > 0
+        assert run["back_past_killed_step_s"] >= run["next_good_step_s"]
+        for pid in [p for launch in run.get("launches", []) for p in launch["pids"]]:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # every process the bench started is gone
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mnjx{os.getpid()}_")]
+    p = summary.process_figures(runs, _failure_free_final_state(cfg))
+    diff = p["final_state_max_abs_diff_vs_a"]
+    assert diff["f"] <= 1e-5, diff  # the same mesh, restored and redone
+    assert diff["e"] <= 1e-3, diff  # a 1x2 mesh after the kill: another reduction order
+    assert p["ratio"]["next_good_step"] > 0 and p["ratio"]["back_past_killed_step"] > 0
+    table = "\n".join(summary.format_process_table(p, summary.TARGETS))
+    assert "(f) classical / (e) mnemojax" in table and "(e) mnemojax launch" in table

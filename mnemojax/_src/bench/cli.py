@@ -1,8 +1,11 @@
 """``mnemojax bench``: mnemojax against the classical restart baseline, same faults.
 
 Runs (a) failure-free without snapshots, (b) failure-free with every-step snapshots,
-(c) mnemojax with the preset's device losses and (d) the classical baseline (plain Flax +
-Orbax, the process killed and restarted at the same steps); prints the table and writes
+(c) mnemojax with the preset's device losses (simulated in the runtime) and (d) the
+classical baseline (plain Flax + Orbax, the process killed and restarted at the same
+steps); then, unless ``--no-processes``, the real thing: (e) mnemojax under
+``mnemojax launch`` and (f) the classical ``jax.distributed`` job restarted by a
+supervisor, one worker SIGKILLed from outside in both. Prints the table and writes
 ``bench.json``, ``events.jsonl``, ``steps_vs_time.png`` and ``recovery_phases.png``.
 """
 
@@ -26,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stated MTBF for the baseline's Young/Daly checkpoint interval "
                              "(default: run (a)'s wall time / number of faults)")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    parser.add_argument("--no-processes", action="store_true",
+                        help="skip (e) and (f), the multi-process runs with a real kill "
+                             "(about a minute on the tiny preset)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -35,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
 
     configure_devices(cfg.devices, who="mnemojax bench")
     out = Path(args.out or f"runs/bench-{cfg.name}")
-    s = driver.run_bench(cfg, preset=args.preset, out_dir=out, progress=not args.quiet)
+    s = driver.run_bench(cfg, preset=args.preset, out_dir=out, progress=not args.quiet,
+                         processes=not args.no_processes)
     print(summary.format_table(s))
     print()
 
     print(f"written: {out / 'bench.json'}, {out / 'events.jsonl'}, "
-          f"{out / 'steps_vs_time.png'}, {out / 'recovery_phases.png'}")
+          f"{out / 'steps_vs_time.png'}, {out / 'recovery_phases.png'}"
+          + (f", {out / 'processes'}/" if s.get("processes") else ""))
     print(f"goodput per run: python -m mnemojax report {out / 'events.jsonl'} --out {out}")
     return 0

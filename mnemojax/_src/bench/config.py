@@ -36,7 +36,14 @@ class BenchConfig:
             first save of a process is reported apart).
         mtbf_s: the stated MTBF for the Young/Daly interval; None: the failure-free run's
             wall time divided by the number of faults.
-        worker_timeout_s: hard limit for the whole baseline (all its processes).
+        worker_timeout_s: hard limit for the whole baseline (all its processes); also
+            for each multi-process run, (e) and (f).
+        processes: worker processes of the multi-process runs (e) and (f), with
+            ``devices // processes`` CPU devices each; the preset's mesh over their devices.
+        process_victim: the worker SIGKILLed from outside in (e) and (f), once it has
+            completed the step before the first fault's step (that step is the one lost).
+        collective_timeout_s: (e)'s launcher option of that name; None: the launcher's
+            default, what a user of ``mnemojax launch`` gets (tests set a lower one).
     """
 
     name: str
@@ -55,6 +62,9 @@ class BenchConfig:
     calibration_saves: int = 4
     mtbf_s: float | None = None
     worker_timeout_s: float = 600.0
+    processes: int = 4
+    process_victim: int = 1
+    collective_timeout_s: int | None = None
 
     def __post_init__(self):
         def bad(name: str, value: Any, legal: str):
@@ -74,6 +84,15 @@ class BenchConfig:
             bad("mtbf_s", self.mtbf_s, "> 0 seconds")
         if not self.worker_timeout_s > 0:
             bad("worker_timeout_s", self.worker_timeout_s, "> 0 seconds")
+        if not isinstance(self.processes, int) or not 2 <= self.processes <= self.devices \
+                or self.devices % self.processes:
+            bad("processes", self.processes, f"an int >= 2 dividing devices={self.devices}")
+        if not isinstance(self.process_victim, int) or \
+                not 0 <= self.process_victim < self.processes:
+            bad("process_victim", self.process_victim, f"in [0, processes={self.processes})")
+        if self.collective_timeout_s is not None and not (
+                isinstance(self.collective_timeout_s, int) and self.collective_timeout_s >= 1):
+            bad("collective_timeout_s", self.collective_timeout_s, "None or an int >= 1")
         missing = sorted(set(_MODEL_KEYS) - set(self.model))
         extra = sorted(set(self.model) - set(_MODEL_KEYS))
         if missing or extra:
@@ -87,6 +106,16 @@ class BenchConfig:
     @property
     def fault_steps(self) -> tuple[int, ...]:
         return tuple(sorted(f.step for f in self.faults))
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.devices // self.processes
+
+    @property
+    def process_kill_after_step(self) -> int:
+        """(e) and (f) kill the victim once it has completed this step: the step before
+        the first fault's, so the first fault's step is the one lost."""
+        return self.fault_steps[0] - 1
 
 
 def preset_path(preset: str | Path) -> Path:

@@ -1,8 +1,11 @@
-"""One bench invocation: runs (a)-(d) on the same model, batches and fault steps.
+"""One bench invocation: runs (a)-(d), and (e)-(f), on the same model, batches and faults.
 
 Order: (a)+(b) interleaved → the checkpoint save calibration → the Young/Daly interval →
-(c) → (d). Writes ``events.jsonl`` (all four runs), ``bench.json``, ``steps_vs_time.png``
-and ``recovery_phases.png`` under the output directory.
+(c) → (d) → (e) → (f). (a)-(d) run in this process or one process at a time, the device
+loss of (c) simulated in the runtime; (e) and (f) run ``cfg.processes`` processes with a
+real SIGKILL (`multiproc`). Writes ``events.jsonl`` (runs a-d), ``bench.json``,
+``steps_vs_time.png`` and ``recovery_phases.png`` under the output directory, and the
+event logs, worker output and final states of (e) and (f) under ``processes/``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from mnemojax._src.bench import baseline, plots, report, runs, summary
+from mnemojax._src.bench import baseline, multiproc, plots, report, runs, summary
 from mnemojax._src.bench.config import BenchConfig, preset_path
 from mnemojax._src.bench.interval import checkpoint_interval
 from mnemojax._src.events import jsonable
@@ -30,8 +33,14 @@ def _say(progress: bool, msg: str) -> None:
 
 
 def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
-              progress: bool = True) -> dict:
-    """Runs the four runs and writes the outputs; returns the summary (``bench.json``)."""
+              progress: bool = True, processes: bool = False) -> dict:
+    """Runs the runs and writes the outputs; returns the summary (``bench.json``).
+
+    Args:
+        processes: also run (e) and (f), the real process kill (about a minute on the
+            tiny preset: two multi-process jobs, with the launcher's default collective
+            timeout in (e)).
+    """
     import jax
     import numpy as np
 
@@ -84,6 +93,12 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
     with np.load(final_path) as npz:
         baseline_final = [npz[f"arr_{i}"] for i in range(len(npz.files))]
 
+    process_runs = None
+    if processes:
+        process_runs = run_process_pair(cfg, preset=str(preset_path(preset).resolve()),
+                                        out=out / "processes", cache=str(cache),
+                                        interval_steps=interval.steps, progress=progress)
+
     goodput = {acc.run: acc.as_dict() for acc in report.account_log(events_path)}
     env = {"model_params": GPTConfig(**cfg.model).param_count(), "jax": jax.__version__,
            "python": platform.python_version(), "cpu_count": os.cpu_count(),
@@ -91,9 +106,37 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     s = summary.build_summary(cfg, runs=results, save_cost=save_cost, interval=interval,
                               mtbf_rule=rule, baseline_final=baseline_final,
-                              goodput=goodput, environment=env)
+                              goodput=goodput, environment=env,
+                              process_runs=process_runs)
     write_outputs(s, out)
     return s
+
+
+def run_process_pair(cfg: BenchConfig, *, preset: str, out: Path, cache: str,
+                     interval_steps: int, progress: bool) -> dict:
+    """Runs (e) then (f); returns both results, each with its final state's leaves."""
+    import numpy as np
+
+    common = {"preset": preset, "nproc": cfg.processes,
+              "devices_per_proc": cfg.devices_per_process, "victim": cfg.process_victim,
+              "kill_after_step": cfg.process_kill_after_step, "compile_cache": cache,
+              "timeout_s": cfg.worker_timeout_s}
+    kill = (f"worker {cfg.process_victim} of {cfg.processes} SIGKILLed after step "
+            f"{cfg.process_kill_after_step}")
+    _say(progress, f"(e) mnemojax launch, {cfg.processes} processes x "
+                   f"{cfg.devices_per_process} devices, {kill}")
+    e = multiproc.run_mnemojax_job(cfg, out_dir=out / "e", **common,
+                                   collective_timeout_s=cfg.collective_timeout_s)
+    _say(progress, f"(e) next good step {e['next_good_step_s']:.2f} s after the kill")
+    _say(progress, f"(f) classical jax.distributed + Orbax every {interval_steps} steps, "
+                   f"{kill}, every process restarted")
+    f = multiproc.run_classical_job(cfg, out_dir=out / "f", interval_steps=interval_steps,
+                                    **common)
+    _say(progress, f"(f) next good step {f['next_good_step_s']:.2f} s after the kill")
+    for run, name in ((e, "e"), (f, "f")):
+        with np.load(out / name / "final.npz") as npz:
+            run["final_state"] = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+    return {multiproc.RUN_E: e, multiproc.RUN_F: f}
 
 
 def write_outputs(s: dict, out: Path) -> None:
@@ -103,6 +146,10 @@ def write_outputs(s: dict, out: Path) -> None:
     for name, title in summary.TITLES.items():
         r = s["runs"][name]
         series.append((title, r["timeline"], r.get("faults_at", [])))
+    for name, title in summary.PROCESS_TITLES.items():
+        r = (s.get("processes") or {}).get(name)
+        if r:
+            series.append((title, r["timeline"], [(r["fault_at_s"], r["killed_step"])]))
     plots.save_steps_vs_time(out / "steps_vs_time.png", series,
                              f"mnemojax bench ({s['preset']}): steps against wall time "
                              "(x = fault; (a),(b),(c) on their own clock)")

@@ -1,16 +1,19 @@
-"""The bench's figures: from the four runs' results to ``bench.json`` and the table."""
+"""The bench's figures: from the runs' results to ``bench.json`` and the table."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
+from mnemojax._src.bench.multiproc import RUN_E, RUN_F
 from mnemojax._src.bench.runs import RUN_A, RUN_B, RUN_C
 
 RUN_D = "d_baseline_faults"
 TITLES = {RUN_A: "(a) no snapshots", RUN_B: "(b) snapshot/step",
-          RUN_C: "(c) mnemojax+faults", RUN_D: "(d) baseline+faults"}
-TARGETS = {"recovery_ratio_min": 20.0, "overhead_max": 1.01, "mnemojax_steps_lost_max": 1}
+          RUN_C: "(c) simulated loss", RUN_D: "(d) baseline+faults"}
+PROCESS_TITLES = {RUN_E: "(e) mnemojax launch", RUN_F: "(f) classical restart"}
+TARGETS = {"recovery_ratio_min": 20.0, "overhead_max": 1.01, "mnemojax_steps_lost_max": 1,
+           "process_ratio_min": 10.0}
 
 
 def _max_diff(a, b) -> float | None:
@@ -28,8 +31,12 @@ def _mean(xs) -> float | None:
 
 def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule: str,
                   baseline_final=None, goodput: dict | None = None,
-                  environment: dict | None = None) -> dict[str, Any]:
-    """Figures and ratios of one bench invocation (JSON-ready; final states dropped)."""
+                  environment: dict | None = None,
+                  process_runs: dict[str, dict] | None = None) -> dict[str, Any]:
+    """Figures and ratios of one bench invocation (JSON-ready; final states dropped).
+
+    ``process_runs``: (e) and (f) (`multiproc`), with their final states, or None.
+    """
     a, b, c, d = runs[RUN_A], runs[RUN_B], runs[RUN_C], runs[RUN_D]
     m_rec, b_rec = c["recoveries"], d["recoveries"]
     # mnemojax: from the start of the failed step's call (the fault cannot be earlier) to
@@ -86,6 +93,12 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
         "mnemojax_steps_lost": all(r["steps_lost"] <= TARGETS["mnemojax_steps_lost_max"]
                                    for r in m_rec)}
     wall = {name: runs[name]["wall_s"] for name in TITLES}
+    processes = None
+    if process_runs is not None:
+        processes = process_figures(process_runs, final[RUN_A])
+        figures["targets_met"]["process_ratio"] = bool(
+            processes["ratio"]["next_good_step"]
+            and processes["ratio"]["next_good_step"] >= TARGETS["process_ratio_min"])
     return {
         "preset": cfg.name,
         "config": {"mesh": list(cfg.mesh), "steps": cfg.steps, "batch_size": cfg.batch_size,
@@ -101,6 +114,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
         "targets": TARGETS,
         "runs": {name: {k: v for k, v in runs[name].items() if k != "final_state"}
                  for name in TITLES},
+        "processes": processes,
         # The keys `mnemojax simulate --bench-json` reads (simulator/bench.py).
         "step_time_s": a["steady_step_s"],
         "snapshot_overhead_frac": max(0.0, min(overhead - 1.0, 0.99)),
@@ -112,6 +126,66 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
                      "checkpoint_save_s": save_cost.blocking_s,
                      "checkpoint_restore_s": b_phase.get("restore", 0.0)},
     }
+
+
+def process_figures(process_runs: dict[str, dict], reference) -> dict[str, Any]:
+    """(e), (f) and the ratios (f)/(e) of both figures; final states against ``reference``."""
+    e, f = process_runs[RUN_E], process_runs[RUN_F]
+
+    def ratio(key: str) -> float | None:
+        return f[key] / e[key] if e.get(key) and f.get(key) else None
+
+    out: dict[str, Any] = {name: {k: v for k, v in run.items() if k != "final_state"}
+                           for name, run in process_runs.items()}
+    out["ratio"] = {"next_good_step": ratio("next_good_step_s"),
+                    "back_past_killed_step": ratio("back_past_killed_step_s")}
+    out["final_state_max_abs_diff_vs_a"] = {
+        "e": _max_diff(e.get("final_state"), reference),
+        "f": _max_diff(f.get("final_state"), reference)}
+    return out
+
+
+def format_process_table(p: dict, targets: dict) -> list[str]:
+    """The lines of (e) and (f) side by side, then the ratios (f)/(e)."""
+    e, f = p[RUN_E], p[RUN_F]
+    lines = [f"real process kill: {e['nproc']} processes x {e['devices_per_proc']} CPU "
+             f"devices; worker {e['victim']} SIGKILLed from outside once it completed step "
+             f"{e['killed_step'] - 1}; (e) {e['launch_options']} (collective timeout "
+             f"{e['collective_timeout_s']} s); (f) restarts every process, Orbax every "
+             f"{f['interval_steps']} steps", ""]
+    hdr = f"{'figure':<44}" + "".join(f"{t:>24}" for t in PROCESS_TITLES.values())
+    lines += [hdr, "-" * len(hdr)]
+    ph_e, ph_f = e["recovery_phases_s"], f["phases_s"]
+    rows = [
+        ("kill -> next good step (s)", _f(e["next_good_step_s"]), _f(f["next_good_step_s"])),
+        ("kill -> killed step done again (s)",
+         _f(e["back_past_killed_step_s"]), _f(f["back_past_killed_step_s"])),
+        ("  the killed step (the victim never did it)", str(e["killed_step"]),
+         str(f["killed_step"])),
+        ("steps lost (redone)", str(e["steps_lost"]),
+         f"{f['steps_lost']} (from ckpt {f['restored_step']})"),
+        ("  the launcher / supervisor saw the exit (s)", _f(e["launcher_knows_s"]),
+         _f(ph_f.get("detect"))),
+        ("  survivors' recovery, runtime-timed (s)", _f(e["recovery_total_s"]), "-"),
+    ]
+    for name in ("detect", "agree", "compile", "restore", "replay"):
+        rows.append((f"    {name} (s)", _f(ph_e.get(name)), "-"))
+    for name in ("teardown", "start+import", "jax.distributed", "init", "restore",
+                 "compile"):
+        rows.append((f"    {name} (s, slowest process)", "-", _f(ph_f.get(name))))
+    diff = p["final_state_max_abs_diff_vs_a"]
+    rows.append(("processes after the kill", str(e["processes_after"]),
+                 str(f["processes_after"])))
+    rows.append(("final state max |diff| vs (a)", _f(diff["e"], ".1e"), _f(diff["f"], ".1e")))
+    for label, a, b in rows:
+        lines.append(f"{label:<44}{a:>24}{b:>24}")
+    r = p["ratio"]
+    met = r["next_good_step"] is not None and r["next_good_step"] >= targets["process_ratio_min"]
+    lines += ["", f"real kill: (f) classical / (e) mnemojax = {_f(r['next_good_step'], '.2f')}x "
+              f"to the next good step, {_f(r['back_past_killed_step'], '.2f')}x back past the "
+              f"killed step (target >= {targets['process_ratio_min']:.0f}x: "
+              f"{'met' if met else 'NOT met'})"]
+    return lines
 
 
 def _f(x, spec=".3f", none="-") -> str:
@@ -130,7 +204,8 @@ def format_table(s: dict) -> str:
              f"{cfg['mesh'][0]}x{cfg['mesh'][1]}; {cfg['steps']} steps of {cfg['batch_size']}",
              "faults: " + ", ".join(f"step {x['step']} device {x['devices']} ({x['surface']})"
                                    for x in cfg["faults"])
-             + "; the baseline's process is SIGKILLed in the same steps", "=" * 96]
+             + " (simulated in the runtime: no process dies); the baseline's process is "
+             "SIGKILLed in the same steps", "=" * 96]
     lines.append(f"baseline checkpoint interval: Young/Daly tau = sqrt(2 x {sc['blocking_s']:.3f} s"
                  f" save x {iv['mtbf_s']:.1f} s MTBF) = {iv['interval_s']:.2f} s / "
                  f"{iv['step_time_s'] * 1e3:.1f} ms per step = every {iv['steps']} steps"
@@ -188,7 +263,8 @@ def format_table(s: dict) -> str:
     sl = f["steps_lost"]
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     t = f["targets_met"]
-    lines.append(f"recovery: baseline / mnemojax = {_f(rec['ratio'], '.1f')}x "
+    lines.append(f"recovery, simulated device loss (c) vs process restart (d): baseline / "
+                 f"mnemojax = {_f(rec['ratio'], '.1f')}x "
                  f"(target >= {s['targets']['recovery_ratio_min']:.0f}x: {ok(t['recovery_ratio'])})")
     lines.append(f"steady-state overhead (b)/(a) = x{st['overhead_b_over_a']:.3f} "
                  f"(target <= x{s['targets']['overhead_max']:.2f}: {ok(t['overhead'])}; median of "
@@ -200,4 +276,6 @@ def format_table(s: dict) -> str:
     lines.append(f"compiled ahead in the background: {ca['executables']} executables, "
                  f"{ca['seconds']:.1f} s; used by {ca['used_by_recoveries']} recoveries, "
                  f"{ca['seconds_kept_off_critical_path']:.2f} s kept off the critical path")
+    if s.get("processes"):
+        lines += ["", "=" * 96] + format_process_table(s["processes"], s["targets"])
     return "\n".join(lines)
