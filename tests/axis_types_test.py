@@ -4,6 +4,7 @@ and ends equal to the plain ``nnx.jit`` run on the same mesh; an eval step then 
 ``train_step.mesh``."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -77,7 +78,12 @@ def test_axis_types_survive_two_device_losses_and_the_math_is_unchanged(kind):
     step = mnemojax.resilient(_train_step, mesh=_mesh(kind), options=h.no_precompile(),
                               fault_injector=faults)
     try:
-        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+        with jax.set_mesh(_mesh(kind)):  # a training loop under the user's mesh, as Flax's
+            losses = [float(step(model, optimizer, b)["loss"]) for b in batches]  # examples
+            # The ambient mesh followed the step: eager reads of the state work.
+            assert jax.sharding.get_mesh() == step.mesh
+            assert np.isfinite(float(jnp.sum(model.l1.kernel.get_value())))
+        assert jax.sharding.get_mesh().empty  # the with block restored what it had
         assert len(step.statistics.recoveries) == 2
         assert step.mesh is not None
         assert dict(step.mesh.shape) == {"data": 3, "model": 2}  # a replica dropped, a spare swapped in

@@ -578,6 +578,7 @@ class ResilientStep(Generic[P, R]):
     def _adopt(self, resumed: Resumed) -> None:
         """Continues on a recovery's runtime, from the state of ``resumed.state_step``."""
         b = self._require_built()
+        _follow_ambient_mesh(b.runtime.mesh, resumed.runtime.mesh)
         b.runtime = resumed.runtime
         b.durability.layer = resumed.runtime.layer
         b.snapshot_every = None  # re-chosen for the new mesh at the next commit
@@ -800,6 +801,19 @@ class ResilientStep(Generic[P, R]):
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
+
+
+def _follow_ambient_mesh(old: Mesh, new: Mesh) -> None:
+    """Where the caller's ``jax.set_mesh`` names the mesh a recovery just left, it names
+    the new one from now on: the state lives there, and JAX refuses eager operations on
+    arrays of another mesh than the context's (a metrics ``compute()`` in a training loop
+    run under ``with jax.set_mesh(mesh)``). The caller's ``with`` block still restores, at
+    its exit, the mesh it had before. Thread-local, as ``jax.set_mesh`` is."""
+    if new == old or jax.sharding.get_mesh() != old:
+        return
+    jax.set_mesh(new)
+    log.info("mnemojax: the ambient mesh (jax.set_mesh) follows the step to %s",
+             dict(new.shape))
 
 
 _build_numbers = itertools.count()
