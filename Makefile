@@ -19,6 +19,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m mnemojax demo $(ARGS)
 
+# Runs (a)-(c) in the bench's process and (d), then (e) mnemojax launch and (f) the classical
+# jax.distributed job restarted whole, 4 processes each, one SIGKILLed from outside
+# (ARGS=--no-processes skips them).
 bench: $(STAMP)
 	$(BIN)/python -m mnemojax bench --preset tiny --out runs/bench-tiny $(ARGS)
 

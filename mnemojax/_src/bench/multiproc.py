@@ -218,20 +218,21 @@ def run_classical_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: in
             for launch in range(2):  # one kill: the first launch and one restart
                 launched_at = time.time()
                 coordinator = f"127.0.0.1:{_free_port()}"
-                procs = [subprocess.Popen(
-                    [sys.executable, "-m", CLASSICAL_WORKER, "--preset", preset,
-                     "--steps", str(cfg.steps), "--coordinator", coordinator,
-                     "--process-id", str(i), "--nproc", str(nproc),
-                     "--devices-per-proc", str(devices_per_proc), "--ckpt-dir", str(ckpt),
-                     "--events", str(events), "--run", RUN_F,
-                     "--interval", str(interval_steps), "--redo-until", str(redo_until),
-                     "--launched-at", repr(launched_at), "--launch", str(launch),
-                     "--final-state", str(out / "final.npz")]
-                    + (["--compile-cache", compile_cache] if compile_cache else []),
-                    stdout=sink, stderr=sink, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                   "JAX_PLATFORMS": "cpu"})
-                    for i in range(nproc)]
-                all_pids += [p.pid for p in procs]
+                procs = []  # appended one by one: a failed start leaves none unended
+                for i in range(nproc):
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", CLASSICAL_WORKER, "--preset", preset,
+                         "--steps", str(cfg.steps), "--coordinator", coordinator,
+                         "--process-id", str(i), "--nproc", str(nproc),
+                         "--devices-per-proc", str(devices_per_proc), "--ckpt-dir", str(ckpt),
+                         "--events", str(events), "--run", RUN_F,
+                         "--interval", str(interval_steps), "--redo-until", str(redo_until),
+                         "--launched-at", repr(launched_at), "--launch", str(launch),
+                         "--final-state", str(out / "final.npz")]
+                        + (["--compile-cache", compile_cache] if compile_cache else []),
+                        stdout=sink, stderr=sink,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}))
+                    all_pids.append(procs[-1].pid)
                 while True:
                     codes = [p.poll() for p in procs]
                     if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
