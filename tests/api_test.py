@@ -1,5 +1,6 @@
 """The resilient step's contract: error classification, budgets, forms, statistics."""
 
+import signal
 import warnings
 
 import jax
@@ -347,3 +348,20 @@ def test_unreplicated_state_loses_at_most_one_step_when_a_device_dies_early():
     [rec] = step.statistics.recoveries
     assert step.statistics.unreplicated_state and rec.steps_lost <= 1, rec
     h.assert_same_run(got, h.reference_run(batches))
+
+
+def test_an_unreferenced_step_releases_its_model_and_a_refused_build_leaves_nothing(
+        tmp_path):
+    model, optimizer = h.make_mlp()
+    first = _step()
+    first.restore(model, optimizer)
+    second = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(tmp_path / "ckpt"))))
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(UnsupportedStateError, match="already carried"):
+        second.restore(model, optimizer)
+    assert second._built is None  # noqa: SLF001 - refused before anything was built
+    assert signal.getsignal(signal.SIGTERM) is handler
+    del first  # no gc.collect(): the step is freed by reference counting
+    assert second.restore(model, optimizer) == 0
+    second.close()

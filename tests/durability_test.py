@@ -429,3 +429,62 @@ def test_processes_agree_on_the_step_to_stop_after(tmp_path):
         signal.signal(signal.SIGUSR2, original)
     assert proposals == [6] and info.value.step == 7
     assert [e["step"] for e in _events(tmp_path, "checkpoint_save")] == [7]
+
+
+def test_a_step_called_again_after_its_preemption_exit_exits_again(tmp_path):
+    original = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        mesh = h.mesh_of((4, 2))
+        dur = Durability(_options(tmp_path, preemption_signals=(signal.SIGUSR1,)), keys=KEYS,
+                         layer=JaxDeviceLayer())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(PreemptionExit):
+            dur.check_preemption(3, _leaves(3, mesh))
+        with pytest.raises(PreemptionExit) as again:  # the exit was caught: never trains on
+            dur.check_preemption(3, _leaves(3, mesh))
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+    assert again.value.step == 3
+    assert [e["step"] for e in _events(tmp_path, "checkpoint_save")] == [3]
+
+
+def test_the_agreed_stop_step_is_proposed_again_in_a_new_world(tmp_path):
+    proposals = []
+
+    def agree(proposal):
+        proposals.append(proposal)
+        return proposal
+
+    original = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        mesh = h.mesh_of((4, 2))
+        dur = Durability(_options(tmp_path, preemption_signals=(signal.SIGUSR2,)), keys=KEYS,
+                         layer=JaxDeviceLayer(), agree_stop=agree)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        dur.check_preemption(5, _leaves(5, mesh))  # agrees on 6, trains on
+        dur.reopen_tier(JaxDeviceLayer())  # a new world: its service starts empty
+        dur.close()
+    finally:
+        signal.signal(signal.SIGUSR2, original)
+    assert proposals == [6, 6]
+
+
+def test_a_watch_closed_off_the_main_thread_keeps_the_handler_before_it():
+    import threading
+
+    from mnemojax._src.triggers import PreemptionWatch
+
+    got = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        watch = PreemptionWatch((signal.SIGUSR1,))
+        closer = threading.Thread(target=watch.close)
+        closer.start()
+        closer.join()  # off the main thread: the handler cannot be restored there
+        again = PreemptionWatch((signal.SIGUSR1,))
+        again.close()
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGUSR1)  # no watch left: the handler before them
+        assert got == [signal.SIGUSR1] and not watch.notice.is_set()
+    finally:
+        signal.signal(signal.SIGUSR1, original)

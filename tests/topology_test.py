@@ -128,7 +128,7 @@ def test_the_axis_that_keeps_most_devices_shrinks():
 
 @pytest.mark.parametrize("scale,want", [
     (1, {"data": 2, "fsdp": 3, "tensor": 2}),  # 12 devices, against 8 dropping a replica
-    (4, {"data": 6, "fsdp": 4, "tensor": 8}),  # 1024 devices: 192 either way; data first
+    (4, {"data": 6, "fsdp": 4, "tensor": 8}),  # 256 devices: 192 either way; data first
 ])
 def test_batch_split_over_two_axes_shrinks_fsdp_keeping_the_math(scale, want):
     """(data, fsdp, tensor) with the batch over (data, fsdp), MaxText-style: the fsdp axis
@@ -288,3 +288,16 @@ def test_the_planner_never_imports_jax():
     imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom)}
     assert not imported & {"jax", "jaxlib", "flax"}
+
+
+def test_truncate_batch_keeps_the_examples_when_a_model_axis_shrinks_next():
+    """Under truncate_batch a first loss narrows the data axis (10 -> 9 examples); a
+    second that shrinks the model axis keeps the 9 the narrowed data axis can split."""
+    first = plan_reduced_mesh(grid(4, 4), AXES, {0}, batch_size=10,
+                              batch_policy="truncate_batch", sharded_dims={"model": (12,)})
+    assert first.shape == {"data": 3, "model": 4} and first.examples_per_step == 9
+    second = plan_reduced_mesh(first.device_ids, AXES, {int(first.device_ids[0, 1])},
+                               batch_size=10, batch_policy="truncate_batch",
+                               sharded_dims={"model": (12,)})
+    assert second.examples_per_step % second.shape["data"] == 0
+    assert second.math_changed and second.examples_per_step == 9

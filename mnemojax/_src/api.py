@@ -329,6 +329,7 @@ class ResilientStep(Generic[P, R]):
     def _build(self, args: tuple, kwargs: dict[str, Any], *, restoring: bool = False
                ) -> _Built:
         form = form_for(self._fn, args, kwargs, self._convention, restoring=restoring)
+        _check_unclaimed(self, form)  # before anything is built that would need closing
         if form.donates_state and not self.options.compile.donate_state:
             try:  # donate_argnames naming state: the runtime donates all of the state
                 self.options = dataclasses.replace(self.options, compile=dataclasses.replace(
@@ -392,13 +393,15 @@ class ResilientStep(Generic[P, R]):
         _claim_state(self, form)
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
+            meshes=[runtime.mesh],
             session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
             device_recovery=DeviceRecovery(opts, builder, durability, self._statistics,
                                            self._batches),
             process_recovery=ProcessRecovery(opts, builder, durability, self._statistics,
                                       self._batches, session, form.leaf_keys)
             if session is not None else None)
-        durability.committed = self._committed
+        durability.committed = _weak_committed(self)  # no cycle: an unreferenced step
+        # is freed at once, releasing its model
         return self._built
 
     def _committed(self) -> tuple[int, list | None]:
@@ -578,7 +581,8 @@ class ResilientStep(Generic[P, R]):
     def _adopt(self, resumed: Resumed) -> None:
         """Continues on a recovery's runtime, from the state of ``resumed.state_step``."""
         b = self._require_built()
-        _follow_ambient_mesh(b.runtime.mesh, resumed.runtime.mesh)
+        _follow_ambient_mesh(b.meshes, resumed.runtime.mesh)
+        b.meshes.append(resumed.runtime.mesh)
         b.runtime = resumed.runtime
         b.durability.layer = resumed.runtime.layer
         b.snapshot_every = None  # re-chosen for the new mesh at the next commit
@@ -673,10 +677,16 @@ class ResilientStep(Generic[P, R]):
         if opts.nonfinite == "ignore":
             return True
         if callable(opts.loss_key):
-            loss = opts.loss_key(metrics)
+            try:
+                loss = opts.loss_key(metrics)
+            except Exception as exc:
+                raise InvalidOptionError(
+                    f"loss_key={opts.loss_key!r} raised {type(exc).__name__}: {exc} on the "
+                    f"step's return value (a {type(metrics).__name__})") from exc
         else:
             loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
-        scalar = loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1
+        scalar = isinstance(loss, int | float | np.number) or (
+            loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1)
         if not scalar and not self._warned_no_loss:
             self._warned_no_loss = True
             if callable(opts.loss_key):
@@ -767,7 +777,10 @@ class ResilientStep(Generic[P, R]):
         b.snapshot_every = self._snapshot_cadence(leaves)
         if self._statistics.unreplicated_state and b.snapshot_every:
             b.runtime.store.submit(self._step, leaves)
-            self._wait_snapshot(b.runtime, self._step + 1)
+            if self.options.compile.donate_state:
+                b.runtime.store.wait_idle()  # the first step donates these buffers
+            else:
+                self._wait_snapshot(b.runtime, self._step + 1)
 
     def _wait_snapshot(self, rt: Runtime, step: int) -> None:
         """Backpressure: the snapshot in flight completes before `step`'s is queued (it
@@ -803,13 +816,15 @@ class ResilientStep(Generic[P, R]):
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
 
 
-def _follow_ambient_mesh(old: Mesh, new: Mesh) -> None:
-    """Where the caller's ``jax.set_mesh`` names the mesh a recovery just left, it names
-    the new one from now on: the state lives there, and JAX refuses eager operations on
-    arrays of another mesh than the context's (a metrics ``compute()`` in a training loop
-    run under ``with jax.set_mesh(mesh)``). The caller's ``with`` block still restores, at
-    its exit, the mesh it had before. Thread-local, as ``jax.set_mesh`` is."""
-    if new == old or jax.sharding.get_mesh() != old:
+def _follow_ambient_mesh(left: Sequence[Mesh], new: Mesh) -> None:
+    """Where the caller's ``jax.set_mesh`` names a mesh the step has left (`left`: every
+    mesh it ran on, a failed intermediate world's too), it names the new one from now on:
+    the state lives there, and JAX refuses eager operations on arrays of another mesh than
+    the context's (a metrics ``compute()`` in a training loop run under ``with
+    jax.set_mesh(mesh)``). The caller's ``with`` block still restores, at its exit, the
+    mesh it had before. Thread-local, as ``jax.set_mesh`` is."""
+    ambient = jax.sharding.get_mesh()
+    if ambient == new or not any(ambient == m for m in left):
         return
     jax.set_mesh(new)
     log.info("mnemojax: the ambient mesh (jax.set_mesh) follows the step to %s",
@@ -821,7 +836,7 @@ _build_numbers = itertools.count()
 _owners: weakref.WeakValueDictionary[int, ResilientStep] = weakref.WeakValueDictionary()
 
 
-def _claim_state(step: ResilientStep, form: StepForm) -> None:
+def _check_unclaimed(step: ResilientStep, form: StepForm) -> None:
     """Refuses a model (or optimizer, ...) that another live resilient step carries.
 
     Each step moves its state to new meshes on its own recoveries; the other would then
@@ -831,7 +846,7 @@ def _claim_state(step: ResilientStep, form: StepForm) -> None:
         UnsupportedStateError: naming the shared object and the other step.
     """
     objects = form.mutable_objects()
-    for obj, key in zip(objects, form.leaf_keys, strict=False):
+    for obj, key in zip(objects, form.leaf_keys, strict=False):  # none in the pure form
         other = _owners.get(id(obj))
         if other is not None and other is not step:
             raise UnsupportedStateError(
@@ -839,8 +854,22 @@ def _claim_state(step: ResilientStep, form: StepForm) -> None:
                 f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
                 "a model: call other.close() first, or run the second computation (an eval "
                 "step, say) with plain nnx.jit on train_step.mesh")
-    for obj in objects:
+
+
+def _claim_state(step: ResilientStep, form: StepForm) -> None:
+    """Marks the form's objects as carried by `step` (see `_check_unclaimed`)."""
+    for obj in form.mutable_objects():
         _owners[id(obj)] = step
+
+
+def _weak_committed(step: ResilientStep) -> Callable[[], tuple[int, list | None]]:
+    """`step._committed`, without keeping `step` alive."""
+    ref = weakref.ref(step)
+
+    def committed() -> tuple[int, list | None]:
+        live = ref()
+        return live._committed() if live is not None else (0, None)
+    return committed
 
 
 def _release_state(step: ResilientStep) -> None:
@@ -867,6 +896,7 @@ class _Built:
     examples: int | None = None  # examples the current mesh's step uses
     snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
     precompile_due: bool = False
+    meshes: list[Mesh] = dataclasses.field(default_factory=list)  # every mesh run on
 
 
 def _all_true(flags: Any) -> bool:

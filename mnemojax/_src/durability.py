@@ -82,6 +82,7 @@ class Durability:
         self._agree_stop = agree_stop
         self._stop_after: int | None = None  # the agreed last step (several processes)
         self._preemption_saved: int | None = None  # the step a preemption checkpointed
+        self._exited: PreemptionExit | None = None  # raised once: raised again if called
         # (step, leaves) of the last complete step, for a preemption another step noticed.
         self.committed: Callable[[], tuple[int, Sequence | None]] | None = None
         if self._preemption is not None:
@@ -100,6 +101,9 @@ class Durability:
             CheckpointSaveError: checkpoints that failed since the last call, or the
                 preemption checkpoint itself (tried again at the next call).
         """
+        if self._exited is not None:  # called again after the exit (which was caught)
+            raise PreemptionExit(str(self._exited), step=self._exited.step,
+                                 directory=self._exited.directory)
         self._preempt_if_noticed(step, leaves, at_call_start=True)
         self._raise_failed_saves()
 
@@ -130,9 +134,10 @@ class Durability:
         log.warning("mnemojax: preemption notice (signal %s): step %d checkpointed to %s; "
                     "exiting", sig, step, directory)
         self._close(report=False)
-        raise PreemptionExit(
+        self._exited = PreemptionExit(
             f"preempted (signal {sig}); step {step} is checkpointed in {directory}",
             step=step, directory=directory)
+        raise self._exited
 
     def _agreed_stop(self, proposal: int) -> int:
         assert self._agree_stop is not None
@@ -149,8 +154,10 @@ class Durability:
                                    leaves: Sequence | None, sig: int | None,
                                    at_call_start: bool) -> bool:
         """Saves `step` for a preemption (once); False when the save failed."""
+        if self._preemption_saved == step:
+            return True
         self.emit("preemption", step=step, trigger=f"signal {sig}")
-        if leaves is None or step <= 0 or self._preemption_saved == step:
+        if leaves is None or step <= 0:
             return True
         blocked = self._save_now(tier, step, leaves)
         if blocked is None:
@@ -168,8 +175,9 @@ class Durability:
 
     def checkpoint_for_peer_preemption(self) -> None:
         """Another resilient step of this process is exiting for a preemption notice:
-        checkpoint this one's last complete step now (its next call, if any, exits
-        without saving again). A failure is logged: the process is exiting."""
+        checkpoint this one's last complete step now, and stop after it (its next call,
+        if any, exits without saving again; every process of a job does the same here,
+        in build order). A failure is logged: the process is exiting."""
         tier = self.tier
         if tier is None or self._preemption is None or self.committed is None:
             return
@@ -177,6 +185,7 @@ class Durability:
         if leaves is None or step <= 0 or self._preemption_saved == step:
             return
         self._preemption.notice.set()
+        self._stop_after = step
         if self._checkpoint_for_preemption(tier, step, leaves,
                                            self._preemption.signal_received,
                                            at_call_start=False):
@@ -268,6 +277,10 @@ class Durability:
         self.layer = layer
         if self.tier is None:
             return
+        if self._stop_after is not None and self._agree_stop is not None:
+            # The new world's coordination service starts empty: put the step agreed in
+            # the old one back first, so a process that gets its notice now adopts it.
+            self._stop_after = self._agreed_stop(self._stop_after)
         old = self.tier
         self.tier = self._open_tier(clean_tmp=False)  # the new world's peers may be saving
 

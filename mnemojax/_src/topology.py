@@ -274,18 +274,22 @@ def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axe
     candidates = survivors + fresh
     dims = tuple(sharded_dims.get(axis, ()))
     examples, math_changed = batch_size, False
-    if axis in batch_axes and batch_size is not None:
+    width = _widest_dividing(len(candidates), dims)
+    if batch_size is not None:
+        # The batch axes other than `axis` keep their widths: the batch is split over
+        # their product, times the new width when `axis` is one of them.
         other = math.prod(n for a, n in zip(axis_names, device_ids.shape, strict=True)
                           if a in batch_axes and a != axis)
+        along = axis in batch_axes
         if batch_policy == "keep_math":
-            width = _widest_dividing(len(candidates), (batch_size // other, *dims)) \
-                if batch_size % other == 0 else 0
-        else:
-            width = _widest_dividing(len(candidates), dims)
-            examples = batch_size // (width * other) * (width * other) if width else None
-            math_changed = width > 0 and examples != batch_size
-    else:
-        width = _widest_dividing(len(candidates), dims)
+            if batch_size % other:
+                width = 0
+            elif along:
+                width = _widest_dividing(len(candidates), (batch_size // other, *dims))
+        elif width:
+            split = other * (width if along else 1)
+            examples = batch_size // split * split
+            math_changed = examples != batch_size
     if width == 0:
         return None
     return np.moveaxis(np.stack(candidates[:width]), 0, d), examples, math_changed

@@ -63,7 +63,9 @@ class _SignalFanout:
     def add(self, sig: int, watch: PreemptionWatch) -> None:
         watches = self._watches.setdefault(sig, [])
         if not watches:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            # Still ours when the last watch closed off the main thread: keep the first.
+            self._previous.setdefault(sig, previous)
         watches.append(watch)
 
     def remove(self, sig: int, watch: PreemptionWatch) -> None:
@@ -74,9 +76,18 @@ class _SignalFanout:
                 signal.signal(sig, self._previous.pop(sig))
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del frame
-        for watch in list(self._watches.get(signum, ())):
+        watches = list(self._watches.get(signum, ()))
+        for watch in watches:
             watch.set(signum)
+        if watches:
+            return
+        # No watch left (the last closed off the main thread): what was there before.
+        previous = self._previous.pop(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
 
 
 _FANOUT = _SignalFanout()

@@ -98,6 +98,9 @@ def test_explicit_fsdp_tensor_program_through_two_losses_matches_the_plain_run()
         losses = _run(step, program, batches)
         recoveries = step.statistics.recoveries
         assert len(recoveries) == 2 and all(r.steps_lost <= 1 for r in recoveries)
+        first = recoveries[0]  # fsdp 4 -> 2; device 3's shards had no other copy
+        assert first.plan_kind == "drop_replicas" and "snapshot" in first.source
+        assert first.new_mesh_shape == {"fsdp": 2, "tensor": 2}
         assert step.mesh is not None
         assert tuple(step.mesh.axis_types) == (AxisType.Explicit,) * 2
         assert step.options.data_axis == "fsdp"

@@ -96,7 +96,13 @@ def test_two_device_losses_on_a_data_fsdp_tensor_mesh_match_the_plain_run():
         fault_injector=FaultInjector().lose_devices(2, [2]).lose_devices(4, [5], surface="block"))
     try:
         losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
-        assert len(step.statistics.recoveries) == 2
+        first, second = step.statistics.recoveries
+        # A data replica dropped (its healthy devices kept as spares), then a spare swapped
+        # in for a device whose shards had no other copy.
+        assert first.plan_kind == "drop_replicas" and second.plan_kind == "spare_swap"
+        assert first.new_mesh_shape == second.new_mesh_shape == {
+            "data": 1, "fsdp": 2, "tensor": 2}
+        assert second.source == "host_snapshot"
         assert step.mesh is not None and {2, 5}.isdisjoint(step.mesh.device_ids.flat)
         logits = _eval(model, step.mesh, batches[0])
     finally:

@@ -141,8 +141,13 @@ def agree_stop_step(name: str, proposal: int, *, timeout_s: float = 60.0) -> int
     no peer can have completed that step yet (its collectives need the proposer), so every
     peer can still stop right after it.
 
+    Blocking: one request to the coordination service; when a peer proposed first, a
+    read of its proposal (at most `timeout_s`).
+
     Raises:
         DistributedError: no distributed client.
+        jax.errors.JaxRuntimeError: the service failed the request (other than the key
+            existing already), or the read timed out.
     """
     client = jax_private.global_state().client
     if client is None:
@@ -151,6 +156,8 @@ def agree_stop_step(name: str, proposal: int, *, timeout_s: float = 60.0) -> int
     try:
         client.key_value_set(key, str(proposal))
         return proposal
-    except Exception as e:  # ALREADY_EXISTS: a peer proposed first
-        logger.info("stop step %s already proposed (%s)", key, str(e)[:120])
+    except Exception as e:
+        if "ALREADY_EXISTS" not in str(e):
+            raise
+        logger.info("stop step %s already proposed by a peer", key)
     return int(client.blocking_key_value_get(key, int(timeout_s * 1000)))
