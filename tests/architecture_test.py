@@ -11,7 +11,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "mnemojax" / "_src"
 CORE = ["api", "runtime", "recovery", "replay", "step_forms", "proxy", "device_layer",
         "compiler", "sharding", "snapshot", "state_source", "durability", "persistent",
         "triggers", "events", "monitoring", "statistics", "options", "retry", "errors",
-        "fault_injection", "topology"]
+        "fault_injection", "topology", "ownership"]
 ROLES = ("mnemojax._src.distributed.launcher", "mnemojax._src.distributed.agent")
 TOOLS = ("mnemojax._src.bench", "mnemojax._src.simulator", "mnemojax._src.demo",
          "mnemojax._src.chaos", "matplotlib", "tqdm")

@@ -16,7 +16,6 @@ import logging
 import statistics
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from mnemojax._src import ownership
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import Executable, enable_persistent_cache
 from mnemojax._src.distributed.worker import session as dist_session
@@ -245,7 +245,7 @@ class ResilientStep(Generic[P, R]):
                 after everything is closed). A call raises it at its start, before it does
                 anything, so calling again with the same arguments continues the run.
         """
-        _release_state(self)
+        ownership.release(self)
         if self._built is not None:
             self._built.runtime.close()
             self._built.durability.emit("run_end", step=self._step, steps=self._step)
@@ -329,7 +329,7 @@ class ResilientStep(Generic[P, R]):
     def _build(self, args: tuple, kwargs: dict[str, Any], *, restoring: bool = False
                ) -> _Built:
         form = form_for(self._fn, args, kwargs, self._convention, restoring=restoring)
-        _check_unclaimed(self, form)  # before anything is built that would need closing
+        ownership.check_unclaimed(self, form)  # before anything is built that needs closing
         if form.donates_state and not self.options.compile.donate_state:
             try:  # donate_argnames naming state: the runtime donates all of the state
                 self.options = dataclasses.replace(self.options, compile=dataclasses.replace(
@@ -390,7 +390,7 @@ class ResilientStep(Generic[P, R]):
         durability.emit("run_start", config={
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
-        _claim_state(self, form)
+        ownership.claim(self, form)
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             meshes=[runtime.mesh],
@@ -400,8 +400,8 @@ class ResilientStep(Generic[P, R]):
             process_recovery=ProcessRecovery(opts, builder, durability, self._statistics,
                                       self._batches, session, form.leaf_keys)
             if session is not None else None)
-        durability.committed = _weak_committed(self)  # no cycle: an unreferenced step
-        # is freed at once, releasing its model
+        # No cycle through durability: an unreferenced step is freed at once, with its claim.
+        durability.committed = ownership.weak_method(self, "_committed", default=(0, None))
         return self._built
 
     def _committed(self) -> tuple[int, list | None]:
@@ -581,7 +581,7 @@ class ResilientStep(Generic[P, R]):
     def _adopt(self, resumed: Resumed) -> None:
         """Continues on a recovery's runtime, from the state of ``resumed.state_step``."""
         b = self._require_built()
-        _follow_ambient_mesh(b.meshes, resumed.runtime.mesh)
+        shd.follow_ambient_mesh(b.meshes, resumed.runtime.mesh)
         b.meshes.append(resumed.runtime.mesh)
         b.runtime = resumed.runtime
         b.durability.layer = resumed.runtime.layer
@@ -816,65 +816,7 @@ class ResilientStep(Generic[P, R]):
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
 
 
-def _follow_ambient_mesh(left: Sequence[Mesh], new: Mesh) -> None:
-    """Where the caller's ``jax.set_mesh`` names a mesh the step has left (`left`: every
-    mesh it ran on, a failed intermediate world's too), it names the new one from now on:
-    the state lives there, and JAX refuses eager operations on arrays of another mesh than
-    the context's (a metrics ``compute()`` in a training loop run under ``with
-    jax.set_mesh(mesh)``). The caller's ``with`` block still restores, at its exit, the
-    mesh it had before. Thread-local, as ``jax.set_mesh`` is."""
-    ambient = jax.sharding.get_mesh()
-    if ambient == new or not any(ambient == m for m in left):
-        return
-    jax.set_mesh(new)
-    log.info("mnemojax: the ambient mesh (jax.set_mesh) follows the step to %s",
-             dict(new.shape))
-
-
 _build_numbers = itertools.count()
-# id(state object) -> the live resilient step that carries it (see `_claim_state`).
-_owners: weakref.WeakValueDictionary[int, ResilientStep] = weakref.WeakValueDictionary()
-
-
-def _check_unclaimed(step: ResilientStep, form: StepForm) -> None:
-    """Refuses a model (or optimizer, ...) that another live resilient step carries.
-
-    Each step moves its state to new meshes on its own recoveries; the other would then
-    run its executable on arrays of a mesh it does not know.
-
-    Raises:
-        UnsupportedStateError: naming the shared object and the other step.
-    """
-    objects = form.mutable_objects()
-    for obj, key in zip(objects, form.leaf_keys, strict=False):  # none in the pure form
-        other = _owners.get(id(obj))
-        if other is not None and other is not step:
-            raise UnsupportedStateError(
-                f"state {'/'.join(key)} is already carried by another resilient step "
-                f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
-                "a model: call other.close() first, or run the second computation (an eval "
-                "step, say) with plain nnx.jit on train_step.mesh")
-
-
-def _claim_state(step: ResilientStep, form: StepForm) -> None:
-    """Marks the form's objects as carried by `step` (see `_check_unclaimed`)."""
-    for obj in form.mutable_objects():
-        _owners[id(obj)] = step
-
-
-def _weak_committed(step: ResilientStep) -> Callable[[], tuple[int, list | None]]:
-    """`step._committed`, without keeping `step` alive."""
-    ref = weakref.ref(step)
-
-    def committed() -> tuple[int, list | None]:
-        live = ref()
-        return live._committed() if live is not None else (0, None)
-    return committed
-
-
-def _release_state(step: ResilientStep) -> None:
-    for key in [k for k, v in _owners.items() if v is step]:
-        _owners.pop(key, None)
 
 
 @dataclasses.dataclass(eq=False)

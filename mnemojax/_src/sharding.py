@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src.errors import ShardingMismatchError
 from mnemojax._src.topology import MeshPlan
+
+log = logging.getLogger("mnemojax")
 
 if TYPE_CHECKING:  # jax.Device is a runtime alias that type checkers cannot use as a type
     from jaxlib._jax import Device
@@ -101,3 +104,18 @@ def batch_spec(mesh: Mesh, batch_axes: Sequence[str], ndim: int) -> PartitionSpe
 
 def named(mesh: Mesh, specs: Sequence[PartitionSpec]) -> list[NamedSharding]:
     return [NamedSharding(mesh, s) for s in specs]
+
+
+def follow_ambient_mesh(left: Sequence[Mesh], new: Mesh) -> None:
+    """Where the caller's ``jax.set_mesh`` names a mesh the step has left (`left`: every
+    mesh it ran on, a failed intermediate world's too), it names the new one from now on:
+    the state lives there, and JAX refuses eager operations on arrays of another mesh than
+    the context's (a metrics ``compute()`` in a training loop run under ``with
+    jax.set_mesh(mesh)``). The caller's ``with`` block still restores, at its exit, the
+    mesh it had before. Thread-local, as ``jax.set_mesh`` is."""
+    ambient = jax.sharding.get_mesh()
+    if ambient == new or not any(ambient == m for m in left):
+        return
+    jax.set_mesh(new)
+    log.info("mnemojax: the ambient mesh (jax.set_mesh) follows the step to %s",
+             dict(new.shape))

@@ -1,0 +1,71 @@
+"""Which live resilient step carries which of the user's objects.
+
+A step moves its state to new meshes on its own recoveries, so an NNX variable carried by
+two live steps would leave the other running its executable on arrays of a mesh it does
+not know. The second step is refused when it is built, before it builds anything.
+
+Owners are held weakly and keyed by ``id()`` of the objects (NNX variables are not all
+hashable); the owner's step form holds the objects, so their ids stay valid while the
+entry lives. `weak_method` lets a collaborator call back into its step without keeping
+the step alive, so an unreferenced step is freed at once and its claim with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from mnemojax._src.errors import UnsupportedStateError
+
+
+class Form(Protocol):
+    """What is read of a step form: its in-place objects and the leaves' keys."""
+
+    leaf_keys: list[tuple[str, ...]]
+
+    def mutable_objects(self) -> Any: ...
+
+
+# id(object) -> the live step that carries it.
+_owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def check_unclaimed(owner: object, form: Form) -> None:
+    """Refuses the form's objects if another live owner carries one of them.
+
+    Raises:
+        UnsupportedStateError: naming the shared object and the other owner.
+    """
+    objects = form.mutable_objects()
+    for obj, key in zip(objects, form.leaf_keys, strict=False):  # none in the pure form
+        other = _owners.get(id(obj))
+        if other is not None and other is not owner:
+            raise UnsupportedStateError(
+                f"state {'/'.join(key)} is already carried by another resilient step "
+                f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
+                "a model: call other.close() first, or run the second computation (an eval "
+                "step, say) with plain nnx.jit on train_step.mesh")
+
+
+def claim(owner: object, form: Form) -> None:
+    """Marks the form's objects as carried by `owner` (see `check_unclaimed`)."""
+    for obj in form.mutable_objects():
+        _owners[id(obj)] = owner
+
+
+def release(owner: object) -> None:
+    """Forgets every claim of `owner` (at its ``close()``)."""
+    for key in [k for k, v in _owners.items() if v is owner]:
+        _owners.pop(key, None)
+
+
+def weak_method(owner: object, name: str, *, default: Any) -> Callable[[], Any]:
+    """``getattr(owner, name)()``, or `default` once `owner` is gone; keeps no reference
+    to `owner`."""
+    ref = weakref.ref(owner)
+
+    def call() -> Any:
+        live = ref()
+        return getattr(live, name)() if live is not None else default
+    return call
