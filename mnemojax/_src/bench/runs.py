@@ -100,9 +100,11 @@ def _build(cfg: BenchConfig, mesh, snapshot, *, precompile: bool, cache_dir, inj
 def _compiled_s(step, *, ahead: bool) -> list[tuple[tuple[int, ...], float]]:
     """(device ids, lower + compile seconds) of the step's executables compiled ahead or not.
 
-    Reads the compiler of the step (our own package; no public statistic has it yet).
+    Reads the compiler of the step's runtime (our own package; no public statistic has it
+    yet). Nothing is found before the first call builds the runtime.
     """
-    compiler = getattr(step, "_compiler", None)
+    built = getattr(step, "_built", None)
+    compiler = getattr(getattr(built, "runtime", None), "compiler", None)
     ready = getattr(compiler, "_ready", {}) if compiler is not None else {}
     return [(tuple(int(d.id) for d in exe.mesh.devices.flat), exe.lower_s + exe.compile_s)
             for exe in list(ready.values()) if exe.ahead_of_time == ahead]
