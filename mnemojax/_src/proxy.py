@@ -15,6 +15,7 @@ The proxy is the only code that dispatches steps. It sees errors first and sorts
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import queue
@@ -29,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mnemojax._src.device_layer import DeviceLayer
+from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import BatchSplitError, StepHangError
 from mnemojax._src.topology import MeshPlan
 
@@ -168,9 +170,14 @@ class _Waiter:
                 return
             fn, args, future = request
             try:
-                future.set_result(fn(*args[:1], step=args[1], devices=args[2]))
+                result = fn(*args[:1], step=args[1], devices=args[2])
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_result(result)  # unless a peer's death failed it first
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(exc)
+            # Hold nothing of an abandoned step: its arrays keep the old world's client.
+            request = fn = args = future = result = None
 
     def close(self) -> None:
         """Ends the serving thread once it is idle (an abandoned one stays blocked)."""
@@ -184,13 +191,21 @@ class _Waiter:
             requests = self._start()
         future: concurrent.futures.Future = concurrent.futures.Future()
         requests.put((block, (outputs, step, devices), future))
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._thread = None  # abandoned with the hung wait
-            raise StepHangError(
-                f"step {step}: results not ready after {timeout_s:.1f} s (hang timeout)",
-                step=step, timeout_s=timeout_s) from None
+        # Under `mnemojax launch`, a peer's death known to the launcher fails the wait at
+        # once (`peer_watch`), where gloo on CPU would block until its collective timeout.
+        with peer_watch.abortable(future) as handle:
+            try:
+                return future.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._thread = None  # abandoned with the hung wait
+                raise StepHangError(
+                    f"step {step}: results not ready after {timeout_s:.1f} s (hang timeout)",
+                    step=step, timeout_s=timeout_s) from None
+            except BaseException:
+                if handle.aborted:  # its serving thread is stuck in the old collective
+                    handle.leave_behind(self._thread)
+                    self.close()  # that thread ends once the collective returns
+                raise
 
 
 def looks_transient(exc: BaseException) -> bool:

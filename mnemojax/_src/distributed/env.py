@@ -26,6 +26,7 @@ AGENT = "MNEMOJAX_AGENT"  # this worker's agent, host:port
 GENERATION = "MNEMOJAX_GENERATION"
 WORKER_ID = "MNEMOJAX_WORKER_ID"  # stable id of the host slot (process id at launch)
 ATTACH_TIMEOUT_S = "MNEMOJAX_ATTACH_TIMEOUT_S"
+PEER_WATCH = "MNEMOJAX_PEER_WATCH"  # "0": no `worker.peer_watch` (collective timeout only)
 SLURM_DEFAULT_PORT = 8476
 
 

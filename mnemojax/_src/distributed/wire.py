@@ -18,6 +18,7 @@ launcher -> agent (link)    Start, SetBuddy, PauseWatchdog,        none (command
 worker -> launcher          ReportFailure                          Ok
 worker -> launcher          Agree (a barrier, `agreement`)         AgreementReply | ErrorReply
 worker -> launcher          Barrier (after each compile)           BarrierReply | ErrorReply
+worker -> launcher          WatchWorld (a long poll, `peer_watch`)  WorldFailed | ErrorReply
 launcher -> agent           HoldingsQuery                          Holdings
 worker -> its agent         Alloc                                  Allocated
 worker -> its agent         Published, Phase                       none
@@ -361,6 +362,27 @@ class BarrierReply(Message):
     failed: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WatchWorld(Message):
+    """A long poll: answer when a member of world ``generation`` has died (or was evicted),
+    or after ``timeout_s`` with nobody dead (the worker asks again)."""
+
+    OP: ClassVar[str] = "watch_world"
+    worker_id: int
+    generation: int
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorldFailed(Message):
+    """The members of world ``generation`` known dead (empty: none yet, the poll timed
+    out)."""
+
+    OP: ClassVar[str] = "world_failed"
+    generation: int
+    failed: tuple[int, ...]
+
+
 # -- launcher -> agent: what it holds ----------------------------------------------------------
 
 
@@ -532,7 +554,8 @@ Command = Start | SetBuddy | PauseWatchdog | KillWorker | Shutdown
 MESSAGES: tuple[type[Message], ...] = (
     Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, WorkerPhase,
     RefusedConnection, Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
-    ReportFailure, Agree, AgreementReply, Barrier, BarrierReply, HoldingsQuery, Holdings,
+    ReportFailure, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
+    HoldingsQuery, Holdings,
     Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}

@@ -49,6 +49,21 @@ class Arbiter:
         self._roster, self._services, self._record = roster, services, record
         self._barriers = BarrierBook()
         self._failed_logged: set[tuple[int, str]] = set()
+        self._ending: str | None = None  # why no new world may be decided any more
+        self._closed = False  # the launcher is shutting down: long polls return
+
+    def end(self, why: str) -> None:
+        """No new world from now on: every agreement waiting or to come fails with ``why``
+        (the job is ending). Call with ``roster.cv`` held."""
+        if self._ending is None:
+            self._ending = why
+        self._roster.cv.notify_all()
+
+    def close(self) -> None:
+        """The launcher is shutting down: `end`, and every `watch` returns at once. Call
+        with ``roster.cv`` held."""
+        self._closed = True
+        self.end("the launcher is shutting down")
 
     def member_died(self, worker_id: int) -> None:
         self.book.mark_dead(worker_id)
@@ -71,6 +86,8 @@ class Arbiter:
             cv.notify_all()
             deadline = time.monotonic() + self._timeout_s
             while book.decision is None and not book.complete():
+                if self._ending is not None:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for m in book.missing():  # evict: it can never join a later world
@@ -79,6 +96,8 @@ class Arbiter:
                         self._roster.command(m, wire.KillWorker())
                     break
                 cv.wait(timeout=min(left, 0.5))
+            if book.decision is None and self._ending is not None:
+                raise AgreementError(self._ending, generation=book.generation)
             decision = book.decision if book.decision is not None else self._decide(book)
             if w not in decision:  # it died while waiting: it is not in the new world
                 raise AgreementError(f"worker {w} died during the agreement",
@@ -119,6 +138,36 @@ class Arbiter:
                 self._record({"op": "barrier_failed", "generation": g, "name": request.name,
                               "failed": list(failed)})
             return wire.BarrierReply(failed=failed)
+
+    def watch(self, request: wire.WatchWorld) -> wire.WorldFailed:
+        """Waits until a member of world ``request.generation`` is known dead (its agent saw
+        its worker exit with a crash, its agent was lost, or it was evicted), at most
+        ``request.timeout_s``; returns those members (empty when none died meanwhile).
+
+        This is how a survivor blocked in a collective that a dead member can no longer
+        complete learns of the death within milliseconds (`worker.peer_watch`), instead of
+        at the collective timeout. A world already superseded reports its members that are
+        not in the next one.
+        """
+        g, cv = request.generation, self._roster.cv
+        deadline = time.monotonic() + request.timeout_s
+        with cv:
+            while not (failed := self._failed_members(g)):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                cv.wait(timeout=min(left, 0.5))
+            return wire.WorldFailed(generation=g, failed=failed)
+
+    def _failed_members(self, generation: int) -> tuple[int, ...]:
+        """Members of world ``generation`` known dead (call with ``roster.cv`` held)."""
+        members = self.worlds.get(generation, ())
+        if generation == self.book.generation:
+            return tuple(m for m in members if m in self.book.dead)
+        after = self.worlds.get(generation + 1)
+        if after is None:  # not formed yet, or unknown
+            return ()
+        return tuple(m for m in members if m not in after)
 
     def _decide(self, book: AgreementBook) -> dict[int, Agreement]:
         replies = self._roster.holdings()

@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-s", type=int, default=10,
                         help="coordination heartbeat timeout (>= 10 on small machines)")
     parser.add_argument("--collective-timeout-s", type=int, default=20,
-                        help="bound on a CPU collective; a survivor blocked on a dead peer "
-                             "learns of the failure within this")
+                        help="bound on a CPU collective; a worker's death reaches the "
+                             "survivors at once, this bounds a peer that is alive but never "
+                             "sends")
     parser.add_argument("--hang-factor", type=float, default=10.0,
                         help="hang = no step for this multiple of the median step time")
     parser.add_argument("--hang-min-s", type=float, default=5.0, help="floor of the hang limit")

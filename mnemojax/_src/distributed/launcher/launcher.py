@@ -139,6 +139,8 @@ class Launcher:
                 return wire.AgreementReply(agreement=self.arbiter.agree(message))
             except AgreementError as e:
                 return wire.ErrorReply(message=str(e))
+        if isinstance(message, wire.WatchWorld):  # not recorded: one per world and worker
+            return self.arbiter.watch(message)
         if isinstance(message, wire.Barrier):
             self._record(message.to_wire())
             try:
@@ -167,6 +169,9 @@ class Launcher:
         that status once the others have had ``grace_s`` to end on their own (call with
         ``roster.cv`` held)."""
         self._worker_error = (worker_id, code, time.monotonic())
+        # Also for survivors already waiting at the agreement (a peer's exit closed their
+        # collective before its agent reported it): no new world.
+        self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}")
         error = self._uncaught.get(worker_id)
         self._record({"op": "worker_error", "worker_id": worker_id, "code": code,
                       "error": error})
@@ -248,6 +253,7 @@ class Launcher:
         ``stop_grace_s`` (or a second signal) for them to exit (call with ``roster.cv``
         held). Returns 128 + the first signal."""
         first = self._stop_signals[0]
+        self.arbiter.end(f"the job is ending: the launcher was signalled ({first})")
         self._record({"op": "stop_signal", "signal": first})
         logger.warning("mnemojax launch: signal %d: stopping the workers (SIGTERM), up to "
                        "%.0f s", first, self.options.stop_grace_s)
@@ -265,6 +271,8 @@ class Launcher:
 
     def cleanup(self) -> None:
         """Ends every agent and worker (process groups), then the services. Idempotent."""
+        with self.roster.cv:
+            self.arbiter.close()  # long polls return; no agreement can decide any more
         self.roster.command_all(wire.Shutdown())
         self.supervisor.stop()
         self._control.close()

@@ -16,8 +16,10 @@ class LaunchOptions:
         nproc: worker processes (one agent each, one "host" each).
         devices_per_proc: CPU devices per worker.
         heartbeat_s: coordination-service heartbeat timeout (>= 10 on 2 cores, DESIGN §4).
-        collective_timeout_s: bound on a gloo collective; a survivor blocked on a dead peer
-            learns of the failure after at most this long.
+        collective_timeout_s: bound on a gloo collective. A death the launcher knows of (a
+            worker killed, its agent lost, an eviction) reaches every survivor within
+            milliseconds (`worker.peer_watch`); this bounds the rest (a peer that is alive
+            but never sends).
         hang_factor: hang = no step for this multiple of the median step time.
         hang_min_s: floor of the hang threshold; raised to ``collective_timeout_s + 10`` so a
             survivor blocked on a dead peer's collective is never mistaken for a hung one.

@@ -41,6 +41,11 @@ class Coordinator(Protocol):
         """
         ...
 
+    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+        """Returns the members of world ``generation`` known dead as soon as there is one,
+        or ``()`` after ``timeout_s`` (a long poll; `peer_watch`)."""
+        ...
+
 
 class LauncherCoordinator:
     """`Coordinator` backed by the launcher's control endpoint (one machine).
@@ -57,7 +62,7 @@ class LauncherCoordinator:
         self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
         self._secret = secret
 
-    def _call(self, message: wire.ReportFailure | wire.Agree | wire.Barrier,
+    def _call(self, message: wire.ReportFailure | wire.Agree | wire.Barrier | wire.WatchWorld,
               reply: type[transport.M], *, timeout_s: float | None = None) -> transport.M:
         try:
             answer, _ = transport.request(
@@ -83,3 +88,8 @@ class LauncherCoordinator:
         return self._call(wire.Barrier(worker_id=self.worker_id, generation=generation,
                                        name=name, timeout_s=timeout_s),
                           wire.BarrierReply, timeout_s=timeout_s + 30.0).failed
+
+    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+        return self._call(wire.WatchWorld(worker_id=self.worker_id, generation=generation,
+                                          timeout_s=timeout_s),
+                          wire.WorldFailed, timeout_s=timeout_s + 30.0).failed

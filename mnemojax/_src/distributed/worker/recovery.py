@@ -55,10 +55,12 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
                   reason: str = "", first_replayable: int | None = None) -> WorldRecovery:
     """Detaches, agrees, joins the survivors' world and fetches the agreed state.
 
-    Detaching comes first: dropping this process's backend closes its gloo connections, so a
-    peer still blocked in a collective with it fails at once instead of after the collective
-    timeout. For that the caller must hold no ``jax.Array`` of the old world (drop them and
-    leave the ``except`` block whose traceback references them) before calling.
+    Detaching comes first, so the old world's service can stop at decision time. The caller
+    must hold no ``jax.Array`` of the old world (drop them and leave the ``except`` block
+    whose traceback references them) before calling. Detaching does not free a peer still
+    blocked in a collective with this process (measured: the old CPU client and its gloo
+    pairs live on while anything refers to them, e.g. the user's ``Mesh``); the peers learn
+    of the death from the launcher instead (`peer_watch`).
 
     Barrier semantics: `Coordinator.agree` returns once every live member of ``world`` has
     arrived (or was declared dead); every survivor gets the same agreement or an

@@ -7,6 +7,9 @@ step then finds the session with `current()` and:
 * publishes its shards to the agent after every good step (`publish`);
 * on a peer failure, drops the old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
+* is told of a peer's death by the launcher within milliseconds (`peer_watch`), which
+  fails the step's pending wait as a failed collective would, where gloo on CPU would block
+  until its collective timeout;
 * waits at a barrier after every compile (`compiled`), so no peer enters a collective
   while another still compiles (a false alarm on small machines, DESIGN §4); a peer's
   death fails that barrier at once, and the step recovers as from a failed collective.
@@ -23,10 +26,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.env import CONTROL, COORDINATOR, WorldSpec
+from mnemojax._src.distributed.env import CONTROL, COORDINATOR, PEER_WATCH, WorldSpec
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
+from mnemojax._src.distributed.worker.peer_watch import PeerWatch
 from mnemojax._src.distributed.worker.recovery import WorldRecovery, recover_world
 from mnemojax._src.distributed.worker.state_transfer import PutFn
 from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning, WorldConfigError
@@ -51,6 +55,7 @@ class DistributedSession:
         agent: the connection to its agent (None outside ``mnemojax launch``).
         coordinator: the agreement service (None outside ``mnemojax launch``).
         publish_refused: snapshots stopped for good (over the host-memory budget).
+        peer_watch: tells the step's pending wait of a peer's death (`peer_watch`).
     """
 
     def __init__(self, world: WorldSpec):
@@ -61,6 +66,7 @@ class DistributedSession:
         self.coordinator = LauncherCoordinator(world.control, world.stable_id,
                                                secret=secret) if world.control else None
         self.publish_refused = False  # over the host-memory budget (see `publish`)
+        self.peer_watch: PeerWatch | None = None  # started by `initialize` under a launcher
 
     @property
     def can_recover(self) -> bool:
@@ -191,9 +197,13 @@ def initialize() -> DistributedSession | None:
         return _current
     if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
-    _current = DistributedSession(coordination.initialize_worker())
-    _report_uncaught_exceptions(_current)
-    return _current
+    _current = session = DistributedSession(coordination.initialize_worker())
+    _report_uncaught_exceptions(session)
+    if session.coordinator is not None and os.environ.get(PEER_WATCH, "1") != "0":
+        session.peer_watch = PeerWatch(
+            session.coordinator, lambda: session.world.generation,
+            exit_wait_s=session.world.collective_timeout_s + 10.0).start()
+    return session
 
 
 def _report_uncaught_exceptions(session: DistributedSession) -> None:

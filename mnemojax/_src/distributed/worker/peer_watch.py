@@ -1,0 +1,220 @@
+"""Tells a survivor blocked in a collective that a peer died, within milliseconds.
+
+On CPU a gloo collective cannot be cancelled. A survivor that was exchanging with the dead
+process fails at once ("Connection closed by peer"); the others wait on live peers that are
+themselves stuck, until ``--xla_cpu_collective_timeout_seconds`` (20 s under ``mnemojax
+launch``). Dropping the failed survivor's backend does not free them: its gloo pairs live
+on as long as its own blocked execution does. The launcher, though, learns of a death from
+the dead worker's agent in ~20 ms.
+
+So each worker runs a `PeerWatch`: a daemon thread that long-polls the launcher
+(`Coordinator.watch`) for a death in its current world. When one comes, it fails the
+step's pending wait (registered with `abortable`) with the same ``JaxRuntimeError`` a
+failed collective raises, and the resilient step takes the one existing path: a failed
+collective, then the agreement. The blocked execution is abandoned: it keeps its thread
+and the old world's CPU client until gloo gives up at the collective timeout, harmlessly,
+while this process agrees and joins the next world (every new world has its own
+coordination service, hence its own gloo rendezvous and sockets). At exit the process
+waits for such a collective to end (at most the collective timeout), so that the thread
+blocked in it never returns into a finalising interpreter.
+
+No false alarm can come from load: the watch reports only deaths the launcher knows of
+(a worker's exit by a signal, a lost agent, an eviction), never a slow peer. The
+collective timeout stays as the bound for what the launcher cannot see.
+
+Nothing happens on import; JAX is imported only to build the error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from mnemojax._src.distributed.worker.coordinator_client import Coordinator
+
+log = logging.getLogger("mnemojax")
+
+# The text of the error a watched wait fails with (tests and logs look for it).
+TOLD_BY_LAUNCHER = "told by the launcher"
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """One death the watch heard of: world ``generation`` lost ``failed``; ``aborted``
+    waits were failed because of it (0: the step was not waiting then)."""
+
+    generation: int
+    failed: tuple[int, ...]
+    time: float  # time.time() when it arrived
+    aborted: int
+
+
+class _Pending:
+    """The waits that a notice may fail: future -> the generation it was registered in."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waits: dict[concurrent.futures.Future, int] = {}
+        self.generation: Callable[[], int] | None = None  # the active watch's world
+        self.failed: dict[int, BaseException] = {}  # generation -> the error to raise
+        self.left_behind: list[threading.Thread] = []  # blocked in an abandoned collective
+        self.exit_wait_s = 30.0
+
+    def abort(self, generation: int, error: BaseException) -> int:
+        with self.lock:
+            self.failed[generation] = error
+            doomed = [f for f, g in self.waits.items() if g == generation]
+        return sum(_fail(f, error) for f in doomed)
+
+
+_pending = _Pending()
+
+
+def _fail(future: concurrent.futures.Future, error: BaseException) -> bool:
+    try:
+        future.set_exception(error)
+        return True
+    except concurrent.futures.InvalidStateError:  # its result came first
+        return False
+
+
+class WaitHandle:
+    """What `abortable` yields."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def leave_behind(self, thread: threading.Thread | None) -> None:
+        """The thread that was to complete the aborted wait stays blocked in the old
+        world's collective until gloo gives up: joined at exit (see `_join_left_behind`).
+        It must end once that collective returns."""
+        if thread is not None:
+            with _pending.lock:
+                _pending.left_behind.append(thread)
+
+    @property
+    def aborted(self) -> bool:
+        """The watch failed the wait: the thread that was to complete it is still blocked
+        in the old world's collective (abandon it)."""
+        f = self._future
+        return (f.done() and not f.cancelled()
+                and getattr(f.exception(), "mnemojax_peer_watch", False))
+
+
+@contextlib.contextmanager
+def abortable(future: concurrent.futures.Future) -> Iterator[WaitHandle]:
+    """While in the block, a death in the current world fails ``future`` (see module doc);
+    a death already heard of fails it at once. Without a running `PeerWatch`, nothing."""
+    with _pending.lock:
+        generation = _pending.generation() if _pending.generation is not None else None
+        if generation is not None:
+            _pending.waits[future] = generation
+        error = _pending.failed.get(generation) if generation is not None else None
+    if error is not None:
+        _fail(future, error)
+    try:
+        yield WaitHandle(future)
+    finally:
+        with _pending.lock:
+            _pending.waits.pop(future, None)
+
+
+def _join_left_behind() -> None:
+    """At exit (an ``atexit`` hook, run before the interpreter finalises): waits for the
+    threads left blocked in abandoned collectives, at most ``exit_wait_s`` (the collective
+    timeout and a margin). Such a thread that returned from C++ while the interpreter
+    finalises would be ended by a forced unwind that jaxlib's frames do not let through:
+    the process aborts (measured: exit status 134 instead of the job's own)."""
+    deadline = time.monotonic() + _pending.exit_wait_s
+    with _pending.lock:
+        threads = list(_pending.left_behind)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("mnemojax: a collective abandoned after a peer's death is still "
+                        "blocked at exit")
+            return
+
+
+def peer_died_error(generation: int, failed: tuple[int, ...]) -> BaseException:
+    """The error a watched wait fails with: a non-retryable ``JaxRuntimeError``, which the
+    resilient step under a session takes for a peer failure."""
+    import jax
+    error = jax.errors.JaxRuntimeError(
+        f"UNKNOWN: mnemojax: workers {list(failed)} of world {generation} died "
+        f"({TOLD_BY_LAUNCHER}); this step's collectives cannot complete")
+    error.mnemojax_peer_watch = True  # type: ignore[attr-defined]
+    return error
+
+
+class PeerWatch:
+    """The watcher thread of one worker (see module doc). One per process.
+
+    Args:
+        coordinator: the launcher (`Coordinator.watch`).
+        generation: returns this worker's current world (it changes after a recovery).
+        poll_s: how long one long poll may wait before it is asked again.
+        retry_s: pause after the launcher could not be reached.
+        exit_wait_s: at exit, how long to wait for collectives abandoned after a death to
+            fail (the collective timeout and a margin; `_join_left_behind`).
+
+    Attributes:
+        notices: every death heard of, in order.
+    """
+
+    def __init__(self, coordinator: Coordinator, generation: Callable[[], int], *,
+                 poll_s: float = 60.0, retry_s: float = 1.0, exit_wait_s: float = 30.0):
+        self._coordinator, self._generation = coordinator, generation
+        self._poll_s, self._retry_s, self._exit_wait_s = poll_s, retry_s, exit_wait_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.notices: list[Notice] = []
+
+    def start(self) -> PeerWatch:
+        with _pending.lock:
+            _pending.generation = self._generation
+            _pending.failed.clear()
+            _pending.exit_wait_s = self._exit_wait_s
+        atexit.register(_join_left_behind)  # once: `stop` unregisters it
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="mnemojax-peer-watch")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops watching (the thread ends after its current poll; it is a daemon)."""
+        self._stop.set()
+        atexit.unregister(_join_left_behind)
+        with _pending.lock:
+            if _pending.generation is self._generation:
+                _pending.generation = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            generation = self._generation()
+            if generation in _pending.failed:  # heard of: wait for the next world
+                self._stop.wait(0.05)
+                continue
+            try:
+                failed = self._coordinator.watch(generation=generation, timeout_s=self._poll_s)
+            except Exception as e:  # noqa: BLE001 - the launcher is gone or restarting
+                log.debug("peer watch: %s", e)
+                self._stop.wait(self._retry_s)
+                continue
+            if failed and not self._stop.is_set():
+                self.notify(generation, failed)
+
+    def notify(self, generation: int, failed: tuple[int, ...]) -> Notice:
+        """Fails the waits of world ``generation`` (and any later wait in it)."""
+        aborted = _pending.abort(generation, peer_died_error(generation, failed))
+        notice = Notice(generation, tuple(failed), time.time(), aborted)
+        self.notices.append(notice)
+        log.warning("mnemojax: workers %s of world %d died (%s); %d pending wait(s) failed",
+                    list(failed), generation, TOLD_BY_LAUNCHER, aborted)
+        return notice

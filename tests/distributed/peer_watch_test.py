@@ -1,0 +1,154 @@
+"""`worker.peer_watch`: a death the launcher reports fails the step's pending wait."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import jax
+import pytest
+
+from mnemojax._src import proxy
+from mnemojax._src.distributed.worker import peer_watch
+from mnemojax._src.distributed.worker.peer_watch import TOLD_BY_LAUNCHER, PeerWatch
+
+
+class _Launcher:
+    """A fake `Coordinator.watch`: answers each poll with the next scripted reply, then
+    blocks until stopped."""
+
+    def __init__(self, *replies: tuple[int, ...]):
+        self.replies = list(replies)
+        self.polls: list[int] = []
+        self.released = threading.Event()
+
+    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+        self.polls.append(generation)
+        if self.replies:
+            return self.replies.pop(0)
+        self.released.wait(timeout_s)
+        return ()
+
+
+@pytest.fixture
+def world():
+    """A watch over a world whose generation the test sets; stopped afterwards."""
+    generation = {"g": 0}
+    watches, launchers = [], []
+
+    def start(launcher) -> PeerWatch:
+        w = PeerWatch(launcher, lambda: generation["g"], poll_s=5.0, retry_s=0.01)
+        watches.append(w)
+        launchers.append(launcher)
+        return w
+
+    yield generation, start
+    for w in watches:
+        w.stop()
+    for launcher in launchers:  # the watch threads end now
+        launcher.released.set()
+    for w in watches:
+        if w._thread is not None:
+            w._thread.join(5)
+
+
+def test_without_a_watch_a_wait_is_left_alone():
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future) as handle:
+        future.set_result(3)
+    assert future.result() == 3 and not handle.aborted
+
+
+def test_a_notice_fails_the_pending_wait_of_its_world(world):
+    _, start = world
+    watch = start(_Launcher()).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future) as handle:
+        notice = watch.notify(0, (1,))
+        with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
+            future.result(timeout=1)
+    assert handle.aborted and notice.aborted == 1 and watch.notices == [notice]
+    later: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(later):  # the world is known to be broken: at once
+        assert isinstance(later.exception(timeout=0), jax.errors.JaxRuntimeError)
+
+
+def test_the_next_world_is_not_failed_by_the_old_worlds_notice(world):
+    generation, start = world
+    watch = start(_Launcher()).start()
+    watch.notify(0, (1,))
+    generation["g"] = 1
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future) as handle:
+        future.set_result("ok")
+    assert future.result() == "ok" and not handle.aborted
+
+
+def test_a_result_that_came_first_is_kept(world):
+    _, start = world
+    watch = start(_Launcher()).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future) as handle:
+        future.set_result("done")
+        assert watch.notify(0, (2,)).aborted == 0
+    assert future.result() == "done" and not handle.aborted
+
+
+def test_the_thread_polls_the_launcher_and_then_waits_for_the_next_world(world):
+    generation, start = world
+    launcher = _Launcher((), (2,))  # a quiet poll, then worker 2 died
+    watch = start(launcher).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future):
+        assert "workers [2] of world 0" in str(future.exception(timeout=5))
+    assert [(n.generation, n.failed) for n in watch.notices] == [(0, (2,))]
+    generation["g"] = 1  # recovered: the watch polls the new world
+    for _ in range(200):
+        if 1 in launcher.polls:
+            break
+        threading.Event().wait(0.01)
+    assert launcher.polls[:2] == [0, 0] and 1 in launcher.polls
+    launcher.released.set()
+
+
+def test_the_step_waiter_gives_up_its_stuck_thread(world):
+    """`proxy._Waiter`: the wait raises at once; the thread blocked in the old world's
+    collective is abandoned, and its late result raises nothing."""
+    _, start = world
+    watch = start(_Launcher()).start()
+    stuck, finished = threading.Event(), threading.Event()
+
+    def block(outputs, *, step, devices):
+        del step, devices
+        stuck.wait(10)
+        finished.set()
+        return outputs
+
+    waiter = proxy._Waiter()
+    timer = threading.Timer(0.1, watch.notify, args=(0, (1,)))
+    timer.start()
+    with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
+        waiter.wait(block, "old arrays", 5, (0,), timeout_s=30)
+    assert waiter._thread is None
+    [left] = peer_watch._pending.left_behind[-1:]
+    assert left.is_alive()
+    stuck.set()  # the old collective gives up: the thread it held ends
+    assert finished.wait(5)
+    peer_watch._join_left_behind()  # what runs at exit
+    assert not left.is_alive()
+
+
+def test_exit_waits_for_a_left_behind_thread_at_most_exit_wait_s(world):
+    _, start = world
+    start(_Launcher()).start()
+    peer_watch._pending.exit_wait_s = 0.1
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(10,), daemon=True)
+    thread.start()
+    handle = peer_watch.WaitHandle(concurrent.futures.Future())
+    handle.leave_behind(thread)
+    peer_watch._join_left_behind()  # returns after ~0.1 s, the thread still blocked
+    assert thread.is_alive()
+    release.set()
+    thread.join(5)
+    peer_watch._pending.left_behind.remove(thread)
