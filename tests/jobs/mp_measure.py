@@ -1,6 +1,7 @@
 """Measures multi-process recovery of the resilient job: kill -> detection -> next good step.
 
 python -m tests.jobs.mp_measure --fault kill --victim 1 --collective-timeout-s 10 [--nproc 3]
+    [--no-peer-watch] [--step-sleep-s S]
 
 Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
 published --at-step, and prints, in seconds from the kill: when the launcher knew (its
@@ -13,21 +14,27 @@ import json
 import sys
 import tempfile
 
+from mnemojax._src.distributed.env import PEER_WATCH
+from mnemojax._src.distributed.worker.peer_watch import TOLD_BY_LAUNCHER
 from mnemojax._src.events import read_events
 from mnemojax.testing import ProcessFault, run_scenario
 
 
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
-            at_step: int = 4, steps: int = 10) -> dict:
+            at_step: int = 4, steps: int = 10, peer_watch: bool = True,
+            step_sleep_s: float = 0.2) -> dict:
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
-           "--steps", str(steps)]
+           "--steps", str(steps), "--step-sleep-s", str(step_sleep_s)]
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2,
                           faults=[ProcessFault(fault, victim, at_step)],
-                          collective_timeout_s=collective_timeout_s, job_timeout_s=280)
+                          collective_timeout_s=collective_timeout_s, job_timeout_s=280,
+                          extra_env=None if peer_watch else {PEER_WATCH: "0"})
     t_kill = report["t0"]
     result = {"fault": fault, "victim": victim, "nproc": nproc,
-              "collective_timeout_s": collective_timeout_s, "rc": report["rc"],
+              "collective_timeout_s": collective_timeout_s, "peer_watch": peer_watch,
+              "step_sleep_s": step_sleep_s,
+              "rc": report["rc"],
               "launcher_knows_s": report.get("launcher_knows_s"), "survivors": {}}
     import glob
     for path in sorted(glob.glob(f"{out}/mnemojax-events-w*.jsonl")):
@@ -45,7 +52,23 @@ def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             "recovered_s": round(rec["time"] - t0, 3),
             "next_good_step_s": round(after[0]["time"] - t0, 3) if after else None,
             "phases_s": phases, "steps_lost": rec.get("steps_lost")}
+    # How each survivor learned (the reason it reported first): the peer watch, gloo's
+    # "Connection closed by peer" (it was exchanging with the dead process) or a timeout.
+    for e in report["events"]:
+        if e["op"] == "report_failure" and e.get("generation") == 0:
+            result["survivors"].get(f"w{e['worker_id']}", {}).setdefault(
+                "learned", _how(e["reason"]))
     return result
+
+
+def _how(reason: str) -> str:
+    if TOLD_BY_LAUNCHER in reason:
+        return "peer_watch"
+    if "closed by peer" in reason or "Connection reset" in reason:
+        return "connection_closed"
+    if "Timed out" in reason:
+        return "collective_timeout"
+    return reason[:80]
 
 
 def main() -> int:
@@ -54,10 +77,16 @@ def main() -> int:
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--collective-timeout-s", type=int, default=10)
+    p.add_argument("--no-peer-watch", action="store_true",
+                   help="workers without the peer watch (the collective timeout only)")
+    p.add_argument("--step-sleep-s", type=float, default=0.2,
+                   help="pause between steps (a survivor told of a death while pausing "
+                        "fails its next step at once)")
     p.add_argument("--json", help="also write the result here (workers share stdout)")
     args = p.parse_args()
     r = measure(fault=args.fault, victim=args.victim, nproc=args.nproc,
-                collective_timeout_s=args.collective_timeout_s)
+                collective_timeout_s=args.collective_timeout_s,
+                peer_watch=not args.no_peer_watch, step_sleep_s=args.step_sleep_s)
     print(json.dumps(r, indent=1))
     if args.json:
         with open(args.json, "w") as f:
