@@ -281,6 +281,10 @@ def _failure_free_final_state(cfg) -> list:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
 
 
+# Slow (~55 s): the default suite's budget. CI still runs (e) and (f) end to end through the
+# wheel test's `mnemojax bench --preset tiny`; the peer watch and the kill are covered by
+# tests/e2e.
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_process_runs_recover_from_a_real_kill_to_the_failure_free_state(tmp_path):
     preset = tmp_path / "bench_processes.toml"

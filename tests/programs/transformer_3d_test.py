@@ -102,7 +102,7 @@ def test_two_device_losses_on_a_data_fsdp_tensor_mesh_match_the_plain_run():
         assert first.plan_kind == "drop_replicas" and second.plan_kind == "spare_swap"
         assert first.new_mesh_shape == second.new_mesh_shape == {
             "data": 1, "fsdp": 2, "tensor": 2}
-        assert second.source == "host_snapshot"
+        assert "snapshot" in second.source  # alone, or with the live replicas left
         assert step.mesh is not None and {2, 5}.isdisjoint(step.mesh.device_ids.flat)
         logits = _eval(model, step.mesh, batches[0])
     finally:
