@@ -151,8 +151,13 @@ def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
 def test_every_copy_lost_falls_back_to_the_checkpoint(tmp_path, reference):
     """The same double loss with an Orbax checkpoint every 2 steps: the survivors restore
     the newest checkpoint onto their (2, 2) mesh, replay the kept batches, end exact."""
+    # Both hosts must be gone when the survivors agree. The peer watch tells them of the
+    # first death within milliseconds, which can split the double loss into two recoveries
+    # (each exact, the second maybe from a re-formed buddy), so it is off here: the failed
+    # collective is slower than the second kill.
     report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4,
-                  extra=("--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2"))
+                  extra=("--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2"),
+                  extra_env={"MNEMOJAX_PEER_WATCH": "0"})
     rec = _one_recovery(tmp_path, reference, report, nproc=4)
     assert rec["source"] == "persistent" and rec["failed_processes"] == [0, 1]
     assert rec["source_step"] in (2, 4) and rec["new_mesh_shape"] == {"data": 2, "model": 2}
