@@ -13,7 +13,10 @@ from mnemojax.models.tasks import classification_loss
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
-pytestmark = pytest.mark.needs8
+# Slow (the default suite's budget): tests/programs/explicit_gemma_test.py shrinks an fsdp
+# axis from the snapshot and tests/programs/transformer_3d_test.py splits the batch over
+# (data, fsdp) in the default suite; this MLP variant runs in `make test-slow`.
+pytestmark = [pytest.mark.needs8, pytest.mark.slow]
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
