@@ -27,6 +27,30 @@ import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 
+def open_and_restore(ckpt_dir: str, max_to_keep: int, state, emit):
+    """The classical job's Orbax manager (async saves) and the newest committed checkpoint
+    restored onto `state`'s shardings (`emit(step=, duration_s=)` after a restore).
+
+    Returns:
+        (manager, the step restored or 0, the state).
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(
+        os.path.abspath(ckpt_dir),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             enable_async_checkpointing=True))
+    start = manager.latest_step() or 0
+    if start:
+        t0 = time.time()
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        jax.block_until_ready(state)
+        emit(step=start, duration_s=time.time() - t0)
+    return manager, start, state
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.baseline_worker")
     p.add_argument("--preset", required=True, help="bench preset name or TOML path")
@@ -102,18 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 process_start_import_s=t_imported - launched_at, init_s=t_init - t_imported,
                 pid=pid, launch=args.launch)
 
-    manager = ocp.CheckpointManager(
-        os.path.abspath(args.ckpt_dir),
-        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint_max_to_keep,
-                                             enable_async_checkpointing=True))
-    start = manager.latest_step() or 0
-    if start:
-        t0 = time.time()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-        jax.block_until_ready(state)
-        events.emit("checkpoint_restore", step=start, duration_s=time.time() - t0, pid=pid)
+    manager, start, state = open_and_restore(
+        args.ckpt_dir, cfg.checkpoint_max_to_keep, state,
+        lambda **fields: events.emit("checkpoint_restore", **fields, pid=pid))
 
     def pure_step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)

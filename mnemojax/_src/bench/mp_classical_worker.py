@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flax import nnx
     from jax.experimental import multihost_utils
 
+    from mnemojax._src.bench.baseline_worker import open_and_restore
     from mnemojax.models.data import BigramCorpus
     from mnemojax.models.gpt import GPTConfig
     from mnemojax.models.tasks import build_gpt, lm_train_step
@@ -97,18 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 process_start_import_s=t_imported - launched_at,
                 distributed_init_s=t_joined - t_imported, init_s=t_init - t_joined, **tag)
 
-    manager = ocp.CheckpointManager(
-        os.path.abspath(args.ckpt_dir),
-        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint_max_to_keep,
-                                             enable_async_checkpointing=True))
-    start = manager.latest_step() or 0
-    if start:
-        t0 = time.time()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-        jax.block_until_ready(state)
-        events.emit("checkpoint_restore", step=start, duration_s=time.time() - t0, **tag)
+    manager, start, state = open_and_restore(
+        args.ckpt_dir, cfg.checkpoint_max_to_keep, state,
+        lambda **fields: events.emit("checkpoint_restore", **fields, **tag))
 
     def pure_step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
