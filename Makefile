@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record clean
+.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record etcd clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
@@ -27,6 +27,14 @@ bench: $(STAMP)
 
 bench-record: $(STAMP)
 	$(BIN)/python -m mnemojax bench --preset gpt10m --out runs/bench-gpt10m $(ARGS)
+
+# The etcd server the multi-node tests run (Debian's etcd-server 3.4; root or sudo). Where
+# it cannot be installed those tests skip with the reason; everything else runs without it.
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo -n ); \
+	  { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q etcd-server etcd-client; } >/dev/null 2>&1 \
+	  || echo "make etcd: could not install etcd-server (the multi-node tests will skip)"; }
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -19,6 +19,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("mnemojax._src.chaos", "random fault schedule; the state must end exact"),
     "launch": ("mnemojax._src.distributed.launcher.cli",
                "run N worker processes with agents and a recoverable coordination service"),
+    "status": ("mnemojax._src.distributed.launcher.status",
+               "a multi-node job's world, nodes, deaths and exits, read from etcd"),
     "bench": ("mnemojax._src.bench.cli", "mnemojax vs the classical restart baseline, same faults"),
     "report": ("mnemojax._src.bench.report_cli", "render a run's JSONL event log: table + PNG"),
     "simulate": ("mnemojax._src.simulator.cli", "project recovery costs to 1k-128k accelerators"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
@@ -27,6 +27,26 @@ from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
+
+
+class WorldArbiter(Protocol):
+    """What the launcher asks of the job's agreement: `Arbiter` in memory (one launcher),
+    `plane.EtcdArbiter` in etcd (one launcher per node)."""
+
+    def agree(self, request: wire.Agree) -> Agreement: ...
+
+    def barrier(self, request: wire.Barrier) -> wire.BarrierReply: ...
+
+    def watch(self, request: wire.WatchWorld) -> wire.WorldFailed: ...
+
+    def member_died(self, worker_id: int) -> None: ...
+
+    def live_members(self) -> list[int]: ...
+
+    def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
+            signal: int | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Arbiter:
@@ -52,9 +72,12 @@ class Arbiter:
         self._ending: str | None = None  # why no new world may be decided any more
         self._closed = False  # the launcher is shutting down: long polls return
 
-    def end(self, why: str) -> None:
+    def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
+            signal: int | None = None) -> None:
         """No new world from now on: every agreement waiting or to come fails with ``why``
-        (the job is ending). Call with ``roster.cv`` held."""
+        (the job is ending). Call with ``roster.cv`` held. ``code``, ``worker_id`` and
+        ``signal`` say why, for the other nodes of a job that spans several (unused here)."""
+        del code, worker_id, signal
         if self._ending is None:
             self._ending = why
         self._roster.cv.notify_all()

@@ -3,6 +3,13 @@ coordination service, on 127.0.0.1. Usage::
 
     mnemojax launch --nproc 4 --devices-per-proc 2 -- python train.py ...
 
+A job over several nodes runs one launcher per node, torchrun-style; they meet in etcd
+(`plane`) and share the job secret from the environment::
+
+    export MNEMOJAX_JOB_SECRET=...   # the same on every node (hex, >= 16 bytes)
+    mnemojax launch --rdzv etcd://HOST:2379 --rdzv-id JOB --nnodes 2 --node-rank R \
+        --nproc 4 -- python train.py ...
+
 Exit status: 0 when the final world's workers all exit 0; a worker's own non-zero status
 when it ends the job (an uncaught exception: 1); 124 after ``--timeout-s``; 143 after
 SIGTERM and 130 after SIGINT to the launcher (forwarded to the workers as SIGTERM, their
@@ -39,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace-s", type=float, default=60.0,
                         help="after SIGTERM/SIGINT, how long the workers may take to "
                              "checkpoint and exit")
+    parser.add_argument("--rdzv", default=None, metavar="etcd://HOST:PORT[,HOST:PORT]",
+                        help="the etcd cluster where the launchers of several nodes meet")
+    parser.add_argument("--rdzv-id", default="mnemojax",
+                        help="the job's name in etcd (unique per run)")
+    parser.add_argument("--nnodes", type=int, default=1, help="launchers (nodes) of the job")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node (0..nnodes-1)")
+    parser.add_argument("--node-ttl-s", type=int, default=3,
+                        help="a node silent in etcd for this long is lost")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the worker command, e.g. -- python train.py")
 
@@ -54,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         collective_timeout_s=args.collective_timeout_s, hang_factor=args.hang_factor,
         hang_min_s=args.hang_min_s, agree_timeout_s=args.agree_timeout_s,
         recover=not args.no_recover, job_timeout_s=args.timeout_s,
-        stop_grace_s=args.stop_grace_s)
+        stop_grace_s=args.stop_grace_s, rdzv=args.rdzv, rdzv_id=args.rdzv_id,
+        nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s)
+    if options.rdzv is not None:
+        from mnemojax._src.distributed.launcher.node import NodeLauncher
+        return NodeLauncher(options, command).run()
     return Launcher(options, command).run()
 
 

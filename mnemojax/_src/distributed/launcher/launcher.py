@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import auth, wire
-from mnemojax._src.distributed.launcher.arbiter import Arbiter
+from mnemojax._src.distributed.launcher.arbiter import Arbiter, WorldArbiter
 from mnemojax._src.distributed.launcher.control import ControlServer
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
 from mnemojax._src.distributed.launcher.roster import AgentRoster
@@ -60,15 +60,17 @@ class Launcher:
 
     def __init__(self, options: LaunchOptions, command: Sequence[str], *,
                  extra_env: dict[str, str] | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None):
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 secret: bytes | None = None):
         self.options, self.command = options, list(command)
         self.extra_env = dict(extra_env or {})
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
-        self.secret = auth.new_secret()  # proves every connection of this job (`auth`)
+        # Proves every connection of this job (`auth`); several nodes share one.
+        self.secret = auth.new_secret() if secret is None else secret
         self.roster = AgentRoster(secret=self.secret)
         self.services = ServiceHost(heartbeat_s=options.heartbeat_s)
-        self.arbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
+        self.arbiter: WorldArbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
                                roster=self.roster, services=self.services, record=self._record)
         self._failed_code: int | None = None
         self._uncaught: dict[int, str] = {}  # worker id -> the exception it reported
@@ -171,7 +173,8 @@ class Launcher:
         self._worker_error = (worker_id, code, time.monotonic())
         # Also for survivors already waiting at the agreement (a peer's exit closed their
         # collective before its agent reported it): no new world.
-        self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}")
+        self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}",
+                         code=code, worker_id=worker_id)
         error = self._uncaught.get(worker_id)
         self._record({"op": "worker_error", "worker_id": worker_id, "code": code,
                       "error": error})
@@ -206,9 +209,14 @@ class Launcher:
         current = self.arbiter.live_members()
         if not current:
             return self._failed_code if self._failed_code is not None else 1
-        if all(self.roster.exit_codes.get(m) == 0 for m in current):
+        exit_codes = self._exit_codes()
+        if all(exit_codes.get(m) == 0 for m in current):
             return 0
         return None
+
+    def _exit_codes(self) -> dict[int, int]:
+        """Worker id -> its exit status, of every worker of the job known to have ended."""
+        return self.roster.exit_codes
 
     def run(self) -> int:
         """Runs the job; returns its exit status: 0 when the final world's workers all exit
@@ -253,7 +261,8 @@ class Launcher:
         ``stop_grace_s`` (or a second signal) for them to exit (call with ``roster.cv``
         held). Returns 128 + the first signal."""
         first = self._stop_signals[0]
-        self.arbiter.end(f"the job is ending: the launcher was signalled ({first})")
+        self.arbiter.end(f"the job is ending: the launcher was signalled ({first})",
+                         signal=first)
         self._record({"op": "stop_signal", "signal": first})
         logger.warning("mnemojax launch: signal %d: stopping the workers (SIGTERM), up to "
                        "%.0f s", first, self.options.stop_grace_s)

@@ -13,7 +13,7 @@ class LaunchOptions:
     """How to launch. Durations in seconds.
 
     Attributes:
-        nproc: worker processes (one agent each, one "host" each).
+        nproc: worker processes of this node (one agent each).
         devices_per_proc: CPU devices per worker.
         heartbeat_s: coordination-service heartbeat timeout (>= 10 on 2 cores, DESIGN §4).
         collective_timeout_s: bound on a gloo collective. A death the launcher knows of (a
@@ -33,6 +33,13 @@ class LaunchOptions:
         stop_grace_s: after SIGTERM or SIGINT to the launcher, how long the workers (sent
             SIGTERM: a just-in-time checkpoint where the persistent tier is on) may take to
             exit before everything is killed.
+        rdzv: ``etcd://HOST:PORT[,HOST:PORT...]``: the job spans ``nnodes`` launchers that
+            meet in this etcd cluster (`plane`); None: this launcher is the whole job.
+        rdzv_id: the job's name in etcd (every node gives the same).
+        nnodes, node_rank: how many launchers (nodes), and which one this is. Worker ids
+            are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.
+        node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
+            lost (its workers are dead).
     """
 
     nproc: int
@@ -46,6 +53,11 @@ class LaunchOptions:
     job_timeout_s: float | None = None
     grace_s: float = 3.0
     stop_grace_s: float = 60.0
+    rdzv: str | None = None
+    rdzv_id: str = "mnemojax"
+    nnodes: int = 1
+    node_rank: int = 0
+    node_ttl_s: int = 3
 
     def __post_init__(self):
         for name in ("nproc", "devices_per_proc", "heartbeat_s", "collective_timeout_s"):
@@ -55,6 +67,25 @@ class LaunchOptions:
             raise InvalidOptionError("hang_factor must be > 1, agree_timeout_s > 0, grace_s >= 0")
         if self.stop_grace_s < 0:
             raise InvalidOptionError(f"stop_grace_s={self.stop_grace_s} is invalid: expected >= 0")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidOptionError(f"nnodes={self.nnodes}, node_rank={self.node_rank} is "
+                                     "invalid: expected nnodes >= 1 and 0 <= node_rank < nnodes")
+        if self.rdzv is None and self.nnodes > 1:
+            raise InvalidOptionError(f"nnodes={self.nnodes} needs rdzv=etcd://HOST:PORT (the "
+                                     "launchers of several nodes meet in etcd)")
+        if self.node_ttl_s < 2:
+            raise InvalidOptionError(f"node_ttl_s={self.node_ttl_s} is invalid: expected >= 2 "
+                                     "(etcd's shortest lease)")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of the whole job (world 0)."""
+        return self.nnodes * self.nproc
+
+    @property
+    def local_workers(self) -> range:
+        """The ids of this node's workers."""
+        return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
 
     @property
     def hang_floor_s(self) -> float:
@@ -69,7 +100,7 @@ def worker_env(options: LaunchOptions, worker_id: int, *, coordinator: str, cont
     reads it back)."""
     o = options
     return {**(extra_env or {}), env.COORDINATOR: coordinator, env.PROCESS_ID: str(worker_id),
-            env.NUM_PROCESSES: str(o.nproc), env.WORKER_ID: str(worker_id),
+            env.NUM_PROCESSES: str(o.world_size), env.WORKER_ID: str(worker_id),
             env.GENERATION: "0", env.DEVICES_PER_PROC: str(o.devices_per_proc),
             env.HEARTBEAT_S: str(o.heartbeat_s),
             env.COLLECTIVE_TIMEOUT_S: str(o.collective_timeout_s), env.CONTROL: control,

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import socket
 import threading
+from collections.abc import Sequence
 
 from mnemojax._src.distributed import transport, wire
 from mnemojax._src.errors import ProtocolError
@@ -60,14 +61,21 @@ class AgentRoster:
     def holdings(self, *, timeout_s: float = 60.0) -> dict[str, wire.Holdings]:
         """Asks every connected agent, at once, for its copies (each CRC-checked by the
         agent). An agent that cannot answer holds nothing usable and is left out."""
-        def ask(address: str) -> wire.Holdings | None:
-            try:
-                return transport.request(address, wire.HoldingsQuery(), wire.Holdings,
-                                         secret=self.secret, timeout_s=timeout_s)[0]
-            except (OSError, ConnectionError, ProtocolError):
-                return None
+        return ask_holdings(list(self.addresses.values()), secret=self.secret,
+                            timeout_s=timeout_s)
 
-        addresses = list(self.addresses.values())
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
-            replies = list(pool.map(ask, addresses))
-        return {a: r for a, r in zip(addresses, replies, strict=True) if r is not None}
+
+def ask_holdings(addresses: Sequence[str], *, secret: bytes,
+                 timeout_s: float = 60.0) -> dict[str, wire.Holdings]:
+    """Asks every agent at ``addresses``, at once, for its CRC-checked copies. An agent that
+    cannot answer holds nothing usable and is left out."""
+    def ask(address: str) -> wire.Holdings | None:
+        try:
+            return transport.request(address, wire.HoldingsQuery(), wire.Holdings,
+                                     secret=secret, timeout_s=timeout_s)[0]
+        except (OSError, ConnectionError, ProtocolError):
+            return None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(addresses))) as pool:
+        replies = list(pool.map(ask, addresses))
+    return {a: r for a, r in zip(addresses, replies, strict=True) if r is not None}

@@ -48,7 +48,7 @@ class AgentSupervisor:
 
     def start(self) -> None:
         o = self.options
-        for w in range(o.nproc):
+        for w in o.local_workers:
             self.agents[w] = subprocess.Popen(
                 agent_command(
                     "--worker-id", str(w), "--launcher", self.control,

@@ -1,0 +1,211 @@
+"""A job's keys in etcd: JSON values under one prefix, leases kept alive, every call failing
+over across the cluster's members.
+
+etcd (v3 API, through its gRPC gateway's JSON endpoints; the client is OpenStack's
+``etcd3gw``) is the control plane of a job that spans several launchers (`plane`). etcd does
+the consensus; this module only names the job's keys and survives the loss of a member: a
+call that cannot reach one member (refused, timed out, no leader) is retried on the next,
+until ``retry_s`` has passed.
+
+Nothing here knows about workers or worlds; `plane` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from mnemojax._src.errors import DistributedError, InvalidOptionError
+
+logger = logging.getLogger("mnemojax")
+
+T = TypeVar("T")
+
+SCHEME = "etcd://"
+ROOT = "/mnemojax/"
+
+
+class RendezvousError(DistributedError):
+    """The etcd cluster could not be reached (no member answered in time)."""
+
+
+def parse_endpoints(url: str) -> tuple[tuple[str, int], ...]:
+    """``etcd://host:port[,host:port...]`` -> ``((host, port), ...)``.
+
+    Raises:
+        InvalidOptionError: not that form.
+    """
+    if not isinstance(url, str) or not url.startswith(SCHEME):
+        raise InvalidOptionError(f"rdzv={url!r} is invalid: expected "
+                                 f"{SCHEME}HOST:PORT[,HOST:PORT...]")
+    endpoints = []
+    for part in url[len(SCHEME):].rstrip("/").split(","):
+        parsed = urllib.parse.urlsplit(f"//{part.strip()}")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise InvalidOptionError(f"rdzv={url!r} is invalid: {part!r} is not HOST:PORT")
+        endpoints.append((parsed.hostname, port))
+    return tuple(endpoints)
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    from etcd3gw import exceptions
+    return (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+            exceptions.InternalServerError, exceptions.Etcd3Exception)
+
+
+class EtcdStore:
+    """The keys of job ``job`` (all under ``/mnemojax/<job>/``), JSON-valued.
+
+    Args:
+        endpoints: the cluster's client endpoints (any member serves every call).
+        job: the job's id (every launcher of the job gives the same).
+        timeout_s: one HTTP request's timeout.
+        retry_s: how long a call keeps trying the members before `RendezvousError`.
+    """
+
+    def __init__(self, endpoints: Sequence[tuple[str, int]], job: str, *,
+                 timeout_s: float = 1.0, retry_s: float = 15.0):
+        if not endpoints:
+            raise InvalidOptionError("rdzv has no endpoint")
+        if not job or "/" in job:
+            raise InvalidOptionError(f"rdzv_id={job!r} is invalid: a non-empty name without '/'")
+        from etcd3gw.client import Etcd3Client
+        self.prefix = f"{ROOT}{job}/"
+        self.endpoints = tuple(endpoints)
+        self._clients = [Etcd3Client(host=h, port=p, timeout=timeout_s, api_path="/v3/")
+                         for h, p in self.endpoints]
+        self._current = 0
+        self._retry_s = retry_s
+        self._errors = _client_errors()
+
+    @classmethod
+    def from_url(cls, url: str, job: str, **kwargs: Any) -> EtcdStore:
+        return cls(parse_endpoints(url), job, **kwargs)
+
+    def _call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(client)`` on the current member, then on the others in turn."""
+        deadline = time.monotonic() + self._retry_s
+        last: BaseException | None = None
+        while True:
+            for _ in range(len(self._clients)):
+                client = self._clients[self._current]
+                try:
+                    return fn(client)
+                except self._errors as e:
+                    last = e
+                    self._current = (self._current + 1) % len(self._clients)
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"no etcd member of {list(self.endpoints)} answered "
+                                      f"within {self._retry_s:.0f} s: {last}") from last
+            time.sleep(0.1)
+
+    def key(self, *parts: object) -> str:
+        return self.prefix + "/".join(str(p) for p in parts)
+
+    # -- values -------------------------------------------------------------------------------
+    def put(self, key: str, value: Any, *, lease: int | None = None) -> None:
+        from etcd3gw.utils import _encode
+        payload: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
+        if lease is not None:
+            payload["lease"] = lease
+        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
+
+    def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
+               lease: int | None = None) -> bool:
+        """Puts ``key`` only if neither it nor any key of ``unless`` exists (one
+        transaction); True if this call created it."""
+        from etcd3gw.utils import _encode
+        put: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
+        if lease is not None:
+            put["lease"] = lease
+        txn = {"compare": [{"key": _encode(k), "result": "EQUAL", "target": "CREATE",
+                            "create_revision": 0} for k in (key, *unless)],
+               "success": [{"request_put": put}], "failure": []}
+        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+
+    def get(self, key: str) -> Any | None:
+        values = self._call(lambda c: c.get(key))
+        return json.loads(values[0]) if values else None
+
+    def items(self, sub: str = "") -> dict[str, Any]:
+        """Every key under the job's prefix + ``sub`` -> its value; keys without the job's
+        prefix. One consistent read (one revision)."""
+        rows = self._call(lambda c: c.get_prefix(self.prefix + sub))
+        out = {}
+        for value, meta in rows:
+            key = meta["key"]
+            key = key.decode() if isinstance(key, bytes) else str(key)
+            try:
+                out[key[len(self.prefix):]] = json.loads(value)
+            except ValueError:  # not ours: left alone
+                continue
+        return out
+
+    def delete(self, key: str) -> None:
+        self._call(lambda c: c.delete(key))
+
+    # -- leases -------------------------------------------------------------------------------
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        reply = self._call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": ttl_s,
+                                                                             "ID": 0}))
+        return int(reply["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Renews ``lease``; its new TTL, or -1 once it has expired."""
+        reply = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        return int(reply.get("result", {}).get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
+
+
+class LeaseKeeper:
+    """Keeps one lease alive from a daemon thread (renewed every third of its TTL).
+
+    ``on_lost()`` runs once if the lease expired (the cluster was unreachable for longer
+    than the TTL): every key attached to it is gone, and the owner must act as if dead.
+    """
+
+    def __init__(self, store: EtcdStore, ttl_s: int, *,
+                 on_lost: Callable[[], None] | None = None):
+        self.store, self.ttl_s = store, ttl_s
+        self.lease = store.grant(ttl_s)
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mnemojax-etcd-lease",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                alive = self.store.keepalive(self.lease) > 0
+            except RendezvousError as e:
+                logger.warning("etcd lease %x not renewed: %s", self.lease, e)
+                continue
+            if not alive:
+                logger.error("etcd lease %x expired: this launcher's keys are gone",
+                             self.lease)
+                if self._on_lost is not None:
+                    self._on_lost()
+                return
+
+    def close(self, *, revoke: bool = True) -> None:
+        """Stops renewing; ``revoke`` deletes the lease's keys now (not at its expiry)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if revoke:
+            try:
+                self.store.revoke(self.lease)
+            except RendezvousError as e:
+                logger.warning("etcd lease %x not revoked: %s", self.lease, e)

@@ -1,0 +1,420 @@
+"""The control plane of a job that spans several launchers (one per node), kept in etcd.
+
+On one machine a single launcher decides every world in memory (`arbiter.Arbiter`). Across
+nodes no launcher may be that single point: each node's launcher serves only its own agents
+and workers, and the launchers meet only in etcd (`etcd_store`), where transactions decide
+each world exactly once and leases say which nodes live. Any node can decide; the
+coordination service of a new world runs on the node that decided it, so losing the node
+that hosts the current service is an ordinary failure: the survivors agree through etcd, and
+the new world's service starts on a surviving node.
+
+The job's keys (under ``/mnemojax/<job>/``)::
+
+    nodes/<rank>              leased by that node's launcher: it lives
+    agents/<worker>           leased: the address its agent serves copies on
+    world/<g>                 world g, created once: members, coordinator, the agreements
+    arrive/<g>/<worker>       a survivor of world g at the agreement barrier
+    barrier/<g>/<name>/<w>    a member of world g at a post-compile barrier
+    outcome/<g>/<name>        that barrier's outcome, created once
+    dead/<worker>             declared dead (crashed, evicted); permanent
+    exit/<worker>             its worker's exit status; permanent
+    end                       the job is ending (why; a worker's error status), created once
+
+A node whose lease is gone is lost: its workers that had not exited 0 are dead. Every
+launcher mirrors the keys (`EtcdArbiter` polls them) and answers its workers' agreement,
+barrier and watch requests from that mirror, with the protocol of `distributed.agreement`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.launcher.book import AgreementBook
+from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
+from mnemojax._src.distributed.launcher.roster import AgentRoster, ask_holdings
+from mnemojax._src.distributed.launcher.services import ServiceHost
+from mnemojax._src.errors import AgreementError
+
+logger = logging.getLogger("mnemojax")
+
+
+def node_of(worker_id: int, nproc: int) -> int:
+    """The node that runs ``worker_id`` (workers are numbered node by node)."""
+    return worker_id // nproc
+
+
+def ring(members: Sequence[int], nproc: int) -> list[int]:
+    """The buddy ring's order: members interleaved across nodes, so that each worker's
+    buddy (the next in the ring) is on another node whenever there is one; a whole node's
+    loss then never takes a worker's copy and its buddy's together."""
+    return sorted(members, key=lambda w: (w % nproc, node_of(w, nproc), w))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """One consistent read of the job's keys, and what follows from it (pure).
+
+    Args:
+        items: key (without the job's prefix) -> value.
+        nproc: workers per node.
+        seen_nodes: every node this launcher has ever seen alive (a node seen and now gone
+            is lost).
+        local_dead: workers this launcher declared dead whose key may not be read back yet.
+    """
+
+    items: Mapping[str, Any]
+    nproc: int
+    seen_nodes: frozenset[int] = frozenset()
+    local_dead: frozenset[int] = frozenset()
+
+    def _under(self, prefix: str) -> dict[str, Any]:
+        return {k[len(prefix):]: v for k, v in self.items.items() if k.startswith(prefix)}
+
+    def live_nodes(self) -> set[int]:
+        return {int(r) for r in self._under("nodes/")}
+
+    def agents(self) -> dict[int, str]:
+        """Worker id -> its agent's address, for agents of live nodes."""
+        return {int(w): str(a) for w, a in self._under("agents/").items()}
+
+    def exits(self) -> dict[int, int]:
+        return {int(w): int(c) for w, c in self._under("exit/").items()}
+
+    def dead(self) -> set[int]:
+        """Declared dead, or on a lost node without having exited 0."""
+        dead = {int(w) for w in self._under("dead/")} | set(self.local_dead)
+        lost = self.seen_nodes - self.live_nodes()
+        if lost:
+            exits = self.exits()
+            for g in self.worlds().values():
+                dead |= {w for w in g if node_of(w, self.nproc) in lost and exits.get(w) != 0}
+        return dead
+
+    def world(self, generation: int) -> dict[str, Any] | None:
+        return self.items.get(f"world/{generation}")
+
+    def worlds(self) -> dict[int, tuple[int, ...]]:
+        return {int(g): tuple(rec["members"]) for g, rec in self._under("world/").items()}
+
+    def latest(self) -> int:
+        """The newest world's generation (-1 before world 0)."""
+        return max(self.worlds(), default=-1)
+
+    def arrivals(self, generation: int) -> dict[int, Mapping[str, Any]]:
+        return {int(w): v for w, v in self._under(f"arrive/{generation}/").items()}
+
+    def barrier_arrivals(self, generation: int, name: str) -> set[int]:
+        return {int(w) for w in self._under(f"barrier/{generation}/{name}/")}
+
+    def outcome(self, generation: int, name: str) -> tuple[int, ...] | None:
+        value = self.items.get(f"outcome/{generation}/{name}")
+        return None if value is None else tuple(value)
+
+    def end(self) -> Mapping[str, Any] | None:
+        return self.items.get("end")
+
+    def book(self, generation: int) -> AgreementBook:
+        """World ``generation``'s agreement book as this view sees it."""
+        book = AgreementBook(generation, self.worlds().get(generation, ()))
+        dead = self.dead()
+        for w, a in self.arrivals(generation).items():
+            if w in book.members and w not in dead:
+                book.arrive(w, generation, int(a["last_step"]), a.get("first_replayable"))
+        for w in dead:
+            book.mark_dead(w)
+        return book
+
+    def failed_members(self, generation: int) -> tuple[int, ...]:
+        """Members of world ``generation`` known dead (or left out of the next world)."""
+        members = self.worlds().get(generation, ())
+        after = self.worlds().get(generation + 1)
+        if after is not None:
+            return tuple(m for m in members if m not in after)
+        dead = self.dead()
+        return tuple(m for m in members if m in dead)
+
+
+def agreement_of(record: Mapping[str, Any], worker_id: int) -> Agreement | None:
+    raw = record.get("agreements", {}).get(str(worker_id))
+    return None if raw is None else wire.AgreementReply.from_wire(raw).agreement
+
+
+class EtcdArbiter:
+    """One node's side of the job's agreement, barriers and watches, kept in etcd; the same
+    calls as `arbiter.Arbiter`. Call `member_died`, `end` and `close` with ``roster.cv``
+    held; `agree`, `barrier` and `watch` without it.
+
+    Args:
+        store: the job's keys.
+        node_rank, nproc: this node, and the workers of each node.
+        agree_timeout_s: the barrier's deadline, from each arrival.
+        roster: this node's agents (and the launcher's lock, ``roster.cv``).
+        services: the coordination services this node hosts.
+        record: logs a launcher event.
+        on_view: called with ``roster.cv`` held after each change of the mirror.
+        poll_s: how often the mirror reads the keys.
+    """
+
+    def __init__(self, store: EtcdStore, *, node_rank: int, nproc: int,
+                 agree_timeout_s: float, roster: AgentRoster, services: ServiceHost,
+                 record: Callable[[dict[str, Any]], None],
+                 on_view: Callable[[JobView], None] | None = None, poll_s: float = 0.05):
+        self.store, self.node_rank, self.nproc = store, node_rank, nproc
+        self._timeout_s = agree_timeout_s
+        self._roster, self._services, self._record = roster, services, record
+        self._on_view, self._poll_s = on_view, poll_s
+        self._seen: set[int] = set()
+        self._local_dead: set[int] = set()
+        self.view = JobView({}, nproc)
+        self._ending: str | None = None
+        self._closed = False
+        self._deciding = threading.Lock()
+        # Writes made with the launcher's lock held go through one thread, in order.
+        self._writes = concurrent.futures.ThreadPoolExecutor(1, "mnemojax-etcd-write")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._mirror, name="mnemojax-etcd-mirror",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    # -- the mirror ---------------------------------------------------------------------------
+    def refresh(self) -> JobView:
+        """Reads the keys now; returns (and keeps) the new view."""
+        items = self.store.items()
+        with self._roster.cv:
+            if items != self.view.items:
+                live = {int(k.split("/", 1)[1]) for k in items if k.startswith("nodes/")}
+                self._seen |= live
+                self.view = JobView(items, self.nproc, frozenset(self._seen),
+                                    frozenset(self._local_dead))
+                if self._on_view is not None:
+                    self._on_view(self.view)
+                self._roster.cv.notify_all()
+            return self.view
+
+    def _mirror(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.refresh()
+            except RendezvousError as e:
+                logger.warning("etcd unreachable: %s", e)
+
+    def _write(self, fn: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except RendezvousError as e:
+                logger.error("etcd write lost: %s", e)
+        if not self._closed:
+            self._writes.submit(run)
+
+    # -- what the launcher calls --------------------------------------------------------------
+    @property
+    def worlds(self) -> dict[int, tuple[int, ...]]:
+        return self.view.worlds()
+
+    def member_died(self, worker_id: int) -> None:
+        if worker_id not in self._local_dead:
+            self._local_dead.add(worker_id)
+            self.view = dataclasses.replace(self.view, local_dead=frozenset(self._local_dead))
+            self._write(lambda: self.store.put(self.store.key("dead", worker_id),
+                                               {"by_node": self.node_rank}))
+
+    def publish_exit(self, worker_id: int, code: int) -> None:
+        """This node's worker ``worker_id`` ended with ``code`` (a 0 is not a death when
+        its node leaves)."""
+        self._write(lambda: self.store.put(self.store.key("exit", worker_id), code))
+
+    def forget_agent(self, worker_id: int) -> None:
+        self._write(lambda: self.store.delete(self.store.key("agents", worker_id)))
+
+    def live_members(self) -> list[int]:
+        view = self.view
+        dead = view.dead()
+        return [m for m in view.worlds().get(view.latest(), ()) if m not in dead]
+
+    def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
+            signal: int | None = None) -> None:
+        """No new world from now on, on every node: the first ``end`` of the job is every
+        node's (a worker's error status ``code``, or a stop ``signal`` they all forward)."""
+        if self._ending is None:
+            self._ending = why
+            self._write(lambda: self.store.create(self.store.key("end"), {
+                "why": why, "code": code, "worker_id": worker_id, "signal": signal,
+                "node": self.node_rank}))
+        self._roster.cv.notify_all()
+
+    def close(self) -> None:
+        """This launcher is shutting down (the job goes on elsewhere if it can)."""
+        self._closed = True
+        if self._ending is None:
+            self._ending = "the launcher is shutting down"
+        self._stop.set()
+        self._roster.cv.notify_all()
+
+    def join(self) -> None:
+        """Waits for the mirror and the pending writes (after `close`)."""
+        self._writes.shutdown(wait=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def ending(self) -> str | None:
+        if self._ending is not None:
+            return self._ending
+        end = self.view.end()
+        return None if end is None else str(end.get("why"))
+
+    def _check_member(self, worker_id: int, generation: int) -> None:
+        view = self.view
+        if generation != view.latest() or worker_id not in view.worlds().get(generation, ()):
+            raise AgreementError(f"worker {worker_id} is not a member of world {generation} "
+                                 f"(the current world is {view.latest()})",
+                                 generation=generation)
+        if worker_id in view.dead():
+            raise AgreementError(f"worker {worker_id} was declared dead (evicted)",
+                                 generation=generation)
+
+    def _evict(self, members: Sequence[int], **why: Any) -> None:
+        for m in members:
+            self._record({"op": "evicted", "worker_id": m, **why})
+            self.member_died(m)
+
+    def agree(self, request: wire.Agree) -> Agreement:
+        """Barrier, then the decision, as `arbiter.Arbiter.agree`; any node decides, etcd
+        keeps the first decision (a transaction), and the new world's coordination service
+        runs on the node that made it.
+
+        Raises:
+            AgreementError: as `arbiter.Arbiter.agree`.
+        """
+        w, g, cv = request.worker_id, request.generation, self._roster.cv
+        with cv:
+            self._check_member(w, g)
+        self.store.put(self.store.key("arrive", g, w), {
+            "last_step": request.last_step, "first_replayable": request.first_replayable})
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            with cv:
+                view = self.view
+                if (record := view.world(g + 1)) is not None:
+                    agreement = agreement_of(record, w)
+                    if agreement is None:
+                        raise AgreementError(f"worker {w} died during the agreement",
+                                             generation=g)
+                    return agreement
+                if (why := self.ending()) is not None:
+                    raise AgreementError(why, generation=g)
+                if w in view.dead():
+                    raise AgreementError(f"worker {w} died during the agreement", generation=g)
+                book = view.book(g)
+                if not (book.complete() and w in book.arrived):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._evict(book.missing())
+                        deadline = time.monotonic() + self._timeout_s
+                    cv.wait(timeout=min(max(left, 0.01), 0.2))
+                    continue
+            self._decide(g)
+            self.refresh()
+
+    def _decide(self, generation: int) -> None:
+        """Decides world ``generation + 1`` unless another node has (one at a time here)."""
+        with self._deciding:
+            view = self.refresh()
+            if view.world(generation + 1) is not None:
+                return
+            book = view.book(generation)
+            if not book.complete():
+                return
+            agents = view.agents()
+            replies = ask_holdings(sorted(set(agents.values())), secret=self._roster.secret)
+            for address, reply in replies.items():
+                for bad in reply.corrupt:
+                    self._record({"op": "corrupt_copy", "agent": address,
+                                  **dataclasses.asdict(bad)})
+            holdings = {a: list(r.copies) for a, r in replies.items()}
+            survivors = [m for m in book.members if m in book.arrived]
+            nxt = generation + 1
+            service = self._services.start(nxt, len(survivors))
+            try:
+                decision = book.decide(coordinator=service.address, holdings=holdings,
+                                       homes=agents, members_of=view.worlds())
+            except AgreementError:
+                self._services.stop(nxt)
+                raise
+            record = {"members": survivors, "coordinator": service.address,
+                      "host_node": self.node_rank,
+                      "agreements": {str(m): wire.AgreementReply(agreement=a).to_wire()
+                                     for m, a in decision.items()}}
+            won = self.store.create(self.store.key("world", nxt), record,
+                                    unless=[self.store.key("end")])
+            if not won:
+                self._services.stop(nxt)
+                return
+            first = decision[survivors[0]]
+            self._record({"op": "decided", "generation": nxt, "survivors": survivors,
+                          "resume_step": first.resume_step, "lost": list(first.lost),
+                          "coordinator": service.address, "node": self.node_rank})
+
+    def barrier(self, request: wire.Barrier) -> wire.BarrierReply:
+        """As `arbiter.Arbiter.barrier`; the first outcome written to etcd is every
+        member's.
+
+        Raises:
+            AgreementError: the caller is not a live member of the current world.
+        """
+        w, g, name, cv = request.worker_id, request.generation, request.name, self._roster.cv
+        with cv:
+            self._check_member(w, g)
+        self.store.put(self.store.key("barrier", g, name, w), 1)
+        deadline = time.monotonic() + request.timeout_s
+        while True:
+            with cv:
+                view = self.view
+                outcome, proposal = view.outcome(g, name), None
+                if outcome is None:
+                    members, dead = view.worlds().get(g, ()), view.dead()
+                    arrived = view.barrier_arrivals(g, name)
+                    gone = tuple(m for m in members if m in dead)
+                    if gone or all(m in arrived for m in members):
+                        proposal = gone
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            self._evict([m for m in members if m not in arrived],
+                                        barrier=name)
+                            deadline = time.monotonic() + request.timeout_s
+                        cv.wait(timeout=min(max(left, 0.01), 0.2))
+                        continue
+            if outcome is None and proposal is not None:
+                key = self.store.key("outcome", g, name)
+                if self.store.create(key, list(proposal)):
+                    outcome = proposal
+                    if outcome:
+                        self._record({"op": "barrier_failed", "generation": g, "name": name,
+                                      "failed": list(outcome)})
+                else:
+                    outcome = tuple(self.store.get(key) or ())
+            return wire.BarrierReply(failed=tuple(outcome or ()))
+
+    def watch(self, request: wire.WatchWorld) -> wire.WorldFailed:
+        """As `arbiter.Arbiter.watch`, from the mirror."""
+        g, cv = request.generation, self._roster.cv
+        deadline = time.monotonic() + request.timeout_s
+        with cv:
+            while not (failed := self.view.failed_members(g)):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                cv.wait(timeout=min(left, 0.5))
+            return wire.WorldFailed(generation=g, failed=failed)

@@ -1,0 +1,57 @@
+"""``mnemojax status --rdzv etcd://HOST:PORT --rdzv-id JOB``: a multi-node job as etcd has
+it (`plane`): the live nodes, the current world and where its coordination service runs,
+the dead workers, the exits and why the job ended. ``--json`` prints the summary as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mnemojax._src.distributed.launcher.etcd_store import EtcdStore
+from mnemojax._src.distributed.launcher.plane import JobView
+
+
+def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
+    """The job's state as one dict (``nproc``: workers per node, read from the nodes'
+    records when not given)."""
+    items = store.items()
+    if nproc is None:
+        nproc = max((len(v.get("workers", ())) for k, v in items.items()
+                     if k.startswith("nodes/") and isinstance(v, dict)), default=1) or 1
+    view = JobView(items, nproc)
+    latest = view.latest()
+    world = view.world(latest) or {}
+    return {"live_nodes": sorted(view.live_nodes()),
+            "generation": latest, "members": world.get("members", []),
+            "coordinator": world.get("coordinator"), "host_node": world.get("host_node"),
+            "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
+            "dead": sorted(view.dead()), "exits": view.exits(), "end": view.end()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rdzv", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]")
+    parser.add_argument("--rdzv-id", default="mnemojax", help="the job's name in etcd")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    s = summary(EtcdStore.from_url(args.rdzv, args.rdzv_id, retry_s=5.0))
+    if args.json:
+        print(json.dumps(s, sort_keys=True))
+        return 0
+    if s["generation"] < 0:
+        print(f"job {args.rdzv_id!r}: no world formed yet; live nodes {s['live_nodes']}")
+        return 0
+    print(f"job {args.rdzv_id!r}: world {s['generation']}, workers {s['members']}, "
+          f"coordination service {s['coordinator']} on node {s['host_node']}")
+    print(f"  live nodes: {s['live_nodes']}")
+    for g, members in s["worlds"].items():
+        print(f"  world {g}: {members}")
+    if s["dead"]:
+        print(f"  dead workers: {s['dead']}")
+    if s["exits"]:
+        print(f"  exits: {s['exits']}")
+    if s["end"]:
+        print(f"  ended: {s['end'].get('why')}")
+    return 0

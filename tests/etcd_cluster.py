@@ -1,0 +1,102 @@
+"""A real etcd cluster on loopback ports for the multi-launcher tests (Debian's
+``etcd-server``; `make etcd` installs it). Members are separate processes the test can kill;
+every member is killed and its data directory removed when the context ends."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from mnemojax._src.distributed import transport
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd")
+
+
+def require_etcd() -> str:
+    """The etcd binary, or skip (with the reason and the fix)."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("etcd is not installed (make etcd: apt-get install etcd-server)")
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        pytest.skip("the etcd3gw client is not installed (pip install mnemojax[etcd])")
+    return binary
+
+
+class EtcdCluster:
+    """``size`` members on free loopback ports. ``url`` is ``etcd://h:p,h:p,...``."""
+
+    def __init__(self, size: int = 3):
+        self.binary = require_etcd()
+        self.size = size
+        self.dir = tempfile.mkdtemp(prefix="mnjx-etcd-")
+        self.client_ports = [transport.free_port() for _ in range(size)]
+        self.peer_ports = [transport.free_port() for _ in range(size)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self.url = "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
+        for i in range(self.size):
+            client, peer = f"http://127.0.0.1:{self.client_ports[i]}", \
+                f"http://127.0.0.1:{self.peer_ports[i]}"
+            with open(f"{self.dir}/m{i}.log", "wb") as log:  # the member keeps its copy
+                self.procs[i] = subprocess.Popen(
+                    [self.binary, "--name", f"m{i}", "--data-dir", f"{self.dir}/m{i}",
+                     "--listen-client-urls", client, "--advertise-client-urls", client,
+                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                     "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                     "--initial-cluster-token", f"mnjx-{self.client_ports[0]}",
+                     "--heartbeat-interval", "50", "--election-timeout", "500",
+                     "--log-level", "error"],
+                    stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + timeout_s
+        for i in range(self.size):
+            while not self._healthy(i):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"etcd member m{i} not healthy in {timeout_s} s")
+                time.sleep(0.1)
+
+    def _healthy(self, i: int) -> bool:
+        try:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.client_ports[i]}/health", timeout=1) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` (the cluster keeps a quorum with one of three gone)."""
+        proc = self.procs[i]
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def etcd_cluster(size: int = 3) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
