@@ -39,6 +39,7 @@ from mnemojax._src.errors import (
     NonFiniteSkipWarning,
     StepHangError,
     UnsupportedStateError,
+    WorldConfigError,
 )
 from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
@@ -255,6 +256,12 @@ class ResilientStep(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         t_call = time.perf_counter()
         b = self._built if self._built is not None else self._build(args, kwargs)
+        if b.session is not None and b.session.resume is not None:
+            raise WorldConfigError(
+                f"this process was restarted into a running job (world "
+                f"{b.session.world.generation}, at step {b.session.resume.resume_step}): call "
+                "step.restore(...) with the state before the first step, and start the loop "
+                "at the step it returns")
         state_args, user_batch = b.form.split_call(args, kwargs)
         b.durability.check_preemption(self._step, b.last_written)
         leaves = b.form.state_of(state_args)
@@ -296,7 +303,9 @@ class ResilientStep(Generic[P, R]):
 
     def restore(self, *args: Any, **kwargs: Any) -> Any:
         """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
-        the step counter to its step.
+        the step counter to its step. In a process that ``mnemojax launch`` restarted into
+        a running job (its previous process died with its world's coordination service),
+        restores the step the job agreed on from the agents' in-memory copies instead.
 
         Call it before the first step with the step's state, as the step takes it: the
         NNX objects it carries, positionally as a prefix of the step's arguments or by
@@ -318,7 +327,10 @@ class ResilientStep(Generic[P, R]):
         state_args = b.form.split_restore(args, kwargs)
         leaves = b.form.state_of(state_args)
         shardings = shd.named(b.runtime.mesh, b.form.specs)
-        restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
+        restored = b.session.take_resume(shardings, put=b.runtime.layer.put) \
+            if b.session is not None else None
+        if restored is None:
+            restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step

@@ -9,12 +9,13 @@ import threading
 import pytest
 
 from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper, parse_endpoints
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.launcher.plane import EtcdArbiter, JobView, ring
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
-from mnemojax._src.errors import InvalidOptionError
+from mnemojax._src.errors import AgreementError, InvalidOptionError
 from tests.etcd_cluster import etcd_cluster
 
 
@@ -68,70 +69,138 @@ def cluster():
         yield c
 
 
-def test_store_creates_once_and_survives_a_member_loss(cluster):
+class TwoNodes:
+    """Two nodes' arbiters over one job in ``cluster``, world 0 = workers 0..3 (2 each)."""
+
+    def __init__(self, cluster, job: str):
+        self.store = EtcdStore.from_url(cluster.url, job)
+        self.store.put(self.store.key("world", 0), {"members": [0, 1, 2, 3],
+                                                    "coordinator": "-", "host_node": 0})
+        self.arbiters, self.hosts = [], []
+        for rank in (0, 1):
+            self.store.put(self.store.key("nodes", rank), {})
+            roster, services = AgentRoster(secret=b"s" * 32), ServiceHost(heartbeat_s=10)
+            self.arbiters.append(EtcdArbiter(self.store, node_rank=rank, nproc=2,
+                                             agree_timeout_s=30, roster=roster,
+                                             services=services, record=lambda e: None,
+                                             poll_s=0.02))
+            self.hosts.append(services)
+        for a in self.arbiters:
+            a.start()
+
+    def of(self, worker: int) -> EtcdArbiter:
+        return self.arbiters[worker // 2]
+
+    def together(self, call, workers) -> dict:
+        """``call(worker)`` from one thread per worker; worker -> result or exception."""
+        results: dict = {}
+
+        def run(w):
+            try:
+                results[w] = call(w)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                results[w] = e
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return results
+
+    def close(self):
+        for a, s in zip(self.arbiters, self.hosts, strict=True):
+            with a._roster.cv:
+                a.close()
+            a.join()
+            s.stop_all()
+
+
+@pytest.fixture
+def nodes(cluster, request):
+    two = TwoNodes(cluster, request.node.name.replace("[", "-").replace("]", ""))
+    try:
+        yield two
+    finally:
+        two.close()
+
+
+def test_two_nodes_agree_once_on_the_next_world(nodes):
+    """Worker 3 dies: survivors 0, 1 (node 0) and 2 (node 1) get the same world 1, decided
+    once, with its coordination service on the deciding node; worker 3 is dead in it."""
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].member_died(3)
+    results = nodes.together(lambda w: nodes.of(w).agree(
+        wire.Agree(worker_id=w, generation=0, last_step=7)), (0, 1, 2))
+    decided = [results[w] for w in (0, 1, 2)]
+    assert all(isinstance(a, Agreement) for a in decided), decided
+    assert {a.survivors for a in decided} == {(0, 1, 2)}
+    assert [a.process_id for a in decided] == [0, 1, 2]
+    world1 = nodes.store.get(nodes.store.key("world", 1))
+    assert world1["members"] == [0, 1, 2]
+    assert {a.coordinator for a in decided} == {world1["coordinator"]}
+    # The node that lost the transaction stopped the service it had started.
+    assert sum(1 for s in nodes.hosts if s._services) == 1
+    with pytest.raises(AgreementError, match="not a member of world 0"):
+        nodes.arbiters[0].agree(wire.Agree(worker_id=0, generation=0, last_step=7))
+
+
+def test_a_barrier_has_one_outcome_on_every_node(nodes):
+    passed = nodes.together(lambda w: nodes.of(w).barrier(
+        wire.Barrier(worker_id=w, generation=0, name="c", timeout_s=30)), (0, 1, 2, 3))
+    assert {r.failed for r in passed.values()} == {()}
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].member_died(3)  # dead before it arrives: failed for all
+    failed = nodes.together(lambda w: nodes.of(w).barrier(
+        wire.Barrier(worker_id=w, generation=0, name="d", timeout_s=30)), (0, 1, 2))
+    assert {r.failed for r in failed.values()} == {(3,)}
+
+
+def test_the_end_on_one_node_stops_every_agreement(nodes):
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].end("the job is ending: worker 3 exited with status 1", code=1,
+                              worker_id=3)
+    with pytest.raises(AgreementError, match="worker 3 exited with status 1"):
+        nodes.arbiters[0].agree(wire.Agree(worker_id=0, generation=0, last_step=1))
+    assert nodes.store.get(nodes.store.key("end"))["code"] == 1
+    assert nodes.store.get(nodes.store.key("world", 1)) is None
+
+
+def test_a_lost_node_is_told_to_the_other_nodes_watch(nodes):
+    """Node 1's lease is gone (its key deleted, as at expiry): a watch on node 0 returns
+    node 1's workers as failed, and they are dead in node 0's view."""
+    results: dict = {}
+    watcher = threading.Thread(target=lambda: results.update(w=nodes.arbiters[0].watch(
+        wire.WatchWorld(worker_id=0, generation=0, timeout_s=30))))
+    watcher.start()
+    nodes.store.delete(nodes.store.key("nodes", 1))
+    watcher.join(timeout=30)
+    assert results["w"].failed == (2, 3)
+    assert nodes.arbiters[0].live_members() == [0, 1]
+
+
+def test_an_ambiguous_create_is_read_back(cluster):
+    """A transaction that committed, then was retried (a timeout), reads as this call's."""
+    store = EtcdStore.from_url(cluster.url, "ambiguous-test")
+    key, value = store.key("world", 1), {"nonce": "abc"}
+    assert store.create(key, value)
+    assert store.create(key, value)  # the retry of our own commit
+    assert not store.create(key, {"nonce": "other"})
+
+
+def test_store_survives_a_member_loss(cluster):
+    """Last in this module: it kills a member of the module's cluster."""
     store = EtcdStore.from_url(cluster.url, "store-test", retry_s=10)
     key = store.key("world", 1)
     assert store.create(key, {"by": "a"}) and not store.create(key, {"by": "b"})
     assert not store.create(store.key("world", 2), 1, unless=[key])
-    assert store.get(key) == {"by": "a"}
     keeper = LeaseKeeper(store, 2)
-    store.put(store.key("nodes", 0), "alive", lease=keeper.lease)
-    cluster.kill(0)  # the member every call tried first
-    assert store.items()["nodes/0"] == "alive"
-    store.put(store.key("x"), [1, 2])
-    assert store.get(store.key("x")) == [1, 2]
-    keeper.close(revoke=True)
+    try:
+        store.put(store.key("nodes", 0), "alive", lease=keeper.lease)
+        cluster.kill(0)  # the member every call tried first
+        assert store.items()["nodes/0"] == "alive"
+        store.put(store.key("x"), [1, 2])
+        assert store.get(store.key("x")) == [1, 2]
+    finally:
+        keeper.close(revoke=True)
     assert "nodes/0" not in store.items()
-
-
-def test_two_nodes_agree_once_on_the_next_world(tmp_path):
-    """Two nodes' arbiters, four workers (threads); worker 3 dies: every survivor gets the
-    same world 1, decided once, with its coordination service on the deciding node."""
-    with etcd_cluster(3) as c:
-        store = EtcdStore.from_url(c.url, "agree-test")
-        store.put(store.key("world", 0), {"members": [0, 1, 2, 3], "coordinator": "-",
-                                          "host_node": 0})
-        arbiters, hosts = [], []
-        for rank in (0, 1):
-            store.put(store.key("nodes", rank), {})
-            roster, services = AgentRoster(secret=b"s" * 32), ServiceHost(heartbeat_s=10)
-            arbiters.append(EtcdArbiter(store, node_rank=rank, nproc=2, agree_timeout_s=30,
-                                        roster=roster, services=services, record=lambda e: None,
-                                        poll_s=0.02))
-            hosts.append(services)
-        try:
-            for a in arbiters:
-                a.start()
-            with arbiters[1]._roster.cv:
-                arbiters[1].member_died(3)
-            results: dict[int, object] = {}
-
-            def agree(w):
-                try:
-                    results[w] = arbiters[w // 2].agree(
-                        wire.Agree(worker_id=w, generation=0, last_step=7))
-                except Exception as e:  # noqa: BLE001 - the test reports it
-                    results[w] = e
-
-            threads = [threading.Thread(target=agree, args=(w,)) for w in (0, 1, 2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=60)
-            decided = [results[w] for w in (0, 1, 2)]
-            assert all(hasattr(a, "survivors") for a in decided), decided
-            assert {a.survivors for a in decided} == {(0, 1, 2)}  # pyright: ignore
-            assert [a.process_id for a in decided] == [0, 1, 2]  # pyright: ignore
-            world1 = store.get(store.key("world", 1))
-            assert world1["members"] == [0, 1, 2]
-            assert {a.coordinator for a in decided} == {world1["coordinator"]}  # pyright: ignore
-            # The losing node started no service, or stopped the one it started.
-            assert sum(1 for s in hosts if s._services) == 1
-            with pytest.raises(Exception, match="not a member of world 0"):
-                arbiters[0].agree(wire.Agree(worker_id=0, generation=0, last_step=7))
-        finally:
-            for a, s in zip(arbiters, hosts, strict=True):
-                with a._roster.cv:
-                    a.close()
-                a.join()
-                s.stop_all()

@@ -3,7 +3,7 @@
 python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
-    [--transient-worker W --transient-at-step K]
+    [--transient-worker W --transient-at-step K] [--restore]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--transient-at-step", type=int, default=-1, help="... at this step")
     parser.add_argument("--ckpt-every", type=int, default=0,
                         help="Orbax checkpoint every N steps (with --ckpt)")
+    parser.add_argument("--restore", action="store_true",
+                        help="step.restore() first and start the loop at the step it returns "
+                             "(a worker the launcher restarts into the running job needs it)")
     args = parser.parse_args()
     me = session.world.stable_id if session is not None else 0
     mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
@@ -56,7 +59,10 @@ def main() -> None:
                                   event_log=events, run_name=f"w{me}", nonfinite="skip_batch",
                                   persistent=mnemojax.PersistentOptions(
                                       directory=args.ckpt, every_steps=args.ckpt_every)))
+    start = step.restore(model, optimizer) if args.restore else 0
     for k, batch in enumerate(h.make_batches(args.steps), start=1):
+        if k <= start:
+            continue
         if k == args.nan_at_step:  # every process gets the same global batch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)

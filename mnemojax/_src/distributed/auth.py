@@ -64,6 +64,12 @@ def secret_from_env(env: Mapping[str, str]) -> bytes | None:
     return secret
 
 
+def fingerprint(secret: bytes) -> str:
+    """A public name of ``secret`` (HMAC of a fixed label): equal fingerprints mean equal
+    secrets, and it reveals nothing usable about the secret."""
+    return hmac.new(secret, b"mnemojax-secret-id", hashlib.sha256).hexdigest()[:16]
+
+
 def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
 

@@ -27,6 +27,10 @@ GENERATION = "MNEMOJAX_GENERATION"
 WORKER_ID = "MNEMOJAX_WORKER_ID"  # stable id of the host slot (process id at launch)
 ATTACH_TIMEOUT_S = "MNEMOJAX_ATTACH_TIMEOUT_S"
 PEER_WATCH = "MNEMOJAX_PEER_WATCH"  # "0": no `worker.peer_watch` (collective timeout only)
+# A worker restarted into a running job (its previous process died with its world's
+# coordination service): the agreement of the world it joins, as `wire.AgreementReply`
+# JSON. `ResilientStep.restore` takes the agreed state from the agents' copies.
+RESUME = "MNEMOJAX_RESUME"
 SLURM_DEFAULT_PORT = 8476
 
 

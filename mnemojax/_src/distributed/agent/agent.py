@@ -47,11 +47,13 @@ class Agent:
         shm_prefix: the job's shared-memory prefix.
         secret: the job secret (`auth`): proves every connection it opens and is required
             of every connection it accepts. Its worker inherits it with the environment.
+        host: the address it serves copies on (other nodes' agents and launchers reach it
+            there; loopback on one machine).
     """
 
     def __init__(self, *, worker_id: int, launcher: str, command: Sequence[str],
                  hang_factor: float = 10.0, hang_min_s: float = 5.0, shm_prefix: str = "mnjx_",
-                 secret: bytes):
+                 secret: bytes, host: str = "127.0.0.1"):
         self.worker_id = worker_id
         self._stop = threading.Event()
         self._stop_requested = False  # set by `stop` (a signal handler): no lock taken
@@ -63,7 +65,7 @@ class Agent:
         self.worker = WorkerProcess(command)
         self.server = AgentServer(worker_id, holder=self.snapshots, replicator=self.replicator,
                                   watchdog=self.watchdog, report=self.link.report,
-                                  stop=self._stop, secret=secret)
+                                  stop=self._stop, secret=secret, host=host)
         self.address = self.server.address
 
     def stop(self) -> None:

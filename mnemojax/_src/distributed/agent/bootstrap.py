@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-min-s", type=float, default=5.0)
     p.add_argument("--parent-pid", type=int, default=None, help="die with this parent")
     p.add_argument("--shm-prefix", default=f"mnjx{os.getpid()}_")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve copies on")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{auth.JOB_SECRET} is not set (the launcher sets it)")
     agent = Agent(worker_id=args.worker_id, launcher=args.launcher, command=command,
                   hang_factor=args.hang_factor, hang_min_s=args.hang_min_s,
-                  shm_prefix=args.shm_prefix, secret=secret)
+                  shm_prefix=args.shm_prefix, secret=secret, host=args.host)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())  # the main loop cleans up
     return agent.run()
 

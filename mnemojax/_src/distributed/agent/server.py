@@ -33,15 +33,16 @@ class AgentServer:
         report: sends an event to the launcher.
         stop: ends the accept loop.
         secret: the job secret every connection must prove (`auth`).
+        host: the address to listen on.
     """
 
     def __init__(self, worker_id: int, *, holder: SnapshotHolder, replicator: Replicator,
                  watchdog: HangWatchdog, report: Callable[[wire.AgentEvent], None],
-                 stop: threading.Event, secret: bytes):
+                 stop: threading.Event, secret: bytes, host: str = "127.0.0.1"):
         self.worker_id = worker_id
         self._holder, self._replicator, self._watchdog = holder, replicator, watchdog
         self._report, self._stop, self._secret = report, stop, secret
-        self._server, self.address = transport.listen()
+        self._server, self.address = transport.listen(host)
 
     def start(self) -> None:
         threading.Thread(target=transport.accept_loop, args=(self._server, self._handle),

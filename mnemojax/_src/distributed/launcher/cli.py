@@ -52,8 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the job's name in etcd (unique per run)")
     parser.add_argument("--nnodes", type=int, default=1, help="launchers (nodes) of the job")
     parser.add_argument("--node-rank", type=int, default=0, help="this node (0..nnodes-1)")
-    parser.add_argument("--node-ttl-s", type=int, default=3,
+    parser.add_argument("--node-ttl-s", type=int, default=5,
                         help="a node silent in etcd for this long is lost")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="with --rdzv: the address of this node that the others reach "
+                             "(its agents and coordination services listen there)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the worker command, e.g. -- python train.py")
 
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         hang_min_s=args.hang_min_s, agree_timeout_s=args.agree_timeout_s,
         recover=not args.no_recover, job_timeout_s=args.timeout_s,
         stop_grace_s=args.stop_grace_s, rdzv=args.rdzv, rdzv_id=args.rdzv_id,
-        nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s)
+        nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s,
+        host=args.host)
     if options.rdzv is not None:
         from mnemojax._src.distributed.launcher.node import NodeLauncher
         return NodeLauncher(options, command).run()

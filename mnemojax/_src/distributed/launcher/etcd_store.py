@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from mnemojax._src.errors import DistributedError, InvalidOptionError
@@ -91,9 +91,11 @@ class EtcdStore:
     def from_url(cls, url: str, job: str, **kwargs: Any) -> EtcdStore:
         return cls(parse_endpoints(url), job, **kwargs)
 
-    def _call(self, fn: Callable[[Any], T]) -> T:
-        """``fn(client)`` on the current member, then on the others in turn."""
-        deadline = time.monotonic() + self._retry_s
+    def _call(self, fn: Callable[[Any], T], retry_s: float | None = None) -> T:
+        """``fn(client)`` on the current member, then on the others in turn, for up to
+        ``retry_s`` (default: the store's)."""
+        retry_s = self._retry_s if retry_s is None else retry_s
+        deadline = time.monotonic() + retry_s
         last: BaseException | None = None
         while True:
             for _ in range(len(self._clients)):
@@ -105,7 +107,7 @@ class EtcdStore:
                     self._current = (self._current + 1) % len(self._clients)
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no etcd member of {list(self.endpoints)} answered "
-                                      f"within {self._retry_s:.0f} s: {last}") from last
+                                      f"within {retry_s:.0f} s: {last}") from last
             time.sleep(0.1)
 
     def key(self, *parts: object) -> str:
@@ -120,17 +122,27 @@ class EtcdStore:
         self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
 
     def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
-               lease: int | None = None) -> bool:
-        """Puts ``key`` only if neither it nor any key of ``unless`` exists (one
-        transaction); True if this call created it."""
+               lease: int | None = None, also: Mapping[str, Any] | None = None) -> bool:
+        """Puts ``key`` (and the keys of ``also``) only if neither it nor any key of
+        ``unless`` exists, in one transaction; True if this call created it.
+
+        A transaction retried on another member after a timeout may have committed the
+        first time: when it then fails, the key is read back, and a value equal to
+        ``value`` counts as this call's (give values a nonce where that matters).
+        """
         from etcd3gw.utils import _encode
-        put: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
-        if lease is not None:
-            put["lease"] = lease
+        puts = []
+        for k, v in {key: value, **(also or {})}.items():
+            put: dict[str, Any] = {"key": _encode(k), "value": _encode(json.dumps(v))}
+            if lease is not None and k == key:
+                put["lease"] = lease
+            puts.append({"request_put": put})
         txn = {"compare": [{"key": _encode(k), "result": "EQUAL", "target": "CREATE",
                             "create_revision": 0} for k in (key, *unless)],
-               "success": [{"request_put": put}], "failure": []}
-        return bool(self._call(lambda c: c.transaction(txn)).get("succeeded", False))
+               "success": puts, "failure": []}
+        if self._call(lambda c: c.transaction(txn)).get("succeeded", False):
+            return True
+        return self.get(key) == json.loads(json.dumps(value))
 
     def get(self, key: str) -> Any | None:
         values = self._call(lambda c: c.get(key))
@@ -160,9 +172,10 @@ class EtcdStore:
                                                                              "ID": 0}))
         return int(reply["ID"])
 
-    def keepalive(self, lease: int) -> int:
+    def keepalive(self, lease: int, *, retry_s: float | None = None) -> int:
         """Renews ``lease``; its new TTL, or -1 once it has expired."""
-        reply = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        reply = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}),
+                           retry_s)
         return int(reply.get("result", {}).get("TTL", -1))
 
     def revoke(self, lease: int) -> None:
@@ -187,15 +200,17 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
+        renewed = time.monotonic()
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                alive = self.store.keepalive(self.lease) > 0
+                alive = self.store.keepalive(self.lease, retry_s=self.ttl_s / 3) > 0
             except RendezvousError as e:
                 logger.warning("etcd lease %x not renewed: %s", self.lease, e)
-                continue
-            if not alive:
-                logger.error("etcd lease %x expired: this launcher's keys are gone",
-                             self.lease)
+                alive = time.monotonic() - renewed < self.ttl_s
+            else:
+                renewed = time.monotonic() if alive else renewed
+            if not alive:  # expired, or etcd out of reach for a whole TTL: as good as gone
+                logger.error("etcd lease %x lost: this launcher's keys are gone", self.lease)
                 if self._on_lost is not None:
                     self._on_lost()
                 return

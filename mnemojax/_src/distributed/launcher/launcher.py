@@ -69,7 +69,7 @@ class Launcher:
         # Proves every connection of this job (`auth`); several nodes share one.
         self.secret = auth.new_secret() if secret is None else secret
         self.roster = AgentRoster(secret=self.secret)
-        self.services = ServiceHost(heartbeat_s=options.heartbeat_s)
+        self.services = ServiceHost(heartbeat_s=options.heartbeat_s, host=options.host)
         self.arbiter: WorldArbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
                                roster=self.roster, services=self.services, record=self._record)
         self._failed_code: int | None = None
@@ -239,6 +239,7 @@ class Launcher:
                         return self._stop_workers()
                     if t_end is not None and time.monotonic() > t_end:
                         self._record({"op": "job_timeout"})
+                        self.arbiter.end("the job is ending: --timeout-s ran out", code=124)
                         return 124
                     self.roster.cv.wait(timeout=0.2)
             return rc

@@ -14,26 +14,45 @@ stops the old world's service where it ran and re-forms this node's part of the 
 ring; a worker of this node declared dead elsewhere (evicted) is killed; the job's end,
 decided on any node, ends this node too (a worker's error status, or a stop signal that
 every node forwards to its workers).
+
+**Coordinator loss.** With jaxlib 0.10, a JAX client whose coordination service dies
+aborts its process: no survivor of the node that ran the service can re-initialise in
+place. Their agents live on, with the copies. So a worker that crashes while its world's
+service cannot be reached is not dead but *restarted*: its node arrives at the agreement
+for it (any step its agents' copies cover will do), and once the next world is decided
+(its service on a surviving node), starts a fresh process in it with the agreement in
+``MNEMOJAX_RESUME``. That process's ``step.restore()`` fetches the agreed state from the
+agents, and its loop starts after that step (`NodeLauncher._respawn_loop`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mnemojax._src.distributed import auth, wire
+from mnemojax._src.distributed import auth, env, wire
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
-from mnemojax._src.distributed.launcher.plane import EtcdArbiter, JobView, ring
-from mnemojax._src.errors import DistributedError, WorldConfigError
+from mnemojax._src.distributed.launcher.plane import (
+    ANY_STEP,
+    EtcdArbiter,
+    JobView,
+    agreement_of,
+    ring,
+)
+from mnemojax._src.errors import AgreementError, DistributedError, WorldConfigError
 
 logger = logging.getLogger("mnemojax")
 
 FORM_TIMEOUT_S = 120.0  # every node must have registered by then
+PROBE_TIMEOUT_S = 0.5  # a coordination service that does not accept by then is gone
 
 
 def shared_secret(environ: dict[str, str] | None = None) -> bytes:
@@ -80,6 +99,8 @@ class NodeLauncher(Launcher):
         self._dead_seen: set[int] = set()
         self._killed: set[int] = set()
         self._end_seen = False
+        self._coordinator_lost = False
+        self._respawning: set[int] = set()  # crashed with their service: to restart
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -95,11 +116,25 @@ class NodeLauncher(Launcher):
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             self._set_buddies(view, view.worlds()[g])
+        current = view.world(view.latest()) or {}
+        if current.get("host_node") in view.lost_nodes() and not self._coordinator_lost:
+            self._coordinator_lost = True
+            self._record({"op": "coordinator_lost", "generation": view.latest(),
+                          "node": current.get("host_node")})
+            logger.warning(
+                "mnemojax launch: node %s, which ran world %d's coordination service, is "
+                "lost. With jaxlib 0.10 a JAX client whose service dies aborts its process, "
+                "so the survivors are restarted into the next world from their agents' "
+                "copies", current.get("host_node"), view.latest())
         dead = view.dead()
         if new := dead - self._dead_seen:
             self._dead_seen |= new
             self._record({"op": "dead", "workers": sorted(new)})
             self.roster.command_all(wire.PauseWatchdog())  # survivors may block a while
+            if not o.recover and self._failed_code is None:  # --no-recover: any death ends it
+                self._failed_code = 128 + 9
+                self.plane.end(f"the job is ending: workers {sorted(new)} died and recovery "
+                               "is off", code=self._failed_code)
         for w in dead & set(o.local_workers):
             if w not in self.roster.exit_codes and w not in self._killed:
                 self._killed.add(w)  # evicted by another node: fence it here
@@ -112,8 +147,10 @@ class NodeLauncher(Launcher):
                 if end.get("signal") is not None and not self._stop_signals:
                     self._stop_signals.append(int(end["signal"]))
                 elif end.get("code") and self._worker_error is None:
-                    self._worker_error = (int(end["worker_id"]), int(end["code"]),
-                                          time.monotonic())
+                    # Every node ends with the status of the one that ended the job.
+                    worker = end.get("worker_id")
+                    self._worker_error = (-1 if worker is None else int(worker),
+                                          int(end["code"]), time.monotonic())
 
     def _set_buddies(self, view: JobView, members: Sequence[int]) -> None:
         """Tells this node's agents their buddies in the ring over ``members``' agents."""
@@ -131,6 +168,21 @@ class NodeLauncher(Launcher):
 
     # -- the launcher's hooks -----------------------------------------------------------------
     def _worker_gone(self, worker_id: int, code: int) -> None:
+        if code > 0 and (worker_id in self._killed or worker_id in self.plane.view.dead()):
+            code = -9  # evicted elsewhere: its exit (its agreement failed) is no user error
+        if (code < 0 and worker_id not in self.roster.exit_codes and self.options.recover
+                and self._world_service_gone(worker_id)):
+            # It died with its world's coordination service (jaxlib 0.10 aborts every
+            # client of a dead service): restart it into the next world (`_respawn_loop`).
+            generation = self.plane.view.latest()
+            self.roster.exit_codes[worker_id] = code
+            self._respawning.add(worker_id)
+            self.plane.arrive_for(worker_id, generation)
+            self._record({"op": "respawning", "worker_id": worker_id, "code": code,
+                          "generation": generation})
+            self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
+            self.roster.cv.notify_all()
+            return
         if worker_id not in self.roster.exit_codes:
             self.plane.publish_exit(worker_id, code)
         super()._worker_gone(worker_id, code)
@@ -138,6 +190,81 @@ class NodeLauncher(Launcher):
             self.plane.end(f"the job is ending: worker {worker_id} failed ({code}) and "
                            "recovery is off", code=128 - code if code < 0 else code,
                            worker_id=worker_id)
+
+    def _world_service_gone(self, worker_id: int) -> bool:
+        """Whether the coordination service of ``worker_id``'s current world is gone (its
+        node is lost, or it does not accept a connection). Call with ``roster.cv`` held:
+        at most `PROBE_TIMEOUT_S`."""
+        view = self.plane.view
+        record = view.world(view.latest()) or {}
+        if worker_id not in record.get("members", ()):
+            return False
+        if record.get("host_node") in view.lost_nodes():
+            return True
+        if record.get("host_node") == self.options.node_rank:
+            return False  # in this process, alive
+        host, _, port = str(record.get("coordinator", "")).rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+                return False
+        except (OSError, ValueError):
+            return True
+
+    def _respawn_loop(self) -> None:
+        """Restarts the workers of this node that died with their world's coordination
+        service, in the next world, once it is decided (any node may decide it)."""
+        cv = self.roster.cv
+        while True:
+            with cv:
+                cv.wait_for(lambda: bool(self._respawning) or self.plane.closed)
+                if self.plane.closed:
+                    return
+                generation = self.plane.view.latest()
+                first = min(self._respawning)
+            try:  # drives the decision; the others' arrivals are in (`_worker_gone`)
+                self.plane.agree(wire.Agree(worker_id=first, generation=generation,
+                                            last_step=ANY_STEP))
+                record = self.plane.view.world(generation + 1) or {}
+            except AgreementError as e:
+                with cv:
+                    for w in sorted(self._respawning):
+                        self._record({"op": "respawn_failed", "worker_id": w, "why": str(e)})
+                        self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
+                        self.plane.member_died(w)
+                    self._respawning.clear()
+                    self.roster.cv.notify_all()
+                continue
+            with cv:
+                self._restart(generation + 1, record)
+
+    def _restart(self, generation: int, record: dict[str, Any]) -> None:
+        """Starts this node's respawning members of world ``generation`` (``roster.cv``
+        held); the others are dead."""
+        o, view = self.options, self.plane.view
+        agents = view.agents()
+        order = ring([m for m in record.get("members", ()) if m in agents], o.nproc)
+        for w in sorted(self._respawning):
+            agreement = agreement_of(record, w)
+            if agreement is None:
+                self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
+                self.plane.member_died(w)
+                continue
+            nxt = order[(order.index(w) + 1) % len(order)] if w in order else None
+            self.roster.exit_codes.pop(w, None)
+            self.roster.command(w, wire.Start(env={
+                **worker_env(o, w, coordinator=agreement.coordinator, control=self.control,
+                             extra_env=self.extra_env),
+                env.PROCESS_ID: str(agreement.process_id),
+                env.NUM_PROCESSES: str(agreement.num_processes),
+                env.GENERATION: str(generation),
+                env.RESUME: json.dumps(wire.AgreementReply(agreement=agreement).to_wire())},
+                buddy=agents.get(nxt) if nxt is not None and len(order) > 1 else None))
+            self._record({"op": "respawned", "worker_id": w, "generation": generation,
+                          "resume_step": agreement.resume_step})
+            logger.warning("mnemojax launch: worker %d restarted into world %d from step %d",
+                           w, generation, agreement.resume_step)
+        self._respawning.clear()
+        self.roster.cv.notify_all()
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)
@@ -156,9 +283,10 @@ class NodeLauncher(Launcher):
 
     def _start(self) -> None:
         o, cv = self.options, self.roster.cv
-        if self.store.get(self.store.key("end")) is not None:
-            raise WorldConfigError(f"rdzv_id={o.rdzv_id!r} names a job that has ended: give "
-                                   "each run its own --rdzv-id")
+        if self.store.items("world/") or self.store.get(self.store.key("end")) is not None:
+            raise WorldConfigError(f"rdzv_id={o.rdzv_id!r} names a job that has already run "
+                                   "(its worlds are in etcd): give each run its own "
+                                   "--rdzv-id")
         self._control.start()
         self.supervisor.start()
         with cv:
@@ -172,12 +300,15 @@ class NodeLauncher(Launcher):
         self.store.put(self.store.key("nodes", o.node_rank),
                        {"pid": os.getpid(), "control": self.control,
                         "workers": list(o.local_workers), "shm_prefix": self.shm_prefix,
+                        "nproc": o.nproc, "nnodes": o.nnodes,
+                        "secret_id": auth.fingerprint(self.secret),
                         "agent_pids": {str(w): p.pid for w, p in self.agents.items()}},
                        lease=self._lease.lease)
         self.plane.start()
         view = self._wait_view(lambda v: len(v.live_nodes()) == o.nnodes
                                or v.world(0) is not None,
                                f"all {o.nnodes} nodes to register")
+        self._check_nodes(view)
         if view.world(0) is None and o.node_rank == min(view.live_nodes()):
             service = self.services.start(0, o.world_size)
             if not self.store.create(self.store.key("world", 0), {
@@ -188,6 +319,8 @@ class NodeLauncher(Launcher):
         record = view.world(0) or {}
         self._record({"op": "world", "generation": 0, "members": record["members"],
                       "coordinator": record["coordinator"], "host_node": record["host_node"]})
+        threading.Thread(target=self._respawn_loop, name="mnemojax-respawn",
+                         daemon=True).start()
         everyone = view.agents()
         order = ring(list(range(o.world_size)), o.nproc)
         with cv:
@@ -197,6 +330,25 @@ class NodeLauncher(Launcher):
                     env=worker_env(o, w, coordinator=record["coordinator"],
                                    control=self.control, extra_env=self.extra_env),
                     buddy=everyone.get(nxt) if len(order) > 1 else None))
+
+    def _check_nodes(self, view: JobView) -> None:
+        """Every node was launched alike: the same workers per node, node count and secret.
+
+        Raises:
+            WorldConfigError: naming the node and the value that differ.
+        """
+        o = self.options
+        mine = {"nproc": o.nproc, "nnodes": o.nnodes, "secret_id": auth.fingerprint(self.secret)}
+        for key, record in sorted(view.items.items()):
+            if key.startswith("nodes/") and isinstance(record, dict):
+                for name, value in mine.items():
+                    if record.get(name) != value:
+                        what = "MNEMOJAX_JOB_SECRET" if name == "secret_id" else name
+                        raise WorldConfigError(
+                            f"node {key.split('/')[1]} was launched with another {what} "
+                            f"than node {o.node_rank}" + (
+                                "" if name == "secret_id"
+                                else f" ({record.get(name)} != {value})"))
 
     def _wait_view(self, ready: Callable[[JobView], bool], what: str) -> JobView:
         with self.roster.cv:

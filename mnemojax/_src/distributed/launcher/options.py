@@ -40,6 +40,9 @@ class LaunchOptions:
             are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.
         node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
             lost (its workers are dead).
+        host: the address this node's agents and coordination services listen on and
+            advertise (other nodes must reach it). JAX's coordination service authenticates
+            no one: across hosts, keep it on a private network.
     """
 
     nproc: int
@@ -57,7 +60,8 @@ class LaunchOptions:
     rdzv_id: str = "mnemojax"
     nnodes: int = 1
     node_rank: int = 0
-    node_ttl_s: int = 3
+    node_ttl_s: int = 5
+    host: str = "127.0.0.1"
 
     def __post_init__(self):
         for name in ("nproc", "devices_per_proc", "heartbeat_s", "collective_timeout_s"):

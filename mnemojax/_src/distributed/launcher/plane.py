@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,9 @@ from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
 
 logger = logging.getLogger("mnemojax")
+
+
+ANY_STEP = 2**62  # the last step of a worker restarted from its agents' copies: no limit
 
 
 def node_of(worker_id: int, nproc: int) -> int:
@@ -81,6 +85,13 @@ class JobView:
     def live_nodes(self) -> set[int]:
         return {int(r) for r in self._under("nodes/")}
 
+    def lost_nodes(self) -> set[int]:
+        """Nodes of the job (seen alive once, or running a member of a world) whose lease
+        is gone."""
+        known = set(self.seen_nodes) | {node_of(w, self.nproc)
+                                        for g in self.worlds().values() for w in g}
+        return known - self.live_nodes()
+
     def agents(self) -> dict[int, str]:
         """Worker id -> its agent's address, for agents of live nodes."""
         return {int(w): str(a) for w, a in self._under("agents/").items()}
@@ -91,8 +102,7 @@ class JobView:
     def dead(self) -> set[int]:
         """Declared dead, or on a lost node without having exited 0."""
         dead = {int(w) for w in self._under("dead/")} | set(self.local_dead)
-        lost = self.seen_nodes - self.live_nodes()
-        if lost:
+        if lost := self.lost_nodes():
             exits = self.exits()
             for g in self.worlds().values():
                 dead |= {w for w in g if node_of(w, self.nproc) in lost and exits.get(w) != 0}
@@ -177,6 +187,7 @@ class EtcdArbiter:
         self._ending: str | None = None
         self._closed = False
         self._deciding = threading.Lock()
+        self._refreshing = threading.Lock()  # one read-and-install at a time: never older
         # Writes made with the launcher's lock held go through one thread, in order.
         self._writes = concurrent.futures.ThreadPoolExecutor(1, "mnemojax-etcd-write")
         self._stop = threading.Event()
@@ -190,7 +201,11 @@ class EtcdArbiter:
     # -- the mirror ---------------------------------------------------------------------------
     def refresh(self) -> JobView:
         """Reads the keys now; returns (and keeps) the new view."""
-        items = self.store.items()
+        with self._refreshing:
+            items = self.store.items()
+            return self._install(items)
+
+    def _install(self, items: dict[str, Any]) -> JobView:
         with self._roster.cv:
             if items != self.view.items:
                 live = {int(k.split("/", 1)[1]) for k in items if k.startswith("nodes/")}
@@ -208,6 +223,8 @@ class EtcdArbiter:
                 self.refresh()
             except RendezvousError as e:
                 logger.warning("etcd unreachable: %s", e)
+            except Exception:  # the mirror must outlive a bug in a reaction to it
+                logger.exception("mnemojax launch: error while acting on etcd's keys")
 
     def _write(self, fn: Callable[[], object]) -> None:
         def run() -> None:
@@ -234,6 +251,13 @@ class EtcdArbiter:
         """This node's worker ``worker_id`` ended with ``code`` (a 0 is not a death when
         its node leaves)."""
         self._write(lambda: self.store.put(self.store.key("exit", worker_id), code))
+
+    def arrive_for(self, worker_id: int, generation: int) -> None:
+        """This node arrives at world ``generation``'s agreement for its worker
+        ``worker_id``, which died with the world's coordination service and will be
+        restarted into the next world: any step its agents' copies cover will do."""
+        self._write(lambda: self.store.put(self.store.key("arrive", generation, worker_id),
+                                           {"last_step": ANY_STEP, "first_replayable": None}))
 
     def forget_agent(self, worker_id: int) -> None:
         self._write(lambda: self.store.delete(self.store.key("agents", worker_id)))
@@ -268,6 +292,10 @@ class EtcdArbiter:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def ending(self) -> str | None:
         if self._ending is not None:
             return self._ending
@@ -297,6 +325,13 @@ class EtcdArbiter:
         Raises:
             AgreementError: as `arbiter.Arbiter.agree`.
         """
+        try:
+            return self._agree(request)
+        except RendezvousError as e:
+            raise AgreementError(f"etcd could not be reached: {e}",
+                                 generation=request.generation) from e
+
+    def _agree(self, request: wire.Agree) -> Agreement:
         w, g, cv = request.worker_id, request.generation, self._roster.cv
         with cv:
             self._check_member(w, g)
@@ -353,11 +388,15 @@ class EtcdArbiter:
                 self._services.stop(nxt)
                 raise
             record = {"members": survivors, "coordinator": service.address,
-                      "host_node": self.node_rank,
+                      "host_node": self.node_rank, "nonce": secrets.token_hex(8),
                       "agreements": {str(m): wire.AgreementReply(agreement=a).to_wire()
                                      for m, a in decision.items()}}
+            # The members left out are dead in the same transaction: their nodes kill them.
+            left_out = {self.store.key("dead", m): {"by_node": self.node_rank,
+                                                    "why": f"not in world {nxt}"}
+                        for m in book.members if m not in survivors}
             won = self.store.create(self.store.key("world", nxt), record,
-                                    unless=[self.store.key("end")])
+                                    unless=[self.store.key("end")], also=left_out)
             if not won:
                 self._services.stop(nxt)
                 return
@@ -373,6 +412,13 @@ class EtcdArbiter:
         Raises:
             AgreementError: the caller is not a live member of the current world.
         """
+        try:
+            return self._barrier(request)
+        except RendezvousError as e:
+            raise AgreementError(f"etcd could not be reached: {e}",
+                                 generation=request.generation) from e
+
+    def _barrier(self, request: wire.Barrier) -> wire.BarrierReply:
         w, g, name, cv = request.worker_id, request.generation, request.name, self._roster.cv
         with cv:
             self._check_member(w, g)

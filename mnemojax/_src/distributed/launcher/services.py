@@ -41,8 +41,8 @@ class CoordinationService:
 def start_service(port: int, num_processes: int, *, heartbeat_s: int = 10,
                   shutdown_timeout_s: int = 30, host: str = "127.0.0.1") -> CoordinationService:
     """Starts a recoverable coordination service in this process, listening on ``host``
-    only (loopback: the launcher's jobs are single-machine, and JAX's service
-    authenticates no one, so it must not be reachable from other hosts)."""
+    only: loopback on one machine, since JAX's service authenticates no one; a job over
+    several nodes gives the node's address, which must be on a private network."""
     handle = jax_private.new_service(f"{host}:{port}", num_processes, heartbeat_s=heartbeat_s,
                                      shutdown_timeout_s=shutdown_timeout_s)
     logger.info("coordination service on %s:%d for %d processes", host, port, num_processes)
@@ -55,16 +55,17 @@ class ServiceHost:
 
     Args:
         heartbeat_s: heartbeat timeout of every service started.
+        host: the address they listen on (loopback unless the job spans several nodes).
     """
 
-    def __init__(self, *, heartbeat_s: int):
-        self.heartbeat_s = heartbeat_s
+    def __init__(self, *, heartbeat_s: int, host: str = "127.0.0.1"):
+        self.heartbeat_s, self.host = heartbeat_s, host
         self._services: dict[int, CoordinationService] = {}
 
     def start(self, generation: int, num_processes: int) -> CoordinationService:
         """Starts world ``generation``'s service on a free port."""
-        service = start_service(transport.free_port(), num_processes,
-                                heartbeat_s=self.heartbeat_s)
+        service = start_service(transport.free_port(self.host), num_processes,
+                                heartbeat_s=self.heartbeat_s, host=self.host)
         self._services[generation] = service
         return service
 

@@ -54,6 +54,7 @@ class AgentSupervisor:
                     "--worker-id", str(w), "--launcher", self.control,
                     "--parent-pid", str(os.getpid()), "--shm-prefix", self.shm_prefix,
                     "--hang-factor", str(o.hang_factor), "--hang-min-s", str(o.hang_floor_s),
+                    "--host", o.host,
                     "--", *self.command),
                 env={**os.environ, **auth.secret_env(self._secret)},
                 start_new_session=True)

@@ -104,7 +104,7 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
         # process stays out of the new world, so it never forms and everyone agrees again.
         t = time.perf_counter()
         try:
-            payloads, fetched_from = _fetch(agreement, world.secret or b"")
+            payloads, fetched_from = fetch_agreed(agreement, world.secret or b"")
         except StateUnavailableError as e:
             phases["fetch"] += time.perf_counter() - t
             _next_round(coordinator, world, f"the agreed state could not be fetched: {e}")
@@ -125,7 +125,8 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)
 
 
-def _fetch(agreement: Agreement, secret: bytes) -> tuple[list[bytearray], dict[int, str]]:
+def fetch_agreed(agreement: Agreement,
+                 secret: bytes) -> tuple[list[bytearray], dict[int, str]]:
     """The agreed step's payloads from the sources (each worker's own agent first),
     checked to be of the agreed step and world."""
     payloads, fetched_from = [], {}

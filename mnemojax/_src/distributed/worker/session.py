@@ -18,6 +18,7 @@ step then finds the session with `current()` and:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -25,13 +26,14 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.env import CONTROL, COORDINATOR, PEER_WATCH, WorldSpec
+from mnemojax._src.distributed import snapshot_codec, wire
+from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.env import CONTROL, COORDINATOR, PEER_WATCH, RESUME, WorldSpec
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
 from mnemojax._src.distributed.worker.peer_watch import PeerWatch
-from mnemojax._src.distributed.worker.recovery import WorldRecovery, recover_world
+from mnemojax._src.distributed.worker.recovery import WorldRecovery, fetch_agreed, recover_world
 from mnemojax._src.distributed.worker.state_transfer import PutFn
 from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning, WorldConfigError
 
@@ -56,6 +58,8 @@ class DistributedSession:
         coordinator: the agreement service (None outside ``mnemojax launch``).
         publish_refused: snapshots stopped for good (over the host-memory budget).
         peer_watch: tells the step's pending wait of a peer's death (`peer_watch`).
+        resume: set when this process was restarted into a running job (``MNEMOJAX_RESUME``):
+            the agreement of the world it joined; `take_resume` restores its state.
     """
 
     def __init__(self, world: WorldSpec):
@@ -67,6 +71,7 @@ class DistributedSession:
                                                secret=secret) if world.control else None
         self.publish_refused = False  # over the host-memory budget (see `publish`)
         self.peer_watch: PeerWatch | None = None  # started by `initialize` under a launcher
+        self.resume: Agreement | None = None
 
     @property
     def can_recover(self) -> bool:
@@ -164,6 +169,24 @@ class DistributedSession:
         """
         return state_transfer.restore_leaves(rec.payloads, shardings, put=put)
 
+    def take_resume(self, shardings: Sequence[jax.sharding.Sharding], *,
+                    put: PutFn) -> tuple[int, list[jax.Array]] | None:
+        """For a process restarted into a running job: the agreed step and state, fetched
+        from the agents named in the agreement (CRC-checked) and placed with ``put``; None
+        when there is nothing to resume, or no step's state survived in memory
+        (``resume_step == -1``: the caller falls back to the persistent tier). Once only.
+
+        Raises:
+            StateUnavailableError: a copy could not be fetched, or the copies mix steps or
+                leave an element uncovered.
+        """
+        agreement, self.resume = self.resume, None
+        if agreement is None or agreement.resume_step < 0:
+            return None
+        payloads, _ = fetch_agreed(agreement, self.world.secret or b"")
+        return agreement.resume_step, state_transfer.restore_leaves(payloads, shardings,
+                                                                    put=put)
+
     def agree_stop(self, name: str, proposal: int) -> int:
         """The step after which every process stops for a preemption notice: the first
         proposal for ``name`` in this world wins (`coordination.agree_stop_step`)."""
@@ -198,6 +221,11 @@ def initialize() -> DistributedSession | None:
     if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
     _current = session = DistributedSession(coordination.initialize_worker())
+    if raw := os.environ.get(RESUME):
+        session.resume = wire.AgreementReply.from_wire(json.loads(raw)).agreement
+        log.warning("mnemojax: restarted into world %d as process %d; the state of step %d "
+                    "comes from the agents' copies at step.restore()", session.world.generation,
+                    session.world.process_id, session.resume.resume_step)
     _report_uncaught_exceptions(session)
     if session.coordinator is not None and os.environ.get(PEER_WATCH, "1") != "0":
         session.peer_watch = PeerWatch(

@@ -1,0 +1,160 @@
+"""Two simulated nodes of one job: two ``mnemojax launch --rdzv etcd://`` launchers (2
+workers x 1 CPU device each, `tests.jobs.mp_resilient_job`), a real 3-member etcd, and the
+kill of one whole node mid-run. Used by `tests/e2e/multinode_test.py`, and runnable to
+measure the kill -> next good step of each survivor::
+
+    PYTHONPATH=. python -m tests.jobs.two_nodes --victim coordination_service [--repeat 3]
+
+Needs etcd (`make etcd`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from mnemojax._src.distributed.launcher.etcd_store import EtcdStore
+from mnemojax._src.distributed.launcher.scenario import process_alive
+from mnemojax._src.distributed.launcher.status import summary
+from mnemojax._src.distributed.shm import sweep
+
+NPROC = 2  # workers per node
+VICTIMS = ("worker_nodes", "coordination_service")
+
+
+def host(rank: int) -> str:
+    """Each simulated node serves on an address of its own (all of 127/8 is loopback)."""
+    return f"127.0.0.{rank + 1}"
+
+
+def launch(url: str, job: str, rank: int, out: str, env: dict[str, str], *, steps: int,
+           sleep_s: float) -> subprocess.Popen[bytes]:
+    """Node ``rank``'s launcher; its job restores first (a restarted worker needs it)."""
+    cmd = [sys.executable, "-m", "mnemojax", "launch", "--rdzv", url, "--rdzv-id", job,
+           "--nnodes", "2", "--node-rank", str(rank), "--nproc", str(NPROC),
+           "--host", host(rank), "--devices-per-proc", "1", "--timeout-s", "200", "--",
+           sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
+           "--steps", str(steps), "--model-axis", "1", "--step-sleep-s", str(sleep_s),
+           "--restore"]
+    with open(os.path.join(out, f"launcher-{rank}.log"), "wb") as log:  # the child keeps it
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def step_times(out: str) -> dict[int, list[tuple[int, float]]]:
+    """Worker -> [(step, time)] from the event logs."""
+    times: dict[int, list[tuple[int, float]]] = {}
+    for name in os.listdir(out):
+        if name.startswith("mnemojax-events-w"):
+            w = int(name[len("mnemojax-events-w"):].split(".")[0])
+            with open(os.path.join(out, name)) as f:
+                for line in f:
+                    if '"kind": "step"' in line:
+                        e = json.loads(line)
+                        times.setdefault(w, []).append((e["step"], e["time"]))
+    return times
+
+
+def wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+@dataclasses.dataclass
+class Outcome:
+    rc: int
+    victim: int
+    killed_at: float
+    final: dict[str, Any]
+    nodes: dict[int, dict[str, Any]]
+    survivor_shm: list[str]
+
+    def next_good_step_s(self, out: str) -> list[float]:
+        """Per survivor: seconds from the kill to its first step after it."""
+        return [min(t for _, t in steps if t > self.killed_at) - self.killed_at
+                for w, steps in step_times(out).items() if w // NPROC != self.victim
+                and any(t > self.killed_at for _, t in steps)]
+
+
+def run(cluster_url: str, kill_member, out: str, victim_runs: str, *, steps: int = 10,
+        sleep_s: float = 0.3, kill_after: int = 3) -> Outcome:
+    """Runs the job, kills the node that runs (or not) world 0's coordination service and
+    one etcd member (``kill_member()``), waits for the survivor; ends every process."""
+    env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
+    job = f"two-nodes-{os.getpid()}-{secrets.token_hex(3)}"
+    store = EtcdStore.from_url(cluster_url, job)
+    launchers: list[subprocess.Popen[bytes]] = []
+    nodes: dict[int, dict[str, Any]] = {}
+    try:
+        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s)
+                     for r in (0, 1)]
+        world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
+        nodes = {r: store.get(store.key("nodes", r)) for r in (0, 1)}
+        wait(lambda: any(len(s) >= kill_after for s in step_times(out).values()), 120,
+             f"{kill_after} steps")
+        victim = world0["host_node"] if victim_runs == "coordination_service" else (
+            1 - world0["host_node"])
+        killed_at = time.time()
+        os.kill(nodes[victim]["pid"], signal.SIGKILL)  # the whole node at once
+        for pid in nodes[victim]["agent_pids"].values():  # each agent's group: + its worker
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        kill_member()  # and an etcd member, during the recovery
+        rc = launchers[1 - victim].wait(timeout=240)
+        survivor_shm = sweep(nodes[1 - victim]["shm_prefix"])  # its launcher swept: empty
+        return Outcome(rc, victim, killed_at, summary(store, NPROC), nodes, survivor_shm)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        for rec in nodes.values():  # the killed node's agents never removed theirs
+            sweep(rec["shm_prefix"])
+
+
+def leftover_pids(nodes: dict[int, dict[str, Any]]) -> list[int]:
+    pids = [rec["pid"] for rec in nodes.values()] + [
+        p for rec in nodes.values() for p in rec["agent_pids"].values()]
+    return [p for p in pids if process_alive(p)]
+
+
+def main() -> None:
+    from tests.etcd_cluster import etcd_cluster
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--victim", choices=VICTIMS, default="coordination_service")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-after", type=int, default=10)
+    args = parser.parse_args()
+    figures = []
+    for i in range(args.repeat):
+        with etcd_cluster(3) as cluster, tempfile.TemporaryDirectory() as out:
+            o = run(cluster.url, lambda: cluster.kill(0), out, args.victim, steps=args.steps,
+                    sleep_s=0.1, kill_after=args.kill_after)
+            times = o.next_good_step_s(out)
+            figures += times
+            print(f"run {i}: rc {o.rc}, world {o.final['generation']} {o.final['members']}, "
+                  f"kill -> next good step per survivor: "
+                  + ", ".join(f"{t:.2f} s" for t in times), flush=True)
+    if figures:
+        print(f"median {statistics.median(figures):.2f} s over {len(figures)} survivors")
+
+
+if __name__ == "__main__":
+    main()
