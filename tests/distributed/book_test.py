@@ -114,3 +114,27 @@ def test_resume_step_must_be_replayable_by_every_survivor():
     decision = book.decide(coordinator="c", holdings=holdings)[0]
     assert decision.resume_step == -1 and decision.lost == ()
     assert "older than step 5" in decision.why
+
+
+def test_spares_take_the_ranks_of_the_dead_when_there_are_enough():
+    holdings = {"x": [copy(0, 6, [(0, 6)])]}
+
+    def decide(joiners):
+        book = AgreementBook(0, [0, 1, 2])
+        book.arrive(0, 0, last_step=6)
+        book.arrive(2, 0, last_step=6)
+        book.mark_dead(1)
+        return book.decide(coordinator="c", holdings=holdings, joiners=joiners)
+
+    full = decide([7, 8])  # one dead, two spares: the first takes worker 1's rank
+    assert set(full) == {0, 7, 2}
+    assert [full[w].process_id for w in (0, 7, 2)] == [0, 1, 2]
+    assert full[0].survivors == (0, 7, 2) and full[0].num_processes == 3
+    assert full[7].replaces == {7: 1} and full[7].resume_step == 6
+    shrunk = decide([])  # no spare: the world shrinks, ranks close up
+    assert shrunk[2].process_id == 1 and shrunk[2].replaces == {}
+    book = AgreementBook(0, [0, 1, 2])  # two dead, one spare: not enough, none joins
+    book.arrive(0, 0, last_step=6)
+    book.mark_dead(1)
+    book.mark_dead(2)
+    assert book.decide(coordinator="c", holdings=holdings, joiners=[7])[0].survivors == (0,)

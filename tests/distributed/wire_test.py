@@ -40,6 +40,7 @@ EXAMPLES = [
     wire.AgreementReply(agreement=AGREEMENT),
     wire.AgreementReply(agreement=dataclasses.replace(AGREEMENT, resume_step=-1, sources={},
                                                       lost=(1,), why="gone")),
+    wire.AgreementReply(agreement=dataclasses.replace(AGREEMENT, replaces={7: 1})),
     wire.Barrier(worker_id=1, generation=0, name="mnemojax-compiled-0", timeout_s=300.0),
     wire.BarrierReply(failed=()),
     wire.BarrierReply(failed=(0, 2)),

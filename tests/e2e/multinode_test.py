@@ -58,3 +58,19 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
         assert rec["plan_kind"] == "process_loss"
     assert o.survivor_shm == [], "the surviving launcher left shared memory behind"
     assert two_nodes.leftover_pids(o.nodes) == [], "a process outlived the job"
+
+
+def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):
+    """Worker 0's host dies (it owns every shard): node 0's spare takes its rank, so the
+    mesh stays 4 x 1; then that spare's host dies, and node 1's spare takes the rank with
+    the state from the replica the first spare re-created. Exact at the end."""
+    steps = 14
+    out = str(tmp_path)
+    with etcd_cluster(3) as cluster:
+        codes, final, left = two_nodes.run_spares(cluster.url, out, steps=steps)
+    assert codes == [0, 0]
+    assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3], 2: [5, 1, 2, 3]}
+    h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+    kept = two_nodes.recoveries(out, 1)  # a survivor throughout, recovered in place twice
+    assert [e["new_mesh"] for e in kept] == [{"data": 4, "model": 1}] * 2
+    assert left == [], "a process outlived the job"

@@ -39,10 +39,11 @@ def host(rank: int) -> str:
 
 
 def launch(url: str, job: str, rank: int, out: str, env: dict[str, str], *, steps: int,
-           sleep_s: float) -> subprocess.Popen[bytes]:
+           sleep_s: float, spares: int = 0) -> subprocess.Popen[bytes]:
     """Node ``rank``'s launcher; its job restores first (a restarted worker needs it)."""
     cmd = [sys.executable, "-m", "mnemojax", "launch", "--rdzv", url, "--rdzv-id", job,
            "--nnodes", "2", "--node-rank", str(rank), "--nproc", str(NPROC),
+           "--spares", str(spares),
            "--host", host(rank), "--devices-per-proc", "1", "--timeout-s", "200", "--",
            sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--model-axis", "1", "--step-sleep-s", str(sleep_s),
@@ -125,6 +126,47 @@ def run(cluster_url: str, kill_member, out: str, victim_runs: str, *, steps: int
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
         for rec in nodes.values():  # the killed node's agents never removed theirs
+            sweep(rec["shm_prefix"])
+
+
+def recoveries(out: str, worker: int) -> list[dict[str, Any]]:
+    """The recovery events in ``worker``'s event log."""
+    with open(os.path.join(out, f"mnemojax-events-w{worker}.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e.get("kind") == "recovery"]
+
+
+def run_spares(cluster_url: str, out: str, *, steps: int = 14,
+               sleep_s: float = 0.3) -> tuple[list[int], dict[str, Any], list[int]]:
+    """One spare per node. Kills worker 0's host (agent and worker: it owns every shard
+    of the data-parallel state), then, once the spare that took its place has stepped
+    twice, that spare's host: its state must come from the replica it re-created.
+    Returns both launchers' exit statuses, the final summary and the processes left."""
+    env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
+    job = f"spares-{os.getpid()}-{secrets.token_hex(3)}"
+    store = EtcdStore.from_url(cluster_url, job)
+    launchers: list[subprocess.Popen[bytes]] = []
+    nodes: dict[int, dict[str, Any]] = {}
+    try:
+        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s,
+                            spares=1) for r in (0, 1)]
+        wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
+        nodes = {r: store.get(store.key("nodes", r)) for r in (0, 1)}
+        agent_pid = {int(w): p for rec in nodes.values() for w, p in rec["agent_pids"].items()}
+        wait(lambda: len(step_times(out).get(0, ())) >= 3, 120, "three steps")
+        os.killpg(agent_pid[0], signal.SIGKILL)
+        world1 = wait(lambda: store.get(store.key("world", 1)), 120, "world 1")
+        spare = next(w for w in world1["members"] if w >= 2 * NPROC)
+        wait(lambda: len(step_times(out).get(spare, ())) >= 2, 120, "two steps of the spare")
+        os.killpg(agent_pid[spare], signal.SIGKILL)
+        codes = [p.wait(timeout=240) for p in launchers]
+        return codes, summary(store, NPROC), leftover_pids(nodes)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        for rec in nodes.values():
             sweep(rec["shm_prefix"])
 
 

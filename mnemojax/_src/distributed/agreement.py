@@ -66,6 +66,9 @@ class Agreement:
             corrupt). The survivors still form the new world, then fall back to the
             persistent tier or raise a typed error.
         why: when ``resume_step == -1``, why no in-memory state can be used.
+        replaces: joiner worker id -> the dead member whose rank (and so whose devices'
+            places in the mesh) it takes: a spare that keeps the world at full size. A
+            joiner is a fresh process: it takes the agreed state at ``step.restore()``.
     """
 
     generation: int
@@ -80,6 +83,7 @@ class Agreement:
     lost: tuple[int, ...] = ()
     resume_generation: int = 0
     why: str = ""
+    replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

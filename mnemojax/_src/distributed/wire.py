@@ -98,6 +98,16 @@ class _Fields:
             self.fail(name, f"must be a list of integers, got {value!r}")
         return tuple(value)
 
+    def int_map(self, name: str) -> dict[int, int]:
+        value = self._raw(name)
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and k.isdigit() and type(v) is int for k, v in value.items()):
+            self.fail(name, f"must map worker ids to worker ids, got {value!r}")
+        return {int(k): v for k, v in value.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._header
+
     def intervals(self, name: str) -> tuple[tuple[int, int], ...]:
         value = self._raw(name)
         if not isinstance(value, list) or not all(
@@ -326,7 +336,8 @@ class AgreementReply(Message):
             "resume_step": a.resume_step, "survivors": list(a.survivors),
             "previous_members": list(a.previous_members),
             "sources": {str(k): list(v) for k, v in a.sources.items()},
-            "lost": list(a.lost), "resume_generation": a.resume_generation, "why": a.why}}
+            "lost": list(a.lost), "resume_generation": a.resume_generation, "why": a.why,
+            "replaces": {str(k): v for k, v in a.replaces.items()}}}
 
     @classmethod
     def from_wire(cls, header: Mapping[str, Any]) -> Self:
@@ -337,7 +348,8 @@ class AgreementReply(Message):
             coordinator=f.text("coordinator"), resume_step=f.integer("resume_step"),
             survivors=f.integers("survivors"), previous_members=f.integers("previous_members"),
             sources=f.addresses_by_worker("sources"), lost=f.integers("lost"),
-            resume_generation=f.integer("resume_generation"), why=f.text("why")))
+            resume_generation=f.integer("resume_generation"), why=f.text("why"),
+            replaces=f.int_map("replaces") if "replaces" in f else {}))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

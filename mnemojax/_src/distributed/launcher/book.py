@@ -52,8 +52,13 @@ class AgreementBook:
 
     def decide(self, *, coordinator: str, holdings: Mapping[str, Sequence[CopyInfo]],
                homes: Mapping[int, str] | None = None,
-               members_of: Mapping[int, Sequence[int]] | None = None) -> dict[int, Agreement]:
+               members_of: Mapping[int, Sequence[int]] | None = None,
+               joiners: Sequence[int] = ()) -> dict[int, Agreement]:
         """Decides the new world once (idempotent).
+
+        Without joiners the survivors, in old rank order, are ranks 0..n-1. With one
+        joiner per dead member (spares; fewer are not used), each joiner takes a dead
+        member's rank, so the world keeps its size and every device its place in the mesh.
 
         Args:
             coordinator: the new world's coordination service.
@@ -62,6 +67,7 @@ class AgreementBook:
                 the sources of its snapshot (a buddy also serves its own worker's).
             members_of: generation -> its members, to name the lost workers when the
                 newest copies come from an older world (default: this world's members).
+            joiners: fresh processes (spares) that may replace the dead members.
         """
         if self.decision is not None:
             return self.decision
@@ -73,6 +79,12 @@ class AgreementBook:
         chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()),
                                     min_step=floor)
         survivors = tuple(m for m in self.members if m in self.arrived)
+        dead = [m for m in self.members if m not in self.arrived]
+        replaces: dict[int, int] = {}
+        if dead and len(joiners) >= len(dead):
+            replaces = dict(zip(joiners, dead, strict=False))
+            by_dead = {d: j for j, d in replaces.items()}
+            survivors = tuple(by_dead.get(m, m) for m in self.members)
         step, generation, lost, why = -1, 0, (), ""
         sources: dict[int, list[str]] = {}
         if chosen is not None:
@@ -104,6 +116,7 @@ class AgreementBook:
             w: Agreement(generation=self.generation + 1, worker_id=w, process_id=i,
                          num_processes=len(survivors), coordinator=coordinator,
                          resume_step=step, survivors=survivors, previous_members=self.members,
-                         sources=ordered, lost=lost, resume_generation=generation, why=why)
+                         sources=ordered, lost=lost, resume_generation=generation, why=why,
+                         replaces=replaces)
             for i, w in enumerate(survivors)}
         return self.decision

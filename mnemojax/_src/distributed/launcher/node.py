@@ -101,6 +101,7 @@ class NodeLauncher(Launcher):
         self._end_seen = False
         self._coordinator_lost = False
         self._respawning: set[int] = set()  # crashed with their service: to restart
+        self._started: set[int] = set(options.local_workers)  # spares: once they join
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -116,6 +117,9 @@ class NodeLauncher(Launcher):
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             self._set_buddies(view, view.worlds()[g])
+            for w in o.spare_ids:  # this node's spares the world takes in
+                if w in view.worlds()[g] and w not in self._started:
+                    self._start_fresh(w, g, record, "joined")
         current = view.world(view.latest()) or {}
         if current.get("host_node") in view.lost_nodes() and not self._coordinator_lost:
             self._coordinator_lost = True
@@ -155,7 +159,7 @@ class NodeLauncher(Launcher):
     def _set_buddies(self, view: JobView, members: Sequence[int]) -> None:
         """Tells this node's agents their buddies in the ring over ``members``' agents."""
         agents = view.agents()
-        order = ring([m for m in members if m in agents], self.options.nproc)
+        order = ring([m for m in members if m in agents], self.options.nproc, view.homes())
         for i, m in enumerate(order):
             if m in self.roster.links:
                 buddy = agents[order[(i + 1) % len(order)]] if len(order) > 1 else None
@@ -240,31 +244,44 @@ class NodeLauncher(Launcher):
     def _restart(self, generation: int, record: dict[str, Any]) -> None:
         """Starts this node's respawning members of world ``generation`` (``roster.cv``
         held); the others are dead."""
-        o, view = self.options, self.plane.view
-        agents = view.agents()
-        order = ring([m for m in record.get("members", ()) if m in agents], o.nproc)
         for w in sorted(self._respawning):
-            agreement = agreement_of(record, w)
-            if agreement is None:
+            if agreement_of(record, w) is None:
                 self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
                 self.plane.member_died(w)
-                continue
-            nxt = order[(order.index(w) + 1) % len(order)] if w in order else None
-            self.roster.exit_codes.pop(w, None)
-            self.roster.command(w, wire.Start(env={
-                **worker_env(o, w, coordinator=agreement.coordinator, control=self.control,
-                             extra_env=self.extra_env),
-                env.PROCESS_ID: str(agreement.process_id),
-                env.NUM_PROCESSES: str(agreement.num_processes),
-                env.GENERATION: str(generation),
-                env.RESUME: json.dumps(wire.AgreementReply(agreement=agreement).to_wire())},
-                buddy=agents.get(nxt) if nxt is not None and len(order) > 1 else None))
-            self._record({"op": "respawned", "worker_id": w, "generation": generation,
-                          "resume_step": agreement.resume_step})
-            logger.warning("mnemojax launch: worker %d restarted into world %d from step %d",
-                           w, generation, agreement.resume_step)
+            else:
+                self._start_fresh(w, generation, record, "restarted")
         self._respawning.clear()
         self.roster.cv.notify_all()
+
+    def _start_fresh(self, worker_id: int, generation: int, record: dict[str, Any],
+                     how: str) -> None:
+        """Starts a fresh process for ``worker_id`` (restarted, or a spare joining) in
+        world ``generation``, with its agreement in ``MNEMOJAX_RESUME`` (``roster.cv``
+        held)."""
+        o, view = self.options, self.plane.view
+        agreement = agreement_of(record, worker_id)
+        assert agreement is not None
+        agents = view.agents()
+        order = ring([m for m in record.get("members", ()) if m in agents], o.nproc,
+                     view.homes())
+        w = worker_id
+        nxt = order[(order.index(w) + 1) % len(order)] if w in order else None
+        self.roster.exit_codes.pop(w, None)
+        self._started.add(w)
+        self.roster.command(w, wire.Start(env={
+            **worker_env(o, w, coordinator=agreement.coordinator, control=self.control,
+                         extra_env=self.extra_env),
+            env.PROCESS_ID: str(agreement.process_id),
+            env.NUM_PROCESSES: str(agreement.num_processes),
+            env.GENERATION: str(generation),
+            env.RESUME: json.dumps(wire.AgreementReply(agreement=agreement).to_wire())},
+            buddy=agents.get(nxt) if nxt is not None and len(order) > 1 else None))
+        replaces = agreement.replaces.get(w)
+        self._record({"op": how, "worker_id": w, "generation": generation,
+                      "resume_step": agreement.resume_step, "replaces": replaces})
+        logger.warning("mnemojax launch: worker %d %s into world %d from step %d%s", w, how,
+                       generation, agreement.resume_step,
+                       "" if replaces is None else f", in place of worker {replaces}")
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)
@@ -290,17 +307,21 @@ class NodeLauncher(Launcher):
         self._control.start()
         self.supervisor.start()
         with cv:
-            if not cv.wait_for(lambda: len(self.roster.addresses) == o.nproc, timeout=60):
+            count = len(o.local_agents)
+            if not cv.wait_for(lambda: len(self.roster.addresses) == count, timeout=60):
                 raise DistributedError(
-                    f"only {len(self.roster.addresses)}/{o.nproc} agents said hello")
+                    f"only {len(self.roster.addresses)}/{count} agents said hello")
             agents = dict(self.roster.addresses)
         self._lease = LeaseKeeper(self.store, o.node_ttl_s, on_lost=self._on_lease_lost)
         for w, address in agents.items():
             self.store.put(self.store.key("agents", w), address, lease=self._lease.lease)
+        for w in o.spare_ids:  # idle until a world takes them in (`plane.JobView.idle_spares`)
+            self.store.put(self.store.key("home", w), o.node_rank)
+            self.store.put(self.store.key("spares", w), o.node_rank, lease=self._lease.lease)
         self.store.put(self.store.key("nodes", o.node_rank),
                        {"pid": os.getpid(), "control": self.control,
                         "workers": list(o.local_workers), "shm_prefix": self.shm_prefix,
-                        "nproc": o.nproc, "nnodes": o.nnodes,
+                        "nproc": o.nproc, "nnodes": o.nnodes, "spares": o.spares,
                         "secret_id": auth.fingerprint(self.secret),
                         "agent_pids": {str(w): p.pid for w, p in self.agents.items()}},
                        lease=self._lease.lease)
@@ -338,7 +359,8 @@ class NodeLauncher(Launcher):
             WorldConfigError: naming the node and the value that differ.
         """
         o = self.options
-        mine = {"nproc": o.nproc, "nnodes": o.nnodes, "secret_id": auth.fingerprint(self.secret)}
+        mine = {"nproc": o.nproc, "nnodes": o.nnodes, "spares": o.spares,
+                "secret_id": auth.fingerprint(self.secret)}
         for key, record in sorted(view.items.items()):
             if key.startswith("nodes/") and isinstance(record, dict):
                 for name, value in mine.items():

@@ -40,6 +40,10 @@ class LaunchOptions:
             are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.
         node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
             lost (its workers are dead).
+        spares: idle agents this node keeps ready (ids after every node's workers). A world
+            formed after a loss takes one in place of each dead member when there are
+            enough, so it keeps its size; the spare's fresh process takes the agreed state
+            at ``step.restore()``.
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.
@@ -61,6 +65,7 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     node_ttl_s: int = 5
+    spares: int = 0
     host: str = "127.0.0.1"
 
     def __post_init__(self):
@@ -77,6 +82,9 @@ class LaunchOptions:
         if self.rdzv is None and self.nnodes > 1:
             raise InvalidOptionError(f"nnodes={self.nnodes} needs rdzv=etcd://HOST:PORT (the "
                                      "launchers of several nodes meet in etcd)")
+        if self.spares < 0 or (self.spares and self.rdzv is None):
+            raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0, and "
+                                     "spares need rdzv=etcd://HOST:PORT")
         if self.node_ttl_s < 2:
             raise InvalidOptionError(f"node_ttl_s={self.node_ttl_s} is invalid: expected >= 2 "
                                      "(etcd's shortest lease)")
@@ -90,6 +98,17 @@ class LaunchOptions:
     def local_workers(self) -> range:
         """The ids of this node's workers."""
         return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
+
+    @property
+    def spare_ids(self) -> range:
+        """The ids of this node's spares (after every node's workers)."""
+        first = self.world_size + self.node_rank * self.spares
+        return range(first, first + self.spares)
+
+    @property
+    def local_agents(self) -> list[int]:
+        """Every agent this node starts: its workers', then its spares'."""
+        return [*self.local_workers, *self.spare_ids]
 
     @property
     def hang_floor_s(self) -> float:

@@ -12,6 +12,8 @@ The job's keys (under ``/mnemojax/<job>/``)::
 
     nodes/<rank>              leased by that node's launcher: it lives
     agents/<worker>           leased: the address its agent serves copies on
+    spares/<worker>           leased: an idle spare (its agent runs, no worker yet)
+    home/<worker>             the node of a spare (workers: worker // nproc)
     world/<g>                 world g, created once: members, coordinator, the agreements
     arrive/<g>/<worker>       a survivor of world g at the agreement barrier
     barrier/<g>/<name>/<w>    a member of world g at a post-compile barrier
@@ -55,11 +57,18 @@ def node_of(worker_id: int, nproc: int) -> int:
     return worker_id // nproc
 
 
-def ring(members: Sequence[int], nproc: int) -> list[int]:
+def ring(members: Sequence[int], nproc: int,
+         home: Mapping[int, int] | None = None) -> list[int]:
     """The buddy ring's order: members interleaved across nodes, so that each worker's
     buddy (the next in the ring) is on another node whenever there is one; a whole node's
-    loss then never takes a worker's copy and its buddy's together."""
-    return sorted(members, key=lambda w: (w % nproc, node_of(w, nproc), w))
+    loss then never takes a worker's copy and its buddy's together. ``home``: the node of
+    each spare that joined (default: by id)."""
+    home = home or {}
+    nodes: dict[int, list[int]] = {}
+    for w in sorted(members):
+        nodes.setdefault(home.get(w, node_of(w, nproc)), []).append(w)
+    index = {w: (i, n) for n, ws in nodes.items() for i, w in enumerate(ws)}
+    return sorted(members, key=lambda w: (*index[w], w))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +97,21 @@ class JobView:
     def lost_nodes(self) -> set[int]:
         """Nodes of the job (seen alive once, or running a member of a world) whose lease
         is gone."""
-        known = set(self.seen_nodes) | {node_of(w, self.nproc)
+        known = set(self.seen_nodes) | {self.node(w)
                                         for g in self.worlds().values() for w in g}
         return known - self.live_nodes()
+
+    def homes(self) -> dict[int, int]:
+        """Spare -> its node."""
+        return {int(w): int(r) for w, r in self._under("home/").items()}
+
+    def node(self, worker_id: int) -> int:
+        return self.homes().get(worker_id, node_of(worker_id, self.nproc))
+
+    def idle_spares(self) -> list[int]:
+        """Spares of live nodes that have not joined a world yet, lowest id first."""
+        used = {w for g in self.worlds().values() for w in g}
+        return sorted(w for w in map(int, self._under("spares/")) if w not in used)
 
     def agents(self) -> dict[int, str]:
         """Worker id -> its agent's address, for agents of live nodes."""
@@ -105,7 +126,7 @@ class JobView:
         if lost := self.lost_nodes():
             exits = self.exits()
             for g in self.worlds().values():
-                dead |= {w for w in g if node_of(w, self.nproc) in lost and exits.get(w) != 0}
+                dead |= {w for w in g if self.node(w) in lost and exits.get(w) != 0}
         return dead
 
     def world(self, generation: int) -> dict[str, Any] | None:
@@ -260,7 +281,10 @@ class EtcdArbiter:
                                            {"last_step": ANY_STEP, "first_replayable": None}))
 
     def forget_agent(self, worker_id: int) -> None:
-        self._write(lambda: self.store.delete(self.store.key("agents", worker_id)))
+        def forget() -> None:
+            self.store.delete(self.store.key("agents", worker_id))
+            self.store.delete(self.store.key("spares", worker_id))
+        self._write(forget)
 
     def live_members(self) -> list[int]:
         view = self.view
@@ -378,15 +402,18 @@ class EtcdArbiter:
                     self._record({"op": "corrupt_copy", "agent": address,
                                   **dataclasses.asdict(bad)})
             holdings = {a: list(r.copies) for a, r in replies.items()}
-            survivors = [m for m in book.members if m in book.arrived]
+            joining = len(book.members) - len(book.arrived)
+            joining = joining if 0 < joining <= len(view.idle_spares()) else 0
             nxt = generation + 1
-            service = self._services.start(nxt, len(survivors))
+            service = self._services.start(nxt, len(book.arrived) + joining)
             try:
                 decision = book.decide(coordinator=service.address, holdings=holdings,
-                                       homes=agents, members_of=view.worlds())
+                                       homes=agents, members_of=view.worlds(),
+                                       joiners=view.idle_spares())
             except AgreementError:
                 self._services.stop(nxt)
                 raise
+            survivors = list(next(iter(decision.values())).survivors)  # new rank order
             record = {"members": survivors, "coordinator": service.address,
                       "host_node": self.node_rank, "nonce": secrets.token_hex(8),
                       "agreements": {str(m): wire.AgreementReply(agreement=a).to_wire()
@@ -403,6 +430,7 @@ class EtcdArbiter:
             first = decision[survivors[0]]
             self._record({"op": "decided", "generation": nxt, "survivors": survivors,
                           "resume_step": first.resume_step, "lost": list(first.lost),
+                          "replaces": {str(j): d for j, d in first.replaces.items()},
                           "coordinator": service.address, "node": self.node_rank})
 
     def barrier(self, request: wire.Barrier) -> wire.BarrierReply:

@@ -26,7 +26,8 @@ def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
             "generation": latest, "members": world.get("members", []),
             "coordinator": world.get("coordinator"), "host_node": world.get("host_node"),
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
-            "dead": sorted(view.dead()), "exits": view.exits(), "end": view.end()}
+            "dead": sorted(view.dead()), "idle_spares": view.idle_spares(),
+            "exits": view.exits(), "end": view.end()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  live nodes: {s['live_nodes']}")
     for g, members in s["worlds"].items():
         print(f"  world {g}: {members}")
+    if s["idle_spares"]:
+        print(f"  idle spares: {s['idle_spares']}")
     if s["dead"]:
         print(f"  dead workers: {s['dead']}")
     if s["exits"]:

@@ -48,7 +48,7 @@ class AgentSupervisor:
 
     def start(self) -> None:
         o = self.options
-        for w in o.local_workers:
+        for w in o.local_agents:
             self.agents[w] = subprocess.Popen(
                 agent_command(
                     "--worker-id", str(w), "--launcher", self.control,
