@@ -135,12 +135,15 @@ def recoveries(out: str, worker: int) -> list[dict[str, Any]]:
         return [e for e in map(json.loads, f) if e.get("kind") == "recovery"]
 
 
-def run_spares(cluster_url: str, out: str, *, steps: int = 14,
-               sleep_s: float = 0.3) -> tuple[list[int], dict[str, Any], list[int]]:
+def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 0.3,
+               kills: list[float] | None = None
+               ) -> tuple[list[int], dict[str, Any], list[int]]:
     """One spare per node. Kills worker 0's host (agent and worker: it owns every shard
     of the data-parallel state), then, once the spare that took its place has stepped
     twice, that spare's host: its state must come from the replica it re-created.
-    Returns both launchers' exit statuses, the final summary and the processes left."""
+    Returns both launchers' exit statuses, the final summary and the processes left;
+    appends the kills' times to ``kills``."""
+    kills = [] if kills is None else kills
     env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
     job = f"spares-{os.getpid()}-{secrets.token_hex(3)}"
     store = EtcdStore.from_url(cluster_url, job)
@@ -153,10 +156,12 @@ def run_spares(cluster_url: str, out: str, *, steps: int = 14,
         nodes = {r: store.get(store.key("nodes", r)) for r in (0, 1)}
         agent_pid = {int(w): p for rec in nodes.values() for w, p in rec["agent_pids"].items()}
         wait(lambda: len(step_times(out).get(0, ())) >= 3, 120, "three steps")
+        kills.append(time.time())
         os.killpg(agent_pid[0], signal.SIGKILL)
         world1 = wait(lambda: store.get(store.key("world", 1)), 120, "world 1")
         spare = next(w for w in world1["members"] if w >= 2 * NPROC)
         wait(lambda: len(step_times(out).get(spare, ())) >= 2, 120, "two steps of the spare")
+        kills.append(time.time())
         os.killpg(agent_pid[spare], signal.SIGKILL)
         codes = [p.wait(timeout=240) for p in launchers]
         return codes, summary(store, NPROC), leftover_pids(nodes)
@@ -179,7 +184,9 @@ def leftover_pids(nodes: dict[int, dict[str, Any]]) -> list[int]:
 def main() -> None:
     from tests.etcd_cluster import etcd_cluster
     parser = argparse.ArgumentParser()
-    parser.add_argument("--victim", choices=VICTIMS, default="coordination_service")
+    parser.add_argument("--victim", choices=(*VICTIMS, "spares"), default="coordination_service",
+                        help="spares: one spare per node, worker 0's host killed, then the "
+                             "spare's that replaced it")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-after", type=int, default=10)
@@ -187,6 +194,16 @@ def main() -> None:
     figures = []
     for i in range(args.repeat):
         with etcd_cluster(3) as cluster, tempfile.TemporaryDirectory() as out:
+            if args.victim == "spares":
+                kills: list[float] = []
+                codes, final, _ = run_spares(cluster.url, out, steps=args.steps, sleep_s=0.1,
+                                             kills=kills)
+                survivor = step_times(out)[1]  # in every world
+                times = [min(t for _, t in survivor if t > k) - k for k in kills]
+                figures += times
+                print(f"run {i}: rc {codes}, worlds {final['worlds']}, kill -> worker 1's "
+                      "next good step: " + ", ".join(f"{t:.2f} s" for t in times), flush=True)
+                continue
             o = run(cluster.url, lambda: cluster.kill(0), out, args.victim, steps=args.steps,
                     sleep_s=0.1, kill_after=args.kill_after)
             times = o.next_good_step_s(out)
