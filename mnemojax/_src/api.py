@@ -37,6 +37,7 @@ from mnemojax._src.errors import (
     MathChangedWarning,
     NonFiniteLossError,
     NonFiniteSkipWarning,
+    StateUnavailableError,
     StepHangError,
     UnsupportedStateError,
     WorldConfigError,
@@ -258,8 +259,8 @@ class ResilientStep(Generic[P, R]):
         b = self._built if self._built is not None else self._build(args, kwargs)
         if b.session is not None and b.session.resume is not None:
             raise WorldConfigError(
-                f"this process was restarted into a running job (world "
-                f"{b.session.world.generation}, at step {b.session.resume.resume_step}): call "
+                f"this process joined a running job (world {b.session.world.generation}, at "
+                f"step {b.session.resume.agreement.resume_step}): call "
                 "step.restore(...) with the state before the first step, and start the loop "
                 "at the step it returns")
         state_args, user_batch = b.form.split_call(args, kwargs)
@@ -327,10 +328,17 @@ class ResilientStep(Generic[P, R]):
         state_args = b.form.split_restore(args, kwargs)
         leaves = b.form.state_of(state_args)
         shardings = shd.named(b.runtime.mesh, b.form.specs)
+        joined = b.session.resume if b.session is not None else None
         restored = b.session.take_resume(shardings, put=b.runtime.layer.put) \
             if b.session is not None else None
         if restored is None:
             restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
+        if joined is not None and b.session is not None:
+            b.session.resume = None  # taken (from memory or from the checkpoint)
+            if restored is None:
+                raise StateUnavailableError(
+                    "this process joined a running job, but no copy of the job's state "
+                    f"survives in memory ({joined.agreement.why}) and there is no checkpoint")
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step

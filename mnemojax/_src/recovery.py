@@ -310,7 +310,7 @@ class ProcessRecovery:
             new_devices.setdefault(d.process_index, []).append(d.id)
         # A joiner (a spare) takes a dead member's rank: its devices take that member's
         # places in the mesh, which keeps its size.
-        as_old = [agreement.replaces.get(w, w) for w in agreement.survivors]
+        as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
         renumbering = renumber_devices(places, rec.members, as_old, new_devices)
         try:
             plan = plan_after_process_loss(old_plan.device_ids, old_plan.axis_names,

@@ -82,3 +82,40 @@ def test_a_survivor_that_cannot_fetch_stays_out_and_agrees_again(monkeypatch):
                         last_step=4)
     assert rec.rounds == 2 and attached == [2] and len(rec.payloads) == 1
     assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
+
+
+def test_a_fresh_process_joins_the_given_world_or_agrees_again_tracing_replacements(
+        monkeypatch):
+    """A spare given world 1 (in place of worker 0): world 1 does not form, so it agrees
+    again over world 1 with any step; world 2 has spare 5 in place of spare 4, which
+    traces back to worker 0 of the world that failed first."""
+    from mnemojax._src.distributed.agreement import ANY_STEP
+    from mnemojax._src.distributed.worker.recovery import join_world
+
+    def agreement(generation, survivors, previous, replaces):
+        return Agreement(generation=generation, worker_id=4, process_id=0,
+                         num_processes=2, coordinator=f"127.0.0.1:{9000 + generation}",
+                         resume_step=-1, survivors=survivors, previous_members=previous,
+                         sources={}, replaces=replaces)
+
+    agreed = []
+
+    class Again:
+        def report_failure(self, *, generation, reason):
+            agreed.append(("report", generation))
+
+        def agree(self, *, generation, last_step, first_replayable=None):
+            agreed.append(("agree", generation, last_step))
+            return agreement(2, (5, 1), (4, 1), {5: 4})
+
+    def attach(world, *, init_timeout_s):
+        if world.generation == 1:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
+
+    monkeypatch.setattr(coordination, "attach_worker", attach)
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=2,
+                      generation=1, attach_timeout_s=7)
+    rec = join_world(Again(), world, agreement(1, (4, 1), (0, 1), {4: 0}))
+    assert rec.rounds == 2 and rec.world.generation == 2
+    assert agreed == [("report", 1), ("agree", 1, ANY_STEP)]
+    assert rec.members == (0, 1) and rec.replaces == {5: 0}

@@ -35,24 +35,36 @@ def _launcher_lines(out: str, rank: int, text: str) -> list[str]:
         return [line for line in f if text in line]
 
 
-@pytest.mark.parametrize("victim_runs", two_nodes.VICTIMS)
+@pytest.mark.parametrize("victim_runs", [
+    pytest.param("worker_nodes", marks=pytest.mark.slow),  # in place: as on one machine
+    "coordination_service"])
 def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, reference,
                                                                  victim_runs):
-    out = str(tmp_path)
+    """The node running the coordination service is lost with 2 spares on each node: the
+    other node restarts its workers (aborted with the service) and its 2 spares take the
+    lost node's ranks, all fresh processes. The other node lost: its survivors recover in
+    place (no spares)."""
+    out, n = str(tmp_path), two_nodes.NPROC
+    spares = n if victim_runs == "coordination_service" else 0
     with etcd_cluster(3) as cluster:
         o = two_nodes.run(cluster.url, lambda: cluster.kill(0), out, victim_runs,
-                          steps=STEPS)
-    survivor, n = 1 - o.victim, two_nodes.NPROC
+                          steps=STEPS, spares=spares)
+    survivor = 1 - o.victim
+    kept = [w for w in range(2 * n) if w // n == survivor]
     assert o.rc == 0
     assert o.final["generation"] == 1
-    assert o.final["members"] == [w for w in range(2 * n) if w // n == survivor]
     assert o.final["host_node"] == survivor
     assert o.final["coordinator"].startswith(two_nodes.host(survivor) + ":")
     stats = h.assert_job_exact(out, reference, STEPS)
     restarted = _launcher_lines(out, survivor, "restarted into world 1 from step")
     if victim_runs == "coordination_service":  # fresh processes: no recovery record
+        node_spares = [2 * n + survivor * spares + i for i in range(spares)]
+        ranks = dict(zip(range(o.victim * n, o.victim * n + n), node_spares, strict=True))
+        assert o.final["members"] == [ranks.get(w, w) for w in range(2 * n)]
         assert len(restarted) == n and stats["recoveries"] == []
-    else:  # re-initialised in place
+        assert len(_launcher_lines(out, survivor, "joined into world 1")) == spares
+    else:  # re-initialised in place, the world shrunk to the survivors
+        assert o.final["members"] == kept
         assert restarted == []
         [rec] = stats["recoveries"]
         assert rec["plan_kind"] == "process_loss"

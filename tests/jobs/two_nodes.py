@@ -92,41 +92,60 @@ class Outcome:
                 and any(t > self.killed_at for _, t in steps)]
 
 
-def run(cluster_url: str, kill_member, out: str, victim_runs: str, *, steps: int = 10,
-        sleep_s: float = 0.3, kill_after: int = 3) -> Outcome:
-    """Runs the job, kills the node that runs (or not) world 0's coordination service and
-    one etcd member (``kill_member()``), waits for the survivor; ends every process."""
+@dataclasses.dataclass
+class Job:
+    """Two launchers of one job while it runs (`started`)."""
+
+    store: EtcdStore
+    launchers: list[subprocess.Popen[bytes]]
+    nodes: dict[int, dict[str, Any]]  # rank -> its record in etcd (pids, shm prefix)
+    world0: dict[str, Any]
+
+
+@contextlib.contextmanager
+def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: int = 0):
+    """Starts both nodes and waits for world 0; at exit kills whatever is left of them
+    and removes the killed node's shared memory (its agents never could)."""
     env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
     job = f"two-nodes-{os.getpid()}-{secrets.token_hex(3)}"
     store = EtcdStore.from_url(cluster_url, job)
     launchers: list[subprocess.Popen[bytes]] = []
     nodes: dict[int, dict[str, Any]] = {}
     try:
-        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s)
-                     for r in (0, 1)]
+        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s,
+                            spares=spares) for r in (0, 1)]
         world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
-        nodes = {r: store.get(store.key("nodes", r)) for r in (0, 1)}
-        wait(lambda: any(len(s) >= kill_after for s in step_times(out).values()), 120,
-             f"{kill_after} steps")
-        victim = world0["host_node"] if victim_runs == "coordination_service" else (
-            1 - world0["host_node"])
-        killed_at = time.time()
-        os.kill(nodes[victim]["pid"], signal.SIGKILL)  # the whole node at once
-        for pid in nodes[victim]["agent_pids"].values():  # each agent's group: + its worker
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        kill_member()  # and an etcd member, during the recovery
-        rc = launchers[1 - victim].wait(timeout=240)
-        survivor_shm = sweep(nodes[1 - victim]["shm_prefix"])  # its launcher swept: empty
-        return Outcome(rc, victim, killed_at, summary(store, NPROC), nodes, survivor_shm)
+        nodes.update({r: store.get(store.key("nodes", r)) for r in (0, 1)})
+        yield Job(store, launchers, nodes, world0)
     finally:
         for p in launchers:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
-        for rec in nodes.values():  # the killed node's agents never removed theirs
+        for rec in nodes.values():
             sweep(rec["shm_prefix"])
+
+
+def run(cluster_url: str, kill_member, out: str, victim_runs: str, *, steps: int = 10,
+        sleep_s: float = 0.3, kill_after: int = 3, spares: int = 0) -> Outcome:
+    """Runs the job, kills the node that runs (or not) world 0's coordination service and
+    one etcd member (``kill_member()``), waits for the survivor; ends every process."""
+    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=spares) as job:
+        wait(lambda: any(len(s) >= kill_after for s in step_times(out).values()), 120,
+             f"{kill_after} steps")
+        host_node = job.world0["host_node"]
+        victim = host_node if victim_runs == "coordination_service" else 1 - host_node
+        killed_at = time.time()
+        os.kill(job.nodes[victim]["pid"], signal.SIGKILL)  # the whole node at once
+        for pid in job.nodes[victim]["agent_pids"].values():  # each agent's group + worker
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        kill_member()  # and an etcd member, during the recovery
+        rc = job.launchers[1 - victim].wait(timeout=240)
+        survivor_shm = sweep(job.nodes[1 - victim]["shm_prefix"])  # its launcher swept
+        return Outcome(rc, victim, killed_at, summary(job.store, NPROC), job.nodes,
+                       survivor_shm)
 
 
 def recoveries(out: str, worker: int) -> list[dict[str, Any]]:
@@ -144,35 +163,19 @@ def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 
     Returns both launchers' exit statuses, the final summary and the processes left;
     appends the kills' times to ``kills``."""
     kills = [] if kills is None else kills
-    env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
-    job = f"spares-{os.getpid()}-{secrets.token_hex(3)}"
-    store = EtcdStore.from_url(cluster_url, job)
-    launchers: list[subprocess.Popen[bytes]] = []
-    nodes: dict[int, dict[str, Any]] = {}
-    try:
-        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s,
-                            spares=1) for r in (0, 1)]
-        wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
-        nodes = {r: store.get(store.key("nodes", r)) for r in (0, 1)}
-        agent_pid = {int(w): p for rec in nodes.values() for w, p in rec["agent_pids"].items()}
+    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=1) as job:
+        agent_pid = {int(w): p for rec in job.nodes.values()
+                     for w, p in rec["agent_pids"].items()}
         wait(lambda: len(step_times(out).get(0, ())) >= 3, 120, "three steps")
         kills.append(time.time())
         os.killpg(agent_pid[0], signal.SIGKILL)
-        world1 = wait(lambda: store.get(store.key("world", 1)), 120, "world 1")
+        world1 = wait(lambda: job.store.get(job.store.key("world", 1)), 120, "world 1")
         spare = next(w for w in world1["members"] if w >= 2 * NPROC)
         wait(lambda: len(step_times(out).get(spare, ())) >= 2, 120, "two steps of the spare")
         kills.append(time.time())
         os.killpg(agent_pid[spare], signal.SIGKILL)
-        codes = [p.wait(timeout=240) for p in launchers]
-        return codes, summary(store, NPROC), leftover_pids(nodes)
-    finally:
-        for p in launchers:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-        for rec in nodes.values():
-            sweep(rec["shm_prefix"])
+        codes = [p.wait(timeout=240) for p in job.launchers]
+        return codes, summary(job.store, NPROC), leftover_pids(job.nodes)
 
 
 def leftover_pids(nodes: dict[int, dict[str, Any]]) -> list[int]:

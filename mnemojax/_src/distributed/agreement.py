@@ -41,6 +41,10 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+# The last step of a process that joins from its agents' copies (restarted, or a spare):
+# any step the copies cover will do.
+ANY_STEP = 2**62
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Agreement:

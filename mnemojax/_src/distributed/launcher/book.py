@@ -58,7 +58,8 @@ class AgreementBook:
 
         Without joiners the survivors, in old rank order, are ranks 0..n-1. With one
         joiner per dead member (spares; fewer are not used), each joiner takes a dead
-        member's rank, so the world keeps its size and every device its place in the mesh.
+        member's rank, so the world keeps its size and its ranks (the caller offers
+        joiners only while the mesh has never shrunk: `plane.JobView.joiners`).
 
         Args:
             coordinator: the new world's coordination service.

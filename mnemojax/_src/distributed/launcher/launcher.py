@@ -200,7 +200,7 @@ class Launcher:
 
     def _finished(self) -> int | None:
         if (error := self._worker_error) is not None:
-            others = [m for m in self.roster.addresses if m not in self.roster.exit_codes]
+            others = self._running_workers()
             if not others or time.monotonic() > error[2] + self.options.grace_s:
                 return error[1]
             return None
@@ -213,6 +213,11 @@ class Launcher:
         if all(exit_codes.get(m) == 0 for m in current):
             return 0
         return None
+
+    def _running_workers(self) -> list[int]:
+        """This launcher's workers that were started and have not ended (call with
+        ``roster.cv`` held)."""
+        return [m for m in self.roster.addresses if m not in self.roster.exit_codes]
 
     def _exit_codes(self) -> dict[int, int]:
         """Worker id -> its exit status, of every worker of the job known to have ended."""

@@ -37,11 +37,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import auth, env, wire
+from mnemojax._src.distributed.agreement import ANY_STEP
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
 from mnemojax._src.distributed.launcher.plane import (
-    ANY_STEP,
     EtcdArbiter,
     JobView,
     agreement_of,
@@ -100,7 +100,9 @@ class NodeLauncher(Launcher):
         self._killed: set[int] = set()
         self._end_seen = False
         self._coordinator_lost = False
-        self._respawning: set[int] = set()  # crashed with their service: to restart
+        # Crashed with their world's service, to restart: worker -> that world.
+        self._respawning: dict[int, int] = {}
+        self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
         self._started: set[int] = set(options.local_workers)  # spares: once they join
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
@@ -180,7 +182,7 @@ class NodeLauncher(Launcher):
             # client of a dead service): restart it into the next world (`_respawn_loop`).
             generation = self.plane.view.latest()
             self.roster.exit_codes[worker_id] = code
-            self._respawning.add(worker_id)
+            self._respawning[worker_id] = generation
             self.plane.arrive_for(worker_id, generation)
             self._record({"op": "respawning", "worker_id": worker_id, "code": code,
                           "generation": generation})
@@ -197,8 +199,9 @@ class NodeLauncher(Launcher):
 
     def _world_service_gone(self, worker_id: int) -> bool:
         """Whether the coordination service of ``worker_id``'s current world is gone (its
-        node is lost, or it does not accept a connection). Call with ``roster.cv`` held:
-        at most `PROBE_TIMEOUT_S`."""
+        node is lost, or it did not accept a connection within `PROBE_TIMEOUT_S`; probed
+        once per world, as the lock is held: give ``--host`` as an address, no name to
+        resolve)."""
         view = self.plane.view
         record = view.world(view.latest()) or {}
         if worker_id not in record.get("members", ()):
@@ -207,12 +210,15 @@ class NodeLauncher(Launcher):
             return True
         if record.get("host_node") == self.options.node_rank:
             return False  # in this process, alive
-        host, _, port = str(record.get("coordinator", "")).rpartition(":")
-        try:
-            with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
-                return False
-        except (OSError, ValueError):
-            return True
+        generation = view.latest()
+        if generation not in self._probed:  # once per world: the lock is held
+            host, _, port = str(record.get("coordinator", "")).rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+                    self._probed[generation] = False
+            except (OSError, ValueError):
+                self._probed[generation] = True
+        return self._probed[generation]
 
     def _respawn_loop(self) -> None:
         """Restarts the workers of this node that died with their world's coordination
@@ -223,34 +229,37 @@ class NodeLauncher(Launcher):
                 cv.wait_for(lambda: bool(self._respawning) or self.plane.closed)
                 if self.plane.closed:
                     return
-                generation = self.plane.view.latest()
-                first = min(self._respawning)
+                generation = min(self._respawning.values())
+                first = min(w for w, g in self._respawning.items() if g == generation)
             try:  # drives the decision; the others' arrivals are in (`_worker_gone`)
                 self.plane.agree(wire.Agree(worker_id=first, generation=generation,
                                             last_step=ANY_STEP))
-                record = self.plane.view.world(generation + 1) or {}
             except AgreementError as e:
-                with cv:
-                    for w in sorted(self._respawning):
-                        self._record({"op": "respawn_failed", "worker_id": w, "why": str(e)})
-                        self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
-                        self.plane.member_died(w)
-                    self._respawning.clear()
-                    self.roster.cv.notify_all()
-                continue
+                logger.warning("mnemojax launch: agreement for the restart failed: %s", e)
+                time.sleep(0.1)
+            except Exception:  # the thread must live on: the next world may still come
+                logger.exception("mnemojax launch: error while restarting workers")
+                time.sleep(0.5)
             with cv:
-                self._restart(generation + 1, record)
+                record = self.plane.view.world(generation + 1)
+                if record is not None:
+                    self._restart(generation, record)
+                elif self.plane.ending() is not None or first in self.plane.view.dead():
+                    self._restart(generation, {})  # no next world for them: dead
 
     def _restart(self, generation: int, record: dict[str, Any]) -> None:
-        """Starts this node's respawning members of world ``generation`` (``roster.cv``
-        held); the others are dead."""
-        for w in sorted(self._respawning):
+        """Starts this node's workers that crashed with world ``generation``'s service and
+        are members of world ``generation + 1`` (``record``); the others are dead
+        (``roster.cv`` held)."""
+        for w in sorted(w for w, g in self._respawning.items() if g == generation):
+            del self._respawning[w]
             if agreement_of(record, w) is None:
+                self._record({"op": "respawn_failed", "worker_id": w,
+                              "generation": generation})
                 self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
                 self.plane.member_died(w)
             else:
-                self._start_fresh(w, generation, record, "restarted")
-        self._respawning.clear()
+                self._start_fresh(w, generation + 1, record, "restarted")
         self.roster.cv.notify_all()
 
     def _start_fresh(self, worker_id: int, generation: int, record: dict[str, Any],
@@ -261,6 +270,10 @@ class NodeLauncher(Launcher):
         o, view = self.options, self.plane.view
         agreement = agreement_of(record, worker_id)
         assert agreement is not None
+        if worker_id not in self.roster.links:  # its agent is gone: nothing to start it
+            self._record({"op": f"not_{how}", "worker_id": worker_id, "why": "agent lost"})
+            self.plane.member_died(worker_id)
+            return
         agents = view.agents()
         order = ring([m for m in record.get("members", ()) if m in agents], o.nproc,
                      view.homes())
@@ -285,7 +298,13 @@ class NodeLauncher(Launcher):
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)
+        with self.roster.cv:
+            if self._respawning.pop(worker_id, None) is not None:  # nothing to restart it
+                self.plane.member_died(worker_id)
         super().agent_lost(worker_id)
+
+    def _running_workers(self) -> list[int]:
+        return [w for w in super()._running_workers() if w in self._started]
 
     def _exit_codes(self) -> dict[int, int]:
         return {**self.plane.view.exits(), **self.roster.exit_codes}

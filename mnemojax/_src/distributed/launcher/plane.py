@@ -4,9 +4,10 @@ On one machine a single launcher decides every world in memory (`arbiter.Arbiter
 nodes no launcher may be that single point: each node's launcher serves only its own agents
 and workers, and the launchers meet only in etcd (`etcd_store`), where transactions decide
 each world exactly once and leases say which nodes live. Any node can decide; the
-coordination service of a new world runs on the node that decided it, so losing the node
-that hosts the current service is an ordinary failure: the survivors agree through etcd, and
-the new world's service starts on a surviving node.
+coordination service of a new world runs on the node that decided it, so no node is needed
+after the world it served: when the node hosting the current service dies, the others
+agree through etcd and the new world's service starts on a surviving node (its workers,
+which jaxlib 0.10 aborts with the service, are restarted there: `node`).
 
 The job's keys (under ``/mnemojax/<job>/``)::
 
@@ -39,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import wire
-from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
 from mnemojax._src.distributed.launcher.roster import AgentRoster, ask_holdings
@@ -47,9 +48,6 @@ from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
 
 logger = logging.getLogger("mnemojax")
-
-
-ANY_STEP = 2**62  # the last step of a worker restarted from its agents' copies: no limit
 
 
 def node_of(worker_id: int, nproc: int) -> int:
@@ -109,9 +107,19 @@ class JobView:
         return self.homes().get(worker_id, node_of(worker_id, self.nproc))
 
     def idle_spares(self) -> list[int]:
-        """Spares of live nodes that have not joined a world yet, lowest id first."""
-        used = {w for g in self.worlds().values() for w in g}
-        return sorted(w for w in map(int, self._under("spares/")) if w not in used)
+        """Spares of live nodes, with a live agent, not dead and not yet in a world, lowest
+        id first."""
+        used = {w for g in self.worlds().values() for w in g} | self.dead()
+        agents = self.agents()
+        return sorted(w for w in map(int, self._under("spares/"))
+                      if w not in used and w in agents)
+
+    def joiners(self, generation: int) -> list[int]:
+        """The spares world ``generation + 1`` may take in: only while every world so far
+        has had world 0's size. A fresh process builds its mesh from the user's code, so
+        it matches the survivors' only when their mesh never shrank."""
+        sizes = {len(m) for g, m in self.worlds().items() if g <= generation}
+        return self.idle_spares() if len(sizes) == 1 else []
 
     def agents(self) -> dict[int, str]:
         """Worker id -> its agent's address, for agents of live nodes."""
@@ -402,14 +410,15 @@ class EtcdArbiter:
                     self._record({"op": "corrupt_copy", "agent": address,
                                   **dataclasses.asdict(bad)})
             holdings = {a: list(r.copies) for a, r in replies.items()}
+            joiners = view.joiners(generation)
             joining = len(book.members) - len(book.arrived)
-            joining = joining if 0 < joining <= len(view.idle_spares()) else 0
+            joining = joining if 0 < joining <= len(joiners) else 0
             nxt = generation + 1
             service = self._services.start(nxt, len(book.arrived) + joining)
             try:
                 decision = book.decide(coordinator=service.address, holdings=holdings,
                                        homes=agents, members_of=view.worlds(),
-                                       joiners=view.idle_spares())
+                                       joiners=joiners)
             except AgreementError:
                 self._services.stop(nxt)
                 raise

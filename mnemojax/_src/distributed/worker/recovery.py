@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
 from mnemojax._src.distributed.env import WorldSpec
 from mnemojax._src.distributed.worker import coordination
 from mnemojax._src.distributed.worker.agent_client import fetch_snapshot
@@ -40,6 +41,8 @@ class WorldRecovery:
         fetched_from: old worker id -> agent address its copy came from.
         rounds: agreement rounds it took (more than 1 when a survivor died after a decision).
         members: worker ids of the world that failed (before the first round).
+        replaces: joiner (spare) -> the member of that world whose rank it took, across
+            every round.
     """
 
     agreement: Agreement
@@ -49,6 +52,7 @@ class WorldRecovery:
     fetched_from: dict[int, str]
     rounds: int = 1
     members: tuple[int, ...] = ()
+    replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
@@ -85,16 +89,49 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     coordinator.report_failure(generation=world.generation, reason=reason[:500])
     coordination.detach_worker()
     phases["detach"] = time.perf_counter() - t
+    return _form_world(coordinator, world, phases, lambda generation: coordinator.agree(
+        generation=generation, last_step=last_step, first_replayable=first_replayable))
+
+
+def join_world(coordinator: Coordinator, world: WorldSpec,
+               agreement: Agreement) -> WorldRecovery:
+    """A fresh process (a worker restarted after its world's coordination service died,
+    or a spare taking a dead member's rank) joins the world ``agreement`` decided: fetches
+    the agreed state, then connects. As for a survivor, a world that does not form (a
+    member died after the decision, a copy could not be fetched) is agreed on again, over
+    that world, with any step the copies cover (`ANY_STEP`).
+
+    Call after `coordination.configure_process` and before any JAX use.
+    """
+    phases = {"detach": 0.0, "agree": 0.0, "fetch": 0.0, "attach": 0.0}
+    given = [agreement]
+
+    def agree(generation: int) -> Agreement:
+        if given:
+            return given.pop()
+        return coordinator.agree(generation=generation, last_step=ANY_STEP)
+
+    return _form_world(coordinator, world, phases, agree)
+
+
+def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, float],
+                agree: Callable[[int], Agreement]) -> WorldRecovery:
+    """Agreement rounds (``agree(generation)``) until this process has fetched the agreed
+    state and joined the agreed world (`recover_world`)."""
     rounds, members = 0, None
+    replaces: dict[int, int] = {}  # joiner -> the member of the failed world it replaces
     while True:
         rounds += 1
         if rounds > MAX_ROUNDS:
             raise AgreementError(f"no world formed after {MAX_ROUNDS} agreement rounds",
                                  generation=world.generation)
         t = time.perf_counter()
-        agreement = coordinator.agree(generation=world.generation, last_step=last_step,
-                                      first_replayable=first_replayable)
+        agreement = agree(world.generation)
         members = members or agreement.previous_members
+        # A joiner of a later round may replace one of an earlier round's: trace each back
+        # to the member of the world that failed first (whose devices it takes).
+        for joiner, dead in agreement.replaces.items():
+            replaces[joiner] = replaces.pop(dead, dead)
         phases["agree"] += time.perf_counter() - t
         world = dataclasses.replace(
             world, coordinator=agreement.coordinator, process_id=agreement.process_id,
@@ -122,7 +159,8 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
                 agreement.generation, agreement.survivors, agreement.resume_step, rounds,
                 ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
-    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members)
+    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members,
+                         replaces)
 
 
 def fetch_agreed(agreement: Agreement,

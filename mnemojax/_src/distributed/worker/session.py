@@ -28,12 +28,19 @@ from typing import TYPE_CHECKING
 
 from mnemojax._src.distributed import snapshot_codec, wire
 from mnemojax._src.distributed.agreement import Agreement
-from mnemojax._src.distributed.env import CONTROL, COORDINATOR, PEER_WATCH, RESUME, WorldSpec
+from mnemojax._src.distributed.env import (
+    CONTROL,
+    COORDINATOR,
+    PEER_WATCH,
+    RESUME,
+    WorldSpec,
+    world_from_env,
+)
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
 from mnemojax._src.distributed.worker.peer_watch import PeerWatch
-from mnemojax._src.distributed.worker.recovery import WorldRecovery, fetch_agreed, recover_world
+from mnemojax._src.distributed.worker.recovery import WorldRecovery, join_world, recover_world
 from mnemojax._src.distributed.worker.state_transfer import PutFn
 from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning, WorldConfigError
 
@@ -58,8 +65,9 @@ class DistributedSession:
         coordinator: the agreement service (None outside ``mnemojax launch``).
         publish_refused: snapshots stopped for good (over the host-memory budget).
         peer_watch: tells the step's pending wait of a peer's death (`peer_watch`).
-        resume: set when this process was restarted into a running job (``MNEMOJAX_RESUME``):
-            the agreement of the world it joined; `take_resume` restores its state.
+        resume: set when this process is fresh in a running job (restarted after its
+            world's coordination service died, or a spare; ``MNEMOJAX_RESUME``): how it
+            joined (agreement, fetched copies); `take_resume` restores its state.
     """
 
     def __init__(self, world: WorldSpec):
@@ -71,7 +79,7 @@ class DistributedSession:
                                                secret=secret) if world.control else None
         self.publish_refused = False  # over the host-memory budget (see `publish`)
         self.peer_watch: PeerWatch | None = None  # started by `initialize` under a launcher
-        self.resume: Agreement | None = None
+        self.resume: WorldRecovery | None = None
 
     @property
     def can_recover(self) -> bool:
@@ -171,21 +179,21 @@ class DistributedSession:
 
     def take_resume(self, shardings: Sequence[jax.sharding.Sharding], *,
                     put: PutFn) -> tuple[int, list[jax.Array]] | None:
-        """For a process restarted into a running job: the agreed step and state, fetched
-        from the agents named in the agreement (CRC-checked) and placed with ``put``; None
-        when there is nothing to resume, or no step's state survived in memory
-        (``resume_step == -1``: the caller falls back to the persistent tier). Once only.
+        """For a fresh process that joined a running job: the agreed step and state, from
+        the copies fetched when it joined (CRC-checked), placed with ``put``. None when
+        there is nothing pending, or when no step's state survived in memory
+        (``resume_step == -1``; `resume` is then kept: the caller falls back to the
+        persistent tier or raises). Once only.
 
         Raises:
-            StateUnavailableError: a copy could not be fetched, or the copies mix steps or
-                leave an element uncovered.
+            StateUnavailableError: the copies mix steps or leave an element uncovered.
         """
-        agreement, self.resume = self.resume, None
-        if agreement is None or agreement.resume_step < 0:
+        rec = self.resume
+        if rec is None or rec.agreement.resume_step < 0:
             return None
-        payloads, _ = fetch_agreed(agreement, self.world.secret or b"")
-        return agreement.resume_step, state_transfer.restore_leaves(payloads, shardings,
-                                                                    put=put)
+        leaves = state_transfer.restore_leaves(rec.payloads, shardings, put=put)
+        self.resume = None
+        return rec.agreement.resume_step, leaves
 
     def agree_stop(self, name: str, proposal: int) -> int:
         """The step after which every process stops for a preemption notice: the first
@@ -220,17 +228,33 @@ def initialize() -> DistributedSession | None:
         return _current
     if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
-    _current = session = DistributedSession(coordination.initialize_worker())
     if raw := os.environ.get(RESUME):
-        session.resume = wire.AgreementReply.from_wire(json.loads(raw)).agreement
-        log.warning("mnemojax: restarted into world %d as process %d; the state of step %d "
-                    "comes from the agents' copies at step.restore()", session.world.generation,
-                    session.world.process_id, session.resume.resume_step)
+        _current = session = _join_running_job(
+            wire.AgreementReply.from_wire(json.loads(raw)).agreement)
+    else:
+        _current = session = DistributedSession(coordination.initialize_worker())
     _report_uncaught_exceptions(session)
     if session.coordinator is not None and os.environ.get(PEER_WATCH, "1") != "0":
         session.peer_watch = PeerWatch(
             session.coordinator, lambda: session.world.generation,
             exit_wait_s=session.world.collective_timeout_s + 10.0).start()
+    return session
+
+
+def _join_running_job(agreement: Agreement) -> DistributedSession:
+    """A fresh process in a running job: fetch the agreed copies, join the agreed world
+    (agreeing again if it does not form: `recover_world.join_world`)."""
+    world = world_from_env()
+    coordination.configure_process(world)
+    session = DistributedSession(world)
+    if session.coordinator is None:
+        raise WorldConfigError(f"{RESUME} is set but {CONTROL} is not: only `mnemojax "
+                               "launch` starts a process into a running job")
+    rec = join_world(session.coordinator, world, agreement)
+    session.world, session.resume = rec.world, rec
+    log.warning("mnemojax: joined world %d as process %d; the state of step %d comes from "
+                "the agents' copies at step.restore()", rec.world.generation,
+                rec.world.process_id, rec.agreement.resume_step)
     return session
 
 
