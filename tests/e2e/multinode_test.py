@@ -75,11 +75,13 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
 def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):
     """Worker 0's host dies (it owns every shard): node 0's spare takes its rank, so the
     mesh stays 4 x 1; then that spare's host dies, and node 1's spare takes the rank with
-    the state from the replica the first spare re-created. Exact at the end."""
+    the state from the replica the first spare re-created. Forged requests without the job
+    secret to a launcher and an agent, before that, are all refused. Exact at the end."""
     steps = 14
     out = str(tmp_path)
     with etcd_cluster(3) as cluster:
-        codes, final, left = two_nodes.run_spares(cluster.url, out, steps=steps)
+        codes, final, left, answered = two_nodes.run_spares(cluster.url, out, steps=steps)
+    assert answered == []  # every connection without the secret closed unanswered
     assert codes == [0, 0]
     assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3], 2: [5, 1, 2, 3]}
     h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)

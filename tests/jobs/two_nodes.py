@@ -24,8 +24,9 @@ import tempfile
 import time
 from typing import Any
 
+from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore
-from mnemojax._src.distributed.launcher.scenario import process_alive
+from mnemojax._src.distributed.launcher.scenario import forged_requests_answered, process_alive
 from mnemojax._src.distributed.launcher.status import summary
 from mnemojax._src.distributed.shm import sweep
 
@@ -156,17 +157,26 @@ def recoveries(out: str, worker: int) -> list[dict[str, Any]]:
 
 def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 0.3,
                kills: list[float] | None = None
-               ) -> tuple[list[int], dict[str, Any], list[int]]:
+               ) -> tuple[list[int], dict[str, Any], list[int], list[str]]:
     """One spare per node. Kills worker 0's host (agent and worker: it owns every shard
     of the data-parallel state), then, once the spare that took its place has stepped
     twice, that spare's host: its state must come from the replica it re-created.
-    Returns both launchers' exit statuses, the final summary and the processes left;
-    appends the kills' times to ``kills``."""
+    Before the first kill, an outsider without the job secret sends forged requests to
+    node 1's launcher (a ``hello``, an ``agree``) and to worker 2's agent (an ``alloc``, a
+    ``get``).
+
+    Returns both launchers' exit statuses, the final summary, the processes left and what
+    the forged requests got back; appends the kills' times to ``kills``."""
     kills = [] if kills is None else kills
     with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=1) as job:
         agent_pid = {int(w): p for rec in job.nodes.values()
                      for w, p in rec["agent_pids"].items()}
         wait(lambda: len(step_times(out).get(0, ())) >= 3, 120, "three steps")
+        answered = forged_requests_answered(job.nodes[1]["control"], [
+            wire.Hello(worker_id=2, address="127.0.0.1:1", pid=1),
+            wire.Agree(worker_id=2, generation=0, last_step=0)]) + forged_requests_answered(
+            job.store.get(job.store.key("agents", 2)),
+            [wire.Alloc(nbytes=4096, budget_bytes=None), wire.Get(origin=2, step=1)])
         kills.append(time.time())
         os.killpg(agent_pid[0], signal.SIGKILL)
         world1 = wait(lambda: job.store.get(job.store.key("world", 1)), 120, "world 1")
@@ -175,7 +185,7 @@ def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 
         kills.append(time.time())
         os.killpg(agent_pid[spare], signal.SIGKILL)
         codes = [p.wait(timeout=240) for p in job.launchers]
-        return codes, summary(job.store, NPROC), leftover_pids(job.nodes)
+        return codes, summary(job.store, NPROC), leftover_pids(job.nodes), answered
 
 
 def leftover_pids(nodes: dict[int, dict[str, Any]]) -> list[int]:
@@ -199,7 +209,7 @@ def main() -> None:
         with etcd_cluster(3) as cluster, tempfile.TemporaryDirectory() as out:
             if args.victim == "spares":
                 kills: list[float] = []
-                codes, final, _ = run_spares(cluster.url, out, steps=args.steps, sleep_s=0.1,
+                codes, final, _, _ = run_spares(cluster.url, out, steps=args.steps, sleep_s=0.1,
                                              kills=kills)
                 survivor = step_times(out)[1]  # in every world
                 times = [min(t for _, t in survivor if t > k) - k for k in kills]
