@@ -62,7 +62,7 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
         ranks = dict(zip(range(o.victim * n, o.victim * n + n), node_spares, strict=True))
         assert o.final["members"] == [ranks.get(w, w) for w in range(2 * n)]
         assert len(restarted) == n and stats["recoveries"] == []
-        assert len(_launcher_lines(out, survivor, "joined into world 1")) == spares
+        assert len(_launcher_lines(out, survivor, "joined world 1 in place of")) == spares
     else:  # re-initialised in place, the world shrunk to the survivors
         assert o.final["members"] == kept
         assert restarted == []

@@ -212,7 +212,9 @@ def main() -> None:
                 codes, final, _, _ = run_spares(cluster.url, out, steps=args.steps, sleep_s=0.1,
                                              kills=kills)
                 survivor = step_times(out)[1]  # in every world
-                times = [min(t for _, t in survivor if t > k) - k for k in kills]
+                recovered = [e["time"] for e in recoveries(out, 1)]  # when each ended
+                times = [min(t for _, t in survivor
+                             if t >= min(r for r in recovered if r > k)) - k for k in kills]
                 figures += times
                 print(f"run {i}: rc {codes}, worlds {final['worlds']}, kill -> worker 1's "
                       "next good step: " + ", ".join(f"{t:.2f} s" for t in times), flush=True)

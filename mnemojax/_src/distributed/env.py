@@ -31,6 +31,9 @@ PEER_WATCH = "MNEMOJAX_PEER_WATCH"  # "0": no `worker.peer_watch` (collective ti
 # coordination service): the agreement of the world it joins, as `wire.AgreementReply`
 # JSON. `ResilientStep.restore` takes the agreed state from the agents' copies.
 RESUME = "MNEMOJAX_RESUME"
+# "1": this process is a warm spare: `initialize` waits (`wire.AwaitJoin`) until a world
+# takes it in, then joins it as with RESUME.
+SPARE = "MNEMOJAX_SPARE"
 SLURM_DEFAULT_PORT = 8476
 
 

@@ -395,6 +395,39 @@ class WorldFailed(Message):
     failed: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AwaitJoin(Message):
+    """A spare's long poll (its process is up, JAX imported, no world yet): answered with
+    `Joined` when a world takes it in, or after ``timeout_s`` with none (it asks again);
+    `ErrorReply` when the job ends."""
+
+    OP: ClassVar[str] = "await_join"
+    worker_id: int
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Joined(Message):
+    """The agreement of the world that took the spare in (None: not yet)."""
+
+    OP: ClassVar[str] = "joined"
+    agreement: Agreement | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        inner = None if self.agreement is None else AgreementReply(
+            agreement=self.agreement).to_wire()
+        return {"op": self.OP, "agreement": inner}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        inner = header.get("agreement")
+        if inner is not None and not isinstance(inner, dict):
+            raise ProtocolError(f"{cls.OP}: agreement must be an object or null",
+                                op=cls.OP, field="agreement")
+        return cls(agreement=None if inner is None else AgreementReply.from_wire(
+            {**inner, "op": AgreementReply.OP}).agreement)
+
+
 # -- launcher -> agent: what it holds ----------------------------------------------------------
 
 
@@ -567,6 +600,7 @@ MESSAGES: tuple[type[Message], ...] = (
     Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, WorkerPhase,
     RefusedConnection, Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
     ReportFailure, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
+    AwaitJoin, Joined,
     HoldingsQuery, Holdings,
     Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)

@@ -23,6 +23,11 @@ for it (any step its agents' copies cover will do), and once the next world is d
 (its service on a surviving node), starts a fresh process in it with the agreement in
 ``MNEMOJAX_RESUME``. That process's ``step.restore()`` fetches the agreed state from the
 agents, and its loop starts after that step (`NodeLauncher._respawn_loop`).
+
+**Spares** (``--spares S``) are started with the job: an agent and a worker process that
+waits in ``mnemojax.initialize()`` (`wire.AwaitJoin`, answered here). A world decided after
+a loss takes one in place of each dead member (`book.AgreementBook.decide`); the spare then
+joins it like a restarted worker, with Python and JAX already loaded.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import auth, env, wire
-from mnemojax._src.distributed.agreement import ANY_STEP
+from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
@@ -103,7 +108,9 @@ class NodeLauncher(Launcher):
         # Crashed with their world's service, to restart: worker -> that world.
         self._respawning: dict[int, int] = {}
         self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
-        self._started: set[int] = set(options.local_workers)  # spares: once they join
+        self._started: set[int] = set(options.local_workers)  # with a worker process
+        self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
+        self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -120,8 +127,15 @@ class NodeLauncher(Launcher):
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             self._set_buddies(view, view.worlds()[g])
             for w in o.spare_ids:  # this node's spares the world takes in
-                if w in view.worlds()[g] and w not in self._started:
-                    self._start_fresh(w, g, record, "joined")
+                agreement = agreement_of(record, w)
+                if agreement is not None and w in self._idle:
+                    self._idle.discard(w)
+                    self._joins[w] = agreement  # answers its `wire.AwaitJoin`
+                    self._record({"op": "joined", "worker_id": w, "generation": g,
+                                  "replaces": agreement.replaces.get(w)})
+                    logger.warning("mnemojax launch: spare %d joined world %d in place of "
+                                   "worker %s, from step %d", w, g,
+                                   agreement.replaces.get(w), agreement.resume_step)
         current = view.world(view.latest()) or {}
         if current.get("host_node") in view.lost_nodes() and not self._coordinator_lost:
             self._coordinator_lost = True
@@ -136,6 +150,9 @@ class NodeLauncher(Launcher):
         if new := dead - self._dead_seen:
             self._dead_seen |= new
             self._record({"op": "dead", "workers": sorted(new)})
+            lost = sorted(view.lost_nodes())
+            logger.warning("mnemojax launch: workers %s dead%s", sorted(new),
+                           f" (nodes {lost} lost)" if lost else "")
             self.roster.command_all(wire.PauseWatchdog())  # survivors may block a while
             if not o.recover and self._failed_code is None:  # --no-recover: any death ends it
                 self._failed_code = 128 + 9
@@ -174,6 +191,13 @@ class NodeLauncher(Launcher):
 
     # -- the launcher's hooks -----------------------------------------------------------------
     def _worker_gone(self, worker_id: int, code: int) -> None:
+        if worker_id in self._idle:  # a waiting spare ended: one spare fewer, nothing more
+            self._idle.discard(worker_id)
+            self.roster.exit_codes[worker_id] = code
+            self.plane.publish_exit(worker_id, code)
+            self.plane.member_died(worker_id)
+            self._record({"op": "spare_lost", "worker_id": worker_id, "code": code})
+            return
         if code > 0 and (worker_id in self._killed or worker_id in self.plane.view.dead()):
             code = -9  # evicted elsewhere: its exit (its agreement failed) is no user error
         if (code < 0 and worker_id not in self.roster.exit_codes and self.options.recover
@@ -304,7 +328,28 @@ class NodeLauncher(Launcher):
         super().agent_lost(worker_id)
 
     def _running_workers(self) -> list[int]:
-        return [w for w in super()._running_workers() if w in self._started]
+        return [w for w in super()._running_workers()
+                if w in self._started and w not in self._idle]
+
+    def request(self, message: wire.Message) -> wire.Message:
+        if isinstance(message, wire.AwaitJoin):
+            return self._await_join(message)
+        return super().request(message)
+
+    def _await_join(self, request: wire.AwaitJoin) -> wire.Message:
+        """A warm spare's long poll: its agreement once a world takes it in."""
+        w, cv = request.worker_id, self.roster.cv
+        deadline = time.monotonic() + request.timeout_s
+        with cv:
+            while (agreement := self._joins.get(w)) is None:
+                why = self.plane.ending()
+                if why is not None or w in self.plane.view.dead():
+                    return wire.ErrorReply(message=why or f"spare {w} is dead")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return wire.Joined()
+                cv.wait(timeout=min(left, 0.5))
+            return wire.Joined(agreement=agreement)
 
     def _exit_codes(self) -> dict[int, int]:
         return {**self.plane.view.exits(), **self.roster.exit_codes}
@@ -370,6 +415,12 @@ class NodeLauncher(Launcher):
                     env=worker_env(o, w, coordinator=record["coordinator"],
                                    control=self.control, extra_env=self.extra_env),
                     buddy=everyone.get(nxt) if len(order) > 1 else None))
+            for w in o.spare_ids:  # warm: started now, waiting in `mnemojax.initialize()`
+                self._idle.add(w)
+                self._started.add(w)
+                self.roster.command(w, wire.Start(env={
+                    **worker_env(o, w, coordinator="", control=self.control,
+                                 extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
 
     def _check_nodes(self, view: JobView) -> None:
         """Every node was launched alike: the same workers per node, node count and secret.

@@ -40,10 +40,11 @@ class LaunchOptions:
             are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.
         node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
             lost (its workers are dead).
-        spares: idle agents this node keeps ready (ids after every node's workers). A world
-            formed after a loss takes one in place of each dead member when there are
-            enough, so it keeps its size; the spare's fresh process takes the agreed state
-            at ``step.restore()``.
+        spares: warm spares this node keeps ready (ids after every node's workers): an
+            agent and a worker process started with the job, waiting in
+            ``mnemojax.initialize()``. A world formed after a loss takes one in place of
+            each dead member when there are enough, so it keeps its size; the spare's
+            process then joins it and takes the agreed state at ``step.restore()``.
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.

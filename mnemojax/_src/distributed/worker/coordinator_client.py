@@ -89,6 +89,21 @@ class LauncherCoordinator:
                                        name=name, timeout_s=timeout_s),
                           wire.BarrierReply, timeout_s=timeout_s + 30.0).failed
 
+    def await_join(self, *, timeout_s: float) -> Agreement | None:
+        """A spare waits up to ``timeout_s`` for a world to take it in: its agreement, or
+        None (ask again).
+
+        Raises:
+            AgreementError: the job is ending, or the launcher cannot be reached.
+        """
+        try:
+            reply, _ = transport.request(
+                self.control, wire.AwaitJoin(worker_id=self.worker_id, timeout_s=timeout_s),
+                wire.Joined, secret=self._secret, timeout_s=timeout_s + 30.0)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            raise AgreementError(f"await_join failed: {e}", generation=-1) from e
+        return reply.agreement
+
     def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
         return self._call(wire.WatchWorld(worker_id=self.worker_id, generation=generation,
                                           timeout_s=timeout_s),

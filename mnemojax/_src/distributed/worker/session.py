@@ -26,13 +26,18 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from mnemojax._src.distributed import snapshot_codec, wire
+from mnemojax._src.distributed import auth, snapshot_codec, wire
 from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.env import (
     CONTROL,
     COORDINATOR,
+    GENERATION,
+    NUM_PROCESSES,
     PEER_WATCH,
+    PROCESS_ID,
     RESUME,
+    SPARE,
+    WORKER_ID,
     WorldSpec,
     world_from_env,
 )
@@ -42,7 +47,12 @@ from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordina
 from mnemojax._src.distributed.worker.peer_watch import PeerWatch
 from mnemojax._src.distributed.worker.recovery import WorldRecovery, join_world, recover_world
 from mnemojax._src.distributed.worker.state_transfer import PutFn
-from mnemojax._src.errors import DistributedError, SnapshotBudgetWarning, WorldConfigError
+from mnemojax._src.errors import (
+    AgreementError,
+    DistributedError,
+    SnapshotBudgetWarning,
+    WorldConfigError,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -226,9 +236,11 @@ def initialize() -> DistributedSession | None:
     global _current
     if _current is not None:
         return _current
-    if COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
+    if os.environ.get(SPARE) == "1":
+        _current = session = _join_running_job(_await_join())
+    elif COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
-    if raw := os.environ.get(RESUME):
+    elif raw := os.environ.get(RESUME):
         _current = session = _join_running_job(
             wire.AgreementReply.from_wire(json.loads(raw)).agreement)
     else:
@@ -239,6 +251,31 @@ def initialize() -> DistributedSession | None:
             session.coordinator, lambda: session.world.generation,
             exit_wait_s=session.world.collective_timeout_s + 10.0).start()
     return session
+
+
+def _await_join() -> Agreement:
+    """A warm spare (``MNEMOJAX_SPARE=1``): waits until a world takes it in, then sets the
+    environment of that world. When the job ends first, the process exits 0."""
+    control, worker_id = os.environ.get(CONTROL), os.environ.get(WORKER_ID)
+    secret = auth.secret_from_env(os.environ)
+    if not control or worker_id is None or secret is None:
+        raise WorldConfigError(f"{SPARE}=1 needs {CONTROL}, {WORKER_ID} and the job secret: "
+                               "only `mnemojax launch --spares` starts a spare")
+    coordinator = LauncherCoordinator(control, int(worker_id), secret=secret)
+    log.info("mnemojax: spare %s ready, waiting for a world to take it in", worker_id)
+    while True:
+        try:
+            agreement = coordinator.await_join(timeout_s=60.0)
+        except AgreementError as e:
+            log.info("mnemojax: spare %s not needed: %s", worker_id, e)
+            raise SystemExit(0) from None
+        if agreement is not None:
+            break
+    os.environ.update({COORDINATOR: agreement.coordinator,
+                       PROCESS_ID: str(agreement.process_id),
+                       NUM_PROCESSES: str(agreement.num_processes),
+                       GENERATION: str(agreement.generation)})
+    return agreement
 
 
 def _join_running_job(agreement: Agreement) -> DistributedSession:
