@@ -41,14 +41,46 @@ class EtcdCluster:
         self.binary = require_etcd()
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="mnjx-etcd-")
-        self.client_ports = [transport.free_port() for _ in range(size)]
-        self.peer_ports = [transport.free_port() for _ in range(size)]
+        self.client_ports: list[int] = []
+        self.peer_ports: list[int] = []
+        self.url = ""
+        self._pick_ports()
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> None:
+        """Starts every member and waits until each is healthy. A member that exits at
+        start (a port taken meanwhile: free ports are racy) makes a new attempt on new
+        ports; the last failure names the member and ends with its log."""
+        for attempt in range(attempts):
+            try:
+                self._start_once(timeout_s)
+                return
+            except (TimeoutError, RuntimeError):
+                self.stop(remove=False)
+                if attempt == attempts - 1:
+                    raise
+                self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        ports: set[int] = set()
+        while len(ports) < 2 * self.size:  # distinct: the OS may hand out a port twice
+            ports.add(transport.free_port())
+        ordered = sorted(ports)
+        self.client_ports, self.peer_ports = ordered[:self.size], ordered[self.size:]
         self.url = "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def _log(self, i: int) -> str:
+        try:
+            with open(f"{self.dir}/m{i}.log", errors="replace") as f:
+                return f.read()[-2000:]
+        except OSError:
+            return ""
+
+    def _start_once(self, timeout_s: float) -> None:
         cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
+        token = f"mnjx-{self.client_ports[0]}"
         for i in range(self.size):
+            shutil.rmtree(f"{self.dir}/m{i}", ignore_errors=True)
             client, peer = f"http://127.0.0.1:{self.client_ports[i]}", \
                 f"http://127.0.0.1:{self.peer_ports[i]}"
             with open(f"{self.dir}/m{i}.log", "wb") as log:  # the member keeps its copy
@@ -57,21 +89,27 @@ class EtcdCluster:
                      "--listen-client-urls", client, "--advertise-client-urls", client,
                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                      "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                     "--initial-cluster-token", f"mnjx-{self.client_ports[0]}",
+                     "--initial-cluster-token", token,
                      "--heartbeat-interval", "50", "--election-timeout", "500",
                      "--log-level", "error"],
                     stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout_s
         for i in range(self.size):
             while not self._healthy(i):
+                proc = self.procs[i]
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"etcd member m{i} exited ({proc.returncode}) at "
+                                       f"start:\n{self._log(i)}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"etcd member m{i} not healthy in {timeout_s} s")
+                    raise TimeoutError(f"etcd member m{i} not healthy in {timeout_s} s:\n"
+                                       f"{self._log(i)}")
                 time.sleep(0.1)
 
     def _healthy(self, i: int) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy
         try:
-            with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.client_ports[i]}/health", timeout=1) as r:
+            with opener.open(f"http://127.0.0.1:{self.client_ports[i]}/health",
+                             timeout=1) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False
@@ -83,13 +121,14 @@ class EtcdCluster:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
 
-    def stop(self) -> None:
+    def stop(self, *, remove: bool = True) -> None:
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -78,11 +78,16 @@ class EtcdStore:
             raise InvalidOptionError("rdzv has no endpoint")
         if not job or "/" in job:
             raise InvalidOptionError(f"rdzv_id={job!r} is invalid: a non-empty name without '/'")
+        import requests
         from etcd3gw.client import Etcd3Client
         self.prefix = f"{ROOT}{job}/"
         self.endpoints = tuple(endpoints)
-        self._clients = [Etcd3Client(host=h, port=p, timeout=timeout_s, api_path="/v3/")
-                         for h, p in self.endpoints]
+        self._clients = []
+        for h, p in self.endpoints:
+            session = requests.Session()
+            session.trust_env = False  # the control plane is reached directly, never by proxy
+            self._clients.append(Etcd3Client(host=h, port=p, timeout=timeout_s,
+                                             api_path="/v3/", session=session))
         self._current = 0
         self._retry_s = retry_s
         self._errors = _client_errors()
