@@ -108,7 +108,6 @@ class NodeLauncher(Launcher):
         # Crashed with their world's service, to restart: worker -> that world.
         self._respawning: dict[int, int] = {}
         self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
-        self._started: set[int] = set(options.local_workers)  # with a worker process
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
 
@@ -158,7 +157,7 @@ class NodeLauncher(Launcher):
                 self._failed_code = 128 + 9
                 self.plane.end(f"the job is ending: workers {sorted(new)} died and recovery "
                                "is off", code=self._failed_code)
-        for w in dead & set(o.local_workers):
+        for w in dead & set(o.local_agents):  # a spare that joined is a worker like any
             if w not in self.roster.exit_codes and w not in self._killed:
                 self._killed.add(w)  # evicted by another node: fence it here
                 self.roster.command(w, wire.KillWorker())
@@ -283,19 +282,18 @@ class NodeLauncher(Launcher):
                 self.plane.publish_exit(w, self.roster.exit_codes.get(w, -1))
                 self.plane.member_died(w)
             else:
-                self._start_fresh(w, generation + 1, record, "restarted")
+                self._restart_one(w, generation + 1, record)
         self.roster.cv.notify_all()
 
-    def _start_fresh(self, worker_id: int, generation: int, record: dict[str, Any],
-                     how: str) -> None:
-        """Starts a fresh process for ``worker_id`` (restarted, or a spare joining) in
-        world ``generation``, with its agreement in ``MNEMOJAX_RESUME`` (``roster.cv``
-        held)."""
+    def _restart_one(self, worker_id: int, generation: int, record: dict[str, Any]) -> None:
+        """Starts a fresh process for ``worker_id`` in world ``generation``, with its
+        agreement in ``MNEMOJAX_RESUME`` (``roster.cv`` held)."""
         o, view = self.options, self.plane.view
         agreement = agreement_of(record, worker_id)
         assert agreement is not None
         if worker_id not in self.roster.links:  # its agent is gone: nothing to start it
-            self._record({"op": f"not_{how}", "worker_id": worker_id, "why": "agent lost"})
+            self._record({"op": "respawn_failed", "worker_id": worker_id,
+                          "generation": generation, "why": "agent lost"})
             self.plane.member_died(worker_id)
             return
         agents = view.agents()
@@ -304,7 +302,6 @@ class NodeLauncher(Launcher):
         w = worker_id
         nxt = order[(order.index(w) + 1) % len(order)] if w in order else None
         self.roster.exit_codes.pop(w, None)
-        self._started.add(w)
         self.roster.command(w, wire.Start(env={
             **worker_env(o, w, coordinator=agreement.coordinator, control=self.control,
                          extra_env=self.extra_env),
@@ -313,12 +310,10 @@ class NodeLauncher(Launcher):
             env.GENERATION: str(generation),
             env.RESUME: json.dumps(wire.AgreementReply(agreement=agreement).to_wire())},
             buddy=agents.get(nxt) if nxt is not None and len(order) > 1 else None))
-        replaces = agreement.replaces.get(w)
-        self._record({"op": how, "worker_id": w, "generation": generation,
-                      "resume_step": agreement.resume_step, "replaces": replaces})
-        logger.warning("mnemojax launch: worker %d %s into world %d from step %d%s", w, how,
-                       generation, agreement.resume_step,
-                       "" if replaces is None else f", in place of worker {replaces}")
+        self._record({"op": "restarted", "worker_id": w, "generation": generation,
+                      "resume_step": agreement.resume_step})
+        logger.warning("mnemojax launch: worker %d restarted into world %d from step %d", w,
+                       generation, agreement.resume_step)
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)
@@ -328,8 +323,7 @@ class NodeLauncher(Launcher):
         super().agent_lost(worker_id)
 
     def _running_workers(self) -> list[int]:
-        return [w for w in super()._running_workers()
-                if w in self._started and w not in self._idle]
+        return [w for w in super()._running_workers() if w not in self._idle]
 
     def request(self, message: wire.Message) -> wire.Message:
         if isinstance(message, wire.AwaitJoin):
@@ -417,7 +411,6 @@ class NodeLauncher(Launcher):
                     buddy=everyone.get(nxt) if len(order) > 1 else None))
             for w in o.spare_ids:  # warm: started now, waiting in `mnemojax.initialize()`
                 self._idle.add(w)
-                self._started.add(w)
                 self.roster.command(w, wire.Start(env={
                     **worker_env(o, w, coordinator="", control=self.control,
                                  extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
