@@ -14,6 +14,9 @@ next world, whose state they take from their agents' copies (`step.restore()`).
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+
 import pytest
 
 from tests import helpers as h
@@ -28,6 +31,20 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def reference():
     return h.reference_run(h.make_batches(STEPS))
+
+
+@contextlib.contextmanager
+def _logs_on_failure(out: str):
+    """A failed assertion or wait carries the tail of both launchers' logs (a failure in
+    CI must say what the nodes saw)."""
+    try:
+        yield
+    except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
+        tails = []
+        for rank in (0, 1):
+            with contextlib.suppress(OSError), open(f"{out}/launcher-{rank}.log") as f:
+                tails.append(f"--- launcher {rank} ---\n" + "".join(f.readlines()[-40:]))
+        raise AssertionError(f"{e}\n" + "\n".join(tails)) from e
 
 
 def _launcher_lines(out: str, rank: int, text: str) -> list[str]:
@@ -46,9 +63,15 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
     place (no spares)."""
     out, n = str(tmp_path), two_nodes.NPROC
     spares = n if victim_runs == "coordination_service" else 0
-    with etcd_cluster(3) as cluster:
-        o = two_nodes.run(cluster.url, lambda: cluster.kill(0), out, victim_runs,
-                          steps=STEPS, spares=spares)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster:
+            o = two_nodes.run(cluster.url, lambda: cluster.kill(0), out, victim_runs,
+                              steps=STEPS, spares=spares)
+        _check_node_loss(o, out, reference, victim_runs, spares)
+
+
+def _check_node_loss(o, out, reference, victim_runs, spares):
+    n = two_nodes.NPROC
     survivor = 1 - o.victim
     kept = [w for w in range(2 * n) if w // n == survivor]
     assert o.rc == 0
@@ -79,8 +102,14 @@ def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):
     secret to a launcher and an agent, before that, are all refused. Exact at the end."""
     steps = 14
     out = str(tmp_path)
-    with etcd_cluster(3) as cluster:
-        codes, final, left, answered = two_nodes.run_spares(cluster.url, out, steps=steps)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster:
+            codes, final, left, answered = two_nodes.run_spares(cluster.url, out,
+                                                                steps=steps)
+        _check_spares(out, steps, codes, final, left, answered)
+
+
+def _check_spares(out, steps, codes, final, left, answered):
     assert answered == []  # every connection without the secret closed unanswered
     assert codes == [0, 0]
     assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3], 2: [5, 1, 2, 3]}
