@@ -265,10 +265,6 @@ class EtcdArbiter:
             self._writes.submit(run)
 
     # -- what the launcher calls --------------------------------------------------------------
-    @property
-    def worlds(self) -> dict[int, tuple[int, ...]]:
-        return self.view.worlds()
-
     def member_died(self, worker_id: int) -> None:
         if worker_id not in self._local_dead:
             self._local_dead.add(worker_id)
