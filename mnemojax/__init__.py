@@ -1,7 +1,7 @@
 """mnemojax: keep JAX training alive through device and host failures, with the same math.
 
 `import mnemojax` stays light: it imports neither JAX nor the process roles. The names
-that need them (`resilient`, `ResilientStep`, `initialize`, `testing`) are imported on
+that need them (`resilient`, `ResilientStep`, `initialize`, `data`, `testing`) are imported on
 first use, so the JAX-free commands (`mnemojax simulate`, `mnemojax report`) start fast.
 """
 
@@ -21,6 +21,7 @@ from mnemojax._src.topology import MeshPlan as MeshPlan
 from mnemojax._src.topology import plan_reduced_mesh as plan_reduced_mesh
 
 if _typing.TYPE_CHECKING:
+    from mnemojax import data as data
     from mnemojax import testing as testing
     from mnemojax._src.api import ResilientStep as ResilientStep
     from mnemojax._src.api import resilient as resilient
@@ -38,6 +39,7 @@ __all__ = [
     "ResilientStep",
     "SnapshotOptions",
     "Statistics",
+    "data",
     "errors",
     "initialize",
     "plan_reduced_mesh",
@@ -55,8 +57,8 @@ _LAZY: dict[str, str] = {
 
 
 def __getattr__(name: str) -> _typing.Any:
-    if name == "testing":
-        return _importlib.import_module("mnemojax.testing")
+    if name in ("data", "testing"):
+        return _importlib.import_module(f"mnemojax.{name}")
     if name not in _LAZY:
         raise AttributeError(f"module 'mnemojax' has no attribute {name!r}")
     value = getattr(_importlib.import_module(_LAZY[name]), name)

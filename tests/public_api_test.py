@@ -9,7 +9,7 @@ import mnemojax.testing
 EXPECTED = {
     "CompileOptions", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
-    "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "errors",
+    "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "data", "errors",
     "initialize",
     "plan_reduced_mesh", "resilient", "retry", "testing",
 }

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from mnemojax._src.data import HostRows
 from mnemojax._src.triggers import host_memory_fraction
 
 # `jax.Device` is a runtime alias of jaxlib's compiled (unstubbed) `Device` class, so
@@ -77,9 +78,10 @@ class JaxDeviceLayer:
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
-        # Multi-process: every process holds the same global host value and places only
-        # the pieces its own devices hold.
-        value = np.asarray(value)
+        # Multi-process: every process holds the same global host value (or `HostRows`,
+        # which read rows when indexed) and places only the pieces its own devices hold.
+        if not isinstance(value, HostRows):
+            value = np.asarray(value)
         return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
     def fetch(self, shard: jax.Shard) -> np.ndarray:

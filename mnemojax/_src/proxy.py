@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import BatchSplitError, StepHangError
@@ -92,11 +93,13 @@ class DeviceProxy:
 
         def place(path, x, sharding):
             if x.ndim and examples is not None and x.shape[0] != examples:
-                x = x[:examples]
+                x = x.head(examples) if isinstance(x, HostRows) else x[:examples]
             if x.ndim and sharding.spec and x.shape[0] % width:
                 raise BatchSplitError(
                     f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[0]} examples, "
                     f"which the data axis of width {width} cannot split evenly")
+            if isinstance(x, HostRows) and sharding.is_fully_addressable:
+                x = np.asarray(x)  # every row is this process's
             return self.layer.put(x, sharding)
 
         return jax.tree_util.tree_map_with_path(place, host_batch, shardings)
@@ -216,5 +219,6 @@ def looks_transient(exc: BaseException) -> bool:
 
 
 def host_batch(batch):
-    """The batch as a pytree of numpy arrays (host memory), validated."""
-    return jax.tree.map(np.asarray, batch)
+    """The batch as a pytree of numpy arrays (host memory), validated. `HostRows` leaves
+    stay unread: placing the batch reads the rows this process's devices hold."""
+    return jax.tree.map(lambda x: x if isinstance(x, HostRows) else np.asarray(x), batch)

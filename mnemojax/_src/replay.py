@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mnemojax._src.data import HostRows
 from mnemojax._src.errors import StateUnavailableError
 
 
@@ -80,6 +81,11 @@ class ReplayBuffer:
 def _copy_into(spare: Any, batch: Any) -> Any:
     """A copy of `batch`, written into `spare`'s arrays when they have the same structure,
     shapes and dtypes."""
+    if any(isinstance(x, HostRows) for x in jax.tree.leaves(batch)):
+        # A per-host batch is read from its source on demand, again after a recovery: it
+        # is kept as it is (its rows never change), and its other leaves copied.
+        return jax.tree.map(lambda x: x if isinstance(x, HostRows) else np.array(x, copy=True),
+                            batch)
     if spare is not None and jax.tree.structure(spare) == jax.tree.structure(batch):
         pairs = list(zip(jax.tree.leaves(spare), jax.tree.leaves(batch), strict=True))
         if all(s.shape == b.shape and s.dtype == b.dtype for s, b in pairs):

@@ -15,6 +15,7 @@ next world, whose state they take from their agents' copies (`step.restore()`).
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 
 import pytest
@@ -60,13 +61,17 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
     """The node running the coordination service is lost with 2 spares on each node: the
     other node restarts its workers (aborted with the service) and its 2 spares take the
     lost node's ranks, all fresh processes. The other node lost: its survivors recover in
-    place (no spares)."""
+    place (no spares).
+
+    The job feeds per-host batches from a Grain dataset (`mnemojax.data.HostBatches`):
+    each process reads only the rows of its devices, the fresh processes from the step
+    they restored, the in-place survivors the lost node's rows as well."""
     out, n = str(tmp_path), two_nodes.NPROC
     spares = n if victim_runs == "coordination_service" else 0
     with _logs_on_failure(out):
         with etcd_cluster(3) as cluster:
             o = two_nodes.run(cluster.url, lambda: cluster.kill(0), out, victim_runs,
-                              steps=STEPS, spares=spares)
+                              steps=STEPS, spares=spares, job_args=("--host-data",))
         _check_node_loss(o, out, reference, victim_runs, spares)
 
 
@@ -91,8 +96,19 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         assert restarted == []
         [rec] = stats["recoveries"]
         assert rec["plan_kind"] == "process_loss"
+    _check_rows_read(out, o.final["members"], width=len(o.final["members"]))
     assert o.survivor_shm == [], "the surviving launcher left shared memory behind"
     assert two_nodes.leftover_pids(o.nodes) == [], "a process outlived the job"
+
+
+def _check_rows_read(out: str, members: list[int], *, width: int) -> None:
+    """Every process of the final world read only its own rows: a 1/width share of the
+    last global batch, never a whole one."""
+    for w in members:
+        with open(f"{out}/rows-w{w}.json") as f:
+            rows = {int(k): n for k, n in json.load(f).items()}
+        assert rows[STEPS] == h.BATCH // width, (w, rows)
+        assert max(rows.values()) < h.BATCH, (w, rows)
 
 
 def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):

@@ -14,6 +14,7 @@ In the (n, 2) mesh the parameters are replicated over the data axis, so worker 0
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -58,9 +59,14 @@ def _launcher_events(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker1", "worker0"])
-def test_kill_worker(tmp_path, reference, victim):
-    report = _run(tmp_path, [ProcessFault("kill", victim, 4)])
+@pytest.mark.parametrize(("victim", "host_data"), [(1, True), (0, False)],
+                         ids=["worker1-host-data", "worker0"])
+def test_kill_worker(tmp_path, reference, victim, host_data):
+    """worker1-host-data: the job feeds per-host batches from a Grain dataset
+    (`mnemojax.data.HostBatches`): each process reads only its third of each global batch,
+    and after the loss the two survivors read half each, the lost slice included."""
+    report = _run(tmp_path, [ProcessFault("kill", victim, 4)],
+                  extra=("--host-data",) if host_data else ())
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["failed_processes"] == [victim] and rec["steps_lost"] <= 1
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
@@ -68,6 +74,18 @@ def test_kill_worker(tmp_path, reference, victim):
     # Only worker 0 owns snapshot shards (data row 0): they come from its own agent, which
     # outlives worker 0; the other workers' copies hold no shards and are not fetched.
     assert rec["fetched_from"] == {"0": report["agents"][0]}
+    if host_data:
+        for w in (0, 2):  # the survivors (the killed worker writes nothing)
+            rows = _rows_read(tmp_path, w)
+            assert rows[1] == h.BATCH // 3  # its own slice of a 3-process world
+            assert rows[STEPS] == h.BATCH // 2  # the world of 2: the lost slice shared
+            assert max(rows.values()) < h.BATCH  # never the whole global batch
+            assert sorted(rows) == list(range(1, STEPS + 1))
+
+
+def _rows_read(out, worker: int) -> dict[int, int]:
+    with open(f"{out}/rows-w{worker}.json") as f:
+        return {int(k): n for k, n in json.load(f).items()}
 
 
 def test_kill_during_the_first_step_resumes_from_the_initial_state(tmp_path, reference):

@@ -3,7 +3,7 @@
 python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
-    [--transient-worker W --transient-at-step K] [--restore]
+    [--transient-worker W --transient-at-step K] [--host-data] [--restore]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
@@ -11,6 +11,7 @@ status 3 (MeshTooSmallError) or 4 (StateUnavailableError) and its text in DIR/er
 """
 
 import argparse
+import json
 import os
 import time
 import warnings
@@ -43,6 +44,10 @@ def main() -> None:
     parser.add_argument("--transient-at-step", type=int, default=-1, help="... at this step")
     parser.add_argument("--ckpt-every", type=int, default=0,
                         help="Orbax checkpoint every N steps (with --ckpt)")
+    parser.add_argument("--host-data", action="store_true",
+                        help="per-host batches: a Grain dataset of the same examples through "
+                             "mnemojax.data.HostBatches; each process reads only its rows and "
+                             "writes the count per step to DIR/rows-wI.json")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -60,10 +65,21 @@ def main() -> None:
                                   persistent=mnemojax.PersistentOptions(
                                       directory=args.ckpt, every_steps=args.ckpt_every)))
     start = step.restore(model, optimizer) if args.restore else 0
-    for k, batch in enumerate(h.make_batches(args.steps), start=1):
+    loader = None
+    if args.host_data:
+        import grain  # noqa: PLC0415
+
+        records = [{"x": b["x"][i], "y": b["y"][i]}
+                   for b in h.make_batches(args.steps) for i in range(h.BATCH)]
+        loader = mnemojax.data.HostBatches(grain.MapDataset.source(records), h.BATCH,
+                                           start=start)
+        batches = enumerate(loader, start=start + 1)
+    else:
+        batches = enumerate(h.make_batches(args.steps), start=1)
+    for k, batch in batches:
         if k <= start:
             continue
-        if k == args.nan_at_step:  # every process gets the same global batch
+        if k == args.nan_at_step and loader is None:  # every process: the same global batch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
@@ -78,6 +94,9 @@ def main() -> None:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
         time.sleep(args.step_sleep_s)
+    if loader is not None:
+        with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
+            json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mnemojax._src.distributed import wire
@@ -40,7 +41,8 @@ def host(rank: int) -> str:
 
 
 def launch(url: str, job: str, rank: int, out: str, env: dict[str, str], *, steps: int,
-           sleep_s: float, spares: int = 0) -> subprocess.Popen[bytes]:
+           sleep_s: float, spares: int = 0, job_args: Sequence[str] = ()
+           ) -> subprocess.Popen[bytes]:
     """Node ``rank``'s launcher; its job restores first (a restarted worker needs it)."""
     cmd = [sys.executable, "-m", "mnemojax", "launch", "--rdzv", url, "--rdzv-id", job,
            "--nnodes", "2", "--node-rank", str(rank), "--nproc", str(NPROC),
@@ -48,7 +50,7 @@ def launch(url: str, job: str, rank: int, out: str, env: dict[str, str], *, step
            "--host", host(rank), "--devices-per-proc", "1", "--timeout-s", "200", "--",
            sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--model-axis", "1", "--step-sleep-s", str(sleep_s),
-           "--restore"]
+           "--restore", *job_args]
     with open(os.path.join(out, f"launcher-{rank}.log"), "wb") as log:  # the child keeps it
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -104,7 +106,8 @@ class Job:
 
 
 @contextlib.contextmanager
-def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: int = 0):
+def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: int = 0,
+            job_args: Sequence[str] = ()):
     """Starts both nodes and waits for world 0; at exit kills whatever is left of them
     and removes the killed node's shared memory (its agents never could)."""
     env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
@@ -114,7 +117,7 @@ def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: i
     nodes: dict[int, dict[str, Any]] = {}
     try:
         launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s,
-                            spares=spares) for r in (0, 1)]
+                            spares=spares, job_args=job_args) for r in (0, 1)]
         world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
         nodes.update({r: store.get(store.key("nodes", r)) for r in (0, 1)})
         yield Job(store, launchers, nodes, world0)
@@ -129,10 +132,13 @@ def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: i
 
 
 def run(cluster_url: str, kill_member, out: str, victim_runs: str, *, steps: int = 10,
-        sleep_s: float = 0.3, kill_after: int = 3, spares: int = 0) -> Outcome:
-    """Runs the job, kills the node that runs (or not) world 0's coordination service and
-    one etcd member (``kill_member()``), waits for the survivor; ends every process."""
-    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=spares) as job:
+        sleep_s: float = 0.3, kill_after: int = 3, spares: int = 0,
+        job_args: Sequence[str] = ()) -> Outcome:
+    """Runs the job (`tests.jobs.mp_resilient_job` with ``job_args``), kills the node that
+    runs (or not) world 0's coordination service and one etcd member (``kill_member()``),
+    waits for the survivor; ends every process."""
+    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=spares,
+                 job_args=job_args) as job:
         wait(lambda: any(len(s) >= kill_after for s in step_times(out).values()), 120,
              f"{kill_after} steps")
         host_node = job.world0["host_node"]

@@ -1,0 +1,110 @@
+"""Per-host batches (`mnemojax.data`): lazily read rows, each device's rows only, the
+iterator's state, and a resilient run fed by a Grain loader that equals the plain run."""
+
+import grain
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mnemojax
+from mnemojax.data import HostBatches, HostRows
+from mnemojax.errors import BatchSplitError, InvalidOptionError
+from tests import helpers as h
+
+
+def _records(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """`h.make_batches(steps)` one example per record: step k's batch is records
+    [(k-1)B, kB)."""
+    return [{"x": b["x"][i], "y": b["y"][i]}
+            for b in h.make_batches(steps, seed) for i in range(h.BATCH)]
+
+
+def test_a_batch_is_its_records_stacked_and_read_only_when_indexed():
+    loader = HostBatches(_records(3), h.BATCH)
+    batch = next(loader)
+    assert isinstance(batch["x"], HostRows) and batch["x"].shape == (h.BATCH, h.DIN)
+    assert batch["y"].dtype == np.int32 and batch["x"].step == 1
+    assert loader.rows_read == {}  # nothing read yet
+    want = h.make_batches(3)[0]
+    np.testing.assert_array_equal(batch["x"][4:10], want["x"][4:10])
+    np.testing.assert_array_equal(batch["y"][4:10, ...], want["y"][4:10])  # same rows: kept
+    assert loader.rows_read == {1: 6}
+    np.testing.assert_array_equal(batch["x"][-1], want["x"][-1])
+    np.testing.assert_array_equal(np.asarray(batch["x"]), want["x"])
+    np.testing.assert_array_equal(batch["x"][::2], want["x"][::2])
+    np.testing.assert_array_equal(batch["x"].head(5)[:], want["x"][:5])
+    with pytest.raises(IndexError, match="row 24 of a batch of 24"):
+        batch["x"][24]
+
+
+def test_each_device_reads_only_the_rows_it_holds_on_the_current_mesh():
+    """What ``jax.make_array_from_callback`` asks a process for: the index of each of its
+    devices. Devices of data row 1 of a (4, 2) mesh read rows 6..12 once; on a (2, 2)
+    mesh (a process's share after a loss) the same process reads rows 0..12."""
+    loader = HostBatches(_records(2), h.BATCH)
+    x = next(loader)["x"]
+    want = h.make_batches(2)[0]["x"]
+    for shape, row, rows in (((4, 2), 1, (6, 12)), ((2, 2), 0, (0, 12))):
+        mesh = h.mesh_of(shape)
+        index_of = NamedSharding(mesh, P("data")).devices_indices_map(x.shape)
+        for d in mesh.devices[row]:
+            np.testing.assert_array_equal(x[index_of[d]], want[rows[0]:rows[1]])
+    assert loader.rows_read == {1: 6 + 12}
+
+
+def test_the_state_is_the_batches_handed_out():
+    loader = HostBatches(_records(5), h.BATCH, start=2)
+    assert next(loader)["x"].step == 3
+    assert loader.get_state() == {"step": 3, "global_batch_size": h.BATCH}
+    other = HostBatches(_records(5), h.BATCH)
+    other.set_state(loader.get_state())
+    assert [b["x"].step for b in other] == [4, 5]  # a finite source ends with its records
+    with pytest.raises(BatchSplitError, match="global_batch_size=12"):
+        other.set_state({"step": 1, "global_batch_size": 12})
+    short = HostBatches(_records(2)[:-1], h.BATCH)  # a last batch it cannot fill: dropped
+    assert [b["x"].step for b in short] == [1]
+    assert [b["x"].step for b in HostBatches(_records(5), h.BATCH, steps=2)] == [1, 2]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"global_batch_size": 0}, "global_batch_size must be an int >= 1, got 0"),
+    ({"global_batch_size": 2.5}, "got 2.5"),
+    ({"global_batch_size": 4, "start": -1}, "start must be an int >= 0, got -1"),
+    ({"global_batch_size": 4, "steps": True}, "steps must be an int >= 0, got True"),
+])
+def test_bad_arguments_are_typed_errors_naming_the_value(kwargs, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        HostBatches([{"x": 1}] * 8, **kwargs)
+
+
+def test_records_of_another_shape_are_refused():
+    loader = HostBatches([{"x": np.zeros(3)}] * 3 + [{"x": np.zeros(4)}], 2)
+    next(loader)["x"][:]
+    with pytest.raises(BatchSplitError,
+                       match=r"record 3 has a leaf of shape \(4,\), record 0 \(3,\)"):
+        next(loader)["x"][:]
+
+
+def test_a_grain_dataset_is_read_by_global_record_index():
+    ds = grain.MapDataset.source(_records(2)).shuffle(seed=7).repeat()
+    loader = HostBatches(ds, h.BATCH)
+    for step in (1, 2, 3):  # repeat(): a new epoch, reshuffled by Grain
+        x = next(loader)["x"]
+        want = np.stack([ds[(step - 1) * h.BATCH + i]["x"] for i in range(h.BATCH)])
+        np.testing.assert_array_equal(np.asarray(x), want)
+
+
+def test_a_resilient_run_on_grain_batches_recovers_exact():
+    """Fed per-host batches, a run that loses a device (the mesh shrinks, the steps since
+    the snapshot are replayed from the kept, still unread, batches) equals the plain run
+    on the same examples."""
+    steps = 6
+    loader = HostBatches(grain.MapDataset.source(_records(steps)), h.BATCH)
+    faults = mnemojax.testing.FaultInjector().lose_devices(4, [3])
+    got, step = h.resilient_run(loader, mesh=h.mesh_of((4, 2)), faults=faults)
+    [rec] = step.statistics.recoveries
+    assert rec.new_mesh_shape != rec.old_mesh_shape
+    h.assert_same_run(got, h.reference_run(h.make_batches(steps)))
+    assert len(jax.devices()) >= 8
