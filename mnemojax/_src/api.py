@@ -411,15 +411,18 @@ class ResilientStep(Generic[P, R]):
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
         ownership.claim(self, form)
+        process_recovery = ProcessRecovery(opts, builder, durability, self._statistics,
+                                           self._batches, session, form.leaf_keys) \
+            if session is not None else None
+        if process_recovery is not None:
+            process_recovery.origin = (runtime.plan, runtime.proxy.device_places())
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             meshes=[runtime.mesh],
             session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
             device_recovery=DeviceRecovery(opts, builder, durability, self._statistics,
                                            self._batches),
-            process_recovery=ProcessRecovery(opts, builder, durability, self._statistics,
-                                      self._batches, session, form.leaf_keys)
-            if session is not None else None)
+            process_recovery=process_recovery)
         # No cycle through durability: an unreferenced step is freed at once, with its claim.
         durability.committed = ownership.weak_method(self, "_committed", default=(0, None))
         return self._built

@@ -34,6 +34,7 @@ from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
+    DistributedError,
     MeshTooSmallError,
     RecoveryExhaustedError,
     StateUnavailableError,
@@ -266,6 +267,9 @@ class ProcessRecovery:
         self._leaf_keys = list(leaf_keys)
         self._persistent = _PersistentFallback(durability, batches, builder.leaf_structs)
         self.built: Runtime | None = None  # the new world's runtime, once built
+        # This process's first mesh and its devices' places: the layout a world that grows
+        # back to its first size returns to (`recover`).
+        self.origin: tuple[MeshPlan, dict[int, Place]] | None = None
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
@@ -308,13 +312,16 @@ class ProcessRecovery:
         new_devices: dict[int, list[int]] = {}
         for d in jax.devices():
             new_devices.setdefault(d.process_index, []).append(d.id)
-        # A joiner (a spare) takes a dead member's rank: its devices take that member's
-        # places in the mesh, which keeps its size.
-        as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
-        renumbering = renumber_devices(places, rec.members, as_old, new_devices)
         try:
-            plan = plan_after_process_loss(old_plan.device_ids, old_plan.axis_names,
-                                           renumbering, rules, spares=spares)
+            if agreement.num_processes > len(rec.members):
+                plan = self._grown_plan(agreement.num_processes, new_devices, rules)
+            else:
+                # A joiner (a spare) takes a dead member's rank: its devices take that
+                # member's places in the mesh, which keeps its size.
+                as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
+                renumbering = renumber_devices(places, rec.members, as_old, new_devices)
+                plan = plan_after_process_loss(old_plan.device_ids, old_plan.axis_names,
+                                               renumbering, rules, spares=spares)
         except MeshTooSmallError as exc:
             self._persist_agreed_state(rec, exc)
         phases["plan"] = time.perf_counter() - t
@@ -353,6 +360,31 @@ class ProcessRecovery:
                     "resuming from step %d", before.generation, rec.world.generation,
                     list(dead), rec.world.num_processes, plan.shape, resume)
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
+
+    def _grown_plan(self, processes: int, new_devices: Mapping[int, Sequence[int]],
+                    rules: ShapeRules) -> MeshPlan:
+        """The mesh of a world that grew back to this process's first size: its first
+        layout, each rank's devices in the places of that rank's devices then (the
+        launcher gives every member its first-world rank, `book.AgreementBook.decide`).
+
+        Raises:
+            DistributedError: this process's first world had another size (it joined a
+                shrunk world), so it does not know the full layout.
+        """
+        if self.origin is None:  # internal misuse: set when the step is built
+            raise DistributedError("the world grew back, but this process's first mesh "
+                                   "is unknown")
+        plan, places = self.origin
+        first = len({p for p, _ in places.values()})
+        if first != processes:
+            raise DistributedError(
+                f"the world grew back to {processes} processes, but this process's first "
+                f"world had {first}: it cannot rebuild the full mesh (a process that first "
+                "joined a shrunk world)")
+        ranks = list(range(processes))  # every member is at its first-world rank
+        renumbering = renumber_devices(places, ranks, ranks, new_devices)
+        return plan_after_process_loss(plan.device_ids, plan.axis_names, renumbering, rules,
+                                       spares=())
 
     def _from_persistent(self, step: int, why: str, runtime: Runtime,
                          shardings: Sequence[Any]) -> tuple[int, list]:

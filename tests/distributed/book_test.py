@@ -138,3 +138,30 @@ def test_spares_take_the_ranks_of_the_dead_when_there_are_enough():
     book.mark_dead(1)
     book.mark_dead(2)
     assert book.decide(coordinator="c", holdings=holdings, joiners=[7])[0].survivors == (0,)
+
+
+def test_a_shrunk_world_grows_back_to_world_0s_layout_when_spares_fill_every_slot():
+    """World 1 = [3, 1] (worker 3 holds slot 3, worker 1 slot 1; slots 0 and 2 free):
+    with two joiners, world 2 has world 0's size and every member is at its slot's rank;
+    with one, nobody joins (a fresh process's mesh fits world 0's size only)."""
+    holdings = {"x": [copy(3, 6, [(0, 6)])]}
+    slots = {0: 0, 1: 1, 2: 2, 3: 3}
+
+    def decide(joiners, dead=()):
+        book = AgreementBook(1, [3, 1])
+        for w in (3, 1):
+            if w in dead:
+                book.mark_dead(w)
+            else:
+                book.arrive(w, 1, last_step=6)
+        return book.decide(coordinator="c", holdings=holdings, joiners=joiners,
+                           slots=slots, full_size=4)
+
+    grown = decide([8, 9])
+    assert grown[1].survivors == (8, 1, 9, 3) and grown[1].num_processes == 4
+    assert [grown[w].process_id for w in (8, 1, 9, 3)] == [0, 1, 2, 3]
+    assert grown[8].replaces == {8: 0, 9: 2} and grown[8].resume_step == 6
+    assert decide([8])[1].survivors == (3, 1)  # one joiner for two free slots: none
+    # A member dying in the same formation frees its slot too: three joiners fill it.
+    assert decide([8, 9, 10], dead=(3,))[1].survivors == (8, 1, 9, 10)
+    assert decide([8, 9], dead=(3,))[1].survivors == (1,)

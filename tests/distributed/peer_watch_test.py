@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import jax
 import pytest
 
 from mnemojax._src import proxy
+from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.distributed.worker.peer_watch import TOLD_BY_LAUNCHER, PeerWatch
 
@@ -17,17 +19,19 @@ class _Launcher:
     """A fake `Coordinator.watch`: answers each poll with the next scripted reply, then
     blocks until stopped."""
 
-    def __init__(self, *replies: tuple[int, ...]):
+    def __init__(self, *replies: tuple[int, ...] | wire.WorldFailed):
         self.replies = list(replies)
         self.polls: list[int] = []
         self.released = threading.Event()
 
-    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+    def watch(self, *, generation: int, timeout_s: float) -> wire.WorldFailed:
         self.polls.append(generation)
         if self.replies:
-            return self.replies.pop(0)
+            reply = self.replies.pop(0)
+            return reply if isinstance(reply, wire.WorldFailed) else wire.WorldFailed(
+                generation=generation, failed=reply)
         self.released.wait(timeout_s)
-        return ()
+        return wire.WorldFailed(generation=generation, failed=())
 
 
 @pytest.fixture
@@ -84,6 +88,18 @@ def test_the_next_world_is_not_failed_by_the_old_worlds_notice(world):
     assert future.result() == "ok" and not handle.aborted
 
 
+def test_a_regrow_fails_the_pending_wait_though_no_one_died(world):
+    """The world re-forms larger (spares fill it back): the step takes the same path as
+    after a death, so every member agrees and joins the larger world."""
+    _, start = world
+    watch = start(_Launcher(wire.WorldFailed(generation=0, failed=(), regrow=True))).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future):
+        assert "world 0 re-forms larger" in str(future.exception(timeout=5))
+    [notice] = watch.notices
+    assert notice.regrow and notice.failed == ()
+
+
 def test_a_result_that_came_first_is_kept(world):
     _, start = world
     watch = start(_Launcher()).start()
@@ -130,25 +146,30 @@ def test_the_step_waiter_gives_up_its_stuck_thread(world):
     with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
         waiter.wait(block, "old arrays", 5, (0,), timeout_s=30)
     assert waiter._thread is None
-    [left] = peer_watch._pending.left_behind[-1:]
-    assert left.is_alive()
+    [(left, generation, _)] = peer_watch._pending.left_behind[-1:]
+    assert left.is_alive() and generation == 0
     stuck.set()  # the old collective gives up: the thread it held ends
     assert finished.wait(5)
     peer_watch._join_left_behind()  # what runs at exit
     assert not left.is_alive()
 
 
-def test_exit_waits_for_a_left_behind_thread_at_most_exit_wait_s(world):
+def test_exit_waits_for_a_left_behind_thread_at_most_exit_wait_s_after_it_was_left(world):
+    """The bound runs from the abandonment (the collective timeout from then), not from
+    the exit: a thread left long before the exit is not waited for again."""
     _, start = world
     start(_Launcher()).start()
-    peer_watch._pending.exit_wait_s = 0.1
+    peer_watch._pending.exit_wait_s = 0.3
     release = threading.Event()
     thread = threading.Thread(target=release.wait, args=(10,), daemon=True)
     thread.start()
-    handle = peer_watch.WaitHandle(concurrent.futures.Future())
-    handle.leave_behind(thread)
-    peer_watch._join_left_behind()  # returns after ~0.1 s, the thread still blocked
-    assert thread.is_alive()
+    peer_watch.WaitHandle(concurrent.futures.Future(), 0).leave_behind(thread)
+    t0 = time.monotonic()
+    peer_watch._join_left_behind()  # returns after ~0.3 s, the thread still blocked
+    assert thread.is_alive() and 0.2 < time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    peer_watch._join_left_behind()  # its bound has passed: at once
+    assert time.monotonic() - t0 < 0.25
     release.set()
     thread.join(5)
-    peer_watch._pending.left_behind.remove(thread)
+    peer_watch._pending.left_behind.clear()

@@ -47,6 +47,41 @@ def test_the_book_counts_arrivals_of_live_members_only():
     assert book.arrived == {0: 5} and book.dead == {2} and book.missing() == [1]
 
 
+def _agreements(members, replaces):
+    first = Agreement(generation=0, worker_id=members[0], process_id=0,
+                      num_processes=len(members), coordinator="c", resume_step=1,
+                      survivors=tuple(members), previous_members=(), sources={}, lost=(),
+                      resume_generation=0, why="", replaces=replaces)
+    return {str(members[0]): wire.AgreementReply(agreement=first).to_wire()}
+
+
+def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
+    """World 0 = [0..3]; world 1: spare 4 took worker 0's rank; world 2: node 1 lost,
+    [4, 1]. A rejoined node's spares 6, 7 (idle, with agents) can fill slots 2 and 3, so
+    world 2 is due to grow back; the ids used so far include the start's spares 4, 5."""
+    items = {"world/0": {"members": [0, 1, 2, 3]},
+             "world/1": {"members": [4, 1, 2, 3], "agreements": _agreements([4, 1, 2, 3],
+                                                                             {4: 0})},
+             "world/2": {"members": [4, 1], "agreements": _agreements([4, 1], {})},
+             "nodes/0": {}, "nodes/1": {}, "dead/0": {}, "dead/2": {}, "dead/3": {},
+             "agents/4": "a", "agents/1": "b", "agents/6": "c", "agents/7": "d",
+             "spares/6": 1, "spares/7": 1, "home/6": 1, "home/7": 1, "home/4": 0,
+             "rejoin/6": {"node": 1, "count": 2}}
+    view = _view(items)
+    assert view.slots() == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0}
+    assert view.full_size() == 4 and view.joiners(2) == [6, 7]
+    assert view.regrow_due() == 2 and not view.regrows(2)
+    assert view.used_ids(range(4, 6)) == set(range(8))
+    asked = _view({**items, "regrow/2": {"by_node": 0}})
+    assert asked.regrow_due() is None and asked.regrows(2)  # asked once
+    one = _view({k: v for k, v in items.items() if k not in ("spares/7", "agents/7")})
+    assert one.regrow_due() is None  # one spare cannot fill two slots
+    grown = _view({**items, "regrow/2": {}, "world/3": {
+        "members": [4, 1, 6, 7], "agreements": _agreements([4, 1, 6, 7], {6: 2, 7: 3})}})
+    assert grown.slots()[6] == 2 and grown.slots()[7] == 3
+    assert grown.regrow_due() is None and not grown.regrows(2)
+
+
 @pytest.mark.parametrize("url", ["etcd:/x", "http://h:1", "etcd://h", "etcd://h:1,:2",
                                  "etcd://h:99999"])
 def test_bad_rdzv_urls_are_refused_by_name(url):
@@ -61,6 +96,11 @@ def test_several_nodes_need_an_etcd_rendezvous():
         LaunchOptions(nproc=1, nnodes=2, node_rank=2, rdzv="etcd://h:1")
     o = LaunchOptions(nproc=3, nnodes=2, node_rank=1, rdzv="etcd://h:1")
     assert o.world_size == 6 and list(o.local_workers) == [3, 4, 5]
+    with pytest.raises(InvalidOptionError, match="grow_back=True needs rdzv"):
+        LaunchOptions(nproc=1, grow_back=True)
+    rejoin = LaunchOptions(nproc=3, nnodes=2, node_rank=1, rdzv="etcd://h:1", spares=1,
+                           grow_back=True, rejoin_first_id=10)
+    assert list(rejoin.local_workers) == [] and list(rejoin.spare_ids) == [10, 11, 12, 13]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +217,21 @@ def test_a_lost_node_is_told_to_the_other_nodes_watch(nodes):
     watcher.join(timeout=30)
     assert results["w"].failed == (2, 3)
     assert nodes.arbiters[0].live_members() == [0, 1]
+
+
+def test_a_regrow_asked_on_one_node_is_told_to_the_other_nodes_watch(nodes):
+    """Node 0 asks world 0 to re-form larger (`JobView.regrow_due`): a watch on node 1
+    returns no dead member, but ``regrow``; asking again changes nothing."""
+    results: dict = {}
+    watcher = threading.Thread(target=lambda: results.update(w=nodes.arbiters[1].watch(
+        wire.WatchWorld(worker_id=2, generation=0, timeout_s=30))))
+    watcher.start()
+    for _ in range(2):
+        with nodes.arbiters[0]._roster.cv:
+            nodes.arbiters[0].request_regrow(0)
+    watcher.join(timeout=30)
+    assert results["w"].failed == () and results["w"].regrow
+    assert nodes.store.get(nodes.store.key("regrow", 0)) == {"by_node": 0}
 
 
 def test_an_ambiguous_create_is_read_back(cluster):

@@ -50,6 +50,7 @@ EXAMPLES = [
     wire.Joined(agreement=dataclasses.replace(AGREEMENT, replaces={5: 0})),
     wire.WorldFailed(generation=1, failed=()),
     wire.WorldFailed(generation=0, failed=(1,)),
+    wire.WorldFailed(generation=2, failed=(), regrow=True),
     wire.HoldingsQuery(),
     wire.Holdings(copies=(COPY, CopyInfo(2, 6, 1, 2, ())),
                   corrupt=(wire.CorruptCopy(origin=0, step=5, error="CRC32"),

@@ -42,9 +42,9 @@ def _logs_on_failure(out: str):
         yield
     except (AssertionError, TimeoutError, subprocess.TimeoutExpired) as e:
         tails = []
-        for rank in (0, 1):
-            with contextlib.suppress(OSError), open(f"{out}/launcher-{rank}.log") as f:
-                tails.append(f"--- launcher {rank} ---\n" + "".join(f.readlines()[-40:]))
+        for name in ("0", "1", "0-again", "1-again"):
+            with contextlib.suppress(OSError), open(f"{out}/launcher-{name}.log") as f:
+                tails.append(f"--- launcher {name} ---\n" + "".join(f.readlines()[-40:]))
         raise AssertionError(f"{e}\n" + "\n".join(tails)) from e
 
 
@@ -96,19 +96,42 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         assert restarted == []
         [rec] = stats["recoveries"]
         assert rec["plan_kind"] == "process_loss"
-    _check_rows_read(out, o.final["members"], width=len(o.final["members"]))
+    _check_rows_read(out, o.final["members"], width=len(o.final["members"]), steps=STEPS)
     assert o.survivor_shm == [], "the surviving launcher left shared memory behind"
     assert two_nodes.leftover_pids(o.nodes) == [], "a process outlived the job"
 
 
-def _check_rows_read(out: str, members: list[int], *, width: int) -> None:
+def _check_rows_read(out: str, members: list[int], *, width: int, steps: int) -> None:
     """Every process of the final world read only its own rows: a 1/width share of the
     last global batch, never a whole one."""
     for w in members:
         with open(f"{out}/rows-w{w}.json") as f:
             rows = {int(k): n for k, n in json.load(f).items()}
-        assert rows[STEPS] == h.BATCH // width, (w, rows)
+        assert rows[steps] == h.BATCH // width, (w, rows)
         assert max(rows.values()) < h.BATCH, (w, rows)
+
+
+def test_a_lost_node_restarted_with_grow_back_makes_the_job_whole_again(tmp_path):
+    """Node 1 is killed whole: node 0's workers go on in place on half the mesh (world 1
+    = [0, 1], mesh 2 x 1). Node 1's launcher is started again with ``--grow-back``: its
+    two processes wait as spares with fresh ids (4, 5), the launchers ask world 1 to
+    re-form, and world 2 = [0, 1, 4, 5] is world 0's layout again (mesh 4 x 1): the
+    survivors keep their ranks, the spares take ranks 2 and 3 with the agreed state.
+    Per-host batches throughout; exact at the end, every process ended."""
+    steps, out = 24, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster:
+            codes, final, left, worlds = two_nodes.run_grow_back(
+                cluster.url, out, steps=steps, job_args=("--host-data",))
+        assert codes == [0, 0]
+        assert [w["members"] for w in worlds] == [[0, 1, 2, 3], [0, 1], [0, 1, 4, 5]]
+        assert final["generation"] == 2
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        kept = two_nodes.recoveries(out, 0)  # a survivor throughout
+        assert [e["new_mesh"] for e in kept] == [{"data": 2, "model": 1},
+                                                 {"data": 4, "model": 1}]
+        _check_rows_read(out, [0, 1, 4, 5], width=4, steps=steps)
+        assert left == [], "a process outlived the job"
 
 
 def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):

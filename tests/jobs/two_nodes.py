@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import wire
@@ -41,17 +41,19 @@ def host(rank: int) -> str:
 
 
 def launch(url: str, job: str, rank: int, out: str, env: dict[str, str], *, steps: int,
-           sleep_s: float, spares: int = 0, job_args: Sequence[str] = ()
-           ) -> subprocess.Popen[bytes]:
+           sleep_s: float, spares: int = 0, job_args: Sequence[str] = (),
+           launcher_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Node ``rank``'s launcher; its job restores first (a restarted worker needs it)."""
     cmd = [sys.executable, "-m", "mnemojax", "launch", "--rdzv", url, "--rdzv-id", job,
            "--nnodes", "2", "--node-rank", str(rank), "--nproc", str(NPROC),
            "--spares", str(spares),
-           "--host", host(rank), "--devices-per-proc", "1", "--timeout-s", "200", "--",
+           "--host", host(rank), "--devices-per-proc", "1", "--timeout-s", "200",
+           *launcher_args, "--",
            sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--model-axis", "1", "--step-sleep-s", str(sleep_s),
            "--restore", *job_args]
-    with open(os.path.join(out, f"launcher-{rank}.log"), "wb") as log:  # the child keeps it
+    name = f"launcher-{rank}{'-again' if '--grow-back' in launcher_args else ''}.log"
+    with open(os.path.join(out, name), "wb") as log:  # the child keeps it
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -103,6 +105,7 @@ class Job:
     launchers: list[subprocess.Popen[bytes]]
     nodes: dict[int, dict[str, Any]]  # rank -> its record in etcd (pids, shm prefix)
     world0: dict[str, Any]
+    relaunch: Callable[[int], subprocess.Popen[bytes]]  # rank -> its node again
 
 
 @contextlib.contextmanager
@@ -120,7 +123,16 @@ def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: i
                             spares=spares, job_args=job_args) for r in (0, 1)]
         world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
         nodes.update({r: store.get(store.key("nodes", r)) for r in (0, 1)})
-        yield Job(store, launchers, nodes, world0)
+
+        def relaunch(rank: int) -> subprocess.Popen[bytes]:
+            """Node ``rank`` again (a restarted host), with ``--grow-back``; ended and
+            swept with the others."""
+            p = launch(cluster_url, job, rank, out, env, steps=steps, sleep_s=sleep_s,
+                       spares=spares, job_args=job_args, launcher_args=("--grow-back",))
+            launchers.append(p)
+            return p
+
+        yield Job(store, launchers, nodes, world0, relaunch)
     finally:
         for p in launchers:
             if p.poll() is None:
@@ -192,6 +204,34 @@ def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 
         os.killpg(agent_pid[spare], signal.SIGKILL)
         codes = [p.wait(timeout=240) for p in job.launchers]
         return codes, summary(job.store, NPROC), leftover_pids(job.nodes), answered
+
+
+def run_grow_back(cluster_url: str, out: str, *, steps: int = 24, sleep_s: float = 0.3,
+                  job_args: Sequence[str] = ()
+                  ) -> tuple[list[int], dict[str, Any], list[int], list[dict[str, Any]]]:
+    """Kills the whole node that does not run world 0's coordination service (the other
+    recovers in place, on half the mesh), then, once that world is decided, starts the
+    node again with ``--grow-back``: its processes wait as spares with fresh ids, and the
+    job re-forms at world 0's size.
+
+    Returns the exit statuses (the surviving launcher's, then the restarted one's), the
+    final summary, the processes left and each world's record."""
+    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, job_args=job_args) as job:
+        wait(lambda: any(len(s) >= 3 for s in step_times(out).values()), 120, "3 steps")
+        victim = 1 - job.world0["host_node"]
+        os.kill(job.nodes[victim]["pid"], signal.SIGKILL)  # the whole node at once
+        for pid in job.nodes[victim]["agent_pids"].values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        wait(lambda: job.store.get(job.store.key("world", 1)), 120, "world 1")
+        again = job.relaunch(victim)
+        rejoined = wait(lambda: job.store.get(job.store.key("nodes", victim)), 120,
+                        "the node again")
+        job.nodes[2] = rejoined  # swept and checked with the others
+        codes = [job.launchers[1 - victim].wait(timeout=240), again.wait(timeout=240)]
+        worlds = [rec for _, rec in sorted(
+            (int(k.split("/")[1]), v) for k, v in job.store.items("world/").items())]
+        return codes, summary(job.store, NPROC), leftover_pids(job.nodes), worlds
 
 
 def leftover_pids(nodes: dict[int, dict[str, Any]]) -> list[int]:

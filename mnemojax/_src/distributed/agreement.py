@@ -71,8 +71,11 @@ class Agreement:
             persistent tier or raise a typed error.
         why: when ``resume_step == -1``, why no in-memory state can be used.
         replaces: joiner worker id -> the dead member whose rank (and so whose devices'
-            places in the mesh) it takes: a spare that keeps the world at full size. A
-            joiner is a fresh process: it takes the agreed state at ``step.restore()``.
+            places in the mesh) it takes: a spare that keeps the world at full size. In
+            a world that grows back to world 0's size (``num_processes`` above the old
+            world's), joiner -> the world-0 worker whose slot it takes; every member is
+            then at its world-0 rank. A joiner is a fresh process: it takes the agreed
+            state at ``step.restore()``.
     """
 
     generation: int

@@ -67,6 +67,12 @@ class _Fields:
     def opt_integer(self, name: str) -> int | None:
         return None if self._header.get(name) is None else self.integer(name)
 
+    def flag(self, name: str) -> bool:
+        value = self._raw(name)
+        if type(value) is not bool:
+            self.fail(name, f"must be true or false, got {value!r}")
+        return value
+
     def number(self, name: str) -> float:
         value = self._raw(name)
         if type(value) not in (int, float):
@@ -140,7 +146,7 @@ class _Fields:
 # How a field of each declared type is read back; a message with other field types
 # overrides `Message.from_wire` (and `to_wire`).
 _READERS: dict[object, Callable[[_Fields, str], Any]] = {
-    int: _Fields.integer, int | None: _Fields.opt_integer,
+    bool: _Fields.flag, int: _Fields.integer, int | None: _Fields.opt_integer,
     float: _Fields.number, float | None: _Fields.opt_number,
     str: _Fields.text, str | None: _Fields.opt_text,
     dict[str, str]: _Fields.text_map, tuple[int, ...]: _Fields.integers,
@@ -388,11 +394,13 @@ class WatchWorld(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorldFailed(Message):
     """The members of world ``generation`` known dead (empty: none yet, the poll timed
-    out)."""
+    out). ``regrow``: no one died, but the world is to re-form larger (spares can fill it
+    back to world 0's size): its members recover as after a death."""
 
     OP: ClassVar[str] = "world_failed"
     generation: int
     failed: tuple[int, ...]
+    regrow: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -53,13 +53,21 @@ class AgreementBook:
     def decide(self, *, coordinator: str, holdings: Mapping[str, Sequence[CopyInfo]],
                homes: Mapping[int, str] | None = None,
                members_of: Mapping[int, Sequence[int]] | None = None,
-               joiners: Sequence[int] = ()) -> dict[int, Agreement]:
+               joiners: Sequence[int] = (), slots: Mapping[int, int] | None = None,
+               full_size: int | None = None) -> dict[int, Agreement]:
         """Decides the new world once (idempotent).
 
         Without joiners the survivors, in old rank order, are ranks 0..n-1. With one
         joiner per dead member (spares; fewer are not used), each joiner takes a dead
-        member's rank, so the world keeps its size and its ranks (the caller offers
-        joiners only while the mesh has never shrunk: `plane.JobView.joiners`).
+        member's rank, so the world keeps its size and its ranks (``replaces``: joiner ->
+        that member).
+
+        A world smaller than ``full_size`` (world 0's) grows back when there are joiners
+        for every free slot: ``slots`` gives each member the rank it holds in world 0's
+        layout; the joiners take the free ones, and every member's new rank is its slot,
+        so the mesh is world 0's again (``replaces``: joiner -> the world-0 worker whose
+        slot it takes). Fewer joiners than free slots: none joins (a fresh process
+        builds its mesh from the user's code, which fits world 0's size only).
 
         Args:
             coordinator: the new world's coordination service.
@@ -69,6 +77,8 @@ class AgreementBook:
             members_of: generation -> its members, to name the lost workers when the
                 newest copies come from an older world (default: this world's members).
             joiners: fresh processes (spares) that may replace the dead members.
+            slots: member -> its slot (its rank in world 0's layout).
+            full_size: world 0's size (``None``: never grow).
         """
         if self.decision is not None:
             return self.decision
@@ -82,7 +92,14 @@ class AgreementBook:
         survivors = tuple(m for m in self.members if m in self.arrived)
         dead = [m for m in self.members if m not in self.arrived]
         replaces: dict[int, int] = {}
-        if dead and len(joiners) >= len(dead):
+        if full_size is not None and slots is not None and len(self.members) < full_size:
+            holder = {slots[m]: m for m in survivors}
+            free = [s for s in range(full_size) if s not in holder]
+            if len(joiners) >= len(free):
+                replaces = dict(zip(joiners, free, strict=False))
+                holder.update({s: j for j, s in replaces.items()})
+                survivors = tuple(holder[s] for s in range(full_size))
+        elif dead and len(joiners) >= len(dead):
             replaces = dict(zip(joiners, dead, strict=False))
             by_dead = {d: j for j, d in replaces.items()}
             survivors = tuple(by_dead.get(m, m) for m in self.members)

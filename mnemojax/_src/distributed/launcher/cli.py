@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spares", type=int, default=0,
                         help="with --rdzv: idle agents this node keeps; a world formed after "
                              "a loss takes one in place of each dead member")
+    parser.add_argument("--grow-back", action="store_true",
+                        help="with --rdzv: this node may rejoin the job while it runs (a "
+                             "restarted host): its processes wait as spares, and the job "
+                             "grows back to its first size once there are enough")
     parser.add_argument("--host", default="127.0.0.1",
                         help="with --rdzv: the address of this node that the others reach "
                              "(its agents and coordination services listen there)")
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         recover=not args.no_recover, job_timeout_s=args.timeout_s,
         stop_grace_s=args.stop_grace_s, rdzv=args.rdzv, rdzv_id=args.rdzv_id,
         nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s,
-        host=args.host, spares=args.spares)
+        host=args.host, spares=args.spares, grow_back=args.grow_back)
     if options.rdzv is not None:
         from mnemojax._src.distributed.launcher.node import NodeLauncher
         return NodeLauncher(options, command).run()

@@ -32,6 +32,7 @@ joins it like a restarted worker, with Python and JAX already loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -110,6 +111,7 @@ class NodeLauncher(Launcher):
         self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
+        self._regrow_asked: set[int] = set()  # worlds this node asked to grow back
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -135,6 +137,13 @@ class NodeLauncher(Launcher):
                     logger.warning("mnemojax launch: spare %d joined world %d in place of "
                                    "worker %s, from step %d", w, g,
                                    agreement.replaces.get(w), agreement.resume_step)
+        if (g := view.regrow_due()) is not None and g not in self._regrow_asked and o.recover:
+            self._regrow_asked.add(g)
+            self.plane.request_regrow(g)
+            self._record({"op": "regrow", "generation": g, "spares": view.idle_spares()})
+            logger.warning("mnemojax launch: world %d has %d of world 0's %d workers and "
+                           "idle spares %s can fill it: it re-forms, larger", g,
+                           len(view.worlds()[g]), view.full_size(), view.idle_spares())
         current = view.world(view.latest()) or {}
         if current.get("host_node") in view.lost_nodes() and not self._coordinator_lost:
             self._coordinator_lost = True
@@ -358,10 +367,17 @@ class NodeLauncher(Launcher):
 
     def _start(self) -> None:
         o, cv = self.options, self.roster.cv
-        if self.store.items("world/") or self.store.get(self.store.key("end")) is not None:
-            raise WorldConfigError(f"rdzv_id={o.rdzv_id!r} names a job that has already run "
-                                   "(its worlds are in etcd): give each run its own "
-                                   "--rdzv-id")
+        if self.store.get(self.store.key("end")) is not None:
+            raise WorldConfigError(f"rdzv_id={o.rdzv_id!r} names a job that has ended: give "
+                                   "each run its own --rdzv-id")
+        if self.store.items("world/"):
+            if not o.grow_back:
+                raise WorldConfigError(
+                    f"rdzv_id={o.rdzv_id!r} names a job that is running or has run (its "
+                    "worlds are in etcd): give each run its own --rdzv-id, or --grow-back "
+                    "to rejoin it")
+            self._rejoin_ids()
+            o = self.options
         self._control.start()
         self.supervisor.start()
         with cv:
@@ -388,6 +404,16 @@ class NodeLauncher(Launcher):
                                or v.world(0) is not None,
                                f"all {o.nnodes} nodes to register")
         self._check_nodes(view)
+        if o.rejoin_first_id is not None:
+            with cv:
+                self._start_spares()
+            self._record({"op": "rejoined", "generation": view.latest(),
+                          "spares": list(o.spare_ids)})
+            logger.warning("mnemojax launch: node %d rejoined the running job (world %d) "
+                           "with spares %s", o.node_rank, view.latest(), list(o.spare_ids))
+            threading.Thread(target=self._respawn_loop, name="mnemojax-respawn",
+                             daemon=True).start()
+            return
         if view.world(0) is None and o.node_rank == min(view.live_nodes()):
             service = self.services.start(0, o.world_size)
             if not self.store.create(self.store.key("world", 0), {
@@ -409,11 +435,51 @@ class NodeLauncher(Launcher):
                     env=worker_env(o, w, coordinator=record["coordinator"],
                                    control=self.control, extra_env=self.extra_env),
                     buddy=everyone.get(nxt) if len(order) > 1 else None))
-            for w in o.spare_ids:  # warm: started now, waiting in `mnemojax.initialize()`
-                self._idle.add(w)
-                self.roster.command(w, wire.Start(env={
-                    **worker_env(o, w, coordinator="", control=self.control,
-                                 extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
+            self._start_spares()
+
+    def _start_spares(self) -> None:
+        """Starts this node's spares warm: each waits in ``mnemojax.initialize()`` until a
+        world takes it in (``roster.cv`` held)."""
+        o = self.options
+        for w in o.spare_ids:
+            self._idle.add(w)
+            self.roster.command(w, wire.Start(env={
+                **worker_env(o, w, coordinator="", control=self.control,
+                             extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
+
+    def _rejoin_ids(self) -> None:
+        """Takes fresh worker ids for this node, which rejoins a running job
+        (``--grow-back``): after every id the job has used, claimed once in etcd
+        (``rejoin/<first id>``). First waits until no world member is one of this node's
+        old workers (the survivors have left them out): this node's new lease must not
+        make them look alive.
+
+        Raises:
+            DistributedError: they are still members after `FORM_TIMEOUT_S`.
+        """
+        o = self.options
+        count = o.nproc + o.spares
+        initial = range(o.world_size, o.world_size + o.nnodes * o.spares)
+        deadline = time.monotonic() + FORM_TIMEOUT_S
+        while True:
+            view = JobView(self.store.items(), o.nproc)
+            current = view.worlds().get(view.latest(), ())
+            mine = [w for w in current if view.node(w) == o.node_rank]
+            if not mine:
+                first = max(view.used_ids(initial), default=-1) + 1
+                if self.store.create(self.store.key("rejoin", first),
+                                     {"node": o.node_rank, "count": count},
+                                     unless=[self.store.key("end")]):
+                    break
+            elif time.monotonic() > deadline:
+                raise DistributedError(
+                    f"node {o.node_rank} cannot rejoin: its old workers {mine} are still "
+                    f"members of world {view.latest()} after {FORM_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+        self.options = dataclasses.replace(o, rejoin_first_id=first)
+        self.supervisor.options = self.options
+        self._world_seen = view.latest()  # the worlds before are not this node's news
+        self._record({"op": "rejoin_ids", "first": first, "count": count})
 
     def _check_nodes(self, view: JobView) -> None:
         """Every node was launched alike: the same workers per node, node count and secret.

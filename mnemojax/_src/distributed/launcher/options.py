@@ -48,6 +48,11 @@ class LaunchOptions:
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.
+        grow_back: this node may (re)join a job that is already running (a restarted host):
+            all its processes start as warm spares, with fresh ids, and the job grows back
+            to world 0's size once there are enough of them (`NodeLauncher`).
+        rejoin_first_id: set by the launcher of a node that rejoins a running job: its
+            agents' ids start here (all spares).
     """
 
     nproc: int
@@ -68,6 +73,8 @@ class LaunchOptions:
     node_ttl_s: int = 5
     spares: int = 0
     host: str = "127.0.0.1"
+    grow_back: bool = False
+    rejoin_first_id: int | None = None
 
     def __post_init__(self):
         for name in ("nproc", "devices_per_proc", "heartbeat_s", "collective_timeout_s"):
@@ -86,6 +93,9 @@ class LaunchOptions:
         if self.spares < 0 or (self.spares and self.rdzv is None):
             raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0, and "
                                      "spares need rdzv=etcd://HOST:PORT")
+        if self.grow_back and self.rdzv is None:
+            raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
+                                     "rejoins a job kept in etcd)")
         if self.node_ttl_s < 2:
             raise InvalidOptionError(f"node_ttl_s={self.node_ttl_s} is invalid: expected >= 2 "
                                      "(etcd's shortest lease)")
@@ -97,12 +107,18 @@ class LaunchOptions:
 
     @property
     def local_workers(self) -> range:
-        """The ids of this node's workers."""
+        """The ids of this node's workers (none when it rejoins a running job)."""
+        if self.rejoin_first_id is not None:
+            return range(0)
         return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
 
     @property
     def spare_ids(self) -> range:
-        """The ids of this node's spares (after every node's workers)."""
+        """The ids of this node's spares (after every node's workers); every process of a
+        node that rejoins a running job."""
+        if self.rejoin_first_id is not None:
+            return range(self.rejoin_first_id,
+                         self.rejoin_first_id + self.nproc + self.spares)
         first = self.world_size + self.node_rank * self.spares
         return range(first, first + self.spares)
 

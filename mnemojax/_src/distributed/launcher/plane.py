@@ -19,6 +19,10 @@ The job's keys (under ``/mnemojax/<job>/``)::
     arrive/<g>/<worker>       a survivor of world g at the agreement barrier
     barrier/<g>/<name>/<w>    a member of world g at a post-compile barrier
     outcome/<g>/<name>        that barrier's outcome, created once
+    regrow/<g>                world g is smaller than world 0 and idle spares can fill it:
+                              its members re-form it, larger (created once)
+    rejoin/<first id>         a node that rejoined the running job (``--grow-back``) took
+                              the ids from there (created once)
     dead/<worker>             declared dead (crashed, evicted); permanent
     exit/<worker>             its worker's exit status; permanent
     end                       the job is ending (why; a worker's error status), created once
@@ -115,11 +119,61 @@ class JobView:
                       if w not in used and w in agents)
 
     def joiners(self, generation: int) -> list[int]:
-        """The spares world ``generation + 1`` may take in: only while every world so far
-        has had world 0's size. A fresh process builds its mesh from the user's code, so
-        it matches the survivors' only when their mesh never shrank."""
-        sizes = {len(m) for g, m in self.worlds().items() if g <= generation}
-        return self.idle_spares() if len(sizes) == 1 else []
+        """The spares world ``generation + 1`` may take in. A fresh process builds its mesh
+        from the user's code, which fits the survivors' only at world 0's size: in place
+        of dead members of a world that never shrank, or to grow a shrunk world back to
+        world 0's size (`book.AgreementBook.decide` takes them only then)."""
+        worlds = self.worlds()
+        sizes = {len(m) for g, m in worlds.items() if g <= generation}
+        if len(sizes) == 1 or len(worlds.get(generation, ())) < self.full_size():
+            return self.idle_spares()
+        return []
+
+    def full_size(self) -> int:
+        """World 0's size: the size the job grows back to."""
+        return len(self.worlds().get(0, ()))
+
+    def slots(self) -> dict[int, int]:
+        """Member of any world -> its slot: its rank in world 0's layout. A survivor keeps
+        its slot; a joiner takes the slot of the member it replaces (`Agreement.replaces`:
+        a dead member, or, in a world that grew back, the world-0 worker of a free slot)."""
+        worlds = self.worlds()
+        slots = {w: i for i, w in enumerate(worlds.get(0, ()))}
+        for g in sorted(g for g in worlds if g > 0):
+            members = worlds[g]
+            first = agreement_of(self.world(g) or {}, members[0]) if members else None
+            replaces = first.replaces if first is not None else {}
+            for m in members:
+                if m in replaces and replaces[m] in slots:
+                    slots[m] = slots[replaces[m]]
+        return slots
+
+    def used_ids(self, first_spares: range) -> set[int]:
+        """Every worker id the job has used: world members, agents, spares, the dead and
+        exited, ``first_spares`` (every node's spares at the start) and the ranges that
+        rejoining nodes claimed (``rejoin/<first id>``)."""
+        used = {w for m in self.worlds().values() for w in m} | set(first_spares)
+        for prefix in ("agents/", "spares/", "home/", "dead/", "exit/"):
+            used |= {int(w) for w in self._under(prefix)}
+        for first, claim in self._under("rejoin/").items():
+            used |= set(range(int(first), int(first) + int(claim["count"])))
+        return used
+
+    def regrow_due(self) -> int | None:
+        """The newest world, when it is smaller than world 0, none of its members is dead
+        and idle spares can fill every free slot: the job should grow back now."""
+        g = self.latest()
+        members = self.worlds().get(g, ())
+        if not members or len(members) >= self.full_size() or self.end() is not None:
+            return None
+        if self.dead() & set(members) or self.items.get(f"regrow/{g}") is not None:
+            return None
+        return g if len(self.idle_spares()) >= self.full_size() - len(members) else None
+
+    def regrows(self, generation: int) -> bool:
+        """World ``generation`` is to re-form, larger (`regrow_due`), and has not yet."""
+        return (self.items.get(f"regrow/{generation}") is not None
+                and self.world(generation + 1) is None)
 
     def agents(self) -> dict[int, str]:
         """Worker id -> its agent's address, for agents of live nodes."""
@@ -407,14 +461,18 @@ class EtcdArbiter:
                                   **dataclasses.asdict(bad)})
             holdings = {a: list(r.copies) for a, r in replies.items()}
             joiners = view.joiners(generation)
-            joining = len(book.members) - len(book.arrived)
+            full = view.full_size()
+            if len(book.members) < full:  # grows back, with a joiner for every free slot
+                joining = full - len(book.arrived)
+            else:  # a joiner for every dead member
+                joining = len(book.members) - len(book.arrived)
             joining = joining if 0 < joining <= len(joiners) else 0
             nxt = generation + 1
             service = self._services.start(nxt, len(book.arrived) + joining)
             try:
                 decision = book.decide(coordinator=service.address, holdings=holdings,
                                        homes=agents, members_of=view.worlds(),
-                                       joiners=joiners)
+                                       joiners=joiners, slots=view.slots(), full_size=full)
             except AgreementError:
                 self._services.stop(nxt)
                 raise
@@ -492,8 +550,17 @@ class EtcdArbiter:
         deadline = time.monotonic() + request.timeout_s
         with cv:
             while not (failed := self.view.failed_members(g)):
+                if self.view.regrows(g):  # no one died: re-form, larger
+                    return wire.WorldFailed(generation=g, failed=(), regrow=True)
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     break
                 cv.wait(timeout=min(left, 0.5))
             return wire.WorldFailed(generation=g, failed=failed)
+
+    def request_regrow(self, generation: int) -> None:
+        """Asks world ``generation``'s members to re-form it, larger (`JobView.regrow_due`);
+        created once, whichever node asks first (call with ``roster.cv`` held)."""
+        self._write(lambda: self.store.create(self.store.key("regrow", generation),
+                                              {"by_node": self.node_rank},
+                                              unless=[self.store.key("end")]))

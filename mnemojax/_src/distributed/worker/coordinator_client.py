@@ -41,9 +41,10 @@ class Coordinator(Protocol):
         """
         ...
 
-    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+    def watch(self, *, generation: int, timeout_s: float) -> wire.WorldFailed:
         """Returns the members of world ``generation`` known dead as soon as there is one,
-        or ``()`` after ``timeout_s`` (a long poll; `peer_watch`)."""
+        or that the world is to re-form larger (``regrow``), or neither after
+        ``timeout_s`` (a long poll; `peer_watch`)."""
         ...
 
 
@@ -104,7 +105,7 @@ class LauncherCoordinator:
             raise AgreementError(f"await_join failed: {e}", generation=-1) from e
         return reply.agreement
 
-    def watch(self, *, generation: int, timeout_s: float) -> tuple[int, ...]:
+    def watch(self, *, generation: int, timeout_s: float) -> wire.WorldFailed:
         return self._call(wire.WatchWorld(worker_id=self.worker_id, generation=generation,
                                           timeout_s=timeout_s),
-                          wire.WorldFailed, timeout_s=timeout_s + 30.0).failed
+                          wire.WorldFailed, timeout_s=timeout_s + 30.0)

@@ -46,13 +46,15 @@ TOLD_BY_LAUNCHER = "told by the launcher"
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """One death the watch heard of: world ``generation`` lost ``failed``; ``aborted``
-    waits were failed because of it (0: the step was not waiting then)."""
+    """One death the watch heard of: world ``generation`` lost ``failed`` (none when it
+    re-forms larger: ``regrow``); ``aborted`` waits were failed because of it (0: the
+    step was not waiting then)."""
 
     generation: int
     failed: tuple[int, ...]
     time: float  # time.time() when it arrived
     aborted: int
+    regrow: bool = False
 
 
 class _Pending:
@@ -63,7 +65,8 @@ class _Pending:
         self.waits: dict[concurrent.futures.Future, int] = {}
         self.generation: Callable[[], int] | None = None  # the active watch's world
         self.failed: dict[int, BaseException] = {}  # generation -> the error to raise
-        self.left_behind: list[threading.Thread] = []  # blocked in an abandoned collective
+        # Blocked in an abandoned collective: (thread, its world, when it was abandoned).
+        self.left_behind: list[tuple[threading.Thread, int | None, float]] = []
         self.exit_wait_s = 30.0
 
     def abort(self, generation: int, error: BaseException) -> int:
@@ -87,8 +90,9 @@ def _fail(future: concurrent.futures.Future, error: BaseException) -> bool:
 class WaitHandle:
     """What `abortable` yields."""
 
-    def __init__(self, future: concurrent.futures.Future):
+    def __init__(self, future: concurrent.futures.Future, generation: int | None):
         self._future = future
+        self._generation = generation
 
     def leave_behind(self, thread: threading.Thread | None) -> None:
         """The thread that was to complete the aborted wait stays blocked in the old
@@ -96,7 +100,7 @@ class WaitHandle:
         It must end once that collective returns."""
         if thread is not None:
             with _pending.lock:
-                _pending.left_behind.append(thread)
+                _pending.left_behind.append((thread, self._generation, time.monotonic()))
 
     @property
     def aborted(self) -> bool:
@@ -119,7 +123,7 @@ def abortable(future: concurrent.futures.Future) -> Iterator[WaitHandle]:
     if error is not None:
         _fail(future, error)
     try:
-        yield WaitHandle(future)
+        yield WaitHandle(future, generation)
     finally:
         with _pending.lock:
             _pending.waits.pop(future, None)
@@ -127,28 +131,32 @@ def abortable(future: concurrent.futures.Future) -> Iterator[WaitHandle]:
 
 def _join_left_behind() -> None:
     """At exit (an ``atexit`` hook, run before the interpreter finalises): waits for the
-    threads left blocked in abandoned collectives, at most ``exit_wait_s`` (the collective
-    timeout and a margin). Such a thread that returned from C++ while the interpreter
-    finalises would be ended by a forced unwind that jaxlib's frames do not let through:
-    the process aborts (measured: exit status 134 instead of the job's own)."""
-    deadline = time.monotonic() + _pending.exit_wait_s
+    threads left blocked in abandoned collectives, each at most ``exit_wait_s`` (the
+    collective timeout and a margin) after it was abandoned. Such a thread that returned
+    from C++ while the interpreter finalises would be ended by a forced unwind that
+    jaxlib's frames do not let through: the process aborts (measured: exit status 134
+    instead of the job's own)."""
     with _pending.lock:
         threads = list(_pending.left_behind)
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    for thread, generation, since in threads:
+        thread.join(max(0.0, since + _pending.exit_wait_s - time.monotonic()))
         if thread.is_alive():
-            log.warning("mnemojax: a collective abandoned after a peer's death is still "
-                        "blocked at exit")
+            log.warning("mnemojax: a collective of world %s abandoned %.0f s ago is still "
+                        "blocked at exit", generation, time.monotonic() - since)
             return
 
 
-def peer_died_error(generation: int, failed: tuple[int, ...]) -> BaseException:
+def peer_died_error(generation: int, failed: tuple[int, ...], *,
+                    regrow: bool = False) -> BaseException:
     """The error a watched wait fails with: a non-retryable ``JaxRuntimeError``, which the
-    resilient step under a session takes for a peer failure."""
+    resilient step under a session takes for a peer failure (``regrow``: no one died,
+    the world re-forms larger; the same path recovers it)."""
     import jax
+    what = (f"world {generation} re-forms larger (spares fill it back to its first size)"
+            if regrow else f"workers {list(failed)} of world {generation} died")
     error = jax.errors.JaxRuntimeError(
-        f"UNKNOWN: mnemojax: workers {list(failed)} of world {generation} died "
-        f"({TOLD_BY_LAUNCHER}); this step's collectives cannot complete")
+        f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); this step's collectives are "
+        "abandoned")
     error.mnemojax_peer_watch = True  # type: ignore[attr-defined]
     return error
 
@@ -202,19 +210,25 @@ class PeerWatch:
                 self._stop.wait(0.05)
                 continue
             try:
-                failed = self._coordinator.watch(generation=generation, timeout_s=self._poll_s)
+                reply = self._coordinator.watch(generation=generation, timeout_s=self._poll_s)
             except Exception as e:  # noqa: BLE001 - the launcher is gone or restarting
                 log.debug("peer watch: %s", e)
                 self._stop.wait(self._retry_s)
                 continue
-            if failed and not self._stop.is_set():
-                self.notify(generation, failed)
+            if (reply.failed or reply.regrow) and not self._stop.is_set():
+                self.notify(generation, reply.failed, regrow=reply.regrow)
 
-    def notify(self, generation: int, failed: tuple[int, ...]) -> Notice:
+    def notify(self, generation: int, failed: tuple[int, ...], *,
+               regrow: bool = False) -> Notice:
         """Fails the waits of world ``generation`` (and any later wait in it)."""
-        aborted = _pending.abort(generation, peer_died_error(generation, failed))
-        notice = Notice(generation, tuple(failed), time.time(), aborted)
+        aborted = _pending.abort(generation, peer_died_error(generation, failed,
+                                                             regrow=regrow))
+        notice = Notice(generation, tuple(failed), time.time(), aborted, regrow)
         self.notices.append(notice)
-        log.warning("mnemojax: workers %s of world %d died (%s); %d pending wait(s) failed",
-                    list(failed), generation, TOLD_BY_LAUNCHER, aborted)
+        if regrow:
+            log.warning("mnemojax: world %d re-forms larger (%s); %d pending wait(s) "
+                        "failed", generation, TOLD_BY_LAUNCHER, aborted)
+        else:
+            log.warning("mnemojax: workers %s of world %d died (%s); %d pending wait(s) "
+                        "failed", list(failed), generation, TOLD_BY_LAUNCHER, aborted)
         return notice
