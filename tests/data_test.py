@@ -37,6 +37,12 @@ def test_a_batch_is_its_records_stacked_and_read_only_when_indexed():
     np.testing.assert_array_equal(batch["x"].head(5)[:], want["x"][:5])
     with pytest.raises(IndexError, match="row 24 of a batch of 24"):
         batch["x"][24]
+    np.testing.assert_array_equal(batch["x"][None], want["x"][None])  # a new axis
+    kept = batch["x"][4:10]
+    assert not kept.flags.writeable  # the rows are kept for a replay: read-only
+    fresh = np.array(batch["x"])
+    fresh[0] = 0  # a copy: the kept rows are untouched
+    np.testing.assert_array_equal(batch["x"][0], want["x"][0])
 
 
 def test_each_device_reads_only_the_rows_it_holds_on_the_current_mesh():
@@ -83,8 +89,38 @@ def test_records_of_another_shape_are_refused():
     loader = HostBatches([{"x": np.zeros(3)}] * 3 + [{"x": np.zeros(4)}], 2)
     next(loader)["x"][:]
     with pytest.raises(BatchSplitError,
-                       match=r"record 3 has a leaf of shape \(4,\), record 0 \(3,\)"):
+                       match=r"record 3 has a leaf of shape \(4,\) and dtype float64, "
+                             r"record 0 \(3,\)"):
         next(loader)["x"][:]
+
+
+def test_records_of_another_dtype_are_refused():
+    loader = HostBatches([{"v": 1}, {"v": 2}, {"v": 2.7}, {"v": 3}], 2)
+    next(loader)["v"][:]
+    with pytest.raises(BatchSplitError, match="record 2 .* dtype float64, record 0 .* int64"):
+        next(loader)["v"][:]
+
+
+def test_a_batch_of_another_step_and_skip_batch_are_refused_by_the_resilient_step():
+    """Records are indexed by step: a loader not started at the step ``restore()``
+    returned, or a skipped batch (which moves the loader, not the step), would make
+    processes read rows of different steps into one global batch."""
+    loader = HostBatches(_records(3), h.BATCH)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    try:
+        with pytest.raises(BatchSplitError, match=r"of step \[2\], the step about to run is 1"):
+            step(model, optimizer, loader.batch(2))
+    finally:
+        step.close()
+    model, optimizer = h.make_mlp()
+    skipping = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                                  options=h.no_precompile(nonfinite="skip_batch"))
+    try:
+        with pytest.raises(InvalidOptionError, match="skip_batch.*per-host batches"):
+            skipping(model, optimizer, loader.batch(1))
+    finally:
+        skipping.close()
 
 
 def test_a_grain_dataset_is_read_by_global_record_index():

@@ -11,6 +11,7 @@ from mnemojax._src.topology import (
     collective_groups,
     plan_after_process_loss,
     plan_reduced_mesh,
+    process_loss_plans,
     renumber_devices,
     single_failure_plans,
 )
@@ -301,3 +302,33 @@ def test_truncate_batch_keeps_the_examples_when_a_model_axis_shrinks_next():
                                sharded_dims={"model": (12,)})
     assert second.examples_per_step % second.shape["data"] == 0
     assert second.math_changed and second.examples_per_step == 9
+
+
+@pytest.mark.parametrize("processes,per_process,model", [(4, 2, 2), (64, 8, 8), (32, 4, 1)])
+def test_the_worlds_one_process_loss_forms_are_one_plan_over_the_first_processes(
+        processes, per_process, model):
+    """Whichever process dies, the survivors renumber in order, so the next world's plan
+    is the same, over the ids this world's processes 0..n-2 have (compilable now): the
+    plan each actual loss gives, renumbered by `renumber_devices`."""
+    n = processes * per_process
+    ids = grid(n // model, model)
+    places = world(processes, per_process)
+    [plan] = process_loss_plans(ids, AXES, places, rules())
+    assert set(plan.device_ids.flat) == set(range((processes - 1) * per_process)) - set(
+        plan.idle)
+    members = tuple(range(processes))
+    for lost in (0, processes // 2, processes - 1):
+        survivors = tuple(w for w in members if w != lost)
+        actual = plan_after_process_loss(
+            ids, AXES, renumber_devices(places, members, survivors,
+                                        new_world_devices(len(survivors), per_process)),
+            rules())
+        assert actual.key == plan.key
+
+
+def test_no_plan_ahead_when_processes_hold_unequal_devices_or_none_survives():
+    places = {0: (0, 0), 1: (0, 1), 2: (1, 0)}  # 2 + 1 devices: ids would not carry over
+    assert process_loss_plans(grid(3, 1), AXES, places, rules()) == []
+    assert process_loss_plans(grid(1, 2), AXES, world(1, 2), rules()) == []
+    # Every process holds part of the only replica: no process loss is survivable.
+    assert process_loss_plans(grid(1, 4), AXES, world(2, 2), rules()) == []

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from mnemojax._src import ownership
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import Executable, enable_persistent_cache
+from mnemojax._src.data import HostRows
 from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
@@ -58,7 +59,12 @@ from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.step_forms import Convention, StepForm, form_for
-from mnemojax._src.topology import MeshPlan, ShapeRules, single_failure_plans
+from mnemojax._src.topology import (
+    MeshPlan,
+    ShapeRules,
+    process_loss_plans,
+    single_failure_plans,
+)
 
 log = logging.getLogger("mnemojax")
 
@@ -360,13 +366,12 @@ class ResilientStep(Generic[P, R]):
         opts = self.options
         session = dist_session.current()
         if session is not None:
-            # Every process compiles the same programs at the same time (barrier after
-            # each); background compiles and in-process snapshots would only get in the way:
-            # the agent holds the snapshots, outside this process.
+            # The agent holds the snapshots, outside this process: in-process snapshots
+            # would only get in the way. (Background compiles stay: they prepare the
+            # worlds a process loss forms, `_schedule_precompile`.)
             opts = self.options = dataclasses.replace(
-                opts, compile=dataclasses.replace(opts.compile, precompile=False),
-                snapshot=dataclasses.replace(opts.snapshot, every_steps=0,
-                                             unreplicated_every_steps=0))
+                opts, snapshot=dataclasses.replace(opts.snapshot, every_steps=0,
+                                                   unreplicated_every_steps=0))
         all_devices = {d.id for d in jax.devices()}
         spares = [int(getattr(d, "id", d)) for d in self._spares_arg]
         bad = [s for s in spares if s not in all_devices]
@@ -652,6 +657,7 @@ class ResilientStep(Generic[P, R]):
         return self._built
 
     def _check_batch(self, b: _Built, batch: Any) -> None:
+        self._check_host_rows(batch)
         sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
         if len(sizes) > 1:
             raise BatchSplitError(
@@ -670,6 +676,24 @@ class ResilientStep(Generic[P, R]):
                 f"{self.options.batch_axes} of width {width} cannot split evenly")
         if b.batch_size is None:
             b.batch_size = b.examples = size
+
+    def _check_host_rows(self, batch: Any) -> None:
+        """Per-host batches (`mnemojax.data`) index their records by step: the batch must be
+        this step's, or processes (a restarted one, a survivor replaying) read rows of
+        different steps into one global batch."""
+        steps = {x.step for x in jax.tree.leaves(batch) if isinstance(x, HostRows)}
+        if not steps:
+            return
+        if self.options.nonfinite == "skip_batch":
+            raise InvalidOptionError(
+                "nonfinite='skip_batch' cannot be used with per-host batches "
+                "(mnemojax.data): a skipped batch moves the loader but not the step, and "
+                "the steps index the records; use 'raise' or 'ignore'")
+        if steps != {self._step + 1}:
+            raise BatchSplitError(
+                f"the per-host batch is of step {sorted(steps)}, the step about to run is "
+                f"{self._step + 1}: start the loader at the step restore() returned "
+                "(HostBatches(..., start=step.restore(...)))")
 
     def _place_state(self, b: _Built, leaves: list) -> list:
         last = b.last_written
@@ -832,8 +856,15 @@ class ResilientStep(Generic[P, R]):
             return
         proxy = b.runtime.proxy
         rules = self._rules()
-        plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
-                                     spares=proxy.spares, **rules.as_kwargs())
+        if b.session is not None:
+            # The worlds one process's loss forms: compiled here, over this world's devices
+            # of the ids they will have; every process writes its persistent-cache entry,
+            # and the new world's compile loads it (`compiler`, `jax_private`).
+            plans = process_loss_plans(proxy.plan.device_ids, proxy.plan.axis_names,
+                                       proxy.device_places(), rules)
+        else:
+            plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
+                                         spares=proxy.spares, **rules.as_kwargs())
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))

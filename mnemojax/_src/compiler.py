@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
+from mnemojax._src.distributed import jax_private
 from mnemojax._src.topology import MeshPlan
 
 log = logging.getLogger("mnemojax")
@@ -31,6 +32,24 @@ log = logging.getLogger("mnemojax")
 _cache_lock = threading.Lock()
 _CACHE_FLAG = "jax_compilation_cache_dir"
 _CACHE_ON_FLAG = "jax_enable_compilation_cache"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()  # .count: persistent-cache hits of this thread's compiles
+_listening = False
+
+
+def _count_cache_hit(event: str, **kwargs: Any) -> None:
+    del kwargs
+    if event == _CACHE_HIT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def _listen_for_cache_hits() -> None:
+    """Counts JAX's persistent-cache hits per thread (once per process)."""
+    global _listening
+    with _cache_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_count_cache_hit)
+            _listening = True
 
 
 def enable_persistent_cache(cache_dir: str | os.PathLike[str] | None) -> bool:
@@ -65,6 +84,7 @@ class Executable:
     lower_s: float
     compile_s: float
     ahead_of_time: bool
+    from_cache: bool = False  # loaded from the persistent compilation cache
 
 
 class StepCompiler:
@@ -147,19 +167,29 @@ class StepCompiler:
         with jax.set_mesh(mesh):
             lowered = jitted.lower(*args)
         t1 = time.perf_counter()
-        compiled = lowered.compile()
+        _listen_for_cache_hits()
+        hits = getattr(_hits, "count", 0)
+        if jax.process_count() > 1:  # a later world's process of any index may need it
+            with jax_private.cache_entries_from_this_process():
+                compiled = lowered.compile()
+        else:
+            compiled = lowered.compile()
         t2 = time.perf_counter()
+        from_cache = getattr(_hits, "count", 0) > hits
         with self._lock:
             self.compiles += 1
             self.compiled_ahead += int(ahead)
-        log.info("mnemojax: compiled step for mesh %s (%s): lower %.2fs compile %.2fs",
-                 plan.shape, "ahead of time" if ahead else "on demand", t1 - t0, t2 - t1)
-        return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead)
+        log.info("mnemojax: compiled step for mesh %s (%s%s): lower %.2fs compile %.2fs",
+                 plan.shape, "ahead of time" if ahead else "on demand",
+                 ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1)
+        return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
+                          from_cache)
 
     def get(self, plan: MeshPlan, batch_struct) -> tuple[Executable, str]:
         """The executable for `plan`, and where it came from: ``"ready"`` (compiled ahead and
-        finished), ``"waited"`` (compiled ahead, still running: waited for it) or
-        ``"compiled"`` (compiled now, on the critical path)."""
+        finished), ``"waited"`` (compiled ahead, still running: waited for it),
+        ``"cached"`` (loaded now from the persistent compilation cache) or ``"compiled"``
+        (compiled now, on the critical path)."""
         k = self.key(plan, batch_struct)
         with self._lock:
             exe = self._ready.get(k)
@@ -175,7 +205,7 @@ class StepCompiler:
         exe = self._compile(plan, batch_struct, ahead=False)
         with self._lock:
             self._ready[k] = exe
-        return exe, "compiled"
+        return exe, "cached" if exe.from_cache else "compiled"
 
     def precompile(self, plans: Sequence[MeshPlan], batch_struct) -> list[concurrent.futures.Future]:
         """Compiles `plans` in the background, in order; already known ones are skipped."""

@@ -15,8 +15,10 @@ steps included) the rows its devices hold on the new mesh.
 
 The protocol, for loaders other than Grain's: example ``i`` of step ``k``'s global batch is
 record ``(k - 1) * global_batch_size + i`` (steps count from 1, as the resilient step's
-do), and ``source[index]`` returns it: a pytree of arrays or numbers whose shapes are the
-same for every record. The iterator's state is the number of batches handed out
+do), and ``source[index]`` returns it: a pytree of arrays or numbers whose shapes and
+dtypes are the same for every record. ``source[index]`` must be a pure function of
+``index``, the same on every process: after a loss another process reads the row again
+(seed any augmentation by the index, as Grain's ``random_map`` with a seed does). The iterator's state is the number of batches handed out
 (`HostBatches.get_state`): a snapshot or checkpoint of step ``k`` goes with the state after
 ``k`` batches, so a process that restarts (``ResilientStep.restore`` returns ``k``) starts
 its loader with ``start=k``.
@@ -54,12 +56,14 @@ class _StepRows:
         self._lock = threading.Lock()  # make_array_from_callback may call from threads
 
     def leaves(self, start: int, stop: int) -> list[np.ndarray]:
-        """The record leaves of rows [start, stop), stacked."""
+        """The record leaves of rows [start, stop), stacked (read-only: kept for a replay)."""
         with self._lock:
             got = self._read.get((start, stop))
             if got is None:
-                got = self._read[start, stop] = self._batches.read(
-                    self.step, self._first + start, self._first + stop)
+                got = self._batches.read(self.step, self._first + start, self._first + stop)
+                for leaf in got:
+                    leaf.setflags(write=False)
+                self._read[start, stop] = got
             return got
 
 
@@ -68,7 +72,8 @@ class HostRows:
     ``dtype``, and indexing it reads only the rows asked for.
 
     ``np.asarray(rows)`` reads every row (one process that holds every device needs them
-    all).
+    all). What indexing returns is read-only (the rows are kept for a replay); ``np.array``
+    copies.
     """
 
     __slots__ = ("_rows", "_leaf", "shape", "dtype")
@@ -103,7 +108,8 @@ class HostRows:
             start, stop, stride = first.indices(self.shape[0])
             if stride == 1:
                 return self._read(start, max(start, stop))[(slice(None), *rest)]
-        elif first is not Ellipsis and not isinstance(first, np.ndarray | list):
+        elif first is not None and first is not Ellipsis and not isinstance(
+                first, bool | np.bool_ | np.ndarray | list):
             i = operator.index(first)
             i = i + self.shape[0] if i < 0 else i
             if not 0 <= i < self.shape[0]:
@@ -112,9 +118,10 @@ class HostRows:
         return np.asarray(self)[index]  # anything else: read the whole batch
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        del copy  # always a fresh array
         out = self._read(0, self.shape[0])
-        return out if dtype is None else out.astype(dtype)
+        if dtype is not None and np.dtype(dtype) != out.dtype:
+            return out.astype(dtype)
+        return out.copy() if copy else out
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         return self._rows.leaves(start, stop)[self._leaf]
@@ -220,12 +227,13 @@ class HostBatches:
             if tree != treedef or len(leaves) != len(want):
                 raise BatchSplitError(f"record {index} has the structure {tree}, record 0 "
                                       f"{treedef}: every record needs the same")
-            for column, leaf, (shape, _) in zip(columns, leaves, want, strict=True):
+            for column, leaf, (shape, dtype) in zip(columns, leaves, want, strict=True):
                 leaf = np.asarray(leaf)
-                if leaf.shape != shape:
+                if leaf.shape != shape or leaf.dtype != dtype:
                     raise BatchSplitError(
-                        f"record {index} has a leaf of shape {leaf.shape}, record 0 {shape}: "
-                        "every record needs the same shapes")
+                        f"record {index} has a leaf of shape {leaf.shape} and dtype "
+                        f"{leaf.dtype}, record 0 {shape} and {dtype}: every record needs the "
+                        "same shapes and dtypes")
                 column.append(leaf)
         return [np.stack(column).astype(dtype, copy=False) if column
                 else np.empty((0, *shape), dtype)

@@ -231,7 +231,8 @@ class DeviceRecovery:
             old_mesh_shape=old_plan.shape, new_mesh_shape=plan.shape,
             new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
             plan_kind=plan.kind, source=host.source, source_step=host.step,
-            steps_lost=step - 1 - host.step, precompiled=how != "compiled", executable=how,
+            steps_lost=step - 1 - host.step, precompiled=how not in ("compiled", "cached"),
+            executable=how,
             phases_s=phases, total_s=0.0,
             bytes_moved=host.bytes_read + sum(h.nbytes for h in host.leaves),
             groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
@@ -312,8 +313,11 @@ class ProcessRecovery:
         new_devices: dict[int, list[int]] = {}
         for d in jax.devices():
             new_devices.setdefault(d.process_index, []).append(d.id)
+        # A world grown back to world 0's size (`book.AgreementBook.decide`): more
+        # processes than the world it was decided from.
+        grown = agreement.num_processes > len(agreement.previous_members)
         try:
-            if agreement.num_processes > len(rec.members):
+            if grown:
                 plan = self._grown_plan(agreement.num_processes, new_devices, rules)
             else:
                 # A joiner (a spare) takes a dead member's rank: its devices take that
@@ -348,8 +352,10 @@ class ProcessRecovery:
             step=step, failed_devices=(), old_mesh_shape=old_plan.shape,
             new_mesh_shape=plan.shape,
             new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
-            plan_kind="process_loss", source=source, source_step=resume,
-            steps_lost=step - 1 - resume, precompiled=False, executable="compiled",
+            plan_kind="grow_back" if grown else "process_loss", source=source,
+            source_step=resume,
+            steps_lost=step - 1 - resume, precompiled=exe.from_cache,
+            executable="cached" if exe.from_cache else "compiled",
             phases_s=phases, total_s=0.0, bytes_moved=sum(len(p) for p in rec.payloads),
             groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,

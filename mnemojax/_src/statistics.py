@@ -23,8 +23,10 @@ class RecoveryRecord:
         source_step: the step whose state was restored.
         steps_lost: completed steps that had to be recomputed (0 = only the failed one).
         precompiled: the executable for the new mesh was compiled ahead of time.
-        executable: ``ready``, ``waited`` (ahead-of-time compile still running) or
-            ``compiled`` (compiled on the critical path).
+        executable: ``ready``, ``waited`` (ahead-of-time compile still running),
+            ``cached`` (loaded from the persistent compilation cache: across processes,
+            the entry the world before wrote ahead) or ``compiled`` (compiled on the
+            critical path).
         phases_s: seconds per phase (detect, plan, reshard, compile, replay).
         total_s: from the failure surfacing to the replayed step's results being ready.
         bytes_moved: bytes read from surviving devices or snapshots plus bytes placed on

@@ -353,6 +353,46 @@ def renumber_devices(
     return out
 
 
+def process_loss_plans(device_ids: np.ndarray, axis_names: Sequence[str],
+                       places: Mapping[int, Place], rules: ShapeRules) -> list[MeshPlan]:
+    """The distinct plans of the worlds that the loss of any one process would form, in
+    the device ids those worlds will have: used to compile them ahead, in this world.
+
+    A new world numbers its survivors 0..n-2 in their old order, and JAX's CPU client
+    numbers a process's devices by its index and local rank alone (measured on jaxlib
+    0.10: ``2048 * index + rank``, the same in every world), so survivor ``i`` gets the
+    ids that this world's process ``i`` has. Every plan is therefore over devices of this
+    world's processes 0..n-2 and can be compiled here. Processes with unequal device
+    counts: no plan (the ids would not carry over).
+
+    Args:
+        device_ids: the current mesh.
+        axis_names: its axis names.
+        places: device id -> (process index, rank among its devices), for every device of
+            the world (`proxy.Proxy.device_places`).
+        rules: the job's planning rules.
+    """
+    by_process: dict[int, list[int]] = {}
+    for dev, (process, _) in sorted(places.items(), key=lambda kv: kv[1]):
+        by_process.setdefault(process, []).append(dev)
+    processes = sorted(by_process)
+    if len(processes) < 2 or len({len(ids) for ids in by_process.values()}) != 1:
+        return []
+    seen, plans = set(), []
+    for victim in processes:
+        survivors = [p for p in processes if p != victim]
+        new_devices = {i: by_process[processes[i]] for i in range(len(survivors))}
+        renumbering = renumber_devices(places, processes, survivors, new_devices)
+        try:
+            plan = plan_after_process_loss(device_ids, axis_names, renumbering, rules)
+        except MeshTooSmallError:
+            continue
+        if plan.key not in seen:
+            seen.add(plan.key)
+            plans.append(plan)
+    return plans
+
+
 def plan_after_process_loss(
     device_ids: np.ndarray,
     axis_names: Sequence[str],

@@ -39,3 +39,31 @@ def test_unsupported_jax_version_is_typed(version):
 def test_supported_versions_pass():
     for v in ("0.10.0", "0.10.2", "0.10.9.dev20261201"):
         jax_private.check_jax_version(v)
+
+
+def test_compiles_inside_the_context_write_their_cache_entry_whatever_jax_would(tmp_path):
+    """JAX writes a persistent-cache entry from process 0 only, and only for compiles
+    slower than its minimum; inside `cache_entries_from_this_process` every compile of
+    this thread writes its entry (a later world's process of any index may need it)."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {n: getattr(jax.config, n) for n in names}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+        compilation_cache.reset_cache()
+        jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+        assert list(tmp_path.iterdir()) == []  # JAX alone: too fast to be worth writing
+        with jax_private.cache_entries_from_this_process():
+            jax.jit(lambda x: x * 5 - 2).lower(jnp.ones(5)).compile()
+        [entry] = list(tmp_path.iterdir())
+        assert entry.name.startswith("jit__lambda-")
+        jax.jit(lambda x: x * 7).lower(jnp.ones(5)).compile()  # outside again: JAX's rule
+        assert len(list(tmp_path.iterdir())) == 1
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+        compilation_cache.reset_cache()

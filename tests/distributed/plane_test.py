@@ -82,6 +82,36 @@ def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
     assert grown.regrow_due() is None and not grown.regrows(2)
 
 
+def test_no_growth_while_a_member_started_fresh_in_a_smaller_world():
+    """Node 0 (the coordination service's) was lost: node 1's workers 2, 3 were restarted
+    into world 1 = [2, 3] (``fresh``): they know only a 2-process layout, so spares that
+    could fill world 0's size are not taken (it would be a mesh they cannot rebuild)."""
+    items = {"world/0": {"members": [0, 1, 2, 3]},
+             "world/1": {"members": [2, 3], "fresh": [2, 3],
+                         "agreements": _agreements([2, 3], {})},
+             "nodes/0": {}, "nodes/1": {}, "dead/0": {}, "dead/1": {},
+             "agents/2": "a", "agents/3": "b", "agents/4": "c", "agents/5": "d",
+             "spares/4": 0, "spares/5": 0, "home/4": 0, "home/5": 0}
+    view = _view(items)
+    assert view.first_sizes(1) == {2: 2, 3: 2}
+    assert view.joiners(1) == [] and view.regrow_due() is None
+
+
+def test_after_growing_back_a_spare_replaces_a_dead_member_in_place():
+    """World 2 grew back to [0, 1, 6, 7], every member at its world-0 rank: a later
+    death is filled by an idle spare (no shrink, then regrow)."""
+    items = {"world/0": {"members": [0, 1, 2, 3]},
+             "world/1": {"members": [0, 1], "agreements": _agreements([0, 1], {})},
+             "world/2": {"members": [0, 1, 6, 7], "fresh": [6, 7],
+                         "agreements": _agreements([0, 1, 6, 7], {6: 2, 7: 3})},
+             "nodes/0": {}, "nodes/1": {}, "dead/2": {}, "dead/3": {}, "dead/7": {},
+             "agents/0": "a", "agents/1": "b", "agents/6": "c", "agents/8": "d",
+             "spares/8": 1, "home/6": 1, "home/7": 1, "home/8": 1}
+    view = _view(items)
+    assert view.first_sizes(2) == {0: 4, 1: 4, 6: 4, 7: 4}
+    assert view.joiners(2) == [8]
+
+
 @pytest.mark.parametrize("url", ["etcd:/x", "http://h:1", "etcd://h", "etcd://h:1,:2",
                                  "etcd://h:99999"])
 def test_bad_rdzv_urls_are_refused_by_name(url):

@@ -22,10 +22,12 @@ from mnemojax.testing import ProcessFault, run_scenario
 
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             at_step: int = 4, steps: int = 10, peer_watch: bool = True,
-            step_sleep_s: float = 0.2) -> dict:
+            step_sleep_s: float = 0.2, precompile: bool = False) -> dict:
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--step-sleep-s", str(step_sleep_s)]
+    if precompile:  # a fresh cache: only what this job's worlds wrote
+        cmd += ["--precompile-cache", tempfile.mkdtemp(prefix="mnemojax-xla-")]
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2,
                           faults=[ProcessFault(fault, victim, at_step)],
                           collective_timeout_s=collective_timeout_s, job_timeout_s=280,
@@ -51,7 +53,8 @@ def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             "detected_s": round(fault_ev["time"] - t0, 3),
             "recovered_s": round(rec["time"] - t0, 3),
             "next_good_step_s": round(after[0]["time"] - t0, 3) if after else None,
-            "phases_s": phases, "steps_lost": rec.get("steps_lost")}
+            "phases_s": phases, "steps_lost": rec.get("steps_lost"),
+            "executable": rec.get("executable")}
     # How each survivor learned (the reason it reported first): the peer watch, gloo's
     # "Connection closed by peer" (it was exchanging with the dead process) or a timeout.
     for e in report["events"]:
@@ -71,6 +74,32 @@ def _how(reason: str) -> str:
     return reason[:80]
 
 
+def _compare(repeat: int, kwargs: dict) -> int:
+    """Kill -> next good step and the recovery's compile phase, per survivor, without and
+    with the next worlds compiled ahead (alternated runs; medians and their ratio)."""
+    import statistics
+    figures: dict[bool, dict[str, list[float]]] = {
+        False: {"next": [], "compile": []}, True: {"next": [], "compile": []}}
+    for i in range(repeat):
+        for ahead in (False, True):
+            r = measure(**kwargs, precompile=ahead)
+            for name, s in sorted(r["survivors"].items()):
+                if s["next_good_step_s"] is not None:
+                    figures[ahead]["next"].append(s["next_good_step_s"])
+                figures[ahead]["compile"].append(s["phases_s"].get("compile", float("nan")))
+                print(f"run {i} {'ahead' if ahead else 'plain'} {name}: rc {r['rc']}, next "
+                      f"good step {s['next_good_step_s']} s, compile "
+                      f"{s['phases_s'].get('compile')} s, executable {s['executable']}",
+                      flush=True)
+    med = {a: {k: statistics.median(v) for k, v in f.items() if v} for a, f in figures.items()}
+    print(f"median kill -> next good step: plain {med[False]['next']:.2f} s, compiled ahead "
+          f"{med[True]['next']:.2f} s ({med[False]['next'] / med[True]['next']:.2f}x)")
+    print(f"median recovery compile phase: plain {med[False]['compile']:.2f} s, compiled "
+          f"ahead {med[True]['compile']:.2f} s "
+          f"({med[False]['compile'] / med[True]['compile']:.2f}x)")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fault", choices=("kill", "host", "hang", "corrupt"), default="kill")
@@ -82,11 +111,23 @@ def main() -> int:
     p.add_argument("--step-sleep-s", type=float, default=0.2,
                    help="pause between steps (a survivor told of a death while pausing "
                         "fails its next step at once)")
+    p.add_argument("--at-step", type=int, default=4, help="kill once the victim published it")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--precompile", action="store_true",
+                   help="workers compile the next worlds ahead into a fresh persistent "
+                        "compilation cache (every process writes its entries)")
+    p.add_argument("--compare-precompile", type=int, default=0, metavar="R",
+                   help="R pairs of runs, without and with --precompile, alternated; "
+                        "prints the medians side by side")
     p.add_argument("--json", help="also write the result here (workers share stdout)")
     args = p.parse_args()
-    r = measure(fault=args.fault, victim=args.victim, nproc=args.nproc,
-                collective_timeout_s=args.collective_timeout_s,
-                peer_watch=not args.no_peer_watch, step_sleep_s=args.step_sleep_s)
+    kwargs = dict(fault=args.fault, victim=args.victim, nproc=args.nproc,
+                  collective_timeout_s=args.collective_timeout_s,
+                  peer_watch=not args.no_peer_watch, step_sleep_s=args.step_sleep_s,
+                  at_step=args.at_step, steps=args.steps)
+    if args.compare_precompile:
+        return _compare(args.compare_precompile, kwargs)
+    r = measure(**kwargs, precompile=args.precompile)
     print(json.dumps(r, indent=1))
     if args.json:
         with open(args.json, "w") as f:

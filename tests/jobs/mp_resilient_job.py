@@ -48,6 +48,9 @@ def main() -> None:
                         help="per-host batches: a Grain dataset of the same examples through "
                              "mnemojax.data.HostBatches; each process reads only its rows and "
                              "writes the count per step to DIR/rows-wI.json")
+    parser.add_argument("--precompile-cache", default=None, metavar="DIR",
+                        help="compile the next worlds ahead, with JAX's persistent "
+                             "compilation cache in DIR (default: neither)")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -59,11 +62,15 @@ def main() -> None:
     faults = None
     if me == args.transient_worker:
         faults = mnemojax.testing.FaultInjector().transient_error(args.transient_at_step)
+    compile_opts = {} if args.precompile_cache is None else {
+        "compile": mnemojax.CompileOptions(precompile=True, cache_dir=args.precompile_cache)}
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
-                                  event_log=events, run_name=f"w{me}", nonfinite="skip_batch",
+                                  event_log=events, run_name=f"w{me}",
+                                  nonfinite="raise" if args.host_data else "skip_batch",
                                   persistent=mnemojax.PersistentOptions(
-                                      directory=args.ckpt, every_steps=args.ckpt_every)))
+                                      directory=args.ckpt, every_steps=args.ckpt_every),
+                                  **compile_opts))
     start = step.restore(model, optimizer) if args.restore else 0
     loader = None
     if args.host_data:

@@ -46,6 +46,12 @@ from collections.abc import Iterable, Mapping, Sequence
 ANY_STEP = 2**62
 
 
+def compiled_barrier(generation: int) -> str:
+    """The name of the barrier every member of world ``generation`` passes after its first
+    compile (`worker.session.DistributedSession.compiled`): passed, the world has formed."""
+    return f"mnemojax-compiled-{generation}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Agreement:
     """What every survivor of world ``generation - 1`` agreed on.

@@ -14,11 +14,13 @@ Nothing happens on import: JAX itself is imported inside the functions.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mnemojax._src.errors import UnsupportedJaxVersionError
@@ -37,6 +39,11 @@ PRIVATE_API = (
       "use_compression")),
     ("jax._src.distributed", "global_state", ()),
     ("jax._src.xla_bridge", "backends_are_initialized", ()),
+    ("jax._src.compiler", "_cache_write",
+     ("cache_key", "compile_time_secs", "module_name", "backend", "executable",
+      "host_callbacks")),
+    ("jax._src.compilation_cache", "put_executable_and_time",
+     ("cache_key", "module_name", "executable", "backend", "compile_time")),
 )
 CLIENT_METHODS = ("connect", "shutdown", "get_live_nodes", "wait_at_barrier")
 STATE_FIELDS = ("process_id", "num_processes", "client", "service", "coordinator_address",
@@ -141,6 +148,55 @@ def global_state() -> Any:
 def backends_are_initialized() -> bool:
     from jax._src import xla_bridge
     return bool(xla_bridge.backends_are_initialized())
+
+
+_cache_writes = threading.local()  # .on: this thread's compiles write their cache entries
+
+
+def _install_cache_writer() -> None:
+    """Wraps JAX's persistent-cache write (once) so that a compile inside
+    `cache_entries_from_this_process` writes its entry whatever this process's index."""
+    from jax._src import compilation_cache, compiler
+    original = compiler._cache_write
+    if getattr(original, "mnemojax_wrapped", False):
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                    host_callbacks):
+        if not getattr(_cache_writes, "on", False) or host_callbacks:
+            return original(cache_key, compile_time_secs, module_name, backend, executable,
+                            host_callbacks)
+        try:
+            compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - a cache entry is an optimisation
+            logger.warning("mnemojax: could not write the compilation cache entry of %s: "
+                           "%s", module_name, e)
+
+    cache_write.mnemojax_wrapped = True  # type: ignore[attr-defined]
+    compiler._cache_write = cache_write
+
+
+@contextlib.contextmanager
+def cache_entries_from_this_process() -> Iterator[None]:
+    """Compiles in this block (this thread) write their persistent compilation cache entry
+    from this process, whatever its index and however fast they compiled.
+
+    JAX writes entries from process 0 only, and only for compiles slower than
+    ``jax_persistent_cache_min_compile_time_secs``. But a multi-process cache key holds
+    the compiling process's index (measured on jaxlib 0.10 CPU: one entry per process for
+    the same program), so process ``i`` of a later world finds its executable only if
+    some process ``i`` wrote it. With every process writing, a world formed after a loss
+    loads its executables from the cache instead of compiling them (`compiler`).
+    Without a persistent cache directory nothing is written.
+    """
+    _install_cache_writer()
+    was = getattr(_cache_writes, "on", False)
+    _cache_writes.on = True
+    try:
+        yield
+    finally:
+        _cache_writes.on = was
 
 
 def reset_live_devices() -> None:

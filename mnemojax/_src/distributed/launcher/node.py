@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -112,6 +113,7 @@ class NodeLauncher(Launcher):
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
         self._regrow_asked: set[int] = set()  # worlds this node asked to grow back
+        self._warm: set[int] = set()  # spares that asked to join (published as spares)
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -344,6 +346,11 @@ class NodeLauncher(Launcher):
         w, cv = request.worker_id, self.roster.cv
         deadline = time.monotonic() + request.timeout_s
         with cv:
+            if w in self._idle and w not in self._warm and self._lease is not None:
+                # Warm (Python and JAX loaded, waiting here): only now may a world take it
+                # in (`plane.JobView.idle_spares`), so no world waits on a cold start.
+                self._warm.add(w)
+                self.plane.publish_spare(w, self.options.node_rank, self._lease.lease)
             while (agreement := self._joins.get(w)) is None:
                 why = self.plane.ending()
                 if why is not None or w in self.plane.view.dead():
@@ -389,9 +396,8 @@ class NodeLauncher(Launcher):
         self._lease = LeaseKeeper(self.store, o.node_ttl_s, on_lost=self._on_lease_lost)
         for w, address in agents.items():
             self.store.put(self.store.key("agents", w), address, lease=self._lease.lease)
-        for w in o.spare_ids:  # idle until a world takes them in (`plane.JobView.idle_spares`)
+        for w in o.spare_ids:  # joinable once warm (`_await_join`)
             self.store.put(self.store.key("home", w), o.node_rank)
-            self.store.put(self.store.key("spares", w), o.node_rank, lease=self._lease.lease)
         self.store.put(self.store.key("nodes", o.node_rank),
                        {"pid": os.getpid(), "control": self.control,
                         "workers": list(o.local_workers), "shm_prefix": self.shm_prefix,
@@ -461,24 +467,32 @@ class NodeLauncher(Launcher):
         count = o.nproc + o.spares
         initial = range(o.world_size, o.world_size + o.nnodes * o.spares)
         deadline = time.monotonic() + FORM_TIMEOUT_S
+        claim = {"node": o.node_rank, "count": count, "nonce": secrets.token_hex(8)}
         while True:
             view = JobView(self.store.items(), o.nproc)
+            if view.end() is not None:
+                raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job is "
+                                       f"ending ({view.end()})")
             current = view.worlds().get(view.latest(), ())
-            mine = [w for w in current if view.node(w) == o.node_rank]
+            exits = view.exits()
+            mine = [w for w in current if view.node(w) == o.node_rank and w not in exits]
             if not mine:
                 first = max(view.used_ids(initial), default=-1) + 1
-                if self.store.create(self.store.key("rejoin", first),
-                                     {"node": o.node_rank, "count": count},
+                if self.store.create(self.store.key("rejoin", first), claim,
                                      unless=[self.store.key("end")]):
                     break
-            elif time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise DistributedError(
                     f"node {o.node_rank} cannot rejoin: its old workers {mine} are still "
-                    f"members of world {view.latest()} after {FORM_TIMEOUT_S:.0f} s")
+                    f"members of world {view.latest()} after {FORM_TIMEOUT_S:.0f} s"
+                    if mine else f"node {o.node_rank} could not claim worker ids in "
+                    f"{FORM_TIMEOUT_S:.0f} s")
             time.sleep(0.2)
         self.options = dataclasses.replace(o, rejoin_first_id=first)
         self.supervisor.options = self.options
-        self._world_seen = view.latest()  # the worlds before are not this node's news
+        # What happened before is not this node's news.
+        self._world_seen = view.latest()
+        self._dead_seen = set(view.dead())
         self._record({"op": "rejoin_ids", "first": first, "count": count})
 
     def _check_nodes(self, view: JobView) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import wire
-from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
+from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, compiled_barrier
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
 from mnemojax._src.distributed.launcher.roster import AgentRoster, ask_holdings
@@ -120,14 +120,32 @@ class JobView:
 
     def joiners(self, generation: int) -> list[int]:
         """The spares world ``generation + 1`` may take in. A fresh process builds its mesh
-        from the user's code, which fits the survivors' only at world 0's size: in place
-        of dead members of a world that never shrank, or to grow a shrunk world back to
-        world 0's size (`book.AgreementBook.decide` takes them only then)."""
-        worlds = self.worlds()
-        sizes = {len(m) for g, m in worlds.items() if g <= generation}
-        if len(sizes) == 1 or len(worlds.get(generation, ())) < self.full_size():
+        from the user's code, which fits the survivors' only at world 0's size and layout:
+        in place of dead members of a world whose every member is at its world-0 rank, or
+        to grow a shrunk world back to world 0's size (`book.AgreementBook.decide` takes
+        them only then). Never while a member started fresh in a smaller world: it does
+        not know world 0's layout (`first_sizes`)."""
+        members = self.worlds().get(generation, ())
+        full = self.full_size()
+        if any(size != full for size in self.first_sizes(generation).values()):
+            return []
+        slots = self.slots()
+        if len(members) < full or all(slots.get(m) == r for r, m in enumerate(members)):
             return self.idle_spares()
         return []
+
+    def first_sizes(self, generation: int) -> dict[int, int]:
+        """Member of world ``generation`` -> the size of the first world its process ran
+        in: world 0's, or that of the world it joined or was restarted into (``fresh`` in
+        each world's record). A process knows the layout of its first world only."""
+        worlds = self.worlds()
+        first: dict[int, int] = {}
+        for g in sorted(g for g in worlds if g <= generation):
+            fresh = set((self.world(g) or {}).get("fresh", ()))
+            for m in worlds[g]:
+                if g == 0 or m in fresh or m not in first:
+                    first[m] = len(worlds[g])
+        return {m: first[m] for m in worlds.get(generation, ())}
 
     def full_size(self) -> int:
         """World 0's size: the size the job grows back to."""
@@ -168,7 +186,11 @@ class JobView:
             return None
         if self.dead() & set(members) or self.items.get(f"regrow/{g}") is not None:
             return None
-        return g if len(self.idle_spares()) >= self.full_size() - len(members) else None
+        if set(self.exits()) & set(members):  # the job is finishing
+            return None
+        if len(self.joiners(g)) < self.full_size() - len(members):
+            return None
+        return g
 
     def regrows(self, generation: int) -> bool:
         """World ``generation`` is to re-form, larger (`regrow_due`), and has not yet."""
@@ -453,6 +475,14 @@ class EtcdArbiter:
             book = view.book(generation)
             if not book.complete():
                 return
+            worlds = view.worlds()
+            if (generation > 0 and len(worlds[generation]) > len(worlds[generation - 1])
+                    and view.outcome(generation, compiled_barrier(generation)) != ()):
+                # A world that grew back and never formed (a member died before its first
+                # compile's barrier): its joiners leave with it. They hold nothing, and the
+                # survivors are still on the smaller world's layout; they may grow again.
+                for joiner in (view.world(generation) or {}).get("fresh", ()):
+                    book.mark_dead(joiner)
             agents = view.agents()
             replies = ask_holdings(sorted(set(agents.values())), secret=self._roster.secret)
             for address, reply in replies.items():
@@ -477,7 +507,12 @@ class EtcdArbiter:
                 self._services.stop(nxt)
                 raise
             survivors = list(next(iter(decision.values())).survivors)  # new rank order
-            record = {"members": survivors, "coordinator": service.address,
+            first = decision[survivors[0]]
+            # Processes that start in this world: joiners, and workers restarted into it
+            # (they arrived as ``ANY_STEP``, `node`): their first world is this one.
+            fresh = sorted(set(first.replaces) | {
+                w for w, last in book.arrived.items() if last == ANY_STEP and w in survivors})
+            record = {"members": survivors, "coordinator": service.address, "fresh": fresh,
                       "host_node": self.node_rank, "nonce": secrets.token_hex(8),
                       "agreements": {str(m): wire.AgreementReply(agreement=a).to_wire()
                                      for m, a in decision.items()}}
@@ -490,7 +525,6 @@ class EtcdArbiter:
             if not won:
                 self._services.stop(nxt)
                 return
-            first = decision[survivors[0]]
             self._record({"op": "decided", "generation": nxt, "survivors": survivors,
                           "resume_step": first.resume_step, "lost": list(first.lost),
                           "replaces": {str(j): d for j, d in first.replaces.items()},
@@ -557,6 +591,12 @@ class EtcdArbiter:
                     break
                 cv.wait(timeout=min(left, 0.5))
             return wire.WorldFailed(generation=g, failed=failed)
+
+    def publish_spare(self, worker_id: int, node_rank: int, lease: int) -> None:
+        """Says that spare ``worker_id`` waits, warm, for a world (leased with its node;
+        call with ``roster.cv`` held)."""
+        self._write(lambda: self.store.put(self.store.key("spares", worker_id), node_rank,
+                                           lease=lease))
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger (`JobView.regrow_due`);

@@ -17,7 +17,7 @@ def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
     records when not given)."""
     items = store.items()
     if nproc is None:
-        nproc = max((len(v.get("workers", ())) for k, v in items.items()
+        nproc = max((int(v.get("nproc", 0)) for k, v in items.items()
                      if k.startswith("nodes/") and isinstance(v, dict)), default=1) or 1
     view = JobView(items, nproc)
     latest = view.latest()

@@ -100,6 +100,7 @@ class WaitHandle:
         It must end once that collective returns."""
         if thread is not None:
             with _pending.lock:
+                _pending.left_behind = [t for t in _pending.left_behind if t[0].is_alive()]
                 _pending.left_behind.append((thread, self._generation, time.monotonic()))
 
     @property
@@ -143,7 +144,6 @@ def _join_left_behind() -> None:
         if thread.is_alive():
             log.warning("mnemojax: a collective of world %s abandoned %.0f s ago is still "
                         "blocked at exit", generation, time.monotonic() - since)
-            return
 
 
 def peer_died_error(generation: int, failed: tuple[int, ...], *,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mnemojax._src.distributed import auth, snapshot_codec, wire
-from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.agreement import Agreement, compiled_barrier
 from mnemojax._src.distributed.env import (
     CONTROL,
     COORDINATOR,
@@ -114,7 +114,7 @@ class DistributedSession:
             AgreementError: the launcher could not be reached, or this worker is no
                 longer a member of the world (it was evicted).
         """
-        name = f"mnemojax-compiled-{self.world.generation}"
+        name = compiled_barrier(self.world.generation)
         if self.coordinator is None:
             coordination.barrier(name, timeout_s)
         else:
