@@ -82,6 +82,20 @@ def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
     assert grown.regrow_due() is None and not grown.regrows(2)
 
 
+def test_joiners_are_placed_on_the_node_of_the_slot_they_fill():
+    """World 1 = [0, 1] (node 1 lost): node 0 keeps spare 4 idle, rejoined node 1 waits
+    with 6 and 7. Slots 2 and 3 were node 1's: its spares take them, not node 0's."""
+    items = {"world/0": {"members": [0, 1, 2, 3]},
+             "world/1": {"members": [0, 1], "agreements": _agreements([0, 1], {})},
+             "nodes/0": {}, "nodes/1": {}, "dead/2": {}, "dead/3": {},
+             "agents/0": "a", "agents/1": "b", "agents/4": "c", "agents/6": "d",
+             "agents/7": "e", "spares/4": 0, "spares/6": 1, "spares/7": 1,
+             "home/4": 0, "home/6": 1, "home/7": 1}
+    view = _view(items)
+    assert view.joiners(1) == [4, 6, 7]
+    assert view.placed_joiners(1, [0, 1]) == [6, 7, 4]
+
+
 def test_no_growth_while_a_member_started_fresh_in_a_smaller_world():
     """Node 0 (the coordination service's) was lost: node 1's workers 2, 3 were restarted
     into world 1 = [2, 3] (``fresh``): they know only a 2-process layout, so spares that

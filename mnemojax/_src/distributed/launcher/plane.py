@@ -147,6 +147,31 @@ class JobView:
                     first[m] = len(worlds[g])
         return {m: first[m] for m in worlds.get(generation, ())}
 
+    def placed_joiners(self, generation: int, arrived: Sequence[int]) -> list[int]:
+        """`joiners`, ordered for `book.AgreementBook.decide` (which gives the k-th joiner
+        the k-th slot to fill: a dead member's, or a free one when the world grows back):
+        for each such slot, a spare of the node that slot's world-0 worker ran on where one
+        waits, so the ring still pairs workers of different nodes."""
+        spares = self.joiners(generation)
+        members = self.worlds().get(generation, ())
+        slots = self.slots()
+        if len(members) < self.full_size():
+            held = {slots.get(m) for m in arrived}
+            targets = [s for s in range(self.full_size()) if s not in held]
+        else:
+            targets = [slots.get(m, -1) for m in members if m not in arrived]
+        world0 = self.worlds().get(0, ())
+        ordered: list[int] = []
+        left = list(spares)
+        for s in targets:
+            if not left:
+                break
+            node = self.node(world0[s]) if 0 <= s < len(world0) else None
+            pick = next((w for w in left if self.node(w) == node), left[0])
+            left.remove(pick)
+            ordered.append(pick)
+        return ordered + left
+
     def full_size(self) -> int:
         """World 0's size: the size the job grows back to."""
         return len(self.worlds().get(0, ()))
@@ -490,7 +515,7 @@ class EtcdArbiter:
                     self._record({"op": "corrupt_copy", "agent": address,
                                   **dataclasses.asdict(bad)})
             holdings = {a: list(r.copies) for a, r in replies.items()}
-            joiners = view.joiners(generation)
+            joiners = view.placed_joiners(generation, list(book.arrived))
             full = view.full_size()
             if len(book.members) < full:  # grows back, with a joiner for every free slot
                 joining = full - len(book.arrived)
