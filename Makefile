@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record etcd clean
+.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record bench-scale etcd clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
@@ -27,6 +27,11 @@ bench: $(STAMP)
 
 bench-record: $(STAMP)
 	$(BIN)/python -m mnemojax bench --preset gpt10m --out runs/bench-gpt10m $(ARGS)
+
+# Recovery time, snapshot overhead and snapshot host memory at ~0.1 M, 11 M and 40 M
+# parameters (one process, 8 CPU devices): a table and runs/scale/scale.png. ~15 min here.
+bench-scale: $(STAMP)
+	$(BIN)/python -m mnemojax._src.bench.scale --out runs/scale $(ARGS)
 
 # The etcd server the multi-node tests run (Debian's etcd-server 3.4; root or sudo). Where
 # it cannot be installed those tests skip with the reason; everything else runs without it.
