@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mnemojax._src.checksum import checksum
 from mnemojax._src.device_layer import JaxDeviceLayer
 from mnemojax._src.errors import SnapshotCorruptError
 from mnemojax._src.snapshot import SnapshotBudgetWarning, SnapshotStore
@@ -125,4 +126,117 @@ def test_budget_exceeded_turns_snapshots_off_with_a_warning(arrays):
         assert store.submit(1, dev) is False
     assert store.disabled and store.latest() is None
     assert store.submit(2, dev) is False
+    store.close()
+
+
+def _buffers(snap):
+    return [(i, key, buf) for i, leaf in enumerate(snap.leaves) for key, buf in leaf.shards.items()]
+
+
+def test_checksums_are_crc32c_of_each_copy(arrays):
+    """One algorithm everywhere: the per-shard values are `checksum.checksum` (CRC32C)."""
+    _, dev = arrays
+    store = _store()
+    store.submit(1, dev)
+    store.wait_idle(10)
+    snap = store.latest()
+    for i, key, buf in _buffers(snap):
+        assert snap.leaves[i].crcs[key] == checksum(buf)
+    store.close()
+
+
+def test_a_flipped_bit_in_any_shard_is_caught_by_shard_and_assemble(arrays):
+    _, dev = arrays
+    store = _store()
+    store.submit(1, dev)
+    store.wait_idle(10)
+    snap = store.latest()
+    for i, key, buf in _buffers(snap):
+        raw = buf.view(np.uint8).reshape(-1)
+        for byte in (0, raw.size // 2, raw.size - 1):
+            raw[byte] ^= 0x01
+            with pytest.raises(SnapshotCorruptError, match="CRC32C"):
+                snap.shard(i, key)
+            with pytest.raises(SnapshotCorruptError, match="CRC32C"):
+                snap.assemble(i)
+            raw[byte] ^= 0x01
+            np.testing.assert_array_equal(snap.shard(i, key), buf)  # intact again
+    store.close()
+
+
+def _two_snapshots(store, dev):
+    for step in (1, 2):
+        store.submit(step, dev)
+        assert store.wait_idle(10)
+    older = store.snapshots()[1]
+    assert older.step == 1
+    return older
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_corrupt_snapshot_is_reported_when_its_slot_is_reused(arrays, which):
+    """The retired slot is checked shard by shard as the next copy overwrites it."""
+    host, dev = arrays
+    found = []
+    store = _store(on_corrupt=found.append)
+    older = _two_snapshots(store, dev)
+    _, _, buf = _buffers(older)[0 if which == "first" else -1]
+    buf.view(np.uint8).reshape(-1)[0] ^= 0x80
+    store.submit(3, dev)  # overwrites step 1's slot
+    assert store.wait_idle(10)
+    assert found == [1] and store.corrupt_found == 1
+    snap = store.latest()
+    assert snap.step == 3 and not snap.corrupt
+    for i, x in enumerate(host):
+        np.testing.assert_array_equal(snap.assemble(i), x)
+    store.submit(4, dev)  # the slot of step 2 is intact: nothing more is reported
+    assert store.wait_idle(10)
+    assert found == [1]
+    store.close()
+
+
+class _FailingLayer(JaxDeviceLayer):
+    """A device that dies during the copy: the first fetch fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def fetch_into(self, piece, device_id, out):
+        if self.fail:
+            raise RuntimeError("device-to-host transfer failed")
+        super().fetch_into(piece, device_id, out)
+
+
+def test_a_failed_copy_still_checks_the_rest_of_the_retired_slot(arrays):
+    _, dev = arrays
+    found = []
+    layer = _FailingLayer()
+    store = SnapshotStore(layer, ["params", "opt_state"], budget_bytes=1 << 30,
+                          on_corrupt=found.append)
+    older = _two_snapshots(store, dev)
+    _, _, buf = _buffers(older)[-1]  # a buffer the failed copy never reaches
+    buf.view(np.uint8).reshape(-1)[0] ^= 0x80
+    layer.fail = True
+    store.submit(3, dev)
+    assert store.wait_idle(10)
+    assert store.failed == 1 and store.latest().step == 2  # step 3 was never published
+    assert found == [1] and store.corrupt_found == 1
+    store.close()
+
+
+def test_a_corrupt_snapshot_is_reported_when_the_layout_changes(arrays):
+    """Reused slots are checked before new buffers replace them (another mesh)."""
+    _, dev = arrays
+    found = []
+    store = _store(on_corrupt=found.append)
+    older = _two_snapshots(store, dev)
+    _, _, buf = _buffers(older)[0]
+    buf.view(np.uint8).reshape(-1)[0] ^= 0x80
+    mesh = h.mesh_of((2, 4))
+    other = [jax.device_put(np.asarray(x), NamedSharding(mesh, s))
+             for x, s in zip(dev, [P("model", None), P()], strict=True)]
+    store.submit(3, other)
+    assert store.wait_idle(10)
+    assert found == [1] and store.latest().step == 3
     store.close()

@@ -93,7 +93,7 @@ class RecoveryExhaustedError(MnemojaxError):
 
 
 class SnapshotCorruptError(MnemojaxError):
-    """A snapshot failed its CRC32 check, or changed while it was read; it is never
+    """A snapshot failed its CRC32C check, or changed while it was read; it is never
     restored.
 
     Raised for this process's host snapshots and for the copies an agent holds for the

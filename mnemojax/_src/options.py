@@ -112,7 +112,7 @@ class SnapshotOptions:
             ``"grads"``, if the step returns one) as a separate entry every N steps; 0: never.
         host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
             memory; if the state does not fit, snapshots are disabled with a warning.
-        verify_checksums: check each buffer's CRC32 before restoring from it.
+        verify_checksums: check each buffer's CRC32C before restoring from it.
     """
 
     every_steps: int = 20

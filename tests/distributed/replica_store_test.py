@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
+from mnemojax._src.checksum import checksum
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
 from mnemojax._src.errors import SnapshotCorruptError
 
@@ -14,7 +13,7 @@ def test_replica_store_checks_crc_and_keeps_two_newest():
     store = ReplicaStore(keep=2)
     for step in (1, 2, 3):
         data = f"s{step}".encode()
-        store.put(4, step, data, zlib.crc32(data))
+        store.put(4, step, data, checksum(data))
     assert sorted((o, s) for o, s, _ in store.verify()[0]) == [(4, 2), (4, 3)]
     assert store.get(4, 3)[0] == b"s3"
     with pytest.raises(SnapshotCorruptError):
@@ -27,10 +26,28 @@ def test_replica_store_verify_drops_a_copy_that_went_bad_after_the_put():
     store = ReplicaStore(keep=2)
     for step in (2, 3):
         data = f"s{step}".encode()
-        store.put(4, step, data, zlib.crc32(data))
+        store.put(4, step, data, checksum(data))
     _, crc = store.get(4, 3)
     store._by_origin[4][3] = (b"s4", crc)  # a flipped bit in memory
     good, bad = store.verify()
     assert [(o, s) for o, s, _ in good] == [(4, 2)] and bad == [(4, 3)]
     with pytest.raises(KeyError):
         store.get(4, 3)  # never served again
+
+
+def test_replica_store_refuses_a_flipped_bit_and_another_algorithms_checksum():
+    """The buddy checks the worker's CRC32C: a copy with any bit flipped is refused, and so
+    is a copy whose checksum was computed with zlib's CRC32 (the algorithms must agree)."""
+    import zlib
+
+    store = ReplicaStore(keep=2)
+    data = bytes(range(256))
+    with pytest.raises(SnapshotCorruptError, match="CRC32C"):
+        store.put(4, 1, data, zlib.crc32(data))
+    for byte in (0, 127, 255):
+        bad = bytearray(data)
+        bad[byte] ^= 0x04
+        with pytest.raises(SnapshotCorruptError, match="CRC32C"):
+            store.put(4, 1, bad, checksum(data))
+    store.put(4, 1, data, checksum(data))
+    assert store.get(4, 1) == (data, checksum(data))

@@ -8,6 +8,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import pytest
 
+from mnemojax._src.checksum import checksum
 from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
 from mnemojax._src.errors import DistributedError, SnapshotCorruptError
 
@@ -29,6 +30,7 @@ def test_publish_flips_and_keeps_previous_step(buffer):
         assert sorted(buffer.holdings()) == [2, 3]  # newest + the one before it
         step, data, got_crc = buffer.read()
         assert (step, data, got_crc) == (3, b"step-3", crc)
+        assert crc == checksum(b"step-3")  # the CRC32C every other reader checks
         assert buffer.read(2)[1] == b"step-2"
         with pytest.raises(KeyError):
             buffer.read(1)
@@ -46,8 +48,20 @@ def test_torn_or_corrupt_slot_fails_crc(buffer):
         raw.buf[DATA_AT + slot * buffer.slot_bytes] ^= 0xFF
     finally:
         raw.close()
-    with pytest.raises(SnapshotCorruptError, match="CRC32"):
+    with pytest.raises(SnapshotCorruptError, match="CRC32C"):
         buffer.read(7)
+
+
+@pytest.mark.parametrize("byte", [0, 50, 99])
+def test_a_single_flipped_bit_fails_the_read(buffer, byte):
+    payload = bytes(range(100))
+    buffer.publish(7, [payload[:30], memoryview(payload)[30:]])
+    at = DATA_AT + buffer.holdings()[7] * buffer.slot_bytes + byte
+    buffer._buf[at] ^= 0x01  # noqa: SLF001 - a memory error, in place
+    with pytest.raises(SnapshotCorruptError, match="CRC32C"):
+        buffer.read(7)
+    buffer._buf[at] ^= 0x01  # noqa: SLF001
+    assert buffer.read(7)[1:] == (payload, checksum(payload))
 
 
 def test_publish_over_capacity_is_typed(buffer):

@@ -111,6 +111,7 @@ def _check_rows_read(out: str, members: list[int], *, width: int, steps: int) ->
         assert max(rows.values()) < h.BATCH, (w, rows)
 
 
+@pytest.mark.slow  # ~55 s: the default suite is at its budget
 def test_a_lost_node_restarted_with_grow_back_makes_the_job_whole_again(tmp_path):
     """Node 1 is killed whole: node 0's workers go on in place on half the mesh (world 1
     = [0, 1], mesh 2 x 1). Node 1's launcher is started again with ``--grow-back``: its

@@ -1,6 +1,7 @@
 """Micro-benchmarks behind design decisions in WORKSPACE_NOTES.md, side by side in one run.
 
-    python -m mnemojax._src.bench.micro
+    python -m mnemojax._src.bench.micro            # all sections
+    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-4)
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
@@ -9,12 +10,17 @@
    global ``jnp.all`` per leaf (a cross-device reduction per leaf).
 3. After a recovery: the failed step's whole call against the runtime's ``total_s`` (the
    background compiles start only after the commit, so the two should be close).
+4. Every-step snapshots: step time without snapshots and with one every step (blocks of
+   steps, the order alternating per round), the snapshot's bytes and copy time (during
+   training and alone), and its throughput as a percentage of this machine's memcpy
+   bandwidth (``np.copyto`` of the same byte count).
 
 Tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -28,27 +34,13 @@ def _median_ms(fn, n: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
+def _plumbing(cfg) -> list[str]:
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-    import jax.numpy as jnp
     from flax import nnx
 
-    import mnemojax
-    from mnemojax._src import compiler
     from mnemojax._src.step_forms import NnxForm
-    from mnemojax.models.data import BigramCorpus
-    from mnemojax.models.gpt import GPTConfig
     from mnemojax.models.tasks import build_gpt, lm_train_step
 
-    cfg = GPTConfig()
-    corpus = BigramCorpus(cfg.vocab_size, cfg.seq_len)
-    batches = [corpus.batch(i, 24) for i in range(42)]
-    mesh = jax.make_mesh((4, 2), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-    # 1. state plumbing
     model, optimizer = build_gpt(cfg)
     live = jax.tree.leaves(nnx.state((model, optimizer)),
                            is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -70,8 +62,18 @@ def main() -> None:
     plumbing = {"nnx.split + nnx.update": _median_ms(split_update, 200),
                 "Variable get_value/set_value": _median_ms(get_set, 200),
                 "NnxForm.state_of+result (used)": _median_ms(read_write, 200)}
+    lines = ["1. NNX state plumbing per call (median of 200; demo GPT, 92 variables)"]
+    lines += [f"   {name:<32} {ms:8.3f} ms" for name, ms in plumbing.items()]
+    return lines
 
-    # 2. finiteness check variants
+
+def _finiteness_check(cfg, mesh, batches) -> list[str]:
+    import jax.numpy as jnp
+
+    import mnemojax
+    from mnemojax._src import compiler
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
     per_device = compiler.StepCompiler._checked_for
 
     def global_per_leaf(self, mesh_):
@@ -106,7 +108,19 @@ def main() -> None:
             step.close()
     compiler.StepCompiler._checked_for = per_device
 
-    # 3. the failed step's call against total_s
+    lines = ["2. step time by finiteness check (median of 40 steps; three alternating rounds)"]
+    base = statistics.median(check_ms["no check"])
+    for name, ms in check_ms.items():
+        med = statistics.median(ms)
+        lines.append(f"   {name:<32} {med:8.2f} ms   x{med / base:.3f}   rounds "
+                     + ", ".join(f"{x:.2f}" for x in ms))
+    return lines
+
+
+def _recovery_call(cfg, mesh, batches) -> list[str]:
+    import mnemojax
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
     m, o = build_gpt(cfg)
     faults = mnemojax.testing.FaultInjector().lose_devices(8, [3])
     step = mnemojax.resilient(lm_train_step, mesh=mesh, fault_injector=faults)
@@ -119,20 +133,129 @@ def main() -> None:
             step.wait_precompiled()
     [rec] = step.statistics.recoveries
     step.close()
+    return ["3. recovery of a device lost in step 8 (executable compiled ahead)",
+            f"   whole call of step 8         {1e3 * calls[7]:8.1f} ms",
+            f"   runtime total_s              {1e3 * rec.total_s:8.1f} ms",
+            f"   steady step (median 2-7)     {1e3 * statistics.median(calls[1:7]):8.1f} ms"]
 
-    print("1. NNX state plumbing per call (median of 200; demo GPT, 92 variables)")
-    for name, ms in plumbing.items():
-        print(f"   {name:<32} {ms:8.3f} ms")
-    print("2. step time by finiteness check (median of 40 steps; three alternating rounds)")
-    base = statistics.median(check_ms["no check"])
-    for name, ms in check_ms.items():
+
+def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> list[str]:
+    import numpy as np
+
+    import mnemojax
+    from mnemojax._src.checksum import checksum
+    from mnemojax._src.device_layer import JaxDeviceLayer
+    from mnemojax._src.snapshot import SnapshotStore
+    from mnemojax._src.timing import interleaved_block_means
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
+    configs = {"no snapshots": mnemojax.SnapshotOptions(every_steps=0,
+                                                        unreplicated_every_steps=0),
+               "snapshot every step": mnemojax.SnapshotOptions(every_steps=1,
+                                                               unreplicated_every_steps=1)}
+    runs = {}
+    for name, snap in configs.items():
+        options = mnemojax.ResilienceOptions(
+            snapshot=snap, compile=mnemojax.CompileOptions(precompile=False, cache_dir=None))
+        m, o = build_gpt(cfg)
+        step = mnemojax.resilient(lm_train_step, mesh=mesh, options=options)
+        float(step(m, o, batches[0])["loss"])
+        runs[name] = (step, m, o)
+
+    cpu_s: dict[str, list[float]] = {name: [] for name in runs}
+
+    def run_block(name: str, r: int) -> int:
+        step, m, o = runs[name]
+        cpu0 = time.process_time()
+        for i in range(block_steps):
+            float(step(m, o, batches[1 + (r * block_steps + i) % (len(batches) - 1)])["loss"])
+        step.wait_snapshots()  # a copy still in flight belongs to this block
+        cpu_s[name].append((time.process_time() - cpu0) / block_steps)
+        return block_steps
+
+    means = interleaved_block_means(list(runs), rounds, run_block)
+    stats = runs["snapshot every step"][0].statistics
+    nbytes, in_training_s = stats.snapshot_bytes, stats.snapshot_copy_median_s
+    # The same copy with nothing else running: after each step of the run without
+    # snapshots, a copy of its fresh output (JAX builds an output's per-device arrays on
+    # first use, so copying one state over and over would flatter the copy), once the
+    # step's threads have gone idle (XLA's CPU thread pool spins for a while after a step).
+    step, m, o = runs["no snapshots"]
+    store = None
+    for i in range(30):
+        float(step(m, o, batches[1 + i % (len(batches) - 1)])["loss"])
+        time.sleep(0.05)
+        leaves = step._built.last_written  # noqa: SLF001 - our own package's bench
+        if store is None:
+            store = SnapshotStore(JaxDeviceLayer(), ["state"] * len(leaves),
+                                  budget_bytes=1 << 40)
+        store.submit(i, leaves)
+        store.wait_idle()
+    assert store is not None
+    store.close()
+    alone_s = store.median_copy_s()
+    for step, _, _ in runs.values():
+        step.close()
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    memcpy_ms = _median_ms(lambda: np.copyto(dst, src), 50)
+    checksum_ms = _median_ms(lambda: checksum(dst), 50)
+
+    base = statistics.median(means["no snapshots"])
+    per_round = [b / a for a, b in zip(means["no snapshots"], means["snapshot every step"],
+                                       strict=True)]
+    lines = [f"4. every-step snapshots (median of {rounds} alternating blocks of "
+             f"{block_steps} steps)"]
+    for name, ms in means.items():
         med = statistics.median(ms)
-        print(f"   {name:<32} {med:8.2f} ms   x{med / base:.3f}   rounds "
-              + ", ".join(f"{x:.2f}" for x in ms))
-    print("3. recovery of a device lost in step 8 (executable compiled ahead)")
-    print(f"   whole call of step 8         {1e3 * calls[7]:8.1f} ms")
-    print(f"   runtime total_s              {1e3 * rec.total_s:8.1f} ms")
-    print(f"   steady step (median 2-7)     {1e3 * statistics.median(calls[1:7]):8.1f} ms")
+        lines.append(f"   {name:<32} {1e3 * med:8.2f} ms   x{med / base:.3f}   blocks "
+                     + ", ".join(f"{1e3 * x:.1f}" for x in ms))
+    lines += [
+        f"   ratio per round (median)         x{statistics.median(per_round):.3f}   "
+        f"min x{min(per_round):.3f} max x{max(per_round):.3f}",
+        "   process CPU per step (median)    "
+        + " -> ".join(f"{1e3 * statistics.median(c):.1f} ms" for c in cpu_s.values())
+        + "   (all threads: the copy competes with the step for the cores)",
+        f"   snapshot bytes                   {nbytes / 1e6:8.2f} MB",
+        f"   copy, during training (median)   {1e3 * in_training_s:8.2f} ms   "
+        f"{nbytes / in_training_s / 1e9:5.2f} GB/s   "
+        f"{100 * memcpy_ms / (1e3 * in_training_s):5.1f} % of memcpy",
+        f"   copy, alone (median of 30)       {1e3 * alone_s:8.2f} ms   "
+        f"{nbytes / alone_s / 1e9:5.2f} GB/s   {100 * memcpy_ms / (1e3 * alone_s):5.1f} % of memcpy",
+        f"   memcpy of the same bytes         {memcpy_ms:8.2f} ms   "
+        f"{nbytes / memcpy_ms / 1e6:5.2f} GB/s   (np.copyto, median of 50)",
+        f"   checksum of the same bytes       {checksum_ms:8.2f} ms   (one buffer)",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4],
+                        help="sections to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="section 4: rounds of alternating blocks (default 15)")
+    parser.add_argument("--block-steps", type=int, default=10,
+                        help="section 4: steps per block (default 10)")
+    args = parser.parse_args(argv)
+    sections = args.sections or [1, 2, 3, 4]
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+
+    cfg = GPTConfig()
+    corpus = BigramCorpus(cfg.vocab_size, cfg.seq_len)
+    batches = [corpus.batch(i, 24) for i in range(42)]
+    mesh = jax.make_mesh((4, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    run = {1: lambda: _plumbing(cfg), 2: lambda: _finiteness_check(cfg, mesh, batches),
+           3: lambda: _recovery_call(cfg, mesh, batches),
+           4: lambda: _snapshot_overhead(cfg, mesh, batches, rounds=args.rounds,
+                                         block_steps=args.block_steps)}
+    for section in sorted(set(sections)):
+        print("\n".join(run[section]()), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Protocol (one round per failure; ``generation`` counts worlds, 0 at launch):
    the same `Agreement`, or every call raises `AgreementError`): the survivors in old rank
    order become ranks 0..n-1 of world g+1; the resume step is the newest step s whose
    copies on live agents (a worker's own agent or its ring buddy), each verified against its
-   CRC32 when the agents are asked, cover every element of every leaf (`choose_resume_step`),
+   CRC32C when the agents are asked, cover every element of every leaf (`choose_resume_step`),
    so a recovery never mixes steps across hosts and never restores a corrupt copy. A worker
    whose shards are all replicated elsewhere need not have a copy. When no step is complete,
    the decision says which workers' state is lost (``resume_step == -1``).

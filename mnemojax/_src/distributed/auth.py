@@ -17,7 +17,7 @@ over a dead agent's port cannot serve forged snapshots.
 Why at connection setup and not a MAC on every message: every connection is loopback TCP,
 which an unprivileged local user can neither read nor inject into, so authenticating its
 two ends is enough; a MAC over every snapshot payload would cost a SHA-256 pass per step
-(payload integrity against accidents is the CRC32's job). Across hosts, where the network
+(payload integrity against accidents is the CRC32C's job). Across hosts, where the network
 can be tampered with, the same secret would key TLS or per-message MACs instead.
 """
 

@@ -2,11 +2,12 @@
 
 The agent creates the segment and outlives the worker; the worker attaches and publishes.
 Layout: page 0 holds the headers, then two data slots of ``slot_bytes`` each. A slot header is
-``seq, step, nbytes, crc32, complete``. Publishing step k writes the slot that does *not* hold
-the newest complete snapshot: clear ``complete``, write the data, write step/size/CRC, then
-set ``complete`` and a new ``seq`` (the flip). So the newest complete snapshot is never
-overwritten, and the previous step stays readable in the other slot until the next publish.
-Readers copy, re-read the header (seqlock) and check the CRC, so a torn read is detected.
+``seq, step, nbytes, crc, complete``; ``crc`` is the payload's CRC32C (`checksum`). Publishing
+step k writes the slot that does *not* hold the newest complete snapshot: clear ``complete``,
+write the data, write step/size/CRC, then set ``complete`` and a new ``seq`` (the flip). So
+the newest complete snapshot is never overwritten, and the previous step stays readable in the
+other slot until the next publish. Readers copy, re-read the header (seqlock) and check the
+CRC, so a torn read is detected.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src.errors import DistributedError, SnapshotCorruptError
 
-MAGIC = b"MNJXSNP1"
+# Version 2: CRC32C payload checksums (version 1 had zlib's CRC32). A segment of the other
+# version is refused by `attach` instead of failing every read as corrupt.
+MAGIC = b"MNJXSNP2"
 _GLOBAL = struct.Struct("<8sQ")  # magic, slot_bytes
-_SLOT = struct.Struct("<QqQII")  # seq, step, nbytes, crc32, complete
+_SLOT = struct.Struct("<QqQII")  # seq, step, nbytes, crc (CRC32C), complete
 _SLOT_HEADER_AT = 64
 DATA_AT = 4096
 NUM_SLOTS = 2
@@ -118,7 +121,7 @@ class SnapshotBuffer:
         """Writes one snapshot (the concatenation of ``parts``) and flips it to newest.
 
         Returns:
-            The CRC32 of the payload.
+            The payload's checksum (CRC32C, `checksum.checksum`).
         """
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
         if nbytes > self.slot_bytes:
@@ -133,7 +136,7 @@ class SnapshotBuffer:
         for part in parts:
             view = memoryview(part).cast("B")
             self._buf[at:at + len(view)] = view
-            crc = zlib.crc32(view, crc)
+            crc = checksums.checksum(view, crc)
             at += len(view)
         self._set_header(target, seq, step, nbytes, crc, 1)  # the flip
         return crc
@@ -151,7 +154,7 @@ class SnapshotBuffer:
         """Copies out the newest complete snapshot, or the one of ``step``.
 
         Returns:
-            (step, payload, crc32).
+            (step, payload, its CRC32C).
 
         Raises:
             SnapshotCorruptError: the copy does not match its CRC, or the slot changed while copying.
@@ -166,8 +169,8 @@ class SnapshotBuffer:
         data = bytes(self._buf[at:at + nbytes])
         if self._header(i) != (seq, s, nbytes, crc, 1):
             raise SnapshotCorruptError(f"slot {i} was rewritten while step {s} was being read")
-        if zlib.crc32(data) != crc:
-            raise SnapshotCorruptError(f"snapshot of step {s} fails its CRC32 check")
+        if checksums.checksum(data) != crc:
+            raise SnapshotCorruptError(f"snapshot of step {s} fails its {checksums.NAME} check")
         return s, data, crc
 
     def flip_bit(self, step: int | None = None) -> list[int]:

@@ -441,7 +441,7 @@ class Joined(Message):
 
 @dataclasses.dataclass(frozen=True)
 class HoldingsQuery(Message):
-    """Which copies do you hold? (each checked against its CRC32 now)"""
+    """Which copies do you hold? (each checked against its checksum now)"""
 
     OP: ClassVar[str] = "holdings"
 
@@ -529,7 +529,8 @@ class Phase(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Replica(Message):
-    """A copy of worker ``origin``'s snapshot of ``step`` (the payload), for its buddy."""
+    """A copy of worker ``origin``'s snapshot of ``step`` (the payload), for its buddy;
+    ``crc`` is the payload's CRC32C (`checksum`), as the worker published it."""
 
     OP: ClassVar[str] = "replica"
     origin: int
@@ -548,7 +549,8 @@ class Get(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Snapshot(Message):
-    """The reply to `Get`: the payload, with the CRC32 its holder checked it against."""
+    """The reply to `Get`: the payload, with the CRC32C (`checksum`) its holder checked it
+    against."""
 
     OP: ClassVar[str] = "snapshot"
     origin: int

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-import zlib
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src.errors import SnapshotCorruptError
 
 
 class ReplicaStore:
-    """Snapshots received from ring neighbours: ``origin -> {step: (payload, crc)}``.
+    """Snapshots received from ring neighbours: ``origin -> {step: (payload, crc)}``, where
+    ``crc`` is the payload's CRC32C (`checksum`) as its worker published it.
 
     Keeps the ``keep`` newest steps per origin, so the previous step stays available while a
     newer copy is in flight or when the survivors resume one step back.
@@ -21,11 +22,11 @@ class ReplicaStore:
         self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
 
     def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int) -> None:
-        """Stores a copy after checking its CRC32 (raises `SnapshotCorruptError` if it
+        """Stores a copy after checking its checksum (raises `SnapshotCorruptError` if it
         fails)."""
-        if zlib.crc32(payload) != crc:
+        if checksums.checksum(payload) != crc:
             raise SnapshotCorruptError(
-                f"replica of worker {origin} step {step} fails its CRC32 check")
+                f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
             held = self._by_origin.setdefault(origin, {})
             held[step] = (bytes(payload), crc)
@@ -43,7 +44,7 @@ class ReplicaStore:
             return self._by_origin[origin][step]
 
     def verify(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int]]]:
-        """Checks every copy against its CRC32 again (memory can flip after the put).
+        """Checks every copy against its checksum again (memory can flip after the put).
 
         Returns:
             ``(origin, step, payload)`` of the good copies, and ``(origin, step)`` of the
@@ -53,8 +54,8 @@ class ReplicaStore:
             copies = [(o, s, p, c) for o, held in self._by_origin.items()
                       for s, (p, c) in held.items()]
         good, bad = [], []
-        for origin, step, payload, crc in copies:  # the CRCs outside the lock
-            if zlib.crc32(payload) == crc:
+        for origin, step, payload, crc in copies:  # the checksums outside the lock
+            if checksums.checksum(payload) == crc:
                 good.append((origin, step, payload))
             else:
                 bad.append((origin, step))

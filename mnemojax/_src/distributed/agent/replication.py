@@ -3,7 +3,7 @@
 So losing a whole host (worker and agent) loses no state: its successor holds a copy.
 Transport: plain TCP on loopback (`transport`), one persistent connection to the current
 buddy. TCP works unchanged across hosts, has flow control and needs nothing from JAX, whose
-collectives belong to the very world that is failing. The buddy checks the CRC32 on receipt.
+collectives belong to the very world that is failing. The buddy checks the CRC32C on receipt.
 No JAX here.
 """
 

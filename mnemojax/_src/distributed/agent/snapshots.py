@@ -55,7 +55,7 @@ class SnapshotHolder:
             return wire.Allocated(name=self.buffer.name, slot_bytes=self.buffer.slot_bytes)
 
     def accept_replica(self, replica: wire.Replica, payload: bytearray) -> wire.Ok | wire.ErrorReply:
-        """Keeps a buddy's copy if it passes its CRC32 and fits the budget."""
+        """Keeps a buddy's copy if it passes its CRC32C and fits the budget."""
         own = 2 * self.buffer.slot_bytes if self.buffer is not None else 0
         # The new copy is stored before the oldest one is evicted: this is the peak.
         if self.budget_bytes is not None and (
@@ -99,7 +99,7 @@ class SnapshotHolder:
         return data, crc
 
     def verified_copies(self) -> wire.Holdings:
-        """Every copy held (own slots, buddies' replicas), each checked against its CRC32
+        """Every copy held (own slots, buddies' replicas), each checked against its CRC32C
         now, with what it covers; a corrupt copy is listed apart and never counted."""
         found: list[tuple[int, bytes]] = []
         corrupt: list[wire.CorruptCopy] = []
@@ -113,7 +113,7 @@ class SnapshotHolder:
                                                         error=str(e)))
         good, bad = self.replicas.verify()
         found += [(origin, payload) for origin, _, payload in good]
-        corrupt += [wire.CorruptCopy(origin=o, step=s, error="replica fails its CRC32 check")
+        corrupt += [wire.CorruptCopy(origin=o, step=s, error="replica fails its CRC32C check")
                     for o, s in bad]
         copies = []
         for origin, payload in found:

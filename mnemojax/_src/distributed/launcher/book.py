@@ -124,7 +124,7 @@ class AgreementBook:
             lost = tuple(m for m in members if m not in present and m not in empty)
             why = (f"no live agent holds a verified copy of the shards of workers "
                    f"{list(lost)} (their agents and ring buddies are gone, or the copies "
-                   "fail CRC32)") if lost else (
+                   "fail CRC32C)") if lost else (
                 f"the newest complete state in memory is older than step {floor}, the "
                 "oldest the survivors still keep the batches to replay from")
         home_of = dict(homes or {})

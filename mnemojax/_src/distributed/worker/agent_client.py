@@ -8,9 +8,9 @@ triggers buddy replication. No JAX here.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Sequence
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
@@ -51,7 +51,7 @@ class AgentClient:
                 replicas it keeps for its ring neighbour); passed on when it allocates.
 
         Returns:
-            The payload's CRC32.
+            The payload's checksum (CRC32C, `checksum.checksum`).
         """
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
         crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
@@ -79,15 +79,15 @@ def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *, secret: 
         (payload, address of the agent it came from).
 
     Raises:
-        StateUnavailableError: no agent returned a copy whose CRC32 checks.
+        StateUnavailableError: no agent returned a copy whose checksum (CRC32C) checks.
     """
     errors = []
     for addr in addresses:
         try:
             reply, data = transport.request(addr, wire.Get(origin=origin, step=step),
                                             wire.Snapshot, secret=secret, timeout_s=timeout_s)
-            if zlib.crc32(data) != reply.crc:
-                raise SnapshotCorruptError(f"copy from {addr} fails its CRC32 check")
+            if checksums.checksum(data) != reply.crc:
+                raise SnapshotCorruptError(f"copy from {addr} fails its {checksums.NAME} check")
             return data, addr
         except (OSError, ConnectionError, ProtocolError, SnapshotCorruptError) as e:
             errors.append(f"{addr}: {e}")
