@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -300,10 +300,18 @@ def single_failure_plans(device_ids: np.ndarray, axis_names: Sequence[str], **kw
 
     Used to compile fallback executables ahead of time. Plans that raise are skipped.
     """
+    return _distinct_plans(
+        lambda dev: plan_reduced_mesh(device_ids, axis_names, {int(dev)}, **kwargs),
+        np.asarray(device_ids).flat)
+
+
+def _distinct_plans(plan_for: Callable[[Any], MeshPlan], cases: Iterable[Any]
+                    ) -> list[MeshPlan]:
+    """The distinct plans of `cases` in order; a case with no plan (too small) is skipped."""
     seen, plans = set(), []
-    for dev in np.asarray(device_ids).flat:
+    for case in cases:
         try:
-            plan = plan_reduced_mesh(device_ids, axis_names, {int(dev)}, **kwargs)
+            plan = plan_for(case)
         except MeshTooSmallError:
             continue
         if plan.key not in seen:
@@ -378,19 +386,14 @@ def process_loss_plans(device_ids: np.ndarray, axis_names: Sequence[str],
     processes = sorted(by_process)
     if len(processes) < 2 or len({len(ids) for ids in by_process.values()}) != 1:
         return []
-    seen, plans = set(), []
-    for victim in processes:
+    new_devices = {i: by_process[processes[i]] for i in range(len(processes) - 1)}
+
+    def plan_without(victim: int) -> MeshPlan:
         survivors = [p for p in processes if p != victim]
-        new_devices = {i: by_process[processes[i]] for i in range(len(survivors))}
         renumbering = renumber_devices(places, processes, survivors, new_devices)
-        try:
-            plan = plan_after_process_loss(device_ids, axis_names, renumbering, rules)
-        except MeshTooSmallError:
-            continue
-        if plan.key not in seen:
-            seen.add(plan.key)
-            plans.append(plan)
-    return plans
+        return plan_after_process_loss(device_ids, axis_names, renumbering, rules)
+
+    return _distinct_plans(plan_without, processes)
 
 
 def plan_after_process_loss(
