@@ -321,6 +321,7 @@ def _distinct_plans(plan_for: Callable[[Any], MeshPlan], cases: Iterable[Any]
 
 
 Place = tuple[int, int]  # (process index, rank among that process's devices)
+MAX_VICTIMS = 8  # process losses `process_loss_plans` plans for
 
 
 def renumber_devices(
@@ -393,7 +394,12 @@ def process_loss_plans(device_ids: np.ndarray, axis_names: Sequence[str],
         renumbering = renumber_devices(places, processes, survivors, new_devices)
         return plan_after_process_loss(device_ids, axis_names, renumbering, rules)
 
-    return _distinct_plans(plan_without, processes)
+    # Victims spread over the world (the plan is the same for every victim in the usual
+    # layouts): planning all of them would cost O(processes x devices) on the training
+    # thread at thousands of processes; a layout missed here is only a compile later.
+    picks = sorted({processes[round(i * (len(processes) - 1) / (MAX_VICTIMS - 1))]
+                    for i in range(MAX_VICTIMS)})
+    return _distinct_plans(plan_without, picks)
 
 
 def plan_after_process_loss(
