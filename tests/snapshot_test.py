@@ -49,9 +49,7 @@ def test_snapshot_is_exact_and_deduplicated(arrays):
 def test_snapshot_owns_its_memory(arrays):
     _, dev = arrays
     store = _store()
-    store.submit(1, dev)
-    store.wait_idle(10)
-    for leaf in store.latest().leaves:
+    for leaf in _taken(store, dev).leaves:
         for buf in leaf.shards.values():
             assert buf.flags.owndata and buf.flags.writeable
     store.close()
@@ -60,12 +58,8 @@ def test_snapshot_owns_its_memory(arrays):
 def test_buffers_are_reused_and_double_buffered(arrays):
     _, dev = arrays
     store = _store()
-    store.submit(1, dev)
-    store.wait_idle(10)
-    first = store.latest()
-    store.submit(2, dev)
-    store.wait_idle(10)
-    second = store.latest()
+    first = _taken(store, dev)
+    second = _taken(store, dev, 2)
     assert second is not first and second.step == 2
     store.submit(3, dev)
     store.wait_idle(10)
@@ -137,9 +131,7 @@ def test_checksums_are_crc32c_of_each_copy(arrays):
     """One algorithm everywhere: the per-shard values are `checksum.checksum` (CRC32C)."""
     _, dev = arrays
     store = _store()
-    store.submit(1, dev)
-    store.wait_idle(10)
-    snap = store.latest()
+    snap = _taken(store, dev)
     for i, key, buf in _buffers(snap):
         assert snap.leaves[i].crcs[key] == checksum(buf)
     store.close()
@@ -148,9 +140,7 @@ def test_checksums_are_crc32c_of_each_copy(arrays):
 def test_a_flipped_bit_in_any_shard_is_caught_by_shard_and_assemble(arrays):
     _, dev = arrays
     store = _store()
-    store.submit(1, dev)
-    store.wait_idle(10)
-    snap = store.latest()
+    snap = _taken(store, dev)
     for i, key, buf in _buffers(snap):
         raw = buf.view(np.uint8).reshape(-1)
         for byte in (0, raw.size // 2, raw.size - 1):
@@ -164,10 +154,16 @@ def test_a_flipped_bit_in_any_shard_is_caught_by_shard_and_assemble(arrays):
     store.close()
 
 
+def _taken(store, dev, step: int = 1):
+    """Submits `dev` as the snapshot of `step` and returns it once copied."""
+    store.submit(step, dev)
+    assert store.wait_idle(10)
+    return store.latest()
+
+
 def _two_snapshots(store, dev):
     for step in (1, 2):
-        store.submit(step, dev)
-        assert store.wait_idle(10)
+        _taken(store, dev, step)
     older = store.snapshots()[1]
     assert older.step == 1
     return older
