@@ -55,6 +55,7 @@ def test_process_schedule_is_always_survivable(seed):
     assert again["planned"] == plan["planned"]
 
 
+@pytest.mark.slow  # ~50 s; the schedules are checked above, the soak below
 def test_process_chaos_run_is_exact_and_accounted(tmp_path):
     """Seed 3: a whole host, a corrupt copy, a hang, a NaN batch and two transient errors."""
     report = run_chaos_processes(nproc=4, steps=40, seed=3, workdir=str(tmp_path),

@@ -65,7 +65,8 @@ def _seconds_from_kill(tmp_path, report, victims) -> dict[str, dict[str, float]]
     return out
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker1", "worker0"])
+@pytest.mark.parametrize("victim", [pytest.param(1, id="worker1"),  # ~16 s each
+                                    pytest.param(0, id="worker0", marks=pytest.mark.slow)])
 def test_kill_in_the_first_compile_recovers_from_the_initial_state(tmp_path, reference,
                                                                    victim):
     """The initial state is published before the first compile, so the survivors resume

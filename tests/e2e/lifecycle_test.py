@@ -44,7 +44,7 @@ def _ops(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
 
-@pytest.mark.parametrize("where", ["loop", "step"])
+@pytest.mark.parametrize("where", [pytest.param("loop", marks=pytest.mark.slow), "step"])  # ~22 s each
 def test_user_exception_in_one_worker_ends_the_job_with_it(tmp_path, capfd, where):
     """Worker 2 of 4 raises (in the training loop, or inside the step call): the job ends
     with its exit status and its message, every worker stops, nothing is recovered."""
@@ -115,7 +115,8 @@ def _kill_job(proc: subprocess.Popen, tmp_path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),  # ~16 s each
+                                 pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.slow)])
 def test_signal_to_the_launcher_checkpoints_one_agreed_step_and_leaves_nothing(tmp_path, sig):
     """What a scheduler does on preemption (or Ctrl-C): the launcher forwards SIGTERM to the
     workers, which agree on the step to stop after, checkpoint it together (it equals the

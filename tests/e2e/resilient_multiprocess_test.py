@@ -88,6 +88,7 @@ def _rows_read(out, worker: int) -> dict[int, int]:
         return {int(k): n for k, n in json.load(f).items()}
 
 
+@pytest.mark.slow  # ~20 s; compile_kill_test covers the initial state
 def test_kill_during_the_first_step_resumes_from_the_initial_state(tmp_path, reference):
     """The initial state is published before step 1 (step 0), so a peer lost in the very
     first step costs nothing but that step."""
@@ -120,6 +121,7 @@ def test_an_outsider_without_the_job_secret_is_refused_and_the_job_is_exact(
     assert rec["failed_processes"] == [1]  # the forged hello took no agent's place
 
 
+@pytest.mark.slow  # ~40 s; the peer watch cannot see a hang: bounded by the hang timeout
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     report = _run(tmp_path, [ProcessFault("hang", 1, 4)])
     rec = _one_recovery(tmp_path, reference, report)
@@ -153,6 +155,7 @@ def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, refere
     assert [d["survivors"] for d in decided] == [[0, 2, 3], [0, 3]]
 
 
+@pytest.mark.slow  # ~25 s; unit-tested in tests/distributed/recovery_test.py
 def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
     """Hosts 0 and 1 die together: worker 0's shards were on its agent and on its buddy,
     agent 1. Every survivor raises StateUnavailableError naming worker 0 (exit 4)."""
@@ -166,6 +169,7 @@ def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
         assert text.startswith("StateUnavailableError") and "workers [0]" in text
 
 
+@pytest.mark.slow  # ~40 s; the fallback is also tested in one process (persistent_test)
 def test_every_copy_lost_falls_back_to_the_checkpoint(tmp_path, reference):
     """The same double loss with an Orbax checkpoint every 2 steps: the survivors restore
     the newest checkpoint onto their (2, 2) mesh, replay the kept batches, end exact."""
@@ -200,6 +204,7 @@ def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference)
     assert stats["mesh_shape"] == {"data": 3, "model": 2}
 
 
+@pytest.mark.slow  # ~35 s
 def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
     """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices. After a
     kill, 6 remain: the job ends with MeshTooSmallError (exit 3), and the agreed step is
