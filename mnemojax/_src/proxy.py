@@ -110,7 +110,10 @@ class DeviceProxy:
     def run(self, executable, leaves, device_batch, step: int, *,
             timeout_s: float | None = None):
         """Runs one step and waits for it, at most `timeout_s` (then `StepHangError`);
-        whatever fails propagates to `classify`."""
+        whatever fails propagates to `classify`. Under `mnemojax launch`, a peer's death
+        already heard of fails the step before it starts (`peer_watch.known_death`)."""
+        if (error := peer_watch.known_death()) is not None:
+            raise error
         out = self.layer.execute(executable, (leaves, device_batch), step=step,
                                  devices=self._devices)
         if timeout_s is None:

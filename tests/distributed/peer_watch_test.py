@@ -154,6 +154,36 @@ def test_the_step_waiter_gives_up_its_stuck_thread(world):
     assert not left.is_alive()
 
 
+def test_a_step_is_not_started_in_a_world_known_to_have_lost_a_peer(world):
+    """`DeviceProxy.run` after a notice: it raises the notice's error and executes nothing,
+    so no collective of the broken world is started (none to abandon, no stale message of
+    the dead peer read), and the next world runs again."""
+    generation, start = world
+    watch = start(_Launcher()).start()
+    executed = []
+
+    class _Layer:
+        def execute(self, executable, args, *, step, devices):
+            executed.append(step)
+            return args
+
+        def block(self, outputs, *, step, devices):
+            return outputs
+
+    p = object.__new__(proxy.DeviceProxy)  # only what `run` touches
+    p.layer, p._devices, p._waiter = _Layer(), frozenset({0}), proxy._Waiter()
+    assert p.run(None, "leaves", "batch", 4, timeout_s=5) == ("leaves", "batch")
+    watch.notify(0, (1,))
+    for timeout_s in (5, None):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
+            p.run(None, "leaves", "batch", 5, timeout_s=timeout_s)
+    assert executed == [4]
+    generation["g"] = 1
+    assert p.run(None, "leaves", "batch", 5, timeout_s=5) == ("leaves", "batch")
+    assert executed == [4, 5]
+    p.close()
+
+
 def test_exit_waits_for_a_left_behind_thread_at_most_exit_wait_s_after_it_was_left(world):
     """The bound runs from the abandonment (the collective timeout from then), not from
     the exit: a thread left long before the exit is not waited for again."""

@@ -130,6 +130,18 @@ def abortable(future: concurrent.futures.Future) -> Iterator[WaitHandle]:
             _pending.waits.pop(future, None)
 
 
+def known_death() -> BaseException | None:
+    """The error of a death already heard of in the current world (None without one, or
+    without a running `PeerWatch`). A step must not start in such a world: its collectives
+    could only be abandoned, and a peer that died mid-step may have left messages on the
+    gloo pairs that a fresh collective would read (see `proxy.DeviceProxy.run`)."""
+    with _pending.lock:
+        if _pending.generation is None:
+            return None
+        error = _pending.failed.get(_pending.generation())
+    return None if error is None else error.with_traceback(None)
+
+
 def _join_left_behind() -> None:
     """At exit (an ``atexit`` hook, run before the interpreter finalises): waits for the
     threads left blocked in abandoned collectives, each at most ``exit_wait_s`` (the
