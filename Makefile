@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record bench-scale etcd clean
+.PHONY: venv demo test test-slow wheel-test lint docs bench bench-record bench-scale gpu-check etcd clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "need Python >= 3.11 (python3.11 or python3 on PATH, or make PY=...)"; exit 1; }
@@ -32,6 +32,13 @@ bench-record: $(STAMP)
 # parameters (one process, 8 CPU devices): a table and runs/scale/scale.png. ~15 min here.
 bench-scale: $(STAMP)
 	$(BIN)/python -m mnemojax._src.bench.scale --out runs/scale $(ARGS)
+
+# On a GPU (a CUDA jaxlib in .venv: pip install -U "jax[cuda12]"): device-to-host snapshot
+# throughput against the PCIe peak, the every-step snapshot overhead and the step overhead
+# against plain nnx.jit, in one table. Skips without a GPU; ARGS="--platform cpu" runs the
+# same check on CPU devices.
+gpu-check: $(STAMP)
+	$(BIN)/python -m mnemojax._src.bench.gpu_check $(ARGS)
 
 # The etcd server the multi-node tests run (Debian's etcd-server 3.4; root or sudo). Where
 # it cannot be installed those tests skip with the reason; everything else runs without it.

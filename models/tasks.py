@@ -4,6 +4,8 @@ here once; its users bind sizes and optimizers."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 from flax import nnx
@@ -14,17 +16,21 @@ from mnemojax.models.mlp import MLP
 
 def build_gpt(cfg: GPTConfig, *, seed: int = 0, learning_rate: float = 3e-3):
     """A GPT and its AdamW optimizer, built without eager sharding (mnemojax or the caller
-    places the state on a mesh). Init is jitted: an eager build compiles many small
-    programs."""
+    places the state on a mesh). Init is jitted (an eager build compiles many small
+    programs), once per configuration: every later build of it runs the same executable."""
+    with nnx.use_eager_sharding(False):
+        return _gpt_init(cfg, seed, learning_rate)()
 
+
+@functools.lru_cache(maxsize=8)
+def _gpt_init(cfg: GPTConfig, seed: int, learning_rate: float):
     @nnx.jit
     def init():
         model = GPT(cfg, rngs=nnx.Rngs(seed))
         return model, nnx.Optimizer(model, optax.adamw(learning_rate, weight_decay=0.01),
                                     wrt=nnx.Param)
 
-    with nnx.use_eager_sharding(False):
-        return init()
+    return init
 
 
 def lm_loss(model, batch):

@@ -90,6 +90,8 @@ def _check_process_pair(p: dict) -> None:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)  # every process the bench started is gone
     diff = p["final_state_max_abs_diff_vs_a"]
-    assert diff["f"] <= 1e-5, diff  # the same mesh, restored and redone
-    assert diff["e"] <= 1e-3, diff  # a smaller mesh after the kill: another order
+    # Against (a), one process: gloo's reductions across processes add in another order
+    # (measured ~5e-5 for (f)); (e) also ends on a smaller mesh.
+    assert diff["f"] <= 1e-4, diff
+    assert diff["e"] <= 1e-3, diff
     assert p["ratio"]["next_good_step"] > 0 and p["ratio"]["back_past_killed_step"] > 0

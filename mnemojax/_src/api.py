@@ -416,11 +416,10 @@ class ResilientStep(Generic[P, R]):
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
         ownership.claim(self, form)
-        process_recovery = ProcessRecovery(opts, builder, durability, self._statistics,
-                                           self._batches, session, form.leaf_keys) \
+        process_recovery = ProcessRecovery(
+            opts, builder, durability, self._statistics, self._batches, session,
+            form.leaf_keys, origin=(runtime.plan, runtime.proxy.device_places())) \
             if session is not None else None
-        if process_recovery is not None:
-            process_recovery.origin = (runtime.plan, runtime.proxy.device_places())
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             meshes=[runtime.mesh],

@@ -106,7 +106,9 @@ def run_job(cfg, *, precompile: bool = True, progress: bool = True) -> dict:
         exact or max_diff <= 2 * floor)
 
     # 3. Steady-state cost of protection, rounds of blocks of steps, medians.
-    overhead = _measure_overhead(cfg, gcfg, mesh, corpus)
+    overhead = measure_overhead(gcfg, mesh, corpus, batch_size=cfg.batch_size,
+                                steps=cfg.overhead_steps, rounds=cfg.overhead_rounds,
+                                seed=cfg.seed, learning_rate=cfg.learning_rate)
 
     return {
         "config": {"mesh": list(cfg.mesh), "steps": cfg.steps, "batch_size": cfg.batch_size,
@@ -172,35 +174,38 @@ def _host_leaves(state):
     return [host(x) for x in jax.tree.leaves(state)]
 
 
-def _measure_overhead(cfg, gcfg, mesh, corpus) -> dict:
-    """Median step time of plain Flax vs mnemojax without and with snapshots."""
+def measure_overhead(gcfg, mesh, corpus, *, batch_size: int, steps: int, rounds: int,
+                     seed: int = 0, learning_rate: float = 3e-3) -> dict:
+    """Median step time of plain Flax vs mnemojax without and with snapshots: ``rounds``
+    rounds of ``steps`` steps per configuration, the order rotating per round (also
+    `make gpu-check`, `bench.gpu_check`)."""
     import jax
     from flax import nnx
 
     import mnemojax
     from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
 
-    batches = [corpus.batch(10_000 + i, cfg.batch_size) for i in range(cfg.overhead_steps)]
+    batches = [corpus.batch(10_000 + i, batch_size) for i in range(steps)]
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     runners = {}
 
-    plain_model, plain_opt = build_gpt(gcfg, seed=cfg.seed, learning_rate=cfg.learning_rate)
+    plain_model, plain_opt = build_gpt(gcfg, seed=seed, learning_rate=learning_rate)
     shard_onto(plain_model, plain_opt, mesh)
     plain_step = nnx.jit(lm_train_step)
     runners["plain_flax"] = lambda b: float(
         plain_step(plain_model, plain_opt, jax.device_put(b, batch_sharding))["loss"])
 
-    steps = {}
+    mj_steps = {}  # name -> the resilient step
     for name, snap in (
             ("mnemojax_no_snapshots", mnemojax.SnapshotOptions(every_steps=0,
                                                                unreplicated_every_steps=0)),
             ("mnemojax_default", mnemojax.SnapshotOptions()),
             ("mnemojax_snapshot_every_step", mnemojax.SnapshotOptions(every_steps=1))):
-        m, o = build_gpt(gcfg, seed=cfg.seed, learning_rate=cfg.learning_rate)
+        m, o = build_gpt(gcfg, seed=seed, learning_rate=learning_rate)
         # Precompile off: once its background compiles finish it costs nothing per step.
         opts = mnemojax.ResilienceOptions(snapshot=snap,
                                           compile=mnemojax.CompileOptions(precompile=False))
-        s = steps[name] = mnemojax.resilient(lm_train_step, mesh=mesh, options=opts)
+        s = mj_steps[name] = mnemojax.resilient(lm_train_step, mesh=mesh, options=opts)
         runners[name] = functools.partial(_loss_of, s, m, o)
 
     for run_one in runners.values():  # compile + warm up outside the timed rounds
@@ -212,12 +217,12 @@ def _measure_overhead(cfg, gcfg, mesh, corpus) -> dict:
             t = time.perf_counter()
             runners[name](b)
             medians[name].append(time.perf_counter() - t)
-        if name in steps:
-            steps[name].wait_snapshots()  # a copy still in flight belongs to this block
+        if name in mj_steps:
+            mj_steps[name].wait_snapshots()  # a copy still in flight belongs to this block
         return len(batches)
 
-    times = interleaved_block_means(list(runners), cfg.overhead_rounds, run_block)
-    for s in steps.values():
+    times = interleaved_block_means(list(runners), rounds, run_block)
+    for s in mj_steps.values():
         s.close()
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med["plain_flax"]
@@ -227,13 +232,13 @@ def _measure_overhead(cfg, gcfg, mesh, corpus) -> dict:
         "ratio_to_plain": {name: m / base for name, m in med.items()},
         "ratio_to_no_snapshots": {name: m / bare for name, m in med.items()},
         "default_snapshot_every_steps":
-            steps["mnemojax_default"].statistics.snapshot_every_steps,
+            mj_steps["mnemojax_default"].statistics.snapshot_every_steps,
         "median_of_steps_s": {name: statistics.median(ts) for name, ts in medians.items()},
-        "rounds": cfg.overhead_rounds,
+        "rounds": rounds,
         "steps_per_round": len(batches),
-        "snapshot_bytes": steps["mnemojax_snapshot_every_step"].statistics.snapshot_bytes,
+        "snapshot_bytes": mj_steps["mnemojax_snapshot_every_step"].statistics.snapshot_bytes,
         "snapshot_copy_median_s":
-            steps["mnemojax_snapshot_every_step"].statistics.snapshot_copy_median_s,
+            mj_steps["mnemojax_snapshot_every_step"].statistics.snapshot_copy_median_s,
     }
 
 

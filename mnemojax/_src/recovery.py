@@ -243,6 +243,18 @@ class DeviceRecovery:
         return Resumed(new_runtime, new_leaves, host.step, record)
 
 
+def _replanned(plan: MeshPlan, places: Mapping[int, Place], previous_members: Sequence[int],
+               survivors: Sequence[int], new_devices: Mapping[int, Sequence[int]],
+               rules: ShapeRules, spares: Sequence[int]) -> MeshPlan:
+    """`plan`, in a past world's device ids, on this world's devices: the ``survivors``
+    of ``previous_members`` keep their devices' places (`topology.renumber_devices`),
+    and the planner shrinks the mesh over the places no one holds
+    (`topology.plan_after_process_loss`)."""
+    renumbering = renumber_devices(places, previous_members, survivors, new_devices)
+    return plan_after_process_loss(plan.device_ids, plan.axis_names, renumbering, rules,
+                                   spares=spares)
+
+
 class ProcessRecovery:
     """Recovers from the loss of peer processes (see module docstring).
 
@@ -254,11 +266,14 @@ class ProcessRecovery:
         batches: the kept batches (the oldest replayable step goes to the agreement).
         session: this worker's `DistributedSession`.
         leaf_keys: per state leaf, its key (to checkpoint the agreed state).
+        origin: this process's first mesh and its devices' places: the layout a world
+            that grows back to its first size returns to (`recover`).
     """
 
     def __init__(self, options: ResilienceOptions, builder: RuntimeBuilder,
                  durability: Durability, statistics: Statistics, batches: ReplayBuffer,
-                 session: DistributedSession, leaf_keys: Sequence[tuple[str, ...]]):
+                 session: DistributedSession, leaf_keys: Sequence[tuple[str, ...]],
+                 origin: tuple[MeshPlan, Mapping[int, Place]]):
         self._options = options
         self._builder = builder
         self._durability = durability
@@ -268,9 +283,7 @@ class ProcessRecovery:
         self._leaf_keys = list(leaf_keys)
         self._persistent = _PersistentFallback(durability, batches, builder.leaf_structs)
         self.built: Runtime | None = None  # the new world's runtime, once built
-        # This process's first mesh and its devices' places: the layout a world that grows
-        # back to its first size returns to (`recover`).
-        self.origin: tuple[MeshPlan, dict[int, Place]] | None = None
+        self._origin = origin
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
@@ -323,9 +336,8 @@ class ProcessRecovery:
                 # A joiner (a spare) takes a dead member's rank: its devices take that
                 # member's places in the mesh, which keeps its size.
                 as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
-                renumbering = renumber_devices(places, rec.members, as_old, new_devices)
-                plan = plan_after_process_loss(old_plan.device_ids, old_plan.axis_names,
-                                               renumbering, rules, spares=spares)
+                plan = _replanned(old_plan, places, rec.members, as_old, new_devices, rules,
+                                  spares)
         except MeshTooSmallError as exc:
             self._persist_agreed_state(rec, exc)
         phases["plan"] = time.perf_counter() - t
@@ -377,10 +389,7 @@ class ProcessRecovery:
             DistributedError: this process's first world had another size (it joined a
                 shrunk world), so it does not know the full layout.
         """
-        if self.origin is None:  # internal misuse: set when the step is built
-            raise DistributedError("the world grew back, but this process's first mesh "
-                                   "is unknown")
-        plan, places = self.origin
+        plan, places = self._origin
         first = len({p for p, _ in places.values()})
         if first != processes:
             raise DistributedError(
@@ -388,9 +397,7 @@ class ProcessRecovery:
                 f"world had {first}: it cannot rebuild the full mesh (a process that first "
                 "joined a shrunk world)")
         ranks = list(range(processes))  # every member is at its first-world rank
-        renumbering = renumber_devices(places, ranks, ranks, new_devices)
-        return plan_after_process_loss(plan.device_ids, plan.axis_names, renumbering, rules,
-                                       spares=())
+        return _replanned(plan, places, ranks, ranks, new_devices, rules, spares=())
 
     def _from_persistent(self, step: int, why: str, runtime: Runtime,
                          shardings: Sequence[Any]) -> tuple[int, list]:
