@@ -20,6 +20,18 @@ def _records(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
             for b in h.make_batches(steps, seed) for i in range(h.BATCH)]
 
 
+def test_rows_read_keeps_the_newest_steps_only(monkeypatch):
+    """A long run does not grow the per-step count without bound."""
+    from mnemojax._src import data
+
+    monkeypatch.setattr(data, "ROWS_READ_KEPT", 3)
+    loader = HostBatches(_records(5), h.BATCH)
+    for k, batch in enumerate(loader, start=1):
+        assert batch["x"][:2].shape == (2, h.DIN)
+        assert max(loader.rows_read) == k
+    assert loader.rows_read == {3: 2, 4: 2, 5: 2}
+
+
 def test_a_batch_is_its_records_stacked_and_read_only_when_indexed():
     loader = HostBatches(_records(3), h.BATCH)
     batch = next(loader)

@@ -5,8 +5,11 @@ every member is killed and its data directory removed when the context ends."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from mnemojax._src.distributed import transport
+from mnemojax._src.distributed.launcher.etcd_store import TLS_ENV
 
 
 def etcd_binary() -> str | None:
@@ -34,13 +38,51 @@ def require_etcd() -> str:
     return binary
 
 
-class EtcdCluster:
-    """``size`` members on free loopback ports. ``url`` is ``etcd://h:p,h:p,...``."""
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    """A test CA and what it signed (PEM files): the server's certificate for 127.0.0.1 and
+    a client's. ``env`` is what a client of the cluster sets (`EtcdTLS.from_env`)."""
 
-    def __init__(self, size: int = 3):
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    @classmethod
+    def make(cls, directory: str) -> TLSFiles:
+        import trustme
+
+        ca = trustme.CA()
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        client = ca.issue_cert("mnemojax-client")
+        paths = {}
+        for name, blob in (("ca", ca.cert_pem), ("server_cert", server.cert_chain_pems[0]),
+                           ("server_key", server.private_key_pem),
+                           ("client_cert", client.cert_chain_pems[0]),
+                           ("client_key", client.private_key_pem)):
+            paths[name] = os.path.join(directory, f"{name}.pem")
+            blob.write_to_path(paths[name])
+        return cls(**paths)
+
+    def env(self, *, client_cert: bool = True) -> dict[str, str]:
+        env = {TLS_ENV["cacert"]: self.ca}
+        if client_cert:
+            env |= {TLS_ENV["cert"]: self.client_cert, TLS_ENV["key"]: self.client_key}
+        return env
+
+
+class EtcdCluster:
+    """``size`` members on free loopback ports. ``url`` is ``etcd://h:p,h:p,...``; with
+    ``tls``, ``etcds://...``: the members serve clients over TLS and refuse any client
+    without a certificate from the test CA (``--client-cert-auth``)."""
+
+    def __init__(self, size: int = 3, *, tls: bool = False):
         self.binary = require_etcd()
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="mnjx-etcd-")
+        self.tls = TLSFiles.make(self.dir) if tls else None
+        self._client_scheme = "https" if tls else "http"
         self.client_ports: list[int] = []
         self.peer_ports: list[int] = []
         self.url = ""
@@ -67,7 +109,8 @@ class EtcdCluster:
             ports.add(transport.free_port())
         ordered = sorted(ports)
         self.client_ports, self.peer_ports = ordered[:self.size], ordered[self.size:]
-        self.url = "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        self.url = ("etcds://" if self.tls else "etcd://") + ",".join(
+            f"127.0.0.1:{p}" for p in self.client_ports)
 
     def _log(self, i: int) -> str:
         try:
@@ -81,8 +124,11 @@ class EtcdCluster:
         token = f"mnjx-{self.client_ports[0]}"
         for i in range(self.size):
             shutil.rmtree(f"{self.dir}/m{i}", ignore_errors=True)
-            client, peer = f"http://127.0.0.1:{self.client_ports[i]}", \
+            client, peer = f"{self._client_scheme}://127.0.0.1:{self.client_ports[i]}", \
                 f"http://127.0.0.1:{self.peer_ports[i]}"
+            tls = [] if self.tls is None else [
+                "--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
+                "--client-cert-auth", "--trusted-ca-file", self.tls.ca]
             with open(f"{self.dir}/m{i}.log", "wb") as log:  # the member keeps its copy
                 self.procs[i] = subprocess.Popen(
                     [self.binary, "--name", f"m{i}", "--data-dir", f"{self.dir}/m{i}",
@@ -91,7 +137,7 @@ class EtcdCluster:
                      "--initial-cluster", cluster, "--initial-cluster-state", "new",
                      "--initial-cluster-token", token,
                      "--heartbeat-interval", "50", "--election-timeout", "500",
-                     "--log-level", "error"],
+                     "--log-level", "error", *tls],
                     stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout_s
         for i in range(self.size):
@@ -106,9 +152,14 @@ class EtcdCluster:
                 time.sleep(0.1)
 
     def _healthy(self, i: int) -> bool:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        opener = urllib.request.build_opener(*handlers)  # no proxy
         try:
-            with opener.open(f"http://127.0.0.1:{self.client_ports[i]}/health",
+            with opener.open(f"{self._client_scheme}://127.0.0.1:{self.client_ports[i]}/health",
                              timeout=1) as r:
                 return b'"true"' in r.read()
         except OSError:
@@ -132,8 +183,8 @@ class EtcdCluster:
 
 
 @contextlib.contextmanager
-def etcd_cluster(size: int = 3) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(size)
+def etcd_cluster(size: int = 3, *, tls: bool = False) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(size, tls=tls)
     try:
         cluster.start()
         yield cluster

@@ -26,7 +26,6 @@ its loader with ``start=k``.
 
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 from collections.abc import Iterator
@@ -36,6 +35,8 @@ import jax
 import numpy as np
 
 from mnemojax._src.errors import BatchSplitError, InvalidOptionError
+
+ROWS_READ_KEPT = 1024  # steps whose count of records read `HostBatches.rows_read` keeps
 
 
 class RecordSource(Protocol):
@@ -174,9 +175,8 @@ class HostBatches:
             whole = size // global_batch_size
             self._last = whole if self._last is None else min(self._last, whole)
         self._structure: tuple[Any, list[tuple[tuple[int, ...], np.dtype]]] | None = None
-        # Records this process read, per step (for tests and figures: a process that reads
-        # its slice reads global_batch_size / processes rows per step).
-        self.rows_read: collections.Counter[int] = collections.Counter()
+        self._rows_read: dict[int, int] = {}  # step -> records read (`rows_read`)
+        self._rows_lock = threading.Lock()  # placement may read from several threads
 
     # -- the iterator and its state --------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -217,9 +217,20 @@ class HostBatches:
             HostRows(rows, i, (self.global_batch_size, *shape), dtype)
             for i, (shape, dtype) in enumerate(leaves)])
 
+    @property
+    def rows_read(self) -> dict[int, int]:
+        """Records this process read, per step, for the newest `ROWS_READ_KEPT` steps (for
+        tests and figures: a process that reads its slice reads global_batch_size /
+        processes rows per step)."""
+        with self._rows_lock:
+            return dict(self._rows_read)
+
     def read(self, step: int, first: int, stop: int) -> list[np.ndarray]:
         """Records [first, stop) of the source, stacked per leaf."""
-        self.rows_read[step] += stop - first
+        with self._rows_lock:
+            self._rows_read[step] = self._rows_read.get(step, 0) + stop - first
+            if len(self._rows_read) > ROWS_READ_KEPT:
+                del self._rows_read[min(self._rows_read)]
         treedef, want = self._record_structure()
         columns: list[list[np.ndarray]] = [[] for _ in want]
         for index in range(first, stop):

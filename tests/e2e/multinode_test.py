@@ -57,7 +57,7 @@ def _launcher_lines(out: str, rank: int, text: str) -> list[str]:
     pytest.param("worker_nodes", marks=pytest.mark.slow),  # in place: as on one machine
     "coordination_service"])
 def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, reference,
-                                                                 victim_runs):
+                                                                 victim_runs, monkeypatch):
     """The node running the coordination service is lost with 2 spares on each node: the
     other node restarts its workers (aborted with the service) and its 2 spares take the
     lost node's ranks, all fresh processes. The other node lost: its survivors recover in
@@ -65,11 +65,19 @@ def test_losing_a_whole_node_and_an_etcd_member_recovers_exact(tmp_path, referen
 
     The job feeds per-host batches from a Grain dataset (`mnemojax.data.HostBatches`):
     each process reads only the rows of its devices, the fresh processes from the step
-    they restored, the in-place survivors the lost node's rows as well."""
+    they restored, the in-place survivors the lost node's rows as well.
+
+    The default suite's case (coordination service) runs over TLS: etcd refuses clients
+    without a certificate from the job's CA, and the launchers reach it as ``etcds://``."""
     out, n = str(tmp_path), two_nodes.NPROC
     spares = n if victim_runs == "coordination_service" else 0
+    tls = victim_runs == "coordination_service"
     with _logs_on_failure(out):
-        with etcd_cluster(3) as cluster:
+        with etcd_cluster(3, tls=tls) as cluster:
+            if cluster.tls is not None:  # the launchers inherit this environment
+                for var, path in cluster.tls.env().items():
+                    monkeypatch.setenv(var, path)
+                assert cluster.url.startswith("etcds://")
             o = two_nodes.run(cluster.url, lambda: cluster.kill(0), out, victim_runs,
                               steps=STEPS, spares=spares, job_args=("--host-data",))
         _check_node_loss(o, out, reference, victim_runs, spares)

@@ -46,8 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace-s", type=float, default=60.0,
                         help="after SIGTERM/SIGINT, how long the workers may take to "
                              "checkpoint and exit")
-    parser.add_argument("--rdzv", default=None, metavar="etcd://HOST:PORT[,HOST:PORT]",
-                        help="the etcd cluster where the launchers of several nodes meet")
+    parser.add_argument("--rdzv", default=None, metavar="etcd[s]://HOST:PORT[,HOST:PORT]",
+                        help="the etcd cluster where the launchers of several nodes meet "
+                             "(etcds://: TLS, files from MNEMOJAX_ETCD_CACERT, "
+                             "MNEMOJAX_ETCD_CERT, MNEMOJAX_ETCD_KEY)")
     parser.add_argument("--rdzv-id", default="mnemojax",
                         help="the job's name in etcd (unique per run)")
     parser.add_argument("--nnodes", type=int, default=1, help="launchers (nodes) of the job")

@@ -7,13 +7,23 @@ the consensus; this module only names the job's keys and survives the loss of a 
 call that cannot reach one member (refused, timed out, no leader) is retried on the next,
 until ``retry_s`` has passed.
 
+Over a network that others share, use TLS: ``etcds://HOST:PORT`` talks HTTPS to an etcd
+started with ``--cert-file``/``--key-file`` (and ``--client-cert-auth
+--trusted-ca-file`` to refuse clients without a certificate from that CA). The client's
+files come from the environment, so every launcher and ``mnemojax status`` of the job
+read the same (`EtcdTLS.from_env`): ``MNEMOJAX_ETCD_CACERT`` (the CA that signed the
+server's certificate; default: the system's), ``MNEMOJAX_ETCD_CERT`` and
+``MNEMOJAX_ETCD_KEY`` (this client's certificate and key, for client-cert auth).
+
 Nothing here knows about workers or worlds; `plane` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import urllib.parse
@@ -27,7 +37,57 @@ logger = logging.getLogger("mnemojax")
 T = TypeVar("T")
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"
 ROOT = "/mnemojax/"
+TLS_ENV = {"cacert": "MNEMOJAX_ETCD_CACERT", "cert": "MNEMOJAX_ETCD_CERT",
+           "key": "MNEMOJAX_ETCD_KEY"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdTLS:
+    """The client side of TLS to etcd: files, by path (see module doc)."""
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdTLS:
+        """Reads ``MNEMOJAX_ETCD_{CACERT,CERT,KEY}``.
+
+        Raises:
+            InvalidOptionError: a named file does not exist, or a certificate without its
+                key (or a key without its certificate).
+        """
+        env = os.environ if env is None else env
+        paths = {field: env.get(var) or None for field, var in TLS_ENV.items()}
+        for field, path in paths.items():
+            if path is not None and not os.path.isfile(path):
+                raise InvalidOptionError(f"{TLS_ENV[field]}={path!r} is invalid: no such file")
+        if (paths["cert"] is None) != (paths["key"] is None):
+            given = "cert" if paths["cert"] is not None else "key"
+            missing = "key" if given == "cert" else "cert"
+            raise InvalidOptionError(f"{TLS_ENV[given]} is set but {TLS_ENV[missing]} is not: "
+                                     "a client certificate needs its key")
+        return cls(**paths)
+
+    @property
+    def given(self) -> bool:
+        return any((self.cacert, self.cert, self.key))
+
+
+def parse_rdzv(url: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """``etcd://`` (HTTP) or ``etcds://`` (HTTPS) ``host:port[,host:port...]`` -> the
+    protocol and the endpoints.
+
+    Raises:
+        InvalidOptionError: not that form.
+    """
+    for scheme, protocol in ((SCHEME, "http"), (TLS_SCHEME, "https")):
+        if isinstance(url, str) and url.startswith(scheme):
+            return protocol, _endpoints(url, url[len(scheme):])
+    raise InvalidOptionError(f"rdzv={url!r} is invalid: expected {SCHEME}HOST:PORT[,HOST:PORT"
+                             f"...] or {TLS_SCHEME}... (TLS)")
 
 
 class RendezvousError(DistributedError):
@@ -35,16 +95,13 @@ class RendezvousError(DistributedError):
 
 
 def parse_endpoints(url: str) -> tuple[tuple[str, int], ...]:
-    """``etcd://host:port[,host:port...]`` -> ``((host, port), ...)``.
+    """``etcd[s]://host:port[,host:port...]`` -> ``((host, port), ...)`` (`parse_rdzv`)."""
+    return parse_rdzv(url)[1]
 
-    Raises:
-        InvalidOptionError: not that form.
-    """
-    if not isinstance(url, str) or not url.startswith(SCHEME):
-        raise InvalidOptionError(f"rdzv={url!r} is invalid: expected "
-                                 f"{SCHEME}HOST:PORT[,HOST:PORT...]")
+
+def _endpoints(url: str, rest: str) -> tuple[tuple[str, int], ...]:
     endpoints = []
-    for part in url[len(SCHEME):].rstrip("/").split(","):
+    for part in rest.rstrip("/").split(","):
         parsed = urllib.parse.urlsplit(f"//{part.strip()}")
         try:
             port = parsed.port
@@ -62,6 +119,14 @@ def _client_errors() -> tuple[type[BaseException], ...]:
             exceptions.InternalServerError, exceptions.Etcd3Exception)
 
 
+def _describe(exc: BaseException | None) -> str:
+    """An etcd3gw error with its text (kept in ``detail_text``: ``str()`` is empty)."""
+    if exc is None:
+        return "no attempt"
+    detail = getattr(exc, "detail_text", None) or str(exc)
+    return f"{type(exc).__name__}: {detail[:300]}"
+
+
 class EtcdStore:
     """The keys of job ``job`` (all under ``/mnemojax/<job>/``), JSON-valued.
 
@@ -70,14 +135,24 @@ class EtcdStore:
         job: the job's id (every launcher of the job gives the same).
         timeout_s: one HTTP request's timeout.
         retry_s: how long a call keeps trying the members before `RendezvousError`.
+        protocol: ``http``, or ``https`` (TLS, with ``tls``'s files).
+        tls: the CA to trust and this client's certificate (``https`` only).
     """
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], job: str, *,
-                 timeout_s: float = 1.0, retry_s: float = 15.0):
+                 timeout_s: float = 1.0, retry_s: float = 15.0, protocol: str = "http",
+                 tls: EtcdTLS | None = None):
         if not endpoints:
             raise InvalidOptionError("rdzv has no endpoint")
         if not job or "/" in job:
             raise InvalidOptionError(f"rdzv_id={job!r} is invalid: a non-empty name without '/'")
+        if protocol not in ("http", "https"):
+            raise InvalidOptionError(f"protocol={protocol!r} is invalid: http or https")
+        tls = tls or EtcdTLS()
+        if tls.given and protocol != "https":
+            raise InvalidOptionError(
+                f"TLS files are given ({', '.join(v for f, v in TLS_ENV.items() if getattr(tls, f))}"
+                f") but the rdzv is plain HTTP: use {TLS_SCHEME}HOST:PORT")
         import requests
         from etcd3gw.client import Etcd3Client
         self.prefix = f"{ROOT}{job}/"
@@ -86,15 +161,23 @@ class EtcdStore:
         for h, p in self.endpoints:
             session = requests.Session()
             session.trust_env = False  # the control plane is reached directly, never by proxy
-            self._clients.append(Etcd3Client(host=h, port=p, timeout=timeout_s,
-                                             api_path="/v3/", session=session))
+            if tls.cacert is not None:
+                session.verify = tls.cacert
+            if tls.cert is not None and tls.key is not None:
+                session.cert = (tls.cert, tls.key)
+            self._clients.append(Etcd3Client(host=h, port=p, protocol=protocol,
+                                             timeout=timeout_s, api_path="/v3/",
+                                             session=session))
         self._current = 0
         self._retry_s = retry_s
         self._errors = _client_errors()
 
     @classmethod
     def from_url(cls, url: str, job: str, **kwargs: Any) -> EtcdStore:
-        return cls(parse_endpoints(url), job, **kwargs)
+        """The store of ``url`` (`parse_rdzv`); TLS files from the environment
+        (`EtcdTLS.from_env`)."""
+        protocol, endpoints = parse_rdzv(url)
+        return cls(endpoints, job, protocol=protocol, tls=EtcdTLS.from_env(), **kwargs)
 
     def _call(self, fn: Callable[[Any], T], retry_s: float | None = None) -> T:
         """``fn(client)`` on the current member, then on the others in turn, for up to
@@ -112,7 +195,7 @@ class EtcdStore:
                     self._current = (self._current + 1) % len(self._clients)
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no etcd member of {list(self.endpoints)} answered "
-                                      f"within {retry_s:.0f} s: {last}") from last
+                                      f"within {retry_s:.1f} s: {_describe(last)}") from last
             time.sleep(0.1)
 
     def key(self, *parts: object) -> str:

@@ -34,7 +34,8 @@ class LaunchOptions:
             SIGTERM: a just-in-time checkpoint where the persistent tier is on) may take to
             exit before everything is killed.
         rdzv: ``etcd://HOST:PORT[,HOST:PORT...]``: the job spans ``nnodes`` launchers that
-            meet in this etcd cluster (`plane`); None: this launcher is the whole job.
+            meet in this etcd cluster (`plane`); ``etcds://...``: the same over TLS
+            (`etcd_store.EtcdTLS`); None: this launcher is the whole job.
         rdzv_id: the job's name in etcd (every node gives the same).
         nnodes, node_rank: how many launchers (nodes), and which one this is. Worker ids
             are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.

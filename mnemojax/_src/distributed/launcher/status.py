@@ -31,7 +31,7 @@ def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rdzv", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]")
+    parser.add_argument("--rdzv", required=True, metavar="etcd[s]://HOST:PORT[,HOST:PORT]")
     parser.add_argument("--rdzv-id", default="mnemojax", help="the job's name in etcd")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
