@@ -141,6 +141,7 @@ def test_corrupt_copy_is_never_restored(tmp_path, reference):
     assert rec["fetched_from"] == {"0": report["agents"][1]}
 
 
+@pytest.mark.slow  # ~40 s; second rounds are unit-tested in tests/distributed/recovery_test.py
 def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, reference):
     """Worker 1 dies; worker 2 dies as soon as the launcher has decided a world with it.
     That world never forms: the others' connect times out and they agree again without
