@@ -33,7 +33,7 @@ bench-record: $(STAMP)
 bench-scale: $(STAMP)
 	$(BIN)/python -m mnemojax._src.bench.scale --out runs/scale $(ARGS)
 
-# On a GPU (a CUDA jaxlib in .venv: pip install -U "jax[cuda12]"): device-to-host snapshot
+# On a GPU (a CUDA jaxlib in .venv: pip install "jax[cuda12]>=0.10,<0.11"): device-to-host snapshot
 # throughput against the PCIe peak, the every-step snapshot overhead and the step overhead
 # against plain nnx.jit, in one table. Skips without a GPU; ARGS="--platform cpu" runs the
 # same check on CPU devices.

@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def compile_cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _no_etcd_tls_from_the_shell(monkeypatch):
+    """The etcd TLS files come from the environment (`EtcdTLS.from_env`): ones exported in
+    the developer's shell would turn every plain ``etcd://`` test into a TLS error. A test
+    that wants them sets them itself."""
+    from mnemojax._src.distributed.launcher.etcd_store import TLS_ENV
+
+    for var in TLS_ENV.values():
+        monkeypatch.delenv(var, raising=False)

@@ -28,8 +28,9 @@ def check_demo_report(report: dict) -> None:
 
 
 def check_tiny_bench(out: Path) -> dict:
-    """Runs (a)-(d) of the tiny bench in ``out``: bench.json, both PNGs, the figures, the
-    event log's accounts; (e) and (f) too when they ran. Returns bench.json."""
+    """Checks what the tiny bench wrote in ``out`` for runs (a)-(d): bench.json, both
+    PNGs, the figures, the event log's accounts; (e) and (f) too when they ran. Returns
+    bench.json."""
     from mnemojax._src.bench import report
     from mnemojax._src.bench.summary import format_table
     from mnemojax._src.simulator.bench import load_bench_costs

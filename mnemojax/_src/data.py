@@ -219,9 +219,9 @@ class HostBatches:
 
     @property
     def rows_read(self) -> dict[int, int]:
-        """Records this process read, per step, for the newest `ROWS_READ_KEPT` steps (for
-        tests and figures: a process that reads its slice reads global_batch_size /
-        processes rows per step)."""
+        """Records this process read, per step, for the `ROWS_READ_KEPT` highest steps
+        read (for tests and figures: a process that reads its slice reads
+        global_batch_size / processes rows per step)."""
         with self._rows_lock:
             return dict(self._rows_read)
 

@@ -26,8 +26,6 @@ def cluster():
 
 
 def _store(cluster, monkeypatch, *, job: str, client_cert: bool = True, **kw) -> EtcdStore:
-    for var in TLS_ENV.values():
-        monkeypatch.delenv(var, raising=False)
     for var, path in cluster.tls.env(client_cert=client_cert).items():
         monkeypatch.setenv(var, path)
     return EtcdStore.from_url(cluster.url, job, **kw)
@@ -57,17 +55,25 @@ def test_without_a_client_certificate_nothing_is_read_or_written(cluster, monkey
     assert good.items() == {"world/0": {"members": [0, 1]}}  # nothing was written
 
 
-def test_tls_settings_are_checked_by_name(tmp_path):
-    pem = tmp_path / "c.pem"
-    pem.write_text("x")
+def test_tls_settings_are_checked_by_name_when_made(cluster, tmp_path):
+    """Every file is read at once: a wrong one fails by name, not as an unreachable
+    cluster after the store's retries."""
+    files = cluster.tls
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
     with pytest.raises(InvalidOptionError, match="MNEMOJAX_ETCD_CACERT='/nowhere.pem'"):
         EtcdTLS.from_env({TLS_ENV["cacert"]: "/nowhere.pem"})
     with pytest.raises(InvalidOptionError, match="MNEMOJAX_ETCD_CERT is set but "
                                                  "MNEMOJAX_ETCD_KEY is not"):
-        EtcdTLS.from_env({TLS_ENV["cert"]: str(pem)})
+        EtcdTLS(cert=files.client_cert)  # also without the environment
+    with pytest.raises(InvalidOptionError, match="MNEMOJAX_ETCD_CACERT=.*not a PEM CA"):
+        EtcdTLS(cacert=str(junk))
+    with pytest.raises(InvalidOptionError, match="MNEMOJAX_ETCD_CERT=.*matching key"):
+        EtcdTLS(cert=files.client_cert, key=files.server_key)  # another certificate's key
     assert EtcdTLS.from_env({}) == EtcdTLS() and not EtcdTLS().given
+    assert EtcdTLS.from_env(files.env()).given
     with pytest.raises(InvalidOptionError, match="use etcds://"):
-        EtcdStore([("127.0.0.1", 1)], "job", tls=EtcdTLS(cacert=str(pem)))
+        EtcdStore([("127.0.0.1", 1)], "job", tls=EtcdTLS(cacert=files.ca))
     assert parse_rdzv("etcds://h:1,g:2") == ("https", (("h", 1), ("g", 2)))
     assert parse_rdzv("etcd://h:1") == ("http", (("h", 1),))
     with pytest.raises(InvalidOptionError, match="rdzv='https://h:1'"):

@@ -174,10 +174,15 @@ def test_a_step_is_not_started_in_a_world_known_to_have_lost_a_peer(world):
     p.layer, p._devices, p._waiter = _Layer(), frozenset({0}), proxy._Waiter()
     assert p.run(None, "leaves", "batch", 4, timeout_s=5) == ("leaves", "batch")
     watch.notify(0, (1,))
+    raised = []
     for timeout_s in (5, None):
-        with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=f"{TOLD_BY_LAUNCHER}.*not started") as info:
             p.run(None, "leaves", "batch", 5, timeout_s=timeout_s)
+        raised.append(info.value)
     assert executed == [4]
+    # An error of its own each time: none keeps another raise's frames (and arrays).
+    assert raised[0] is not raised[1] and peer_watch.known_death() is not raised[1]
     generation["g"] = 1
     assert p.run(None, "leaves", "batch", 5, timeout_s=5) == ("leaves", "batch")
     assert executed == [4, 5]

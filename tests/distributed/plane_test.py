@@ -10,7 +10,7 @@ import pytest
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
-from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper, parse_endpoints
+from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper, parse_rdzv
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.launcher.plane import EtcdArbiter, JobView, ring
 from mnemojax._src.distributed.launcher.roster import AgentRoster
@@ -130,7 +130,7 @@ def test_after_growing_back_a_spare_replaces_a_dead_member_in_place():
                                  "etcd://h:99999"])
 def test_bad_rdzv_urls_are_refused_by_name(url):
     with pytest.raises(InvalidOptionError, match="rdzv="):
-        parse_endpoints(url)
+        parse_rdzv(url)
 
 
 def test_several_nodes_need_an_etcd_rendezvous():

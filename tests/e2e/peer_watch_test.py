@@ -2,7 +2,8 @@
 the collective timeout.
 
 4 processes x 2 CPU devices under a 10 s collective timeout (half the launcher's default,
-to keep the paced job short; the watch tells in ~0.2 s either way); worker 0 is SIGKILLed. Without the watch, the survivors that were not exchanging with it when it died
+to keep the paced job short; the watch tells in ~0.2 s either way); worker 0 is
+SIGKILLed. Without the watch, the survivors that were not exchanging with it when it died
 stay blocked in gloo until that timeout ("Timed out waiting ..."); with it, each survivor's
 reported failure is either gloo's "Connection closed by peer" (it was exchanging with the
 dead worker) or the watch's notice, and the job ends exact. The job runs on for longer

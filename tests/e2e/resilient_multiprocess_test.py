@@ -121,7 +121,7 @@ def test_an_outsider_without_the_job_secret_is_refused_and_the_job_is_exact(
     assert rec["failed_processes"] == [1]  # the forged hello took no agent's place
 
 
-@pytest.mark.slow  # ~40 s; the peer watch cannot see a hang: bounded by the hang timeout
+@pytest.mark.slow  # ~40 s; hangs in one process: fault_matrix_test, distributed/watchdog_test
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     report = _run(tmp_path, [ProcessFault("hang", 1, 4)])
     rec = _one_recovery(tmp_path, reference, report)

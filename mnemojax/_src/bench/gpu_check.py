@@ -19,11 +19,12 @@ Step times are medians of interleaved blocks (`demo.measure_overhead`: every
 configuration runs one block per round, the order rotating), never one timed run.
 
 The model is a GPT over every device of the platform on the data axis: ``--size large``
-(~135 M parameters, ~1.6 GB of state with AdamW; the default on a GPU), ``small`` (~0.1 M,
+(167 M parameters, 2.0 GB of f32 state with AdamW; the default on a GPU), ``small`` (13 k,
 the default on CPU: a check of the tool, not a figure).
 
-JAX needs a CUDA build for the GPU (``pip install -U "jax[cuda12]"`` in ``.venv``); with
-none visible, the check says so and exits 0. Nothing here runs on import.
+JAX needs a CUDA build for the GPU, at the version the project pins (``pip install
+"jax[cuda12]>=0.10,<0.11"`` in ``.venv``); with none visible, the check says so and exits
+0. Nothing here runs on import.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 PCIE_PEAK_GBS = 52.8  # D2H, measured on H100-class hosts (issue 13)
 TARGET_EVERY_STEP = {"gpu": 1.01, "cpu": 1.03}
 
-SIZES = {  # GPTConfig fields; large: ~135 M params, small: ~0.1 M
+SIZES = {  # GPTConfig fields; large: 167 M params, small: 13 k
     "large": {"vocab_size": 32_000, "seq_len": 512, "d_model": 1024, "n_heads": 16,
               "n_layers": 8, "d_ff": 4096},
     "small": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2,
@@ -130,7 +131,8 @@ def run_check(platform: str, *, size: str, steps: int, rounds: int, batch_size: 
     ratios = overhead["ratio_to_plain"]
     return {
         "platform": platform, "device_kind": devices[0].device_kind, "devices": len(devices),
-        "model": SIZES[size], "size": size, "state_bytes": d2h["bytes"],
+        "model": SIZES[size], "size": size, "params": gcfg.param_count(),
+        "state_bytes": d2h["bytes"],
         "batch_size": batch_size, "steps_per_block": steps, "rounds": rounds,
         "pcie_peak_gbs": pcie_peak_gbs, "memcpy_gbs": memcpy,
         "d2h_device_get": {**d2h, "pct_of_pcie_peak": 100 * d2h["gbs"] / pcie_peak_gbs,
@@ -152,7 +154,8 @@ def format_table(r: dict[str, Any]) -> str:
         return "-" if x is None else f"{x:5.1f} %"
 
     head = (f"mnemojax gpu-check: {r['devices']} x {r['device_kind']} ({r['platform']}); "
-            f"GPT {r['size']} ({r['state_bytes'] / 1e6:,.1f} MB of state with AdamW); "
+            f"GPT {r['size']} ({r['params']:,} params, {r['state_bytes'] / 1e6:,.1f} MB of "
+            f"state with AdamW); "
             f"batch {r['batch_size']}; {r['rounds']} rounds of {r['steps_per_block']} steps")
     lines = [head, "", f"{'device -> host':<40}{'GB/s':>9}{'of PCIe peak':>15}"
              f"{'of memcpy':>12}", "-" * 76]
@@ -178,6 +181,15 @@ def format_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _prefer(platform: str) -> None:
+    """On CPU, CPU is JAX's default backend too (mnemojax places on ``jax.devices()``);
+    no effect once a backend is up."""
+    if platform == "cpu":
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.gpu_check",
                                      description=(__doc__ or "").split("\n\n")[0])
@@ -196,14 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "rounds", "devices"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name}={getattr(args, name)} must be >= 1")
-    if args.platform == "cpu":  # JAX's default backend too (mnemojax uses jax.devices())
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")  # no effect once a backend is up
+    _prefer(args.platform)
     devices = _platform_devices(args.platform)
     if isinstance(devices, str):
         print(f"gpu-check: skipped, no {args.platform} device visible to JAX ({devices}). "
-              "A GPU needs a CUDA jaxlib: pip install -U 'jax[cuda12]'; --platform cpu "
+              "A GPU needs a CUDA jaxlib: pip install 'jax[cuda12]>=0.10,<0.11'; --platform cpu "
               "runs the same check on CPU devices.")
         return 0
     n = min(args.devices or len(devices), len(devices))

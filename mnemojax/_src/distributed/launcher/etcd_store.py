@@ -12,8 +12,10 @@ started with ``--cert-file``/``--key-file`` (and ``--client-cert-auth
 --trusted-ca-file`` to refuse clients without a certificate from that CA). The client's
 files come from the environment, so every launcher and ``mnemojax status`` of the job
 read the same (`EtcdTLS.from_env`): ``MNEMOJAX_ETCD_CACERT`` (the CA that signed the
-server's certificate; default: the system's), ``MNEMOJAX_ETCD_CERT`` and
-``MNEMOJAX_ETCD_KEY`` (this client's certificate and key, for client-cert auth).
+server's certificate; without it, the ``certifi`` bundle that ``requests`` trusts, not the
+system's store), ``MNEMOJAX_ETCD_CERT`` and ``MNEMOJAX_ETCD_KEY`` (this client's
+certificate and key, for client-cert auth). Any certificate of the CA etcd trusts may read
+and write every job's keys on that etcd: a CA per job (or etcd's RBAC) keeps jobs apart.
 
 Nothing here knows about workers or worlds; `plane` does.
 """
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -45,31 +48,49 @@ TLS_ENV = {"cacert": "MNEMOJAX_ETCD_CACERT", "cert": "MNEMOJAX_ETCD_CERT",
 
 @dataclasses.dataclass(frozen=True)
 class EtcdTLS:
-    """The client side of TLS to etcd: files, by path (see module doc)."""
+    """The client side of TLS to etcd: files, by path (see module doc), each named in
+    errors by its environment variable. Checked when made: every file is read, so a
+    wrong file fails here, by name, and not as an unreachable cluster later.
+
+    Raises:
+        InvalidOptionError: a file that does not exist or is not PEM of its kind, a key
+            that does not match its certificate, or a certificate without its key (or a
+            key without its certificate).
+    """
 
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdTLS:
-        """Reads ``MNEMOJAX_ETCD_{CACERT,CERT,KEY}``.
-
-        Raises:
-            InvalidOptionError: a named file does not exist, or a certificate without its
-                key (or a key without its certificate).
-        """
-        env = os.environ if env is None else env
-        paths = {field: env.get(var) or None for field, var in TLS_ENV.items()}
-        for field, path in paths.items():
+    def __post_init__(self):
+        for field in TLS_ENV:
+            path = getattr(self, field)
             if path is not None and not os.path.isfile(path):
                 raise InvalidOptionError(f"{TLS_ENV[field]}={path!r} is invalid: no such file")
-        if (paths["cert"] is None) != (paths["key"] is None):
-            given = "cert" if paths["cert"] is not None else "key"
-            missing = "key" if given == "cert" else "cert"
+        if (self.cert is None) != (self.key is None):
+            given, missing = ("cert", "key") if self.cert is not None else ("key", "cert")
             raise InvalidOptionError(f"{TLS_ENV[given]} is set but {TLS_ENV[missing]} is not: "
                                      "a client certificate needs its key")
-        return cls(**paths)
+        context = ssl.create_default_context()
+        try:
+            if self.cacert is not None:
+                context.load_verify_locations(cafile=self.cacert)
+        except ssl.SSLError as e:
+            raise InvalidOptionError(f"{TLS_ENV['cacert']}={self.cacert!r} is invalid: not "
+                                     f"a PEM CA certificate ({e})") from e
+        try:
+            if self.cert is not None:
+                context.load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as e:
+            raise InvalidOptionError(
+                f"{TLS_ENV['cert']}={self.cert!r} with {TLS_ENV['key']}={self.key!r} is "
+                f"invalid: not a PEM certificate and its matching key ({e})") from e
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdTLS:
+        """Reads ``MNEMOJAX_ETCD_{CACERT,CERT,KEY}`` (an empty one is unset)."""
+        env = os.environ if env is None else env
+        return cls(**{field: env.get(var) or None for field, var in TLS_ENV.items()})
 
     @property
     def given(self) -> bool:
@@ -92,11 +113,6 @@ def parse_rdzv(url: str) -> tuple[str, tuple[tuple[str, int], ...]]:
 
 class RendezvousError(DistributedError):
     """The etcd cluster could not be reached (no member answered in time)."""
-
-
-def parse_endpoints(url: str) -> tuple[tuple[str, int], ...]:
-    """``etcd[s]://host:port[,host:port...]`` -> ``((host, port), ...)`` (`parse_rdzv`)."""
-    return parse_rdzv(url)[1]
 
 
 def _endpoints(url: str, rest: str) -> tuple[tuple[str, int], ...]:

@@ -64,16 +64,32 @@ class _Pending:
         self.lock = threading.Lock()
         self.waits: dict[concurrent.futures.Future, int] = {}
         self.generation: Callable[[], int] | None = None  # the active watch's world
-        self.failed: dict[int, BaseException] = {}  # generation -> the error to raise
+        # generation -> what was heard of it: (failed workers, regrow). Each wait or step
+        # it fails gets an error of its own (`_Heard.error`): one raised instance would
+        # keep, in its traceback, the frames (and the old world's arrays) of every raise.
+        self.failed: dict[int, _Heard] = {}
         # Blocked in an abandoned collective: (thread, its world, when it was abandoned).
         self.left_behind: list[tuple[threading.Thread, int | None, float]] = []
         self.exit_wait_s = 30.0
 
-    def abort(self, generation: int, error: BaseException) -> int:
+    def abort(self, generation: int, heard: _Heard) -> int:
         with self.lock:
-            self.failed[generation] = error
+            for g in [g for g in self.failed if g < generation]:  # older worlds: over
+                del self.failed[g]
+            self.failed[generation] = heard
             doomed = [f for f, g in self.waits.items() if g == generation]
-        return sum(_fail(f, error) for f in doomed)
+        return sum(_fail(f, heard.error(generation)) for f in doomed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heard:
+    """A death (or a regrow) heard of in one world."""
+
+    failed: tuple[int, ...]
+    regrow: bool = False
+
+    def error(self, generation: int, *, started: bool = True) -> BaseException:
+        return peer_died_error(generation, self.failed, regrow=self.regrow, started=started)
 
 
 _pending = _Pending()
@@ -120,9 +136,9 @@ def abortable(future: concurrent.futures.Future) -> Iterator[WaitHandle]:
         generation = _pending.generation() if _pending.generation is not None else None
         if generation is not None:
             _pending.waits[future] = generation
-        error = _pending.failed.get(generation) if generation is not None else None
-    if error is not None:
-        _fail(future, error)
+        heard = _pending.failed.get(generation) if generation is not None else None
+    if heard is not None and generation is not None:
+        _fail(future, heard.error(generation))
     try:
         yield WaitHandle(future, generation)
     finally:
@@ -138,8 +154,9 @@ def known_death() -> BaseException | None:
     with _pending.lock:
         if _pending.generation is None:
             return None
-        error = _pending.failed.get(_pending.generation())
-    return None if error is None else error.with_traceback(None)
+        generation = _pending.generation()
+        heard = _pending.failed.get(generation)
+    return None if heard is None else heard.error(generation, started=False)
 
 
 def _join_left_behind() -> None:
@@ -159,16 +176,17 @@ def _join_left_behind() -> None:
 
 
 def peer_died_error(generation: int, failed: tuple[int, ...], *,
-                    regrow: bool = False) -> BaseException:
+                    regrow: bool = False, started: bool = True) -> BaseException:
     """The error a watched wait fails with: a non-retryable ``JaxRuntimeError``, which the
     resilient step under a session takes for a peer failure (``regrow``: no one died,
-    the world re-forms larger; the same path recovers it)."""
+    the world re-forms larger; the same path recovers it). ``started``: the step was
+    running (its collectives are abandoned), or it was not started at all."""
     import jax
     what = (f"world {generation} re-forms larger (spares fill it back to its first size)"
             if regrow else f"workers {list(failed)} of world {generation} died")
-    error = jax.errors.JaxRuntimeError(
-        f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); this step's collectives are "
-        "abandoned")
+    fate = ("this step's collectives are abandoned" if started
+            else "the step is not started in it")
+    error = jax.errors.JaxRuntimeError(f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); {fate}")
     error.mnemojax_peer_watch = True  # type: ignore[attr-defined]
     return error
 
@@ -233,8 +251,7 @@ class PeerWatch:
     def notify(self, generation: int, failed: tuple[int, ...], *,
                regrow: bool = False) -> Notice:
         """Fails the waits of world ``generation`` (and any later wait in it)."""
-        aborted = _pending.abort(generation, peer_died_error(generation, failed,
-                                                             regrow=regrow))
+        aborted = _pending.abort(generation, _Heard(tuple(failed), regrow))
         notice = Notice(generation, tuple(failed), time.time(), aborted, regrow)
         self.notices.append(notice)
         if regrow:
