@@ -26,6 +26,8 @@ def cluster():
 
 
 def _store(cluster, monkeypatch, *, job: str, client_cert: bool = True, **kw) -> EtcdStore:
+    for var in TLS_ENV.values():  # what an earlier store of this test set
+        monkeypatch.delenv(var, raising=False)
     for var, path in cluster.tls.env(client_cert=client_cert).items():
         monkeypatch.setenv(var, path)
     return EtcdStore.from_url(cluster.url, job, **kw)
