@@ -1,7 +1,7 @@
 """Micro-benchmarks behind design decisions in WORKSPACE_NOTES.md, side by side in one run.
 
     python -m mnemojax._src.bench.micro            # all sections
-    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-4)
+    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-5)
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
@@ -14,6 +14,12 @@
    steps, the order alternating per round), the snapshot's bytes and copy time (during
    training and alone), and its throughput as a percentage of this machine's memcpy
    bandwidth (``np.copyto`` of the same byte count).
+
+5. Lowering the step for a new mesh (the tracing left on a recovery's critical path after
+   compile ahead, issue 13): ``jax.jit(step).lower`` of a fresh jit (as a new world
+   does) against lowering a fresh ``jax.jit(exported.call)`` of a ``jax.export`` of the
+   same step made earlier (an `Exported` holds the module and its shardings, no device
+   or client), and that both compute the same step.
 
 Tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
@@ -228,16 +234,73 @@ def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> 
     return lines
 
 
+def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax import export
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
+    graphdef, state = nnx.split(build_gpt(cfg))
+    leaves, treedef = jax.tree.flatten(state)
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    in_shardings = ([rep] * len(leaves), jax.tree.map(lambda _: rows, batches[0]))
+
+    def pure(leaves, batch):
+        m, o = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        metrics = lm_train_step(m, o, batch)
+        return jax.tree.leaves(nnx.state((m, o))), metrics
+
+    args = ([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in leaves],
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows),
+                         batches[0]))
+
+    def lower(fn):
+        with jax.set_mesh(mesh):  # a fresh jit each time: nothing cached by the object
+            return jax.jit(fn, in_shardings=in_shardings, donate_argnums=(0,)).lower(*args)
+
+    t = time.perf_counter()
+    with jax.set_mesh(mesh):
+        exported = export.export(jax.jit(pure, in_shardings=in_shardings))(*args)
+    export_s = time.perf_counter() - t
+    direct, via_export = [], []
+    for _ in range(rounds):
+        # A new function each time for the direct path: JAX caches traces by function,
+        # and a new world's step is traced anew.
+        for fn, times in ((lambda *a: pure(*a), direct), (exported.call, via_export)):
+            t = time.perf_counter()
+            lower(fn)
+            times.append(time.perf_counter() - t)
+    placed = [jax.device_put(x, rep) for x in leaves]
+    batch = jax.device_put(batches[1], in_shardings[1])
+    outs = [lower(fn).compile()([jax.numpy.copy(x) for x in placed], batch)
+            for fn in (pure, exported.call)]
+    same = all(np.allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+               for a, b in zip(*(jax.tree.leaves(o) for o in outs), strict=True))
+    return [f"5. lowering the step for a mesh (median of {rounds}, a fresh jit each)",
+            f"   trace + lower, as a new world does    {1e3 * statistics.median(direct):8.1f} ms"
+            f"   first {1e3 * direct[0]:.1f} ms",
+            f"   lower jax.jit(exported.call)           "
+            f"{1e3 * statistics.median(via_export):8.1f} ms   first {1e3 * via_export[0]:.1f} ms"
+            f"   (export made once before: {1e3 * export_s:.1f} ms)",
+            f"   ratio (median)                        "
+            f"x{statistics.median(direct) / statistics.median(via_export):.1f}",
+            f"   the same step computed both ways       {same}"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4],
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
                         help="section 4: rounds of alternating blocks (default 15)")
     parser.add_argument("--block-steps", type=int, default=10,
                         help="section 4: steps per block (default 10)")
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4]
+    sections = args.sections or [1, 2, 3, 4, 5]
 
     import jax
 
@@ -253,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     run = {1: lambda: _plumbing(cfg), 2: lambda: _finiteness_check(cfg, mesh, batches),
            3: lambda: _recovery_call(cfg, mesh, batches),
            4: lambda: _snapshot_overhead(cfg, mesh, batches, rounds=args.rounds,
-                                         block_steps=args.block_steps)}
+                                         block_steps=args.block_steps),
+           5: lambda: _lowering(cfg, mesh, batches)}
     for section in sorted(set(sections)):
         print("\n".join(run[section]()), flush=True)
 
