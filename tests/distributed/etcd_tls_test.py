@@ -80,3 +80,13 @@ def test_tls_settings_are_checked_by_name_when_made(cluster, tmp_path):
     assert parse_rdzv("etcd://h:1") == ("http", (("h", 1),))
     with pytest.raises(InvalidOptionError, match="rdzv='https://h:1'"):
         parse_rdzv("https://h:1")
+
+
+def test_mnemojax_status_reads_the_job_over_tls(cluster, monkeypatch, capsys):
+    from mnemojax._src.cli import main
+
+    store = _store(cluster, monkeypatch, job="tls-status")
+    store.put(store.key("world", 0), {"members": [0, 1], "coordinator": "10.0.0.1:1",
+                                      "host_node": 0})
+    assert main(["status", "--rdzv", cluster.url, "--rdzv-id", "tls-status"]) == 0
+    assert "world 0, workers [0, 1]" in capsys.readouterr().out
