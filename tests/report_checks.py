@@ -72,13 +72,14 @@ def check_tiny_bench(out: Path) -> dict:
     assert "baseline / mnemojax" in table and "(d) baseline+faults" in table
     assert "simulated" in table
     if s["processes"] is not None:
-        _check_process_pair(s["processes"])
+        check_process_pair(s["processes"])
         assert "(f) classical / (e) mnemojax" in table
     return s
 
 
-def _check_process_pair(p: dict) -> None:
-    """(e) mnemojax under `mnemojax launch` and (f) the classical job, one real SIGKILL."""
+def check_process_pair(p: dict) -> None:
+    """(e) mnemojax under `mnemojax launch` and (f) the classical job, one real SIGKILL:
+    the bench's process figures (`summary.process_figures`), against (a)."""
     from mnemojax._src.bench.multiproc import RUN_E, RUN_F
 
     e, f = p[RUN_E], p[RUN_F]

@@ -87,15 +87,13 @@ def _fresh_state_d2h(gcfg, mesh, corpus, *, batch_size: int, n: int) -> dict[str
 
 
 def _memcpy_gbs(nbytes: int) -> float:
+    """This host's memcpy bandwidth for ``nbytes`` (``np.copyto``, median of 20)."""
     import numpy as np
 
+    from mnemojax._src.bench.micro import median_ms
+
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    times = []
-    for _ in range(20):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / median_ms(lambda: np.copyto(dst, src), 20) / 1e6
 
 
 def run_check(platform: str, *, size: str, steps: int, rounds: int, batch_size: int,

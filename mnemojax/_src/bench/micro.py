@@ -31,7 +31,8 @@ import statistics
 import time
 
 
-def _median_ms(fn, n: int) -> float:
+def median_ms(fn, n: int) -> float:
+    """Median milliseconds of ``n`` calls of ``fn`` (also `gpu_check`)."""
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -65,9 +66,9 @@ def _plumbing(cfg) -> list[str]:
     def read_write():
         form.result(state_args, form.state_of(state_args), None)
 
-    plumbing = {"nnx.split + nnx.update": _median_ms(split_update, 200),
-                "Variable get_value/set_value": _median_ms(get_set, 200),
-                "NnxForm.state_of+result (used)": _median_ms(read_write, 200)}
+    plumbing = {"nnx.split + nnx.update": median_ms(split_update, 200),
+                "Variable get_value/set_value": median_ms(get_set, 200),
+                "NnxForm.state_of+result (used)": median_ms(read_write, 200)}
     lines = ["1. NNX state plumbing per call (median of 200; demo GPT, 92 variables)"]
     lines += [f"   {name:<32} {ms:8.3f} ms" for name, ms in plumbing.items()]
     return lines
@@ -109,7 +110,7 @@ def _finiteness_check(cfg, mesh, batches) -> list[str]:
             step = mnemojax.resilient(lm_train_step, mesh=mesh, options=options)
             step(m, o, batches[0])
             it = iter(batches[1:])
-            check_ms[name].append(_median_ms(lambda s=step, m=m, o=o, it=it: float(
+            check_ms[name].append(median_ms(lambda s=step, m=m, o=o, it=it: float(
                 s(m, o, next(it))["loss"]), 40))
             step.close()
     compiler.StepCompiler._checked_for = per_device
@@ -203,8 +204,8 @@ def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> 
     for step, _, _ in runs.values():
         step.close()
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    memcpy_ms = _median_ms(lambda: np.copyto(dst, src), 50)
-    checksum_ms = _median_ms(lambda: checksum(dst), 50)
+    memcpy_ms = median_ms(lambda: np.copyto(dst, src), 50)
+    checksum_ms = median_ms(lambda: checksum(dst), 50)
 
     base = statistics.median(means["no snapshots"])
     per_round = [b / a for a, b in zip(means["no snapshots"], means["snapshot every step"],
