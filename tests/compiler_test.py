@@ -1,5 +1,7 @@
 """Executables per mesh (mnemojax._src.compiler.StepCompiler): caching by plan and batch,
-background compiles and their accounting, the fused per-device finiteness flags.
+background compiles and their accounting, the fused per-device finiteness flags; the step
+exported when compiled ahead and lowered from its export by a new world's compiler
+(`ExportedSteps`), or traced when it cannot be exported.
 
 The step is a two-leaf toy, so each compile takes a fraction of a second.
 """
@@ -11,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from mnemojax._src.compiler import StepCompiler, enable_persistent_cache
+from mnemojax._src.compiler import ExportedSteps, StepCompiler, enable_persistent_cache
 from mnemojax._src.topology import MeshPlan
 
 pytestmark = pytest.mark.needs8
@@ -223,3 +226,91 @@ def test_the_persistent_cache_is_announced_once_and_the_users_setting_wins(tmp_p
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update(flag, before)
+
+
+class _Counting:
+    """The toy step, counting its traces; with ``callback``, it calls the host (which
+    `jax.export` cannot serialise)."""
+
+    def __init__(self, callback: bool = False, explicit: bool = False):
+        self.traces = 0
+        self._callback, self._explicit = callback, explicit
+
+    def __call__(self, leaves, batch):
+        self.traces += 1
+        if self._callback:
+            jax.debug.callback(lambda w: None, leaves[0])
+        if not self._explicit:
+            return _pure(leaves, batch)
+        w, b = leaves  # an activation spec: needs Explicit axes
+        y = jnp.matmul(batch["x"], w, out_sharding=P("data", "model"))
+        return [w * 2.0, b + 1.0], {"loss": jnp.mean((y + b) ** 2)}
+
+
+EXPLICIT = {"data": AxisType.Explicit, "model": AxisType.Explicit}
+
+
+@pytest.mark.parametrize("axis_types", [None, EXPLICIT], ids=["auto", "explicit"])
+def test_a_new_worlds_compiler_lowers_a_step_exported_ahead_without_tracing_it(axis_types):
+    """The old world's compiler exports (3, 2) when it compiles it ahead; a new world's
+    compiler (another `StepCompiler`, same `ExportedSteps`) lowers it from the export: no
+    trace, and the same step (donation and the per-device flags included)."""
+    step = _Counting(explicit=axis_types is not None)
+    exports = ExportedSteps()
+    old = _compiler(step, exports=exports, axis_types=axis_types, donate=True)
+    new = _compiler(step, exports=exports, axis_types=axis_types, donate=True)
+    plain = _compiler(_Counting(explicit=axis_types is not None), axis_types=axis_types)
+    try:
+        old.precompile([_plan((3, 2))], BATCH)
+        assert old.wait_precompiled(timeout_s=120)
+        assert old.get(_plan((3, 2)), BATCH)[0].exported
+        assert len(exports) == 1 and step.traces == 1
+        exe, where = new.get(_plan((3, 2)), BATCH)
+        assert where == "compiled" and exe.exported and step.traces == 1
+        reference, _ = plain.get(_plan((3, 2)), BATCH)
+        assert not reference.exported
+        w = np.arange(32, dtype=np.float32).reshape(8, 4)
+        w[3, 0] = np.nan  # on the devices at model index 0
+        x = np.ones((12, 8), np.float32)
+        leaves = [jax.device_put(a, s) for a, s in
+                  zip((w, np.ones(4, np.float32)), exe.state_shardings, strict=True)]
+        got = exe.compiled(leaves, jax.device_put({"x": x}, exe.batch_shardings))
+        assert all(x.is_deleted() for x in leaves)  # donated, as compiled
+        want = _run(reference, w, np.ones(4, np.float32), x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(got[2], [False, True] * 3)
+    finally:
+        for c in (old, new, plain):
+            c.close()
+
+
+def test_a_step_that_cannot_be_exported_is_traced_and_the_refusal_said_once(caplog):
+    step = _Counting(callback=True)
+    exports = ExportedSteps()
+    compiler = _compiler(step, exports=exports)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            compiler.precompile([_plan((3, 2)), _plan((2, 2))], BATCH)
+            assert compiler.wait_precompiled(timeout_s=120)
+        assert len(exports) == 0 and "host_callbacks" in (exports.refused or "")
+        said = [r for r in caplog.records if "cannot be exported" in r.getMessage()]
+        assert len(said) == 1  # the second plan tried nothing
+        exe, where = compiler.get(_plan((3, 2)), BATCH)
+        assert where == "ready" and not exe.exported
+        (new_w, _), metrics, _ = _run(exe, np.ones((8, 4), np.float32),
+                                      np.zeros(4, np.float32), np.ones((12, 8), np.float32))
+        np.testing.assert_array_equal(new_w, 2 * np.ones((8, 4)))
+        assert float(metrics["loss"]) == 64.0
+    finally:
+        compiler.close()
+
+
+def test_exported_steps_keep_the_newest_entries():
+    with pytest.raises(ValueError, match="max_entries must be >= 1, got 0"):
+        ExportedSteps(max_entries=0)
+    exports = ExportedSteps(max_entries=2)
+    for k in ("a", "b", "a", "c"):  # "a" put again: the newest
+        exports.put((k,), object())  # type: ignore[arg-type]
+    assert len(exports) == 2 and exports.get(("b",)) is None
+    assert exports.get(("a",)) is not None and exports.get(("c",)) is not None

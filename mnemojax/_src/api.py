@@ -406,7 +406,7 @@ class ResilientStep(Generic[P, R]):
                           for s, v in zip(shapes, values, strict=True)],
             leaf_entries=form.leaf_entries,
             wrap_layer=self._injector.wrap if self._injector is not None else None,
-            axis_types=shd.axis_types_of(mesh),
+            axis_types=shd.axis_types_of(mesh), export_steps=session is not None,
             on_corrupt=lambda s: durability.emit("fault", step=s,
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,

@@ -6,6 +6,15 @@ produce, on a background thread, and a recovery takes the ready executable. JAX'
 compilation cache backs the rest. On CPU the cache key includes the device assignment, so
 each reduced mesh needs its own entry; on GPU JAX strips it and one entry serves all
 meshes of a shape.
+
+Across processes a new world has a new client, so what was compiled ahead in the old world
+reaches it only through the persistent cache, and the new world still traces and lowers the
+step again (JAX caches traces per function, and its caches are cleared with the old
+client). `ExportedSteps` takes that trace off the recovery: each step compiled ahead is
+`jax.export`-ed first and compiled through ``jax.jit(exported.call)``; the new world lowers
+the same wrapper on its own mesh, which is ×7 cheaper than a trace (``python -m
+mnemojax._src.bench.micro 5``) and lowers to the same module, so the cache entry written
+ahead is found. A step that cannot be exported (a host callback, say) is traced as before.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import export as jax_export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
@@ -85,6 +95,53 @@ class Executable:
     compile_s: float
     ahead_of_time: bool
     from_cache: bool = False  # loaded from the persistent compilation cache
+    exported: bool = False  # lowered from a `jax.export` of the step (no trace)
+
+
+class ExportedSteps:
+    """The step exported per plan and batch (`StepCompiler.key`), kept across worlds.
+
+    A `RuntimeBuilder` holds one for every runtime it builds: the background compiles of the
+    old world fill it, the new world's compile reads it. An `Exported` holds the module and
+    its shardings, no device or client, so it outlives the old world's backend. The newest
+    ``max_entries`` are kept (the candidate worlds of the last precompile and the current
+    one).
+
+    Attributes:
+        refused: why the step could not be exported, once it could not (then nothing more
+            is tried: every compile traces the step).
+    """
+
+    def __init__(self, max_entries: int = 16):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries!r}")
+        self._max = max_entries
+        self._by_key: dict[tuple, jax_export.Exported] = {}
+        self._lock = threading.Lock()
+        self.refused: str | None = None
+
+    def get(self, key: tuple) -> jax_export.Exported | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def put(self, key: tuple, exported: jax_export.Exported) -> None:
+        with self._lock:
+            self._by_key.pop(key, None)
+            self._by_key[key] = exported
+            while len(self._by_key) > self._max:
+                del self._by_key[next(iter(self._by_key))]
+
+    def refuse(self, why: str) -> None:
+        with self._lock:
+            first = self.refused is None
+            self.refused = why
+        if first:
+            log.warning("mnemojax: the step cannot be exported (%s); a new world after a "
+                        "process loss traces it again on the recovery path", why)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
 
 
 class StepCompiler:
@@ -92,12 +149,18 @@ class StepCompiler:
 
     Every mesh keeps the user's axis types (`axis_types`, by name): a step written for
     Explicit axes (``out_sharding`` specs on activations) is traced under such a mesh.
+
+    With `exports` (multi-process), a step compiled ahead is exported there first and
+    compiled through its export; a plan found there is lowered from it, not traced
+    (module docstring).
     """
 
     def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
                  *, batch_axes: Sequence[str], donate: bool, check_state: bool = True,
-                 axis_types: shd.AxisTypes | None = None):
+                 axis_types: shd.AxisTypes | None = None,
+                 exports: ExportedSteps | None = None):
         self._pure = pure
+        self._exports = exports
         self._axis_types = dict(axis_types or {})
         self._specs = list(specs)
         self.leaf_structs = list(leaf_structs)  # (shape, dtype) per state leaf
@@ -154,9 +217,12 @@ class StepCompiler:
         mesh = shd.mesh_from_plan(plan, self._axis_types)
         state_sh = shd.named(mesh, self._specs)
         batch_sh = self.batch_shardings(mesh, batch_struct)
-        jitted = jax.jit(self._checked_for(mesh), in_shardings=(state_sh, batch_sh),
-                         out_shardings=(state_sh, None, None),
-                         donate_argnums=(0,) if self._donate else ())
+
+        def jit(fn):
+            return jax.jit(fn, in_shardings=(state_sh, batch_sh),
+                           out_shardings=(state_sh, None, None),
+                           donate_argnums=(0,) if self._donate else ())
+
         args = (
             [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
              for (shape, dtype), s in zip(self.leaf_structs, state_sh, strict=True)],
@@ -165,7 +231,8 @@ class StepCompiler:
         )
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            lowered = jitted.lower(*args)
+            lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
+                                            ahead)
         t1 = time.perf_counter()
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
@@ -179,11 +246,35 @@ class StepCompiler:
         with self._lock:
             self.compiles += 1
             self.compiled_ahead += int(ahead)
-        log.info("mnemojax: compiled step for mesh %s (%s%s): lower %.2fs compile %.2fs",
+        log.info("mnemojax: compiled step for mesh %s (%s%s%s): lower %.2fs compile %.2fs",
                  plan.shape, "ahead of time" if ahead else "on demand",
+                 ", from its export" if exported else "",
                  ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1)
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
-                          from_cache)
+                          from_cache, exported)
+
+    def _lower(self, jit, mesh: Mesh, args, key: tuple, ahead: bool) -> tuple[Any, bool]:
+        """Lowers the step for `mesh`: from its export when one is kept for `key` (and,
+        compiling ahead with `exports`, exports it first), else by tracing it. Returns the
+        lowered step and whether it came from an export."""
+        exports = self._exports
+        if exports is None:
+            return jit(self._checked_for(mesh)).lower(*args), False
+        exported = exports.get(key)
+        if exported is None and ahead and exports.refused is None:
+            try:
+                exported = jax_export.export(jit(self._checked_for(mesh)))(*args)
+            except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
+                exports.refuse(f"{type(e).__name__}: {e}"[:300])
+            else:
+                exports.put(key, exported)
+        if exported is not None:
+            try:
+                return jit(exported.call).lower(*args), True
+            except Exception as e:  # noqa: BLE001 - never worse than tracing
+                log.warning("mnemojax: lowering the step for mesh %s from its export failed "
+                            "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
+        return jit(self._checked_for(mesh)).lower(*args), False
 
     def get(self, plan: MeshPlan, batch_struct) -> tuple[Executable, str]:
         """The executable for `plan`, and where it came from: ``"ready"`` (compiled ahead and

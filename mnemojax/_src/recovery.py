@@ -373,7 +373,7 @@ class ProcessRecovery:
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,
             math_changed=plan.math_changed, failed_processes=dead,
             generation=rec.world.generation, fetched_from=dict(rec.fetched_from),
-            agreement_rounds=rec.rounds)
+            agreement_rounds=rec.rounds, from_export=exe.exported)
         log.warning("mnemojax: world %d -> %d: processes %s lost; %d processes, mesh %s, "
                     "resuming from step %d", before.generation, rec.world.generation,
                     list(dead), rec.world.num_processes, plan.shape, resume)

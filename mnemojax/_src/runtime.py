@@ -22,7 +22,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import StepCompiler
+from mnemojax._src.compiler import ExportedSteps, StepCompiler
 from mnemojax._src.device_layer import DeviceLayer, JaxDeviceLayer
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy
@@ -79,6 +79,8 @@ class RuntimeBuilder:
         wrap_layer: wraps the device layer (a fault injector's ``wrap``), or None.
         on_corrupt: called with the step of a snapshot found corrupt when it is retired.
         axis_types: the user's mesh's axis types by name, kept on every mesh built.
+        export_steps: keep the step exported per plan compiled ahead (`ExportedSteps`),
+            for the worlds that follow a process loss (multi-process jobs).
     """
 
     def __init__(self, options: ResilienceOptions, *, pure: Callable,
@@ -86,8 +88,9 @@ class RuntimeBuilder:
                  leaf_entries: Sequence[str],
                  wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
                  on_corrupt: Callable[[int], None] | None = None,
-                 axis_types: shd.AxisTypes | None = None):
+                 axis_types: shd.AxisTypes | None = None, export_steps: bool = False):
         self._options = options
+        self.exports = ExportedSteps() if export_steps else None
         self.axis_types = dict(axis_types or {})
         self._pure = pure
         self._specs = list(specs)
@@ -122,7 +125,7 @@ class RuntimeBuilder:
                 self._pure, self._specs, self.leaf_structs, batch_axes=opts.batch_axes,
                 donate=opts.compile.donate_state,
                 check_state=opts.check_state and opts.nonfinite != "ignore",
-                axis_types=self.axis_types)
+                axis_types=self.axis_types, exports=self.exports)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,

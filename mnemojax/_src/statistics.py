@@ -45,6 +45,9 @@ class RecoveryRecord:
             (only the snapshots needed to cover the state).
         agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after
             a decision and the others agreed again).
+        from_export: multi-process: the new world lowered the step from the `jax.export`
+            made when its mesh was compiled ahead, instead of tracing it again
+            (`compiler.ExportedSteps`).
     """
 
     step: int
@@ -71,6 +74,7 @@ class RecoveryRecord:
     generation: int = 0  # multi-process: the world generation after the recovery
     fetched_from: dict[int, str] = dataclasses.field(default_factory=dict)
     agreement_rounds: int = 0
+    from_export: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

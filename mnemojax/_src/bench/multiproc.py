@@ -139,6 +139,8 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
                           f"launcher defaults but collective_timeout_s={timeout}",
         "launcher_knows_s": report["launcher_knows_s"],
         "steps_lost": rec.get("steps_lost"),
+        "executable": rec.get("executable"),
+        "from_export": rec.get("from_export"),
         "recovery_phases_s": rec.get("phases_s", {}),
         "recovery_total_s": rec.get("total_s"),
         "recoveries": len(stats.get("recoveries") or []),

@@ -170,6 +170,9 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
     ]
     for name in ("detect", "agree", "compile", "restore", "replay"):
         rows.append((f"    {name} (s)", _f(ph_e.get(name)), "-"))
+    how = e.get("executable") or "-"
+    rows.append(("      the new world's executable", how + (", from export" if
+                                                        e.get("from_export") else ""), "-"))
     for name in ("teardown", "start+import", "jax.distributed", "init", "restore",
                  "compile"):
         rows.append((f"    {name} (s, slowest process)", "-", _f(ph_f.get(name))))
