@@ -102,7 +102,7 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
     goodput = {acc.run: acc.as_dict() for acc in report.account_log(events_path)}
     env = {"model_params": GPTConfig(**cfg.model).param_count(), "jax": jax.__version__,
            "python": platform.python_version(), "cpu_count": os.cpu_count(),
-           "devices": len(jax.devices()), "bench_s": time.perf_counter() - t_bench,
+           "devices": len(jax.devices()), "platform": jax.default_backend(), "bench_s": time.perf_counter() - t_bench,
            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     s = summary.build_summary(cfg, runs=results, save_cost=save_cost, interval=interval,
                               mtbf_rule=rule, baseline_final=baseline_final,

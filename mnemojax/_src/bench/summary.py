@@ -12,8 +12,15 @@ RUN_D = "d_baseline_faults"
 TITLES = {RUN_A: "(a) no snapshots", RUN_B: "(b) snapshot/step",
           RUN_C: "(c) simulated loss", RUN_D: "(d) baseline+faults"}
 PROCESS_TITLES = {RUN_E: "(e) mnemojax launch", RUN_F: "(f) classical restart"}
-TARGETS = {"recovery_ratio_min": 20.0, "overhead_max": 1.01, "mnemojax_steps_lost_max": 1,
-           "process_ratio_min": 10.0}
+# Every-step snapshots against no snapshots, per platform (issue 13; `gpu_check` too).
+OVERHEAD_MAX = {"gpu": 1.01, "cpu": 1.03}
+TARGETS = {"recovery_ratio_min": 20.0, "mnemojax_steps_lost_max": 1, "process_ratio_min": 10.0}
+
+
+def targets_for(platform: str) -> dict[str, float]:
+    """The bench's targets on `platform` (JAX's backend name); another platform than CPU
+    or GPU gets the GPU's overhead bound."""
+    return {**TARGETS, "overhead_max": OVERHEAD_MAX.get(platform, OVERHEAD_MAX["gpu"])}
 
 
 def _max_diff(a, b) -> float | None:
@@ -38,6 +45,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     ``process_runs``: (e) and (f) (`multiproc`), with their final states, or None.
     """
     a, b, c, d = runs[RUN_A], runs[RUN_B], runs[RUN_C], runs[RUN_D]
+    targets = targets_for((environment or {}).get("platform", "cpu"))
     m_rec, b_rec = c["recoveries"], d["recoveries"]
     # mnemojax: from the start of the failed step's call (the fault cannot be earlier) to
     # its replayed result; the runtime's own total_s (from the failure surfacing) apart.
@@ -88,9 +96,9 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     }
     figures["targets_met"] = {
         "recovery_ratio": bool(figures["recovery_s"]["ratio"]
-                               and figures["recovery_s"]["ratio"] >= TARGETS["recovery_ratio_min"]),
-        "overhead": overhead <= TARGETS["overhead_max"],
-        "mnemojax_steps_lost": all(r["steps_lost"] <= TARGETS["mnemojax_steps_lost_max"]
+                               and figures["recovery_s"]["ratio"] >= targets["recovery_ratio_min"]),
+        "overhead": overhead <= targets["overhead_max"],
+        "mnemojax_steps_lost": all(r["steps_lost"] <= targets["mnemojax_steps_lost_max"]
                                    for r in m_rec)}
     wall = {name: runs[name]["wall_s"] for name in TITLES}
     processes = None
@@ -98,7 +106,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
         processes = process_figures(process_runs, final[RUN_A])
         figures["targets_met"]["process_ratio"] = bool(
             processes["ratio"]["next_good_step"]
-            and processes["ratio"]["next_good_step"] >= TARGETS["process_ratio_min"])
+            and processes["ratio"]["next_good_step"] >= targets["process_ratio_min"])
     return {
         "preset": cfg.name,
         "config": {"mesh": list(cfg.mesh), "steps": cfg.steps, "batch_size": cfg.batch_size,
@@ -111,7 +119,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
         "wall_s": wall,
         "figures": figures,
         "goodput": goodput or {},
-        "targets": TARGETS,
+        "targets": targets,
         "runs": {name: {k: v for k, v in runs[name].items() if k != "final_state"}
                  for name in TITLES},
         "processes": processes,
