@@ -472,10 +472,12 @@ class ResilientStep(Generic[P, R]):
                     budget.start()
                     if self._is_peer_failure(exc):
                         reason = f"{type(exc).__name__}: {exc}"
+                        regrow = bool(getattr(exc, "mnemojax_regrow", False))
                         del exc  # hold nothing of the old world (see recover_world)
                         self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
                         pending = None
-                        resumed = self._recover_world(step, reason, t_fault, budget)
+                        resumed = self._recover_world(step, reason, t_fault, budget,
+                                                      charge=not regrow)
                     else:
                         verdict = b.runtime.proxy.classify(exc)
                         if verdict.kind == "user":
@@ -572,14 +574,17 @@ class ResilientStep(Generic[P, R]):
                             "starting it again", step, list(verdict.failed))
 
     def _recover_world(self, step: int, reason: str, t_fault: float,
-                       budget: _StepBudget) -> Resumed:
+                       budget: _StepBudget, *, charge: bool = True) -> Resumed:
         """A collective failed: forget the old world, then `ProcessRecovery.recover`;
         again whenever a peer dies while it runs (each time over the world that failed),
-        within the budgets."""
+        within the budgets. ``charge=False``: the first round is not a failure (the world
+        re-forms larger, a regrow) and is not charged to the budgets; later rounds are."""
         b = self._require_built()
         assert b.process_recovery is not None
         while True:
-            budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
+            if charge:
+                budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
+            charge = True
             proxy = b.runtime.proxy
             old_plan, places, spares = proxy.plan, proxy.device_places(), list(proxy.spares)
             self._forget_world()

@@ -95,9 +95,12 @@ def test_a_regrow_fails_the_pending_wait_though_no_one_died(world):
     watch = start(_Launcher(wire.WorldFailed(generation=0, failed=(), regrow=True))).start()
     future: concurrent.futures.Future = concurrent.futures.Future()
     with peer_watch.abortable(future):
-        assert "world 0 re-forms larger" in str(future.exception(timeout=5))
+        error = future.exception(timeout=5)
+        assert "world 0 re-forms larger" in str(error)
+        assert error.mnemojax_regrow  # type: ignore[union-attr]  # not charged (api)
     [notice] = watch.notices
     assert notice.regrow and notice.failed == ()
+    assert not peer_watch.peer_died_error(0, (1,)).mnemojax_regrow  # type: ignore[attr-defined]
 
 
 def test_a_result_that_came_first_is_kept(world):

@@ -126,12 +126,14 @@ def test_a_lost_node_restarted_with_grow_back_makes_the_job_whole_again(tmp_path
     two processes wait as spares with fresh ids (4, 5), the launchers ask world 1 to
     re-form, and world 2 = [0, 1, 4, 5] is world 0's layout again (mesh 4 x 1): the
     survivors keep their ranks, the spares take ranks 2 and 3 with the agreed state.
-    Per-host batches throughout; exact at the end, every process ended."""
+    Per-host batches throughout; exact at the end, every process ended. The run's
+    recovery budget is one recovery: the regrow is not charged to it."""
     steps, out = 24, str(tmp_path)
     with _logs_on_failure(out):
         with etcd_cluster(3) as cluster:
             codes, final, left, worlds = two_nodes.run_grow_back(
-                cluster.url, out, steps=steps, job_args=("--host-data",))
+                cluster.url, out, steps=steps,
+                job_args=("--host-data", "--run-recoveries", "1"))
         assert codes == [0, 0]
         assert [w["members"] for w in worlds] == [[0, 1, 2, 3], [0, 1], [0, 1, 4, 5]]
         assert final["generation"] == 2

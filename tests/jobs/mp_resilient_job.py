@@ -51,6 +51,9 @@ def main() -> None:
     parser.add_argument("--precompile-cache", default=None, metavar="DIR",
                         help="compile the next worlds ahead, with JAX's persistent "
                              "compilation cache in DIR (default: neither)")
+    parser.add_argument("--run-recoveries", type=int, default=None, metavar="N",
+                        help="RecoveryOptions(run_stop=stop_after_attempt(N)): at most N "
+                             "recoveries charged to the run")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -62,15 +65,18 @@ def main() -> None:
     faults = None
     if me == args.transient_worker:
         faults = mnemojax.testing.FaultInjector().transient_error(args.transient_at_step)
-    compile_opts = {} if args.precompile_cache is None else {
+    extra_opts = {} if args.precompile_cache is None else {
         "compile": mnemojax.CompileOptions(precompile=True, cache_dir=args.precompile_cache)}
+    if args.run_recoveries is not None:
+        extra_opts["recovery"] = mnemojax.RecoveryOptions(
+            run_stop=mnemojax.retry.stop_after_attempt(args.run_recoveries))
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
                                   nonfinite="raise" if args.host_data else "skip_batch",
                                   persistent=mnemojax.PersistentOptions(
                                       directory=args.ckpt, every_steps=args.ckpt_every),
-                                  **compile_opts))
+                                  **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
     loader = None
     if args.host_data:

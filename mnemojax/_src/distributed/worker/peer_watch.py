@@ -179,7 +179,8 @@ def peer_died_error(generation: int, failed: tuple[int, ...], *,
                     regrow: bool = False, started: bool = True) -> BaseException:
     """The error a watched wait fails with: a non-retryable ``JaxRuntimeError``, which the
     resilient step under a session takes for a peer failure (``regrow``: no one died,
-    the world re-forms larger; the same path recovers it). ``started``: the step was
+    the world re-forms larger; the same path recovers it, and does not charge it to the
+    recovery budget: ``error.mnemojax_regrow``). ``started``: the step was
     running (its collectives are abandoned), or it was not started at all."""
     import jax
     what = (f"world {generation} re-forms larger (spares fill it back to its first size)"
@@ -188,6 +189,7 @@ def peer_died_error(generation: int, failed: tuple[int, ...], *,
             else "the step is not started in it")
     error = jax.errors.JaxRuntimeError(f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); {fate}")
     error.mnemojax_peer_watch = True  # type: ignore[attr-defined]
+    error.mnemojax_regrow = regrow  # type: ignore[attr-defined]  # not charged to the budget
     return error
 
 
