@@ -6,8 +6,10 @@ exported when compiled ahead and lowered from its export by a new world's compil
 The step is a two-leaf toy, so each compile takes a fraction of a second.
 """
 
+import gc
 import logging
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -285,6 +287,40 @@ def test_a_new_worlds_compiler_lowers_a_step_exported_ahead_without_tracing_it(a
             c.close()
 
 
+def _reaches_a_device(root, limit: int = 200_000) -> bool:
+    """Whether `root` refers, through any chain of objects, to a `jax.Device` (which would
+    keep its client alive). Process-wide objects are not followed: modules, types, a
+    function's globals (its closure and defaults are), the pytree registry of a treedef."""
+    seen, todo = set(), [root]
+    while todo and len(seen) < limit:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, type | types.ModuleType | jax.tree_util.PyTreeDef):
+            continue
+        seen.add(id(x))
+        if isinstance(x, jax.Device):
+            return True
+        if isinstance(x, types.FunctionType):
+            todo.extend(c.cell_contents for c in x.__closure__ or ())
+            todo.extend(x.__defaults__ or ())
+        else:
+            todo.extend(gc.get_referents(x))
+    assert not todo, "the object graph is too large to search"
+    return False
+
+
+def test_a_kept_export_refers_to_no_device():
+    exports = ExportedSteps()
+    compiler = _compiler(exports=exports)
+    try:
+        compiler.precompile([_plan((3, 2))], BATCH)
+        assert compiler.wait_precompiled(timeout_s=120)
+        kept = exports.get(StepCompiler.key(_plan((3, 2)), BATCH))
+        assert kept is not None and not _reaches_a_device(kept)
+        assert _reaches_a_device(compiler.get(_plan((3, 2)), BATCH)[0])  # the search works
+    finally:
+        compiler.close()
+
+
 def test_a_step_that_cannot_be_exported_is_traced_and_the_refusal_said_once(caplog):
     step = _Counting(callback=True)
     exports = ExportedSteps()
@@ -310,7 +346,8 @@ def test_exported_steps_keep_the_newest_entries():
     with pytest.raises(ValueError, match="max_entries must be >= 1, got 0"):
         ExportedSteps(max_entries=0)
     exports = ExportedSteps(max_entries=2)
+    exported = jax.export.export(jax.jit(jnp.sin))(jax.ShapeDtypeStruct((2,), np.float32))
     for k in ("a", "b", "a", "c"):  # "a" put again: the newest
-        exports.put((k,), object())  # type: ignore[arg-type]
+        exports.put((k,), exported)
     assert len(exports) == 2 and exports.get(("b",)) is None
     assert exports.get(("a",)) is not None and exports.get(("c",)) is not None

@@ -102,8 +102,9 @@ class ExportedSteps:
     """The step exported per plan and batch (`StepCompiler.key`), kept across worlds.
 
     A `RuntimeBuilder` holds one for every runtime it builds: the background compiles of the
-    old world fill it, the new world's compile reads it. An `Exported` holds the module and
-    its shardings, no device or client, so it outlives the old world's backend. The newest
+    old world fill it, the new world's compile reads it. An `Exported` kept here holds the
+    module and its shardings (over an abstract mesh), no device or client (its VJP closure
+    is dropped), so it does not keep the old world's backend alive. The newest
     ``max_entries`` are kept (the candidate worlds of the last precompile and the current
     one).
 
@@ -125,6 +126,9 @@ class ExportedSteps:
             return self._by_key.get(key)
 
     def put(self, key: tuple, exported: jax_export.Exported) -> None:
+        # Its VJP closure holds the traced step and its concrete devices, which would keep
+        # the old world's client alive; the new world only calls the export.
+        exported = dataclasses.replace(exported, _get_vjp=None)
         with self._lock:
             self._by_key.pop(key, None)
             self._by_key[key] = exported
