@@ -1,6 +1,7 @@
 """The resilient step's contract: error classification, budgets, forms, statistics."""
 
 import signal
+import types
 import warnings
 
 import jax
@@ -10,6 +11,8 @@ import pytest
 from flax import nnx
 
 import mnemojax
+from mnemojax._src.api import _StepBudget
+from mnemojax._src.recovery import Resumed
 from mnemojax.errors import (
     BatchSplitError,
     InvalidOptionError,
@@ -140,6 +143,53 @@ def test_run_wide_budget_stops_cascading_recoveries():
     with pytest.raises(RecoveryExhaustedError, match="run-wide"):
         step(model, optimizer, batches[2])
     step.close()
+
+
+class _Closable:
+    def __init__(self):
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+class _FormsWorld:
+    """A `ProcessRecovery` stand-in whose world forms as `plan_kind`."""
+
+    def __init__(self, plan_kind: str, failed: tuple[int, ...] = ()):
+        self.built = None
+        self.runtime = _Closable()
+        self._record = types.SimpleNamespace(plan_kind=plan_kind, failed_processes=failed)
+
+    def recover(self, *args, **kwargs):
+        return Resumed(self.runtime, [], 0, self._record)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("formed, failed, charged", [
+    ("grow_back", (), False), ("process_loss", (), True), ("grow_back", (3,), True)],
+    ids=["grew", "did-not-grow", "a-member-died-too"])
+def test_a_regrow_is_charged_only_when_the_world_did_not_only_grow(formed, failed, charged):
+    """A world re-formed on a regrow notice costs nothing of the recovery budgets when it
+    only grew; one that formed otherwise (a joiner left, a member died meanwhile) is a
+    failure after all, and its runtime is closed with the step."""
+    rec = mnemojax.RecoveryOptions(run_stop=mnemojax.retry.stop_after_attempt(0))
+    model, optimizer = h.make_mlp()
+    step = _step(recovery=rec)
+    step(model, optimizer, h.make_batches(1)[0])
+    b = step._built
+    assert b is not None
+    b.process_recovery = world = _FormsWorld(formed, failed)  # type: ignore[assignment]
+    budget = _StepBudget(step.options.recovery, 2, [])
+    if charged:
+        with pytest.raises(RecoveryExhaustedError, match="run-wide"):
+            step._recover_world(2, "regrow", 0.0, budget, charge=False)
+    else:
+        assert step._recover_world(2, "regrow", 0.0, budget, charge=False).runtime \
+            is world.runtime
+        with pytest.raises(RecoveryExhaustedError):  # the same call, as a failure
+            step._recover_world(2, "death", 0.0, budget)
+    step.close()
+    assert world.runtime.closed == int(charged)
 
 
 def test_min_devices_ends_in_typed_error():

@@ -321,6 +321,31 @@ def test_a_kept_export_refers_to_no_device():
         compiler.close()
 
 
+def test_an_export_that_does_not_fit_the_mesh_is_traced_instead(caplog):
+    """A kept export made for 4 devices, found under a 6-device plan's key: it does not
+    lower there, so the step is traced, with a warning, and computes the right thing."""
+    exports = ExportedSteps()
+    old = _compiler(exports=exports)
+    new = _compiler(exports=exports)
+    try:
+        old.precompile([_plan((2, 2))], BATCH)
+        assert old.wait_precompiled(timeout_s=120)
+        wrong = exports.get(StepCompiler.key(_plan((2, 2)), BATCH))
+        assert wrong is not None
+        exports.put(StepCompiler.key(_plan((3, 2)), BATCH), wrong)
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            exe, where = new.get(_plan((3, 2)), BATCH)
+        assert where == "compiled" and not exe.exported
+        assert any("from its export failed" in r.getMessage() for r in caplog.records)
+        (new_w, _), metrics, flags = _run(exe, np.ones((8, 4), np.float32),
+                                          np.zeros(4, np.float32), np.ones((12, 8), np.float32))
+        np.testing.assert_array_equal(new_w, 2 * np.ones((8, 4)))
+        assert float(metrics["loss"]) == 64.0 and flags.shape == (6,)
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_step_that_cannot_be_exported_is_traced_and_the_refusal_said_once(caplog):
     step = _Counting(callback=True)
     exports = ExportedSteps()

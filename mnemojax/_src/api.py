@@ -406,7 +406,8 @@ class ResilientStep(Generic[P, R]):
                           for s, v in zip(shapes, values, strict=True)],
             leaf_entries=form.leaf_entries,
             wrap_layer=self._injector.wrap if self._injector is not None else None,
-            axis_types=shd.axis_types_of(mesh), export_steps=session is not None,
+            axis_types=shd.axis_types_of(mesh),
+            export_steps=session is not None and opts.compile.export_ahead,
             on_corrupt=lambda s: durability.emit("fault", step=s,
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,
@@ -577,27 +578,38 @@ class ResilientStep(Generic[P, R]):
                        budget: _StepBudget, *, charge: bool = True) -> Resumed:
         """A collective failed: forget the old world, then `ProcessRecovery.recover`;
         again whenever a peer dies while it runs (each time over the world that failed),
-        within the budgets. ``charge=False``: the first round is not a failure (the world
-        re-forms larger, a regrow) and is not charged to the budgets; later rounds are."""
+        within the budgets. ``charge=False``: the first round was announced as a regrow
+        (the world re-forms larger) and is not charged to the budgets, unless the world it
+        forms did not only grow (no grow-back, or a member died); later rounds are."""
         b = self._require_built()
         assert b.process_recovery is not None
+        uncharged = not charge
         while True:
             if charge:
                 budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
-            charge = True
             proxy = b.runtime.proxy
             old_plan, places, spares = proxy.plan, proxy.device_places(), list(proxy.spares)
             self._forget_world()
             try:
-                return b.process_recovery.recover(
+                resumed = b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
                     t_fault=t_fault, rules=self._rules(), spares=spares)
+                record = resumed.record
+                if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
+                    # Told of a regrow, but the world did not only grow (a joiner left, or
+                    # a member died meanwhile): a failure after all. (The new runtime is
+                    # the step's now, so closing the step closes it if the budget ends it.)
+                    b.runtime = resumed.runtime
+                    budget.charge_recovery(DistributedError(
+                        f"step {step}: {reason}; the world re-formed as {record.plan_kind}"))
+                return resumed
             except jax.errors.JaxRuntimeError as again:
                 if b.process_recovery.built is not None:  # the new world formed, then failed
                     b.runtime = b.process_recovery.built
                 if not self._is_peer_failure(again):
                     raise
                 reason = f"during the recovery: {type(again).__name__}: {again}"
+            charge, uncharged = True, False
             self._statistics.faults_during_recovery += 1  # the exception is gone here
             log.warning("mnemojax: step %d: a peer failed during the recovery; recovering "
                         "the world again", step)

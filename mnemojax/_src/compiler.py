@@ -14,7 +14,10 @@ client). `ExportedSteps` takes that trace off the recovery: each step compiled a
 `jax.export`-ed first and compiled through ``jax.jit(exported.call)``; the new world lowers
 the same wrapper on its own mesh, which is ×7 cheaper than a trace (``python -m
 mnemojax._src.bench.micro 5``) and lowers to the same module, so the cache entry written
-ahead is found. A step that cannot be exported (a host callback, say) is traced as before.
+ahead is found. A step that cannot be exported (a host callback, say), or an export that
+fails to lower or compile, is traced as before. The export is the old world's trace, so a
+step that reads the world's size or its process index while tracing must turn this off
+(``CompileOptions(export_ahead=False)``).
 """
 
 from __future__ import annotations
@@ -105,12 +108,18 @@ class ExportedSteps:
     old world fill it, the new world's compile reads it. An `Exported` kept here holds the
     module and its shardings (over an abstract mesh), no device or client (its VJP closure
     is dropped), so it does not keep the old world's backend alive. The newest
-    ``max_entries`` are kept (the candidate worlds of the last precompile and the current
-    one).
+    ``max_entries`` are kept (the candidate worlds of the last precompiles; a mesh compiled
+    on demand is not exported).
+
+    The export is the old world's trace: a step that reads the world while tracing
+    (``jax.process_count()``, ``jax.device_count()``, ``jax.process_index()``, ...) would
+    run with the old world's values. Such a step needs
+    ``CompileOptions(export_ahead=False)``.
 
     Attributes:
-        refused: why the step could not be exported, once it could not (then nothing more
-            is tried: every compile traces the step).
+        refused: why the step could not be exported, once it could not. Then nothing more
+            is tried for the rest of the run, whatever the mesh: every compile traces the
+            step.
     """
 
     def __init__(self, max_entries: int = 16):
@@ -146,6 +155,13 @@ class ExportedSteps:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_key)
+
+
+def _compile_lowered(lowered) -> Any:
+    if jax.process_count() > 1:  # a later world's process of any index may need it
+        with jax_private.cache_entries_from_this_process():
+            return lowered.compile()
+    return lowered.compile()
 
 
 class StepCompiler:
@@ -240,11 +256,16 @@ class StepCompiler:
         t1 = time.perf_counter()
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
-        if jax.process_count() > 1:  # a later world's process of any index may need it
-            with jax_private.cache_entries_from_this_process():
-                compiled = lowered.compile()
-        else:
-            compiled = lowered.compile()
+        try:
+            compiled = _compile_lowered(lowered)
+        except Exception as e:
+            if not exported:
+                raise
+            log.warning("mnemojax: compiling the step for mesh %s from its export failed "
+                        "(%s: %s); tracing it", plan.shape, type(e).__name__, e)
+            with jax.set_mesh(mesh):
+                lowered, exported = jit(self._checked_for(mesh)).lower(*args), False
+            compiled = _compile_lowered(lowered)
         t2 = time.perf_counter()
         from_cache = getattr(_hits, "count", 0) > hits
         with self._lock:
@@ -268,10 +289,10 @@ class StepCompiler:
         if exported is None and ahead and exports.refused is None:
             try:
                 exported = jax_export.export(jit(self._checked_for(mesh)))(*args)
-            except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
-                exports.refuse(f"{type(e).__name__}: {e}"[:300])
-            else:
                 exports.put(key, exported)
+            except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
+                exported = None
+                exports.refuse(f"{type(e).__name__}: {e}"[:300])
         if exported is not None:
             try:
                 return jit(exported.call).lower(*args), True

@@ -45,6 +45,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     ``process_runs``: (e) and (f) (`multiproc`), with their final states, or None.
     """
     a, b, c, d = runs[RUN_A], runs[RUN_B], runs[RUN_C], runs[RUN_D]
+    # The platform JAX ran on (`driver` records it); tests that give none run on CPU.
     targets = targets_for((environment or {}).get("platform", "cpu"))
     m_rec, b_rec = c["recoveries"], d["recoveries"]
     # mnemojax: from the start of the failed step's call (the fault cannot be earlier) to
