@@ -10,7 +10,6 @@ import pytest
 
 from mnemojax._src.bench import report
 from mnemojax._src.cli import main as cli_main
-from mnemojax._src.errors import InvalidOptionError
 
 T0 = 1_700_000_000.0
 
@@ -109,12 +108,15 @@ def test_cli_writes_png_and_json(tmp_path, capsys):
     assert "goodput%" in capsys.readouterr().out
 
 
-def test_cli_rejects_a_missing_log_and_an_unknown_run(tmp_path):
-    with pytest.raises(InvalidOptionError, match="nope.jsonl"):
-        cli_main(["report", str(tmp_path / "nope.jsonl")])
+def test_cli_rejects_a_missing_log_and_an_unknown_run(tmp_path, capsys):
+    """Bad input: status 2 and one line naming it, no traceback."""
+    assert cli_main(["report", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mnemojax report: error: ") and "nope.jsonl" in err
+    assert "Traceback" not in err and err.count("\n") == 1
     path = _write(tmp_path / "run.jsonl", HAND_WRITTEN)
-    with pytest.raises(InvalidOptionError, match="ghost"):
-        cli_main(["report", str(path), "--run", "ghost"])
+    assert cli_main(["report", str(path), "--run", "ghost"]) == 2
+    assert "ghost" in capsys.readouterr().err
 
 
 def test_report_code_never_imports_jax():

@@ -34,8 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status.
 
     A command that needs a module of the ``tools`` extra which is not installed exits
-    with status 1 and names the extra to install.
+    with status 1 and names the extra to install. Bad input (an option, a config file or
+    the environment: `InvalidOptionError`, `WorldConfigError`) exits with status 2 and one
+    line on stderr naming the bad value, as argparse does for its own arguments.
     """
+    from mnemojax._src.errors import InvalidOptionError, WorldConfigError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mnemojax",
                                      description="mnemojax command-line tools.")
@@ -51,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.add_arguments(command_parser)
         args = command_parser.parse_args(argv[1:])
         return int(module.run(args) or 0)
+    except (InvalidOptionError, WorldConfigError) as exc:
+        print(f"mnemojax {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing not in _TOOLS_EXTRA:
