@@ -145,15 +145,19 @@ def test_a_lost_node_restarted_with_grow_back_makes_the_job_whole_again(tmp_path
         assert left == [], "a process outlived the job"
 
 
-def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path):
+def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path, monkeypatch):
     """Worker 0's host dies (it owns every shard): node 0's spare takes its rank, so the
     mesh stays 4 x 1; then that spare's host dies, and node 1's spare takes the rank with
     the state from the replica the first spare re-created. Forged requests without the job
-    secret to a launcher and an agent, before that, are all refused. Exact at the end."""
+    secret to a launcher and an agent, before that, are all refused. Exact at the end.
+    Over TLS: etcd refuses clients without a certificate of the job's CA."""
     steps = 14
     out = str(tmp_path)
     with _logs_on_failure(out):
-        with etcd_cluster(3) as cluster:
+        with etcd_cluster(3, tls=True) as cluster:
+            assert cluster.tls is not None and cluster.url.startswith("etcds://")
+            for var, path in cluster.tls.env().items():  # the launchers inherit it
+                monkeypatch.setenv(var, path)
             codes, final, left, answered = two_nodes.run_spares(cluster.url, out,
                                                                 steps=steps)
         _check_spares(out, steps, codes, final, left, answered)
