@@ -52,7 +52,7 @@ def _alive(pid: int) -> bool:
     return process_alive(pid)
 
 
-def _figures(steps: list[dict], *, killed: int, t_kill: float, new_world) -> dict:
+def kill_figures(steps: list[dict], *, killed: int, t_kill: float, new_world) -> dict:
     """Kill → next good step and kill → killed step done again, from step events.
 
     ``killed`` is the first step the world before the kill never completed;
@@ -128,7 +128,7 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
     if not recovered:
         raise BaselineError("bench run (e): no step recovered after the kill",
                             returncode=report["rc"], stderr_tail=_tail(log))
-    figures = _figures(steps, killed=min(recovered), t_kill=t_kill,
+    figures = kill_figures(steps, killed=min(recovered), t_kill=t_kill,
                        new_world=lambda e: e["step"] >= min(recovered))
     stats = json.loads((out / "stats.json").read_text())
     rec = (stats.get("recoveries") or [{}])[0]
@@ -283,7 +283,7 @@ def run_classical_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: in
     # The first step the first launch never completed (a survivor may log a step the
     # victim completed but was killed before logging).
     killed = max((e["step"] for e in steps if e["launch"] == 0), default=0) + 1
-    figures = _figures(steps, killed=killed, t_kill=kill["t"],
+    figures = kill_figures(steps, killed=killed, t_kill=kill["t"],
                        new_world=lambda e: e["launch"] == 1)
     mine = [e for e in log_events if e.get("launch") == 1]
 

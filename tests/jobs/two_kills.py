@@ -1,0 +1,74 @@
+"""Two real kills in one multi-process job: is either recovery's compile on the critical
+path? (issue 13: "0 s of compile on the critical path for the first two faults of a run").
+
+    PYTHONPATH=. python -m tests.jobs.two_kills [--kills 12,70] [--steps 90]
+
+Runs the bench's resilient worker (`mnemojax._src.bench.mp_resilient_worker`, the tiny
+preset's GPT on mesh 4 x 2) under the launcher with its default options, 4 processes x 2
+CPU devices, a fresh persistent compilation cache, and SIGKILLs worker 1 once it has
+published the first kill step, then worker 2 at the second. Prints, per recovery, how the
+new world got its executable (``cached``: loaded from the entry written ahead;
+``compiled``: on the critical path) and whether it lowered the step from its export, its
+phases, and kill -> next good step. Exit status 1 if the job failed or a recovery compiled
+on the critical path. Every process ends with the launcher (bounded by ``--timeout-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from mnemojax._src.bench.multiproc import RESILIENT_WORKER, kill_figures
+from mnemojax._src.distributed.launcher.options import LaunchOptions
+from mnemojax._src.events import read_events
+from mnemojax.testing import ProcessFault, run_scenario
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.jobs.two_kills")
+    p.add_argument("--kills", default="12,70",
+                   help="the steps after which workers 1 and 2 are killed")
+    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--timeout-s", type=float, default=500.0)
+    args = p.parse_args(argv)
+    kills = [int(k) for k in args.kills.split(",")]
+    if len(kills) != 2 or not 0 < kills[0] < kills[1] < args.steps:
+        p.error(f"--kills {args.kills!r}: two increasing steps below --steps")
+    out = Path(tempfile.mkdtemp(prefix="mnemojax-two-kills-"))
+    cmd = [sys.executable, "-m", RESILIENT_WORKER, "--preset", "tiny", "--steps",
+           str(args.steps), "--out", str(out), "--run", "two_kills",
+           "--compile-cache", str(out / "xla-cache")]
+    log = out / "workers.log"
+    cmd = ["/bin/sh", "-c", f'exec "$0" "$@" >>"{log}" 2>&1', *cmd]
+    d = LaunchOptions(nproc=4)
+    report = run_scenario(cmd, nproc=4, devices_per_proc=2,
+                          faults=[ProcessFault("kill", 1, kills[0]),
+                                  ProcessFault("kill", 2, kills[1])],
+                          collective_timeout_s=d.collective_timeout_s,
+                          heartbeat_s=d.heartbeat_s, agree_timeout_s=d.agree_timeout_s,
+                          hang_min_s=d.hang_min_s, job_timeout_s=args.timeout_s)
+    print(f"job exit {report['rc']}, kills fired: "
+          f"{[(f['victim'], f['step']) for f in report['fired']]}, output in {out}")
+    if report["rc"] != 0 or len(report["fired"]) != 2:
+        print(log.read_text()[-3000:] if log.exists() else "(no worker log)")
+        return 1
+    steps = [e for e in read_events(out / "events.jsonl") if e["kind"] == "step"]
+    recs = json.loads((out / "stats.json").read_text())["recoveries"]
+    on_path = 0
+    for fired, rec in zip(report["fired"], recs, strict=False):
+        figures = kill_figures(steps, killed=fired["step"] + 1, t_kill=fired["t"],
+                               new_world=lambda e, f=fired: e["step"] > f["step"])
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in rec["phases_s"].items())
+        print(f"kill of worker {fired['victim']} after step {fired['step']}: executable "
+              f"{rec['executable']}{', from export' if rec.get('from_export') else ''}; "
+              f"kill -> next good step {figures['next_good_step_s']:.2f} s (every survivor; "
+              f"{figures['processes_after']} processes); phases (s): {phases}")
+        on_path += rec["executable"] == "compiled"
+    return 1 if on_path or len(recs) != 2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
