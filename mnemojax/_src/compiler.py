@@ -137,7 +137,7 @@ class ExportedSteps:
     def put(self, key: tuple, exported: jax_export.Exported) -> None:
         # Its VJP closure holds the traced step and its concrete devices, which would keep
         # the old world's client alive; the new world only calls the export.
-        exported = dataclasses.replace(exported, _get_vjp=None)
+        exported = jax_private.export_without_vjp(exported)
         with self._lock:
             self._by_key.pop(key, None)
             self._by_key[key] = exported

@@ -7,7 +7,9 @@ worker a plain client (`new_client`, `global_state`, used by `worker.coordinatio
 needs ``jax._src.distributed.global_state`` and
 ``jax._src.lib._jax.get_distributed_runtime_{service,client}``, used only here, behind
 `check_jax_version` and `check_private_api` (a unit test calls the latter, so a JAX upgrade
-that changes these shapes fails loudly instead of misbehaving at the first failure).
+that changes these shapes fails loudly instead of misbehaving at the first failure). Also
+here: the persistent-cache writer of every process (`cache_entries_from_this_process`) and
+an export's private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
 
 Nothing happens on import: JAX itself is imported inside the functions.
 """
@@ -15,6 +17,7 @@ Nothing happens on import: JAX itself is imported inside the functions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -45,6 +48,7 @@ PRIVATE_API = (
     ("jax._src.compilation_cache", "put_executable_and_time",
      ("cache_key", "module_name", "executable", "backend", "compile_time")),
 )
+EXPORTED_VJP_FIELD = "_get_vjp"  # `export_without_vjp`
 CLIENT_METHODS = ("connect", "shutdown", "get_live_nodes", "wait_at_barrier")
 STATE_FIELDS = ("process_id", "num_processes", "client", "service", "coordinator_address",
                 "preemption_sync_manager")
@@ -109,6 +113,9 @@ def check_private_api() -> None:
     from jax.experimental import multihost_utils
     if not hasattr(multihost_utils.live_devices, "devices"):
         missing.append("multihost_utils.live_devices.devices")
+    from jax import export
+    if EXPORTED_VJP_FIELD not in {f.name for f in dataclasses.fields(export.Exported)}:
+        missing.append(f"jax.export.Exported.{EXPORTED_VJP_FIELD}")
     if missing:
         version = _jax_version()
         raise UnsupportedJaxVersionError(
@@ -197,6 +204,13 @@ def cache_entries_from_this_process() -> Iterator[None]:
         yield
     finally:
         _cache_writes.on = was
+
+
+def export_without_vjp(exported: Any) -> Any:
+    """A `jax.export.Exported` without its VJP closure, which holds the traced function
+    and its concrete devices (and so their client) alive; such an export can be called,
+    not differentiated."""
+    return dataclasses.replace(exported, **{EXPORTED_VJP_FIELD: None})
 
 
 def reset_live_devices() -> None:
