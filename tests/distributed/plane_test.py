@@ -70,6 +70,9 @@ def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
     view = _view(items)
     assert view.slots() == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0}
     assert view.full_size() == 4 and view.joiners(2) == [6, 7]
+    assert view.open_slots(2, [4, 1]) == [2, 3]  # smaller than world 0: its free slots
+    assert view.open_slots(2, [4]) == [1, 2, 3]  # ... and a member that did not arrive
+    assert view.open_slots(1, [4, 1, 3]) == [2]  # full size: the dead member's slot
     assert view.regrow_due() == 2 and not view.regrows(2)
     assert view.used_ids(range(4, 6)) == set(range(8))
     asked = _view({**items, "regrow/2": {"by_node": 0}})

@@ -153,13 +153,7 @@ class JobView:
         for each such slot, a spare of the node that slot's world-0 worker ran on where one
         waits, so the ring still pairs workers of different nodes."""
         spares = self.joiners(generation)
-        members = self.worlds().get(generation, ())
-        slots = self.slots()
-        if len(members) < self.full_size():
-            held = {slots.get(m) for m in arrived}
-            targets = [s for s in range(self.full_size()) if s not in held]
-        else:
-            targets = [slots.get(m, -1) for m in members if m not in arrived]
+        targets = self.open_slots(generation, arrived)
         world0 = self.worlds().get(0, ())
         ordered: list[int] = []
         left = list(spares)
@@ -171,6 +165,19 @@ class JobView:
             left.remove(pick)
             ordered.append(pick)
         return ordered + left
+
+    def open_slots(self, generation: int, arrived: Sequence[int]) -> list[int]:
+        """The slots a joiner may fill in the world after ``generation`` when ``arrived``
+        are its survivors: the free slots of world 0's layout when that world is smaller
+        than world 0 (it grows back), else the slots of its dead members (-1 for a member
+        without one). The one count of free slots that deciding a world (`EtcdArbiter`),
+        placing joiners (`placed_joiners`) and a regrow (`regrow_due`) use."""
+        members = self.worlds().get(generation, ())
+        slots = self.slots()
+        if len(members) < self.full_size():
+            held = {slots.get(m) for m in arrived}
+            return [s for s in range(self.full_size()) if s not in held]
+        return [slots.get(m, -1) for m in members if m not in arrived]
 
     def full_size(self) -> int:
         """World 0's size: the size the job grows back to."""
@@ -213,7 +220,7 @@ class JobView:
             return None
         if set(self.exits()) & set(members):  # the job is finishing
             return None
-        if len(self.joiners(g)) < self.full_size() - len(members):
+        if len(self.joiners(g)) < len(self.open_slots(g, members)):
             return None
         return g
 
@@ -517,11 +524,9 @@ class EtcdArbiter:
             holdings = {a: list(r.copies) for a, r in replies.items()}
             joiners = view.placed_joiners(generation, list(book.arrived))
             full = view.full_size()
-            if len(book.members) < full:  # grows back, with a joiner for every free slot
-                joining = full - len(book.arrived)
-            else:  # a joiner for every dead member
-                joining = len(book.members) - len(book.arrived)
-            joining = joining if 0 < joining <= len(joiners) else 0
+            # A joiner for every free slot (a world that grows back) or dead member, or none.
+            joining = len(view.open_slots(generation, list(book.arrived)))
+            joining = joining if joining <= len(joiners) else 0
             nxt = generation + 1
             service = self._services.start(nxt, len(book.arrived) + joining)
             try:
