@@ -589,11 +589,13 @@ class ResilientStep(Generic[P, R]):
                 budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
             proxy = b.runtime.proxy
             old_plan, places, spares = proxy.plan, proxy.device_places(), list(proxy.spares)
-            self._forget_world()
+            t_close = time.perf_counter()
+            self._forget_world()  # waits for a background compile that is running
             try:
                 resumed = b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
-                    t_fault=t_fault, rules=self._rules(), spares=spares)
+                    t_fault=t_fault, rules=self._rules(), spares=spares,
+                    close_s=time.perf_counter() - t_close)
                 record = resumed.record
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or

@@ -287,7 +287,7 @@ class ProcessRecovery:
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
-                spares: Sequence[int]) -> Resumed:
+                spares: Sequence[int], close_s: float = 0.0) -> Resumed:
         """Agrees with the survivors, joins their world, plans its mesh, compiles and
         restores the agreed state.
 
@@ -304,6 +304,9 @@ class ProcessRecovery:
             t_fault: when the failure surfaced (perf_counter).
             rules: the planner's rules.
             spares: old ids of the old world's spare devices (idle survivors can swap in).
+            close_s: of the time since ``t_fault``, how long closing the old world's
+                runtime took (it waits for a background compile that is running): the
+                ``close`` phase, apart from ``detect``.
 
         Raises:
             MeshTooSmallError: too few processes survive (the agreed state is
@@ -319,7 +322,7 @@ class ProcessRecovery:
                     step, reason[:200])
         rec = session.recover(last_step=last_step, reason=reason,
                               first_replayable=self._batches.first_step)
-        phases = {"detect": t0 - t_fault,
+        phases = {"detect": t0 - t_fault - close_s, "close": close_s,
                   "agree": rec.phases["detach"] + rec.phases["agree"]}
         t = time.perf_counter()
         agreement = rec.agreement

@@ -38,8 +38,9 @@ class RecoveryRecord:
         math_changed: the new mesh computes something else than the failure-free run.
         hang: the failure was a hang noticed by the watchdog (no error was raised).
         failed_processes: multi-process recoveries (``plan_kind == "process_loss"``):
-            the worker ids lost. Their phases are detect, agree, plan, compile, restore,
-            replay.
+            the worker ids lost. Their phases are detect, close (the old world's runtime
+            closed: a background compile that is running is waited for), agree, plan,
+            compile, restore, replay.
         generation: multi-process: the new world's generation.
         fetched_from: multi-process: origin worker id -> the agent its snapshot came from
             (only the snapshots needed to cover the state).

@@ -51,7 +51,8 @@ def _one_recovery(tmp_path, reference, report, *, nproc=3) -> dict:
     [rec] = stats["recoveries"]
     assert rec["plan_kind"] == "process_loss" and rec["generation"] >= 1
     assert rec["old_mesh_shape"] == {"data": nproc, "model": 2}
-    assert set(rec["phases_s"]) == {"detect", "agree", "plan", "compile", "restore", "replay"}
+    assert set(rec["phases_s"]) == {"detect", "close", "agree", "plan", "compile", "restore",
+                                    "replay"}
     return rec
 
 

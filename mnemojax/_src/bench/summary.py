@@ -177,7 +177,7 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
          _f(ph_f.get("detect"))),
         ("  survivors' recovery, runtime-timed (s)", _f(e["recovery_total_s"]), "-"),
     ]
-    for name in ("detect", "agree", "compile", "restore", "replay"):
+    for name in ("detect", "close", "agree", "compile", "restore", "replay"):
         rows.append((f"    {name} (s)", _f(ph_e.get(name)), "-"))
     how = e.get("executable") or "-"
     rows.append(("      the new world's executable", how + (", from export" if
