@@ -584,6 +584,7 @@ class ResilientStep(Generic[P, R]):
         b = self._require_built()
         assert b.process_recovery is not None
         uncharged = not charge
+        close_s = 0.0  # every round's close of its old runtime (the first waits longest)
         while True:
             if charge:
                 budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
@@ -591,11 +592,11 @@ class ResilientStep(Generic[P, R]):
             old_plan, places, spares = proxy.plan, proxy.device_places(), list(proxy.spares)
             t_close = time.perf_counter()
             self._forget_world()  # waits for a background compile that is running
+            close_s += time.perf_counter() - t_close
             try:
                 resumed = b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
-                    t_fault=t_fault, rules=self._rules(), spares=spares,
-                    close_s=time.perf_counter() - t_close)
+                    t_fault=t_fault, rules=self._rules(), spares=spares, close_s=close_s)
                 record = resumed.record
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or

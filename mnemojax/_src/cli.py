@@ -56,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = command_parser.parse_args(argv[1:])
         return int(module.run(args) or 0)
     except (InvalidOptionError, WorldConfigError) as exc:
-        print(f"mnemojax {argv[0]}: error: {exc}", file=sys.stderr)
+        cause = exc.__cause__  # raised from another error: say it too, it is not only input
+        why = f" (from {type(cause).__name__}: {cause})" if cause is not None else ""
+        print(f"mnemojax {argv[0]}: error: {exc}{why}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]

@@ -304,9 +304,9 @@ class ProcessRecovery:
             t_fault: when the failure surfaced (perf_counter).
             rules: the planner's rules.
             spares: old ids of the old world's spare devices (idle survivors can swap in).
-            close_s: of the time since ``t_fault``, how long closing the old world's
-                runtime took (it waits for a background compile that is running): the
-                ``close`` phase, apart from ``detect``.
+            close_s: of the time since ``t_fault``, how long closing the old worlds'
+                runtimes took, over every round so far (the first waits for a background
+                compile that is running): the ``close`` phase, apart from ``detect``.
 
         Raises:
             MeshTooSmallError: too few processes survive (the agreed state is

@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     recs = json.loads((out / "stats.json").read_text())["recoveries"]
     on_path = 0
     for fired, rec in zip(report["fired"], recs, strict=False):
-        figures = kill_figures(steps, killed=fired["step"] + 1, t_kill=fired["t"],
-                               new_world=lambda e, f=fired: e["step"] > f["step"])
+        # The new world's steps are the failed one (rec["step"]) and later: a lower step
+        # logged after the kill was completed by the old world (as in the bench's (e)).
+        figures = kill_figures(steps, killed=rec["step"], t_kill=fired["t"],
+                               new_world=lambda e, r=rec: e["step"] >= r["step"])
         phases = ", ".join(f"{k} {v:.2f}" for k, v in rec["phases_s"].items())
         print(f"kill of worker {fired['victim']} after step {fired['step']}: executable "
               f"{rec['executable']}{', from export' if rec.get('from_export') else ''}; "
