@@ -122,7 +122,7 @@ class ExportedSteps:
             step.
     """
 
-    def __init__(self, max_entries: int = 16):
+    def __init__(self, max_entries: int = 16):  # the builder: 2 x max_precompiled
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries!r}")
         self._max = max_entries

@@ -90,7 +90,9 @@ class RuntimeBuilder:
                  on_corrupt: Callable[[int], None] | None = None,
                  axis_types: shd.AxisTypes | None = None, export_steps: bool = False):
         self._options = options
-        self.exports = ExportedSteps() if export_steps else None
+        # The candidates of the last two precompiles (the world's and the one before).
+        self.exports = ExportedSteps(max(1, 2 * options.compile.max_precompiled)) \
+            if export_steps else None
         self.axis_types = dict(axis_types or {})
         self._pure = pure
         self._specs = list(specs)
