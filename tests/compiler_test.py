@@ -234,14 +234,18 @@ class _Counting:
     """The toy step, counting its traces; with ``callback``, it calls the host (which
     `jax.export` cannot serialise)."""
 
-    def __init__(self, callback: bool = False, explicit: bool = False):
+    def __init__(self, callback: bool = False, explicit: bool = False,
+                 reads_world: str | None = None):
         self.traces = 0
-        self._callback, self._explicit = callback, explicit
+        self._callback, self._explicit, self._reads = callback, explicit, reads_world
 
     def __call__(self, leaves, batch):
         self.traces += 1
         if self._callback:
             jax.debug.callback(lambda w: None, leaves[0])
+        if self._reads is not None:  # e.g. a loss scaled by the world's size
+            leaves = [leaves[0] * len(getattr(jax, self._reads)()) if self._reads == "devices"
+                      else leaves[0] * getattr(jax, self._reads)(), leaves[1]]
         if not self._explicit:
             return _pure(leaves, batch)
         w, b = leaves  # an activation spec: needs Explicit axes
@@ -363,6 +367,27 @@ def test_a_step_that_cannot_be_exported_is_traced_and_the_refusal_said_once(capl
                                       np.zeros(4, np.float32), np.ones((12, 8), np.float32))
         np.testing.assert_array_equal(new_w, 2 * np.ones((8, 4)))
         assert float(metrics["loss"]) == 64.0
+    finally:
+        compiler.close()
+
+
+@pytest.mark.parametrize("read", ["process_count", "device_count", "devices"])
+def test_a_step_that_reads_its_world_while_tracing_is_not_exported(read, caplog):
+    """Its export would keep this world's value in the next world: the first export is
+    watched, the read found (named, with where), and the step is traced in every world."""
+    exports = ExportedSteps()
+    compiler = _compiler(_Counting(reads_world=read), exports=exports)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            compiler.precompile([_plan((3, 2)), _plan((2, 2))], BATCH)
+            assert compiler.wait_precompiled(timeout_s=120)
+        assert len(exports) == 0 and exports.watched
+        assert f"jax.{read}() at {__file__}" in (exports.refused or "")
+        said = [r.getMessage() for r in caplog.records if "cannot be exported" in
+                r.getMessage()]
+        assert len(said) == 1 and "reads its world while tracing" in said[0]
+        exe, where = compiler.get(_plan((3, 2)), BATCH)
+        assert where == "ready" and not exe.exported
     finally:
         compiler.close()
 

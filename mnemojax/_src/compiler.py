@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,8 +113,11 @@ class ExportedSteps:
     on demand is not exported).
 
     The export is the old world's trace: a step that reads the world while tracing
-    (``jax.process_count()``, ``jax.device_count()``, ``jax.process_index()``, ...) would
-    run with the old world's values. Such a step needs
+    (``jax.process_count()``, ``jax.device_count()``, ``jax.process_index()``,
+    ``jax.devices()``) would run with the old world's values. The step's first export is
+    traced under a watch for such reads from code outside JAX, Flax and optax; one seen
+    refuses exports for the run (the step is traced in every world). Reads the watch
+    cannot see (a value computed before the step was built, another thread) need
     ``CompileOptions(export_ahead=False)``.
 
     Attributes:
@@ -129,6 +133,7 @@ class ExportedSteps:
         self._by_key: dict[tuple, jax_export.Exported] = {}
         self._lock = threading.Lock()
         self.refused: str | None = None
+        self.watched = False  # the first export was traced under `_world_reads_while`
 
     def get(self, key: tuple) -> jax_export.Exported | None:
         with self._lock:
@@ -155,6 +160,48 @@ class ExportedSteps:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_key)
+
+
+# What a step may read of its world while tracing; under an export the new world would
+# get the old world's value (`ExportedSteps`).
+_WORLD_READS = ("process_count", "process_index", "device_count", "devices")
+# Code of these packages reads the world for its own checks; only the step's own reads
+# (code outside them) count.
+_LIBRARIES = tuple(os.sep + name + os.sep for name in ("jax", "jaxlib", "flax", "optax"))
+
+
+def _world_reads_while(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """Runs ``fn()`` on this thread and returns its result and the world reads (the
+    functions of `_WORLD_READS`) that code outside JAX, Flax and optax made meanwhile, as
+    ``"jax.process_count() at file:line"``. A profile hook of this thread only; it slows
+    the call down, so `StepCompiler` watches the step's first export only. A cached read
+    (``process_count`` is an ``lru_cache``) runs no Python code, so that cache is cleared
+    first; another thread may refill it meanwhile, and that read goes unseen."""
+    from jax._src import xla_bridge
+
+    watched: dict[Any, str] = {}
+    for name in _WORLD_READS:
+        f = getattr(xla_bridge, name)
+        if hasattr(f, "cache_clear"):  # an lru_cache: a hit runs no Python code to see
+            f.cache_clear()
+        watched[getattr(f, "__wrapped__", f).__code__] = f"jax.{name}()"
+    reads: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        if event != "call":
+            return
+        what, caller = watched.get(frame.f_code), frame.f_back
+        if what is not None and caller is not None:
+            path = caller.f_code.co_filename
+            if not any(lib in path for lib in _LIBRARIES):
+                reads.append(f"{what} at {path}:{caller.f_lineno}")
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        return fn(), reads
+    finally:
+        sys.setprofile(before)
 
 
 def _compile_lowered(lowered) -> Any:
@@ -288,8 +335,19 @@ class StepCompiler:
         exported = exports.get(key)
         if exported is None and ahead and exports.refused is None:
             try:
-                exported = jax_export.export(jit(self._checked_for(mesh)))(*args)
-                exports.put(key, exported)
+                export = jax_export.export(jit(self._checked_for(mesh)))
+                if exports.watched:
+                    exported = export(*args)
+                else:  # the step's first export: does it read the world while tracing?
+                    exports.watched = True
+                    exported, reads = _world_reads_while(lambda: export(*args))
+                    if reads:
+                        exported = None
+                        exports.refuse("it reads its world while tracing, which an export "
+                                       "would fix at this world's value: "
+                                       + "; ".join(sorted(set(reads))[:3]))
+                if exported is not None:
+                    exports.put(key, exported)
             except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
                 exported = None
                 exports.refuse(f"{type(e).__name__}: {e}"[:300])

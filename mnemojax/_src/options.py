@@ -218,8 +218,10 @@ class CompileOptions:
             process's loss would form is `jax.export`-ed too, and that world lowers the
             export instead of tracing the step again (×7 cheaper; `compiler.ExportedSteps`).
             The export is this world's trace: a step that reads the world while tracing
-            (``jax.process_count()``, ``jax.device_count()``, ``jax.process_index()``,
-            ...) would keep this world's values there. Set False for such a step.
+            (``jax.process_count()``, ``jax.device_count()``, ...) would keep this
+            world's values there. Such reads in the step's first export are seen and turn
+            exports off for the run (a warning); set False for a step whose world
+            dependence the watch cannot see (a value computed before the step).
         donate_state: donate the state buffers to the step. Saves one copy of the state
             in device memory, but a step that fails after donation leaves no live state,
             so recovery must use the host snapshot (keep ``every_steps=1``). With donation
