@@ -15,9 +15,10 @@ client). `ExportedSteps` takes that trace off the recovery: each step compiled a
 the same wrapper on its own mesh, which is ×7 cheaper than a trace (``python -m
 mnemojax._src.bench.micro 5``) and lowers to the same module, so the cache entry written
 ahead is found. A step that cannot be exported (a host callback, say), or an export that
-fails to lower or compile, is traced as before. The export is the old world's trace, so a
-step that reads the world's size or its process index while tracing must turn this off
-(``CompileOptions(export_ahead=False)``).
+fails to lower or compile, is traced as before. The export is the old world's trace: a
+step seen reading its world's size or its process index while tracing (its first export
+is watched) is traced in every world instead, and ``CompileOptions(export_ahead=False)``
+turns exports off for a step whose dependence the watch cannot see.
 """
 
 from __future__ import annotations
