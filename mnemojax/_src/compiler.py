@@ -178,11 +178,9 @@ def _world_reads_while(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
     the call down, so `StepCompiler` watches the step's first export only. A cached read
     (``process_count`` is an ``lru_cache``) runs no Python code, so that cache is cleared
     first; another thread may refill it meanwhile, and that read goes unseen."""
-    from jax._src import xla_bridge
-
     watched: dict[Any, str] = {}
     for name in _WORLD_READS:
-        f = getattr(xla_bridge, name)
+        f = getattr(jax, name)  # the functions themselves (JAX re-exports, not wrappers)
         if hasattr(f, "cache_clear"):  # an lru_cache: a hit runs no Python code to see
             f.cache_clear()
         watched[getattr(f, "__wrapped__", f).__code__] = f"jax.{name}()"
