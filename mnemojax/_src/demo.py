@@ -175,10 +175,12 @@ def _host_leaves(state):
 
 
 def measure_overhead(gcfg, mesh, corpus, *, batch_size: int, steps: int, rounds: int,
-                     seed: int = 0, learning_rate: float = 3e-3) -> dict:
+                     seed: int = 0, learning_rate: float = 3e-3, plain_step=None) -> dict:
     """Median step time of plain Flax vs mnemojax without and with snapshots: ``rounds``
     rounds of ``steps`` steps per configuration, the order rotating per round (also
-    `make gpu-check`, `bench.gpu_check`)."""
+    `make gpu-check`, `bench.gpu_check`). ``plain_step``: the plain run's
+    ``nnx.jit(lm_train_step)``, when the caller has one compiled for these shapes already
+    (default: a new one, compiled here)."""
     import jax
     from flax import nnx
 
@@ -191,7 +193,7 @@ def measure_overhead(gcfg, mesh, corpus, *, batch_size: int, steps: int, rounds:
 
     plain_model, plain_opt = build_gpt(gcfg, seed=seed, learning_rate=learning_rate)
     shard_onto(plain_model, plain_opt, mesh)
-    plain_step = nnx.jit(lm_train_step)
+    plain_step = plain_step if plain_step is not None else nnx.jit(lm_train_step)
     runners["plain_flax"] = lambda b: float(
         plain_step(plain_model, plain_opt, jax.device_put(b, batch_sharding))["loss"])
 

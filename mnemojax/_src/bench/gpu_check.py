@@ -59,18 +59,19 @@ def _platform_devices(platform: str) -> list | str:
         return str(exc).splitlines()[0]
 
 
-def _fresh_state_d2h(gcfg, mesh, corpus, *, batch_size: int, n: int) -> dict[str, Any]:
-    """``jax.device_get`` of the state after each of ``n`` plain steps: fresh arrays each
-    time (JAX keeps an array's host copy once fetched), the step finished first."""
+def _fresh_state_d2h(gcfg, mesh, corpus, step, *, batch_size: int,
+                     n: int) -> dict[str, Any]:
+    """``jax.device_get`` of the state after each of ``n`` plain steps (``step``, an
+    ``nnx.jit`` of the train step): fresh arrays each time (JAX keeps an array's host copy
+    once fetched), the step finished first."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
+    from mnemojax.models.tasks import build_gpt, shard_onto
 
     model, optimizer = build_gpt(gcfg)
     shard_onto(model, optimizer, mesh)
-    step = nnx.jit(lm_train_step)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     times, nbytes = [], 0
     for i in range(n + 1):
@@ -103,10 +104,12 @@ def run_check(platform: str, *, size: str, steps: int, rounds: int, batch_size: 
     """Runs the three measurements on the first ``n_devices`` devices of ``platform`` (all
     by default); returns the figures."""
     import jax
+    from flax import nnx
 
     from mnemojax._src.demo import measure_overhead
     from mnemojax.models.data import BigramCorpus
     from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import lm_train_step
 
     found = _platform_devices(platform)
     if isinstance(found, str):
@@ -119,10 +122,12 @@ def run_check(platform: str, *, size: str, steps: int, rounds: int, batch_size: 
     corpus = BigramCorpus(gcfg.vocab_size, gcfg.seq_len)
     mesh = jax.make_mesh((len(devices), 1), ("data", "model"), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    plain_step = nnx.jit(lm_train_step)  # compiled once, for both measurements
     with jax.default_device(devices[0]):
-        d2h = _fresh_state_d2h(gcfg, mesh, corpus, batch_size=batch_size, n=steps)
+        d2h = _fresh_state_d2h(gcfg, mesh, corpus, plain_step, batch_size=batch_size,
+                               n=steps)
         overhead = measure_overhead(gcfg, mesh, corpus, batch_size=batch_size, steps=steps,
-                                    rounds=rounds)
+                                    rounds=rounds, plain_step=plain_step)
     snap_s = overhead["snapshot_copy_median_s"]
     snap_bytes = overhead["snapshot_bytes"]
     snap_gbs = snap_bytes / snap_s / 1e9 if snap_s else None
