@@ -244,8 +244,9 @@ class _Counting:
         if self._callback:
             jax.debug.callback(lambda w: None, leaves[0])
         if self._reads is not None:  # e.g. a loss scaled by the world's size
-            leaves = [leaves[0] * len(getattr(jax, self._reads)()) if self._reads == "devices"
-                      else leaves[0] * getattr(jax, self._reads)(), leaves[1]]
+            world = getattr(jax, self._reads)()
+            scale = len(world) if isinstance(world, list) else world
+            leaves = [leaves[0] * scale, leaves[1]]
         if not self._explicit:
             return _pure(leaves, batch)
         w, b = leaves  # an activation spec: needs Explicit axes

@@ -21,10 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mnemojax._src.bench.multiproc import RESILIENT_WORKER, kill_figures
-from mnemojax._src.distributed.launcher.options import LaunchOptions
+from mnemojax._src.bench.multiproc import kill_figures, launch_resilient_workers
 from mnemojax._src.events import read_events
-from mnemojax.testing import ProcessFault, run_scenario
+from mnemojax.testing import ProcessFault
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,18 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(kills) != 2 or not 0 < kills[0] < kills[1] < args.steps:
         p.error(f"--kills {args.kills!r}: two increasing steps below --steps")
     out = Path(tempfile.mkdtemp(prefix="mnemojax-two-kills-"))
-    cmd = [sys.executable, "-m", RESILIENT_WORKER, "--preset", "tiny", "--steps",
-           str(args.steps), "--out", str(out), "--run", "two_kills",
-           "--compile-cache", str(out / "xla-cache")]
     log = out / "workers.log"
-    cmd = ["/bin/sh", "-c", f'exec "$0" "$@" >>"{log}" 2>&1', *cmd]
-    d = LaunchOptions(nproc=4)
-    report = run_scenario(cmd, nproc=4, devices_per_proc=2,
-                          faults=[ProcessFault("kill", 1, kills[0]),
-                                  ProcessFault("kill", 2, kills[1])],
-                          collective_timeout_s=d.collective_timeout_s,
-                          heartbeat_s=d.heartbeat_s, agree_timeout_s=d.agree_timeout_s,
-                          hang_min_s=d.hang_min_s, job_timeout_s=args.timeout_s)
+    report = launch_resilient_workers(
+        preset="tiny", steps=args.steps, out=out, run="two_kills", nproc=4,
+        devices_per_proc=2, faults=[ProcessFault("kill", 1, kills[0]),
+                                    ProcessFault("kill", 2, kills[1])],
+        compile_cache=str(out / "xla-cache"), timeout_s=args.timeout_s)
     print(f"job exit {report['rc']}, kills fired: "
           f"{[(f['victim'], f['step']) for f in report['fired']]}, output in {out}")
     if report["rc"] != 0 or len(report["fired"]) != 2:

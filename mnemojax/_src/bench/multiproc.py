@@ -75,6 +75,33 @@ def kill_figures(steps: list[dict], *, killed: int, t_kill: float, new_world) ->
 # -- (e) mnemojax under the launcher --------------------------------------------------------
 
 
+def launch_resilient_workers(*, preset: str, steps: int, out: Path, run: str, nproc: int,
+                             devices_per_proc: int, faults, compile_cache: str | None,
+                             collective_timeout_s: int | None = None,
+                             timeout_s: float = 600.0) -> dict:
+    """`mp_resilient_worker` on ``nproc`` workers under the launcher with its default
+    options (but ``collective_timeout_s`` when given), firing ``faults``; the workers'
+    output goes to ``out/workers.log``. Returns `run_scenario`'s report (also
+    ``tests.jobs.two_kills``)."""
+    from mnemojax._src.distributed.launcher.options import LaunchOptions
+    from mnemojax._src.distributed.launcher.scenario import run_scenario
+
+    defaults = LaunchOptions(nproc=nproc)
+    worker = [sys.executable, "-m", RESILIENT_WORKER, "--preset", preset, "--steps",
+              str(steps), "--out", str(out), "--run", run]
+    if compile_cache:
+        worker += ["--compile-cache", compile_cache]
+    # The output goes to a log, not the caller's table; exec keeps the pid the agent
+    # watches (and the scenario kills).
+    cmd = ["/bin/sh", "-c", f'exec "$0" "$@" >>"{out / "workers.log"}" 2>&1', *worker]
+    return run_scenario(cmd, nproc=nproc, devices_per_proc=devices_per_proc, faults=faults,
+                        collective_timeout_s=collective_timeout_s
+                        or defaults.collective_timeout_s,
+                        heartbeat_s=defaults.heartbeat_s,
+                        agree_timeout_s=defaults.agree_timeout_s,
+                        hang_min_s=defaults.hang_min_s, job_timeout_s=timeout_s)
+
+
 def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int,
                      devices_per_proc: int, victim: int, kill_after_step: int,
                      compile_cache: str | None, collective_timeout_s: int | None = None,
@@ -90,27 +117,18 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
             process or shared-memory segment outlived it.
     """
     from mnemojax._src.distributed.launcher.options import LaunchOptions
-    from mnemojax._src.distributed.launcher.scenario import ProcessFault, run_scenario
+    from mnemojax._src.distributed.launcher.scenario import ProcessFault
 
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log = out / "workers.log"
-    defaults = LaunchOptions(nproc=nproc)
-    timeout = collective_timeout_s or defaults.collective_timeout_s
-    worker = [sys.executable, "-m", RESILIENT_WORKER, "--preset", preset, "--steps",
-              str(cfg.steps), "--out", str(out), "--run", RUN_E]
-    if compile_cache:
-        worker += ["--compile-cache", compile_cache]
-    # The worker's output goes to a log, not the bench's table; exec keeps the pid the
-    # agent watches (and the scenario kills).
-    cmd = ["/bin/sh", "-c", f'exec "$0" "$@" >>"{log}" 2>&1', *worker]
+    timeout = collective_timeout_s or LaunchOptions(nproc=nproc).collective_timeout_s
     t_start = time.time()
-    report = run_scenario(cmd, nproc=nproc, devices_per_proc=devices_per_proc,
-                          faults=[ProcessFault("kill", victim, kill_after_step)],
-                          collective_timeout_s=timeout, heartbeat_s=defaults.heartbeat_s,
-                          agree_timeout_s=defaults.agree_timeout_s,
-                          hang_min_s=defaults.hang_min_s, job_timeout_s=timeout_s)
+    report = launch_resilient_workers(
+        preset=preset, steps=cfg.steps, out=out, run=RUN_E, nproc=nproc,
+        devices_per_proc=devices_per_proc, faults=[ProcessFault("kill", victim, kill_after_step)],
+        compile_cache=compile_cache, collective_timeout_s=timeout, timeout_s=timeout_s)
     left = [p for p in report["pids"] if _alive(p)]
     fired = report["fired"]
     if report["rc"] != 0 or len(fired) != 1 or "error" in fired[0] or left or \
@@ -129,7 +147,7 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
         raise BaselineError("bench run (e): no step recovered after the kill",
                             returncode=report["rc"], stderr_tail=_tail(log))
     figures = kill_figures(steps, killed=min(recovered), t_kill=t_kill,
-                       new_world=lambda e: e["step"] >= min(recovered))
+                           new_world=lambda e: e["step"] >= min(recovered))
     stats = json.loads((out / "stats.json").read_text())
     rec = (stats.get("recoveries") or [{}])[0]
     return {
@@ -284,7 +302,7 @@ def run_classical_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: in
     # victim completed but was killed before logging).
     killed = max((e["step"] for e in steps if e["launch"] == 0), default=0) + 1
     figures = kill_figures(steps, killed=killed, t_kill=kill["t"],
-                       new_world=lambda e: e["launch"] == 1)
+                           new_world=lambda e: e["launch"] == 1)
     mine = [e for e in log_events if e.get("launch") == 1]
 
     def slowest(kind: str, field: str = "duration_s", phase: str | None = None) -> float:
