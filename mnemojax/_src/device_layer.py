@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from mnemojax._src.data import HostRows
+from mnemojax._src.distributed.snapshot_codec import HostBlocks
 from mnemojax._src.triggers import host_memory_fraction
 
 # `jax.Device` is a runtime alias of jaxlib's compiled (unstubbed) `Device` class, so
@@ -59,6 +60,16 @@ class DeviceLayer(Protocol):
         ...
 
 
+def _from_callback(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``value``'s pieces on this process's devices of ``sharding``. A process with no
+    device in the mesh (one that idles after a loss) holds none, and reads nothing
+    (``make_array_from_callback`` would read the whole of a replicated value)."""
+    if not sharding.addressable_devices:
+        return jax.make_array_from_single_device_arrays(value.shape, sharding, [],
+                                                        dtype=value.dtype)
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
 class JaxDeviceLayer:
     """The real device layer: plain JAX calls."""
 
@@ -76,13 +87,15 @@ class JaxDeviceLayer:
         return jax.block_until_ready(outputs)
 
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        if isinstance(value, HostBlocks):  # builds only the blocks the devices hold
+            return _from_callback(value, sharding)
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
         # Multi-process: every process holds the same global host value (or `HostRows`,
         # which read rows when indexed) and places only the pieces its own devices hold.
         if not isinstance(value, HostRows):
             value = np.asarray(value)
-        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+        return _from_callback(value, sharding)
 
     def fetch(self, shard: jax.Shard) -> np.ndarray:
         return np.array(shard.data, copy=True)

@@ -28,8 +28,7 @@ import jax
 
 from mnemojax._src import monitoring
 from mnemojax._src.compiler import Executable
-from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.worker import coordination
+from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.durability import Durability
@@ -255,6 +254,25 @@ def _replanned(plan: MeshPlan, places: Mapping[int, Place], previous_members: Se
                                    spares=spares)
 
 
+def _every_process_used(plan: MeshPlan, devices: Mapping[int, Sequence[int]]) -> None:
+    """Every process of a multi-process world must hold a device of the mesh: one with
+    none cannot run the step (nothing of its outputs is addressable to it). Every process
+    plans alike, so each raises alike.
+
+    Raises:
+        MeshTooSmallError: a process would hold no device of ``plan`` (e.g. a model
+            replica spans two processes and an odd number survive).
+    """
+    used = {int(d) for d in plan.device_ids.flat}
+    idle = sorted(p for p, ids in devices.items() if not used & set(ids))
+    if idle:
+        raise MeshTooSmallError(
+            f"the new mesh {plan.shape} would leave processes {idle} of the new world with "
+            f"no device (each of the {len(devices)} processes must hold part of it: keep "
+            "each model replica within whole processes, or add spares)",
+            healthy_devices=sum(map(len, devices.values())), required=len(used))
+
+
 class ProcessRecovery:
     """Recovers from the loss of peer processes (see module docstring).
 
@@ -309,8 +327,9 @@ class ProcessRecovery:
                 compile that is running): the ``close`` phase, apart from ``detect``.
 
         Raises:
-            MeshTooSmallError: too few processes survive (the agreed state is
-                checkpointed first when a persistent tier is configured).
+            MeshTooSmallError: too few processes survive, or the new mesh would leave a
+                process with no device (the agreed state is checkpointed first when a
+                persistent tier is configured).
             StateUnavailableError: no copy of the agreed state survives anywhere.
             jax.errors.JaxRuntimeError: a peer failed during the recovery.
         """
@@ -341,6 +360,7 @@ class ProcessRecovery:
                 as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
                 plan = _replanned(old_plan, places, rec.members, as_old, new_devices, rules,
                                   spares)
+            _every_process_used(plan, new_devices)
         except MeshTooSmallError as exc:
             self._persist_agreed_state(rec, exc)
         phases["plan"] = time.perf_counter() - t
@@ -371,11 +391,11 @@ class ProcessRecovery:
             source_step=resume,
             steps_lost=step - 1 - resume, precompiled=exe.from_cache,
             executable="cached" if exe.from_cache else "compiled",
-            phases_s=phases, total_s=0.0, bytes_moved=sum(len(p) for p in rec.payloads),
+            phases_s=phases, total_s=0.0, bytes_moved=rec.state.fetched_bytes,
             groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,
             math_changed=plan.math_changed, failed_processes=dead,
-            generation=rec.world.generation, fetched_from=dict(rec.fetched_from),
+            generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             agreement_rounds=rec.rounds, from_export=exe.exported)
         log.warning("mnemojax: world %d -> %d: processes %s lost; %d processes, mesh %s, "
                     "resuming from step %d", before.generation, rec.world.generation,
@@ -426,7 +446,7 @@ class ProcessRecovery:
             where = (f"no copy of the shards of workers {list(rec.agreement.lost)} survives, "
                      "so there is no state to checkpoint")
         elif directory and rec.world.process_id == 0:
-            leaves = snapshot_codec.assemble(rec.payloads, len(self._leaf_keys))
+            leaves = state_transfer.assemble_agreed(rec.state, len(self._leaf_keys))
             coordination.detach_worker()
             tier = PersistentTier(os.fspath(directory), keys=self._leaf_keys,
                                   max_to_keep=self._options.persistent.max_to_keep)

@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 
 from mnemojax._src.distributed import wire
-from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble, pack
+from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack, read_meta, unpack
 from mnemojax._src.distributed.worker.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.errors import StateUnavailableError
 from mnemojax.testing import corrupt_agent_copies
 from tests.distributed.fakes import SECRET, closed_without_reply, held, wait_until
+
+
+def _only_shard(payload) -> np.ndarray:
+    [entry] = unpack(payload)[1]
+    return entry.data
 
 
 def test_buddy_replication_and_serving(two_agents):
@@ -24,13 +29,13 @@ def test_buddy_replication_and_serving(two_agents):
                                       num_leaves=1))
         wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [3])
         data, addr = fetch_snapshot([agents[1].address], 0, 3, secret=SECRET)
-        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
+        np.testing.assert_array_equal(_only_shard(data), w + 3)
         assert addr == agents[1].address
         # The worker's own agent serves both slots; a missing step is a typed error.
         assert held(agents[0].address) == ({"0": [2, 3]}, [])
         # The first one is dead.
         data, _ = fetch_snapshot(["127.0.0.1:1", agents[0].address], 0, 2, secret=SECRET)
-        np.testing.assert_array_equal(assemble([data], 1)[0], w + 2)
+        np.testing.assert_array_equal(_only_shard(data), w + 2)
         with pytest.raises(StateUnavailableError):
             fetch_snapshot([agents[1].address], 0, 9, secret=SECRET)
         assert [e.step for e in fake.events if isinstance(e, wire.Progress)] == [1, 2, 3]
@@ -43,7 +48,7 @@ def test_buddy_replication_and_serving(two_agents):
         data, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3,
                                     secret=SECRET)
         assert addr == agents[1].address
-        np.testing.assert_array_equal(assemble([data], 1)[0], w + 3)
+        np.testing.assert_array_equal(_only_shard(data), w + 3)
     finally:
         client.close()
 
@@ -109,6 +114,36 @@ def test_an_unauthenticated_client_is_refused_and_reported(two_agents):
         assert all(e.worker_id == 0 for e in fake.events if isinstance(e, wire.RefusedConnection))
         assert held(agents[0].address)[0] == {"0": [1]}  # nothing was wiped
         data, _ = fetch_snapshot([agents[0].address], 0, 1, secret=SECRET)
-        np.testing.assert_array_equal(assemble([data], 1)[0], np.ones(4, np.float32))
+        np.testing.assert_array_equal(_only_shard(data), np.ones(4, np.float32))
+    finally:
+        client.close()
+
+
+def test_agent_serves_a_header_or_the_asked_regions_of_a_checked_copy(two_agents):
+    """Over the wire: the header alone, or only the cells inside the asked boxes, each with
+    a checksum of its own; a copy that fails its check is never cut (a fresh checksum
+    would hide the flip), so the survivor takes the buddy's."""
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address, secret=SECRET)
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    try:
+        client.publish(3, pack(3, 0, [ShardEntry(0, (8, 8), ((0, 8), (0, 8)), w)],
+                               num_leaves=1))
+        wait_until(lambda: held(agents[1].address)[0].get("0") == [3])
+        head, _ = fetch_snapshot([agents[0].address], 0, 3, secret=SECRET, header_only=True)
+        assert read_meta(head)["shards"][0]["index"] == [[0, 8], [0, 8]]
+        assert len(head) < w.nbytes
+        box = (0, ((2, 4), (0, 8)))
+        part, addr = fetch_snapshot([agents[0].address], 0, 3, secret=SECRET, boxes=[box])
+        [entry] = unpack(part)[1]
+        assert addr == agents[0].address and entry.index == box[1]
+        np.testing.assert_array_equal(entry.data, w[2:4])
+        buffer = agents[0].snapshots.buffer
+        assert buffer is not None and corrupt_agent_copies(buffer.name, step=3) == [3]
+        part, addr = fetch_snapshot([agents[0].address, agents[1].address], 0, 3,
+                                    secret=SECRET, boxes=[box])
+        assert addr == agents[1].address
+        np.testing.assert_array_equal(unpack(part)[1][0].data, w[2:4])
     finally:
         client.close()

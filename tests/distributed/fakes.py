@@ -5,9 +5,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from mnemojax._src.distributed import transport, wire
+from mnemojax._src.distributed.snapshot_codec import read_meta, select
+from mnemojax._src.distributed.worker.recovery import AgreedCopies
 
 SECRET = bytes(range(32))  # the job secret of the unit tests' agents
 
@@ -70,3 +72,20 @@ def held(agent_address: str) -> tuple[dict[str, list[int]], list[wire.CorruptCop
     for c in reply.copies:
         steps.setdefault(str(c.origin), []).append(c.step)
     return steps, list(reply.corrupt)
+
+
+def local_copies(payloads: Mapping[int, bytes], step: int, *, generation: int = 0,
+                 requests: list | None = None) -> AgreedCopies:
+    """The agreed copies of ``payloads`` (old worker id -> payload) as an agent would serve
+    them (`snapshot_codec.select`), without sockets; each request is appended to
+    ``requests`` as ``(origin, boxes)``."""
+
+    def fetch(addrs, origin, step_asked, *, secret, boxes):
+        del secret
+        assert step_asked == step
+        if requests is not None:
+            requests.append((origin, list(boxes)))
+        return bytearray(b"".join(select(payloads[origin], boxes))), addrs[0]
+
+    return AgreedCopies(step, generation, {o: read_meta(p) for o, p in payloads.items()},
+                        {o: (f"agent-{o}",) for o in payloads}, b"", fetch=fetch)

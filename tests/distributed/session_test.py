@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mnemojax._src.device_layer import JaxDeviceLayer
 from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.env import WorldSpec
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
 from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.errors import DistributedError
-from tests.distributed.fakes import SECRET, held
+from tests.distributed.fakes import SECRET, held, local_copies
 
 
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
@@ -50,13 +51,13 @@ def test_restore_places_the_agreed_state_with_the_given_put():
     agreement = Agreement(generation=1, worker_id=0, process_id=0, num_processes=1,
                           coordinator="127.0.0.1:1", resume_step=4, survivors=(0,),
                           previous_members=(0, 1), sources={0: ("127.0.0.1:2",)})
-    rec = WorldRecovery(agreement, world, [payload], phases={}, fetched_from={})
+    rec = WorldRecovery(agreement, world, local_copies({0: payload}, 4), phases={})
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     calls = []
 
     def put(value, s):
-        calls.append((value.copy(), s))
-        return jax.device_put(value, s)
+        calls.append((np.asarray(value), s))
+        return JaxDeviceLayer().put(value, s)
 
     [leaf] = DistributedSession(world).restore(rec, [sharding], put=put)
     np.testing.assert_array_equal(np.asarray(leaf), w)

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from mnemojax._src.distributed.snapshot_codec import (
+    HostBlocks,
     ShardEntry,
-    assemble,
+    header,
     pack,
     read_meta,
+    select,
     unpack,
 )
 from mnemojax._src.errors import StateUnavailableError
@@ -20,7 +22,7 @@ def _payload(step, worker, entries, num_leaves=2, generation=0):
                                            generation=generation))
 
 
-def test_codec_roundtrip_and_assemble_across_workers():
+def test_codec_roundtrip_and_blocks_across_workers():
     w = np.arange(24, dtype=np.float32).reshape(4, 6)
     b = np.arange(3, dtype=np.int32)
     p0 = _payload(5, 0, [ShardEntry(0, (4, 6), ((0, 4), (0, 3)), w[:, :3]),
@@ -30,20 +32,13 @@ def test_codec_roundtrip_and_assemble_across_workers():
     assert meta["step"] == 5 and meta["worker_id"] == 0 and len(entries) == 2
     assert read_meta(p1)["num_leaves"] == 2 and read_meta(p1)["shards"][0]["index"] == [
         [0, 4], [3, 6]]
-    full = assemble([p0, p1], 2)
-    np.testing.assert_array_equal(full[0], w)
-    np.testing.assert_array_equal(full[1], b)
-    assert full[1].dtype == np.int32
-
-
-def test_assemble_refuses_missing_shards_and_mixed_steps():
-    w = np.ones((4,), np.float32)
-    half = _payload(5, 0, [ShardEntry(0, (4,), ((0, 2),), w[:2])], num_leaves=1)
-    with pytest.raises(StateUnavailableError, match="not fully covered"):
-        assemble([half], 1)
-    other = _payload(6, 1, [ShardEntry(0, (4,), ((2, 4),), w[2:])], num_leaves=1)
-    with pytest.raises(StateUnavailableError, match="mix steps"):
-        assemble([half, other], 1)
+    pieces = entries + unpack(p1)[1]
+    whole = np.asarray(HostBlocks(0, (4, 6), np.dtype(np.float32),
+                                  [e for e in pieces if e.leaf == 0]))
+    np.testing.assert_array_equal(whole, w)
+    counts = np.asarray(HostBlocks(1, (3,), np.dtype(np.int32), [entries[1]]))
+    np.testing.assert_array_equal(counts, b)
+    assert counts.dtype == np.int32
 
 
 @pytest.mark.parametrize("payload, match", [
@@ -54,3 +49,53 @@ def test_assemble_refuses_missing_shards_and_mixed_steps():
 def test_read_meta_rejects_what_is_not_a_payload(payload, match):
     with pytest.raises(ValueError, match=match):
         read_meta(payload)
+
+
+W = np.arange(48, dtype=np.float32).reshape(6, 8)
+
+
+def _two_column_halves_and_a_scalar() -> bytes:
+    return _payload(5, 2, [ShardEntry(0, (6, 8), ((0, 6), (0, 4)), W[:, :4]),
+                           ShardEntry(0, (6, 8), ((0, 6), (4, 8)), W[:, 4:]),
+                           ShardEntry(1, (), (), np.array(7, np.float32))],
+                    generation=3)
+
+
+def test_select_cuts_the_overlaps_of_the_asked_regions_and_header_is_the_metadata():
+    p = _two_column_halves_and_a_scalar()
+    asked = [(0, ((2, 4), (2, 6))), (0, ((2, 4), (2, 6))), (1, ())]  # a repeat: cut once
+    cut = b"".join(bytes(b) for b in select(p, asked))
+    meta, entries = unpack(cut)
+    assert (meta["step"], meta["worker_id"], meta["generation"], meta["num_leaves"]) == (
+        5, 2, 3, 2)
+    assert [(e.leaf, e.index) for e in entries] == [
+        (0, ((2, 4), (2, 4))), (0, ((2, 4), (4, 6))), (1, ())]
+    np.testing.assert_array_equal(entries[0].data, W[2:4, 2:4])
+    np.testing.assert_array_equal(entries[1].data, W[2:4, 4:6])
+    assert entries[2].data == 7
+    assert len(cut) < len(p)
+    assert unpack(b"".join(bytes(b) for b in select(p, [])))[1] == []
+    head = header(p)
+    assert read_meta(head) == read_meta(p) and len(head) < len(p)
+    with pytest.raises(ValueError, match="box of leaf 2: the state has 2 leaves"):
+        select(p, [(2, ())])
+    with pytest.raises(ValueError, match=r"leaf 0: the leaf has shape \(6, 8\)"):
+        select(p, [(0, ((0, 6),))])
+
+
+def test_host_blocks_build_the_regions_asked_for_and_refuse_a_gap():
+    _, entries = unpack(b"".join(bytes(b) for b in select(
+        _two_column_halves_and_a_scalar(), [(0, ((2, 4), (2, 6))), (1, ())])))
+    blocks = HostBlocks(0, (6, 8), np.dtype(np.float32), entries[:2])
+    np.testing.assert_array_equal(blocks[2:4, 2:6], W[2:4, 2:6])  # across two pieces
+    np.testing.assert_array_equal(blocks[(slice(3, 4), slice(3, 5))], W[3:4, 3:5])
+    assert blocks.nbytes == 2 * (2 * 2) * 4  # two 2 x 2 pieces of float32
+    with pytest.raises(StateUnavailableError, match=r"leaf 0: .* do not cover the region "
+                                                    r"\(\(1, 3\), \(2, 6\)\)"):
+        blocks[1:3, 2:6]
+    with pytest.raises(TypeError, match="slices"):
+        blocks[1]
+    scalar = HostBlocks(1, (), np.dtype(np.float32), entries[2:])
+    assert np.asarray(scalar) == 7 and np.asarray(scalar).dtype == np.float32
+    with pytest.raises(StateUnavailableError, match="leaf 1"):
+        HostBlocks(1, (), np.dtype(np.float32), [])[()]

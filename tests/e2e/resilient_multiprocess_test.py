@@ -15,6 +15,7 @@ In the (n, 2) mesh the parameters are replicated over the data axis, so worker 0
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -82,6 +83,24 @@ def test_kill_worker(tmp_path, reference, victim, host_data):
             assert rows[STEPS] == h.BATCH // 2  # the world of 2: the lost slice shared
             assert max(rows.values()) < h.BATCH  # never the whole global batch
             assert sorted(rows) == list(range(1, STEPS + 1))
+
+
+def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path, reference):
+    """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes.
+    Workers 2 and 3 (replica 1) are killed together; the world of [0, 1] keeps replica 0.
+    Process 0 fetches only the model columns its own devices hold, from its own agent:
+    about half of the state, and nothing of worker 1's copy."""
+    report = _run(tmp_path, [ProcessFault("kill", 2, 4), ProcessFault("kill", 3, 4)],
+                  nproc=4, extra=("--model-axis", "4"))
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    [rec] = stats["recoveries"]
+    assert rec["plan_kind"] == "process_loss" and rec["failed_processes"] == [2, 3]
+    assert (rec["old_mesh_shape"], rec["new_mesh_shape"]) == (
+        {"data": 2, "model": 4}, {"data": 1, "model": 4})
+    assert rec["fetched_from"] == {"0": report["agents"][0]}
+    state_bytes = sum(a.nbytes for a in np.load(tmp_path / "final.npz").values())
+    assert 0 < rec["bytes_moved"] < 0.6 * state_bytes, (rec["bytes_moved"], state_bytes)
 
 
 def _rows_read(out, worker: int) -> dict[int, int]:
@@ -206,17 +225,23 @@ def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference)
     assert stats["mesh_shape"] == {"data": 3, "model": 2}
 
 
-@pytest.mark.slow  # ~35 s
-def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
-    """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices. After a
-    kill, 6 remain: the job ends with MeshTooSmallError (exit 3), and the agreed step is
-    in the persistent tier, equal to the failure-free run after that many steps."""
+@pytest.mark.slow  # ~35 s each
+@pytest.mark.parametrize(("model_axis", "why"), [
+    (8, "no whole data-parallel replica"), (4, r"would leave processes \[2\] of the new world with no")],
+    ids=["model-needs-8", "a-process-would-idle"])
+def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path, model_axis, why):
+    """4 processes x 2 devices. On a (1, 8) mesh the model needs all 8 devices: after a
+    kill, 6 remain. On a (2, 4) mesh a replica spans two processes: after a kill, the one
+    replica left would leave the third survivor with no device, which cannot run the step.
+    Either way the job ends with MeshTooSmallError (exit 3), and the agreed step is in the
+    persistent tier, equal to the failure-free run after that many steps."""
     import orbax.checkpoint as ocp
 
     report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
-                  extra=("--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")))
+                  extra=("--model-axis", str(model_axis), "--ckpt", str(tmp_path / "ckpt")))
     assert report["rc"] == 3, report
-    assert (tmp_path / "error-w0.txt").read_text().startswith("MeshTooSmallError")
+    error = (tmp_path / "error-w0.txt").read_text()
+    assert error.startswith("MeshTooSmallError") and re.search(why, error), error
     mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
     saved = mngr.latest_step()
     assert saved is not None and 4 <= saved < STEPS

@@ -9,7 +9,7 @@ Shared (no JAX):
     env             `WorldSpec`, `world_from_env` (``MNEMOJAX_*``, SLURM fallback)
     agreement       `Agreement`, `CopyInfo` and the coverage rule (which step to resume)
     shm             double-buffered snapshot slots in POSIX shared memory
-    snapshot_codec  self-describing payload of one worker's shards; `assemble` (numpy)
+    snapshot_codec  self-describing payload of one worker's shards; `select`, `HostBlocks` (numpy)
     jax_private     the only user of JAX's private distributed APIs, version-checked
 
 ``launcher/`` (the launcher process; jaxlib for the services only):

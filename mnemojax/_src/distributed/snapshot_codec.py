@@ -3,9 +3,10 @@
 Payload: ``<Q`` metadata length, JSON metadata, zero padding to 64 bytes, then the shards'
 bytes. The metadata holds the step, the worker, the world generation, the number of leaves of
 the whole state and, per shard, the leaf index, the leaf's global shape and dtype, the shard's
-index (``[start, stop)`` per dimension) and its byte range. Any survivor can rebuild global arrays
-from payloads whose shards cover every leaf, whichever mesh they came from; `read_meta` reads
-only the metadata, so an agent can say what a copy covers without decoding the shards.
+index (``[start, stop)`` per dimension) and its byte range, so a survivor on any mesh can take
+the regions it needs: an agent cuts them out of a copy (`select`) and the survivor builds its
+devices' blocks from the pieces (`HostBlocks`). `read_meta` reads only the metadata
+(`header`), so an agent can say what a copy covers without decoding the shards.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,29 +94,120 @@ def unpack(payload: bytes | bytearray | memoryview) -> tuple[dict, list[ShardEnt
     return meta, entries
 
 
-def assemble(payloads: Sequence[bytes | bytearray], num_leaves: int) -> list[np.ndarray]:
-    """Rebuilds the global value of every leaf from all old workers' payloads.
+Index = tuple[tuple[int, int], ...]  # ((start, stop), ...) per dimension
+Box = tuple[int, Index]  # (leaf, index): a region of one leaf
+
+
+def overlap(a: Index, b: Index) -> Index | None:
+    """The region two regions of one leaf share, or None (``()`` for a 0-d leaf)."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def header(payload: bytes | bytearray | memoryview) -> bytes:
+    """The payload's metadata part alone (what `read_meta` reads): what a copy covers,
+    without its data.
 
     Raises:
-        StateUnavailableError: the payloads mix steps, or some element of a leaf is in
-            no payload (a shard lost every copy).
+        ValueError: the payload does not start with valid metadata.
     """
-    out: dict[int, np.ndarray] = {}
-    covered: dict[int, np.ndarray] = {}
-    steps = set()
-    for payload in payloads:
-        meta, entries = unpack(payload)
-        steps.add(meta["step"])
-        for e in entries:
-            if e.leaf not in out:
-                out[e.leaf] = np.zeros(e.shape, e.data.dtype)
-                covered[e.leaf] = np.zeros(e.shape, bool)
-            sl = tuple(slice(a, b) for a, b in e.index)
-            out[e.leaf][sl] = e.data
-            covered[e.leaf][sl] = True
-    if len(steps) > 1:
-        raise StateUnavailableError(f"payloads mix steps {sorted(steps)}")
-    missing = [i for i in range(num_leaves) if i not in out or not covered[i].all()]
-    if missing:
-        raise StateUnavailableError(f"leaves {missing} are not fully covered by the payloads")
-    return [out[i] for i in range(num_leaves)]
+    read_meta(payload)
+    (head_len,) = _LEN.unpack_from(payload, 0)
+    return bytes(memoryview(payload)[:_LEN.size + head_len])
+
+
+def select(payload: bytes | bytearray | memoryview, boxes: Sequence[Box]) -> list[memoryview]:
+    """The parts of ``payload`` inside ``boxes``, encoded as a payload (`pack`) of the same
+    step, worker and world: for each of its shards and each box of that shard's leaf that
+    overlaps it, the overlap. A survivor asks its sources for the regions its devices hold
+    on the new mesh, so it never receives (or assembles) the whole state.
+
+    Raises:
+        ValueError: the payload does not start with valid metadata, or a box names a leaf
+            the state does not have or has the wrong rank.
+    """
+    meta, entries = unpack(payload)
+    wanted: dict[int, list[Index]] = {}
+    for leaf, index in dict.fromkeys(
+            (int(leaf), tuple((int(a), int(b)) for a, b in index)) for leaf, index in boxes):
+        if not 0 <= leaf < meta["num_leaves"]:
+            raise ValueError(f"box of leaf {leaf}: the state has {meta['num_leaves']} leaves")
+        wanted.setdefault(leaf, []).append(index)
+    out = []
+    for e in entries:
+        for index in wanted.get(e.leaf, ()):
+            if len(index) != len(e.shape):
+                raise ValueError(f"box {index} of leaf {e.leaf}: the leaf has shape {e.shape}")
+            part = overlap(e.index, index)
+            if part is None:
+                continue
+            local = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, e.index,
+                                                                             strict=True))
+            out.append(ShardEntry(e.leaf, e.shape, part, e.data[local]))
+    return pack(meta["step"], meta.get("worker_id", -1), out, num_leaves=meta["num_leaves"],
+                generation=meta.get("generation", 0))
+
+
+class HostBlocks:
+    """One leaf of the agreed state as the pieces fetched for this process's devices
+    (`select` replies): it has the leaf's global ``shape`` and ``dtype``, and indexing it
+    with a device's index (slices, as ``jax.make_array_from_callback`` asks) builds that
+    block from the pieces. The whole leaf is never assembled unless asked for.
+
+    Raises (on indexing):
+        StateUnavailableError: the pieces do not cover the region asked for.
+    """
+
+    __slots__ = ("leaf", "shape", "dtype", "_pieces")
+
+    def __init__(self, leaf: int, shape: tuple[int, ...], dtype: np.dtype,
+                 pieces: Sequence[ShardEntry]):
+        self.leaf, self.shape, self.dtype = leaf, tuple(shape), np.dtype(dtype)
+        self._pieces = list(pieces)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > self.ndim or not all(isinstance(s, slice) for s in index):
+            raise TypeError(f"HostBlocks of leaf {self.leaf} takes slices per dimension, "
+                            f"got {index!r}")
+        want = []
+        for i, n in enumerate(self.shape):
+            start, stop, stride = (index[i] if i < len(index) else slice(None)).indices(n)
+            if stride != 1:
+                raise TypeError(f"HostBlocks of leaf {self.leaf}: stride {stride} in {index!r}")
+            want.append((start, max(start, stop)))
+        box = tuple(want)
+        out = np.empty(tuple(b - a for a, b in box), self.dtype)
+        covered = np.zeros(out.shape, bool)
+        for p in self._pieces:
+            part = overlap(p.index, box)
+            if part is None:
+                continue
+            dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box,
+                                                                          strict=True))
+            src = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, p.index,
+                                                                          strict=True))
+            out[dst] = p.data[src]
+            covered[dst] = True
+        if out.size and not covered.all():
+            raise StateUnavailableError(
+                f"leaf {self.leaf}: the fetched copies do not cover the region {box} of "
+                f"shape {self.shape} (pieces held: {[p.index for p in self._pieces][:16]})")
+        return out
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        del copy  # a fresh array either way
+        out = self[tuple(slice(None) for _ in self.shape)]
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pieces held."""
+        return sum(p.data.nbytes for p in self._pieces)
+
+    def __repr__(self) -> str:
+        return f"HostBlocks(leaf={self.leaf}, shape={self.shape}, dtype={self.dtype})"

@@ -540,17 +540,39 @@ class Replica(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Get(Message):
-    """Send me your copy of worker ``origin``'s snapshot of ``step``."""
+    """Send me your copy of worker ``origin``'s snapshot of ``step``: all of it; or only
+    its metadata (``header_only``, `snapshot_codec.header`: what it covers); or only its
+    parts inside ``boxes`` (``(leaf, ((start, stop), ...))`` each, `snapshot_codec.select`),
+    the regions the asking process's devices hold on its new mesh."""
 
     OP: ClassVar[str] = "get"
     origin: int
     step: int
+    header_only: bool = False
+    boxes: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": self.OP, "origin": self.origin, "step": self.step,
+                "header_only": self.header_only,
+                "boxes": None if self.boxes is None else [
+                    {"leaf": leaf, "index": [list(i) for i in index]}
+                    for leaf, index in self.boxes]}
+
+    @classmethod
+    def from_wire(cls, header: Mapping[str, Any]) -> Self:
+        f = _Fields(cls.OP, header)
+        boxes = None if header.get("boxes") is None else tuple(
+            (b.integer("leaf"), b.intervals("index")) for b in f.records("boxes"))
+        return cls(origin=f.integer("origin"), step=f.integer("step"),
+                   header_only=f.flag("header_only") if "header_only" in f else False,
+                   boxes=boxes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Snapshot(Message):
-    """The reply to `Get`: the payload, with the CRC32C (`checksum`) its holder checked it
-    against."""
+    """The reply to `Get`: the payload, with its CRC32C (`checksum`): the one its holder
+    checked the copy against, or, for a header or a selection, the one of the bytes cut
+    from that checked copy."""
 
     OP: ClassVar[str] = "snapshot"
     origin: int

@@ -17,7 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from mnemojax._src.distributed import transport, wire
+from mnemojax._src.checksum import checksum
+from mnemojax._src.distributed import snapshot_codec, transport, wire
 from mnemojax._src.distributed.agent.replication import Replicator
 from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
 from mnemojax._src.distributed.agent.watchdog import HangWatchdog
@@ -88,12 +89,26 @@ class AgentServer:
         if isinstance(message, wire.Replica):
             return self._holder.accept_replica(message, payload), b""
         if isinstance(message, wire.Get):
-            try:
-                data, crc = self._holder.get(message.origin, message.step)
-            except (KeyError, SnapshotCorruptError) as e:
-                return wire.ErrorReply(message=f"no copy of worker {message.origin} step "
-                                               f"{message.step}: {e}"), b""
-            return wire.Snapshot(origin=message.origin, step=message.step, crc=crc), data
+            return self._serve(message)
         if isinstance(message, wire.HoldingsQuery):
             return self._holder.verified_copies(), b""
         return wire.ErrorReply(message=f"unknown op {message.OP!r}"), b""
+
+    def _serve(self, get: wire.Get) -> tuple[wire.Message, bytes]:
+        """A copy (`wire.Get`): whole, as its holder checked it; or its header or the parts
+        inside the asked boxes, cut from the copy once it checks, with their own checksum."""
+        what = f"worker {get.origin} step {get.step}"
+        try:
+            data, crc = self._holder.get(get.origin, get.step)
+        except (KeyError, SnapshotCorruptError) as e:
+            return wire.ErrorReply(message=f"no copy of {what}: {e}"), b""
+        if get.header_only or get.boxes is not None:
+            if checksum(data) != crc:  # never a fresh checksum over a bad copy
+                return wire.ErrorReply(message=f"the copy of {what} fails its check"), b""
+            try:
+                data = (snapshot_codec.header(data) if get.header_only else
+                        b"".join(snapshot_codec.select(data, get.boxes or ())))
+            except ValueError as e:
+                return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
+            crc = checksum(data)
+        return wire.Snapshot(origin=get.origin, step=get.step, crc=crc), data

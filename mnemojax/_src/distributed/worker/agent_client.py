@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.distributed.snapshot_codec import Box
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
 
 
@@ -71,9 +72,15 @@ class AgentClient:
 
 
 def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *, secret: bytes,
-                   timeout_s: float = 30.0) -> tuple[bytearray, str]:
+                   timeout_s: float = 30.0, header_only: bool = False,
+                   boxes: Sequence[Box] | None = None) -> tuple[bytearray, str]:
     """Fetches worker ``origin``'s snapshot of ``step`` from the first agent that has it
     (and proves the job secret ``secret``: an agent that cannot is skipped).
+
+    Args:
+        header_only: fetch only its metadata (`snapshot_codec.header`).
+        boxes: fetch only its parts inside these ``(leaf, index)`` regions
+            (`snapshot_codec.select`), as a payload of their own.
 
     Returns:
         (payload, address of the agent it came from).
@@ -84,7 +91,9 @@ def fetch_snapshot(addresses: Sequence[str], origin: int, step: int, *, secret: 
     errors = []
     for addr in addresses:
         try:
-            reply, data = transport.request(addr, wire.Get(origin=origin, step=step),
+            get = wire.Get(origin=origin, step=step, header_only=header_only,
+                           boxes=None if boxes is None else tuple(boxes))
+            reply, data = transport.request(addr, get,
                                             wire.Snapshot, secret=secret, timeout_s=timeout_s)
             if checksums.checksum(data) != reply.crc:
                 raise SnapshotCorruptError(f"copy from {addr} fails its {checksums.NAME} check")

@@ -2,10 +2,12 @@
 through `session.DistributedSession.recover`).
 
 `recover_world` runs steps 1-3 of the agreement protocol (see `distributed.agreement`) and
-the in-process re-initialisation of DESIGN §4, then fetches the snapshots of the agreed step
-that cover the state from the live agents. The caller then rebuilds its mesh over
-``jax.devices()``, compiles, waits at `coordination.barrier`, restores
-(`state_transfer.restore_leaves`) and replays.
+the in-process re-initialisation of DESIGN §4. Before joining the new world it fetches the
+*headers* of the agreed step's copies (what each covers) from the live agents, so a process
+whose sources died stays out and the survivors agree again. The caller then rebuilds its
+mesh over ``jax.devices()``, compiles, waits at `coordination.barrier`, and restores
+(`state_transfer.restore_leaves`): only then, with the new mesh known, does it fetch the
+parts of the copies its own devices hold (`AgreedCopies.fetch`), never the whole state.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
 
 from mnemojax._src.distributed import snapshot_codec
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
@@ -35,10 +39,10 @@ class WorldRecovery:
     Attributes:
         agreement: what the survivors agreed on.
         world: this process's place in the new world.
-        payloads: the snapshots of ``agreement.resume_step`` named in its ``sources``
-            (CRC-checked); together they cover every leaf.
-        phases: seconds per phase: ``detach``, ``agree``, ``attach``, ``fetch``.
-        fetched_from: old worker id -> agent address its copy came from.
+        state: the copies of ``agreement.resume_step`` named in its ``sources``: their
+            headers (checked to be of the agreed step and world), fetched from on restore.
+        phases: seconds per phase: ``detach``, ``agree``, ``attach``, ``fetch`` (of the
+            headers; the parts are fetched on restore).
         rounds: agreement rounds it took (more than 1 when a survivor died after a decision).
         members: worker ids of the world that failed (before the first round).
         replaces: joiner (spare) -> the member of that world whose rank it took, across
@@ -47,9 +51,8 @@ class WorldRecovery:
 
     agreement: Agreement
     world: WorldSpec
-    payloads: list[bytearray]
+    state: AgreedCopies
     phases: dict[str, float]
-    fetched_from: dict[int, str]
     rounds: int = 1
     members: tuple[int, ...] = ()
     replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
@@ -137,11 +140,13 @@ def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, fl
             world, coordinator=agreement.coordinator, process_id=agreement.process_id,
             num_processes=agreement.num_processes, generation=agreement.generation,
             worker_id=world.stable_id)
-        # Fetch before joining: if every source of a copy died since the decision, this
-        # process stays out of the new world, so it never forms and everyone agrees again.
+        # Reach every copy before joining: if every source of one died since the decision,
+        # this process stays out of the new world, so it never forms and everyone agrees
+        # again. (Its parts are fetched on restore; a source lost in between is a peer
+        # failure of the new world.)
         t = time.perf_counter()
         try:
-            payloads, fetched_from = fetch_agreed(agreement, world.secret or b"")
+            state = AgreedCopies.probe(agreement, world.secret or b"")
         except StateUnavailableError as e:
             phases["fetch"] += time.perf_counter() - t
             _next_round(coordinator, world, f"the agreed state could not be fetched: {e}")
@@ -159,27 +164,115 @@ def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, fl
     logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
                 agreement.generation, agreement.survivors, agreement.resume_step, rounds,
                 ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
-    return WorldRecovery(agreement, world, payloads, phases, fetched_from, rounds, members,
-                         replaces)
+    return WorldRecovery(agreement, world, state, phases, rounds, members, replaces)
 
 
-def fetch_agreed(agreement: Agreement,
-                 secret: bytes) -> tuple[list[bytearray], dict[int, str]]:
-    """The agreed step's payloads from the sources (each worker's own agent first),
-    checked to be of the agreed step and world."""
-    payloads, fetched_from = [], {}
-    for origin, addrs in agreement.sources.items():
-        payload, fetched_from[origin] = fetch_snapshot(addrs, origin, agreement.resume_step,
-                                                       secret=secret)
-        meta = snapshot_codec.read_meta(payload)
-        if (meta["step"], meta.get("generation", 0)) != (agreement.resume_step,
-                                                          agreement.resume_generation):
+class CopiesUnreachableError(StateUnavailableError):
+    """No source of a copy answered when its parts were fetched (its holders died since the
+    headers were read): a peer failure of the new world, not a lost state."""
+
+
+class AgreedCopies:
+    """The agreed step's copies, one per old worker: what each covers (its header) and the
+    agents that hold it, the one that answered first in front. `fetch` takes only the
+    regions asked for, from the copies that overlap them.
+
+    Attributes:
+        step, generation: the agreed step, and the world whose copies they are.
+        headers: old worker id -> its copy's metadata (`snapshot_codec.read_meta`).
+        sources: old worker id -> agent addresses holding its copy.
+        fetched_from: old worker id -> the agent that served its parts (only the copies
+            that `fetch` needed).
+        fetched_bytes: bytes of the state's parts received so far (metadata not counted).
+    """
+
+    def __init__(self, step: int, generation: int, headers: Mapping[int, Mapping],
+                 sources: Mapping[int, tuple[str, ...]], secret: bytes, *,
+                 fetch: Callable[..., tuple[bytearray, str]] | None = None):
+        self.step, self.generation = step, generation
+        self.headers, self.sources = dict(headers), dict(sources)
+        self.fetched_from: dict[int, str] = {}
+        self.fetched_bytes = 0
+        self._secret = secret
+        self._fetch = fetch or fetch_snapshot  # (tests give copies of their own)
+
+    @classmethod
+    def probe(cls, agreement: Agreement, secret: bytes) -> AgreedCopies:
+        """Reads the header of every agreed copy from its sources (each worker's own agent
+        first), checked to be of the agreed step and world.
+
+        Raises:
+            StateUnavailableError: no source of some copy answered with a good one.
+        """
+        headers, sources = {}, {}
+        for origin, addrs in agreement.sources.items():
+            data, addr = fetch_snapshot(addrs, origin, agreement.resume_step, secret=secret,
+                                        header_only=True)
+            headers[origin] = cls._checked(origin, addr, data, agreement.resume_step,
+                                           agreement.resume_generation)
+            sources[origin] = (addr, *(a for a in addrs if a != addr))
+        return cls(agreement.resume_step, agreement.resume_generation, headers, sources,
+                   secret)
+
+    @staticmethod
+    def _checked(origin: int, addr: str, data: bytes | bytearray, step: int,
+                 generation: int) -> dict:
+        meta = snapshot_codec.read_meta(data)
+        if (meta["step"], meta.get("generation", 0)) != (step, generation):
             raise StateUnavailableError(
-                f"the copy of worker {origin} from {fetched_from[origin]} is of step "
-                f"{meta['step']} (world {meta.get('generation', 0)}), not the agreed step "
-                f"{agreement.resume_step} (world {agreement.resume_generation})")
-        payloads.append(payload)
-    return payloads, fetched_from
+                f"the copy of worker {origin} from {addr} is of step {meta['step']} (world "
+                f"{meta.get('generation', 0)}), not the agreed step {step} (world "
+                f"{generation})")
+        return meta
+
+    def leaves(self, num_leaves: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """(global shape, dtype) of each of the state's ``num_leaves`` leaves.
+
+        Raises:
+            StateUnavailableError: the copies are of a state with another number of leaves,
+                or a leaf is in none of them.
+        """
+        specs: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
+        for origin, meta in self.headers.items():
+            if meta["num_leaves"] != num_leaves:
+                raise StateUnavailableError(
+                    f"the copy of worker {origin} is of a state of {meta['num_leaves']} "
+                    f"leaves; this one has {num_leaves}")
+            for m in meta["shards"]:
+                specs.setdefault(m["leaf"], (tuple(m["shape"]), np.dtype(m["dtype"])))
+        if missing := [i for i in range(num_leaves) if i not in specs]:
+            raise StateUnavailableError(f"leaves {missing} are in none of the agreed copies")
+        return [specs[i] for i in range(num_leaves)]
+
+    def fetch(self, boxes: Sequence[snapshot_codec.Box]) -> list[snapshot_codec.ShardEntry]:
+        """The agreed state's parts inside ``boxes`` (``(leaf, index)`` regions), one
+        request per copy that overlaps any of them.
+
+        Raises:
+            CopiesUnreachableError: no source of an overlapping copy answered.
+        """
+        wanted: dict[int, list[snapshot_codec.Index]] = {}
+        for leaf, index in boxes:
+            wanted.setdefault(leaf, []).append(index)
+        out: list[snapshot_codec.ShardEntry] = []
+        for origin, meta in self.headers.items():
+            mine = [(m["leaf"], index) for m in meta["shards"]
+                    for index in wanted.get(m["leaf"], ())
+                    if snapshot_codec.overlap(tuple(map(tuple, m["index"])), index)
+                    is not None]
+            if not mine:
+                continue
+            try:
+                data, addr = self._fetch(self.sources[origin], origin, self.step,
+                                         secret=self._secret, boxes=mine)
+                self._checked(origin, addr, data, self.step, self.generation)
+            except StateUnavailableError as e:
+                raise CopiesUnreachableError(str(e)) from e
+            self.fetched_from[origin] = addr
+            pieces = snapshot_codec.unpack(data)[1]
+            self.fetched_bytes += sum(p.data.nbytes for p in pieces)
+            out += pieces
+        return out
 
 
 def _next_round(coordinator: Coordinator, world: WorldSpec, why: str) -> None:

@@ -45,7 +45,12 @@ from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
 from mnemojax._src.distributed.worker.peer_watch import PeerWatch
-from mnemojax._src.distributed.worker.recovery import WorldRecovery, join_world, recover_world
+from mnemojax._src.distributed.worker.recovery import (
+    CopiesUnreachableError,
+    WorldRecovery,
+    join_world,
+    recover_world,
+)
 from mnemojax._src.distributed.worker.state_transfer import PutFn
 from mnemojax._src.errors import (
     AgreementError,
@@ -182,26 +187,37 @@ class DistributedSession:
         ``put`` (the device layer's ``put(host_value, sharding)``, so a fault injector
         sees the placement).
 
+        Only the regions this process's devices hold are fetched (`restore_leaves`).
+
         Raises:
-            StateUnavailableError: the payloads mix steps or leave an element uncovered.
+            jax.errors.JaxRuntimeError: the holders of a copy died since its header was
+                read: a peer failure of the new world, recovered like one.
+            StateUnavailableError: the copies are of another state or leave a region
+                uncovered.
         """
-        return state_transfer.restore_leaves(rec.payloads, shardings, put=put)
+        try:
+            return state_transfer.restore_leaves(rec.state, shardings, put=put)
+        except CopiesUnreachableError as e:
+            raise _peer_failure(f"the agreed state could not be fetched: {e}") from e
 
     def take_resume(self, shardings: Sequence[jax.sharding.Sharding], *,
                     put: PutFn) -> tuple[int, list[jax.Array]] | None:
         """For a fresh process that joined a running job: the agreed step and state, from
-        the copies fetched when it joined (CRC-checked), placed with ``put``. None when
+        the copies whose headers it read when it joined (only the regions its devices
+        hold, CRC-checked), placed with ``put``. None when
         there is nothing pending, or when no step's state survived in memory
         (``resume_step == -1``; `resume` is then kept: the caller falls back to the
         persistent tier or raises). Once only.
 
         Raises:
-            StateUnavailableError: the copies mix steps or leave an element uncovered.
+            StateUnavailableError: the copies are of another state or leave a region
+                uncovered, or (`CopiesUnreachableError`) the holders of one died since its
+                header was read, when joining.
         """
         rec = self.resume
         if rec is None or rec.agreement.resume_step < 0:
             return None
-        leaves = state_transfer.restore_leaves(rec.payloads, shardings, put=put)
+        leaves = state_transfer.restore_leaves(rec.state, shardings, put=put)
         self.resume = None
         return rec.agreement.resume_step, leaves
 

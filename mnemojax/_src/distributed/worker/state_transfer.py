@@ -1,4 +1,4 @@
-"""JAX-facing half of snapshots: local shards out of arrays, global state back onto a mesh.
+"""JAX-facing half of snapshots: local shards out of arrays, the agreed state onto a mesh.
 
 Each worker snapshots only the shards it owns (``replica_id == 0`` of its addressable
 shards), so across all workers every element is stored exactly once, and a replicated leaf
@@ -12,14 +12,17 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from mnemojax._src.distributed.snapshot_codec import ShardEntry, assemble
+from mnemojax._src.distributed.snapshot_codec import Box, HostBlocks, ShardEntry
 
 if TYPE_CHECKING:
     import jax
 
-PutFn: TypeAlias = "Callable[[np.ndarray, jax.sharding.Sharding], jax.Array]"
+    from mnemojax._src.distributed.worker.recovery import AgreedCopies
+
+PutFn: TypeAlias = "Callable[[np.ndarray | HostBlocks, jax.sharding.Sharding], jax.Array]"
 """Places one global host value on devices (`DeviceLayer.put`); in a world of several
-processes each process places the pieces its own devices hold."""
+processes each process places the pieces its own devices hold (and a `HostBlocks` builds
+only those)."""
 
 
 def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -45,16 +48,46 @@ def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     return entries
 
 
-def restore_leaves(payloads: Sequence[bytes | bytearray],
-                   shardings: Sequence[jax.sharding.Sharding], *, put: PutFn) -> list[jax.Array]:
-    """Builds arrays with ``shardings`` (of the new world) from the old workers' payloads.
+def restore_leaves(copies: AgreedCopies, shardings: Sequence[jax.sharding.Sharding], *,
+                   put: PutFn) -> list[jax.Array]:
+    """Builds arrays with ``shardings`` (of the new world) from the agreed copies.
 
-    Every process assembles the global host value (fine for the small states this targets;
-    at scale each process would fetch only the slices its devices need) and places it with
-    ``put``: pass the device layer's, so a fault injector sees the placement.
+    This process fetches only the regions its own devices hold under ``shardings`` (one
+    request per copy that overlaps them, `AgreedCopies.fetch`), and ``put`` builds each
+    device's block from those pieces (`snapshot_codec.HostBlocks`): no process receives or
+    assembles the whole state unless its devices hold all of it. Pass the device layer's
+    ``put``, so a fault injector sees the placement.
 
     Raises:
-        StateUnavailableError: the payloads mix steps or leave an element uncovered.
+        CopiesUnreachableError: a copy's holders died since its header was read.
+        StateUnavailableError: the copies are of another state, or leave a region uncovered.
     """
-    full = assemble(payloads, len(shardings))
-    return [put(value, sharding) for value, sharding in zip(full, shardings, strict=True)]
+    specs = copies.leaves(len(shardings))
+    boxes = [(leaf, _index(index, shape))
+             for leaf, ((shape, _), sharding) in enumerate(zip(specs, shardings, strict=True))
+             for index in sharding.addressable_devices_indices_map(shape).values()
+             if index is not None]
+    return [put(value, sharding)
+            for value, sharding in zip(_blocks(copies, specs, boxes), shardings, strict=True)]
+
+
+def assemble_agreed(copies: AgreedCopies, num_leaves: int) -> list[np.ndarray]:
+    """The whole agreed state on this host (every region of every leaf): for the one
+    process that checkpoints it when too few survive to hold the model.
+
+    Raises:
+        CopiesUnreachableError, StateUnavailableError: as `restore_leaves`.
+    """
+    specs = copies.leaves(num_leaves)
+    whole = [(leaf, tuple((0, n) for n in shape)) for leaf, (shape, _) in enumerate(specs)]
+    return [np.asarray(value) for value in _blocks(copies, specs, whole)]
+
+
+def _blocks(copies: AgreedCopies, specs: Sequence[tuple[tuple[int, ...], np.dtype]],
+            boxes: Sequence[Box]) -> list[HostBlocks]:
+    """Per leaf, its pieces inside ``boxes`` (each box asked for once)."""
+    pieces: dict[int, list[ShardEntry]] = {}
+    for piece in copies.fetch(list(dict.fromkeys(boxes))):
+        pieces.setdefault(piece.leaf, []).append(piece)
+    return [HostBlocks(leaf, shape, dtype, pieces.get(leaf, ()))
+            for leaf, (shape, dtype) in enumerate(specs)]

@@ -1,0 +1,86 @@
+"""`distributed.worker.state_transfer`: the agreed state onto a new mesh, fetching only the
+regions the process's devices hold (`AgreedCopies.fetch`, `snapshot_codec.select`)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mnemojax._src.device_layer import JaxDeviceLayer
+from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
+from mnemojax._src.distributed.worker import state_transfer
+from mnemojax._src.errors import StateUnavailableError
+from tests.distributed.fakes import local_copies
+
+W = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+B = np.arange(6, dtype=np.int32)
+
+
+def _copies_of_three_workers(requests=None):
+    """Step 4 of an old 3-worker mesh: each worker held 16 columns of ``W``; worker 0
+    also held ``B`` and a 0-d counter."""
+    def payload(worker, entries):
+        return b"".join(bytes(p) for p in pack(4, worker, entries, num_leaves=3))
+
+    cols = {w: ShardEntry(0, W.shape, ((0, 64), (16 * w, 16 * w + 16)),
+                          W[:, 16 * w:16 * w + 16]) for w in range(3)}
+    return local_copies({0: payload(0, [cols[0], ShardEntry(1, (6,), ((0, 6),), B),
+                                        ShardEntry(2, (), (), np.array(9, np.int32))]),
+                         1: payload(1, [cols[1]]), 2: payload(2, [cols[2]])}, 4,
+                        requests=requests)
+
+
+def test_restore_onto_another_mesh_places_every_leaf_exactly():
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices()[:8])
+    shardings = [NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P()),
+                 NamedSharding(mesh, P())]
+    copies = _copies_of_three_workers()
+    leaves = state_transfer.restore_leaves(copies, shardings, put=JaxDeviceLayer().put)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), W)
+    np.testing.assert_array_equal(np.asarray(leaves[1]), B)
+    assert int(leaves[2]) == 9 and leaves[2].dtype == np.int32
+    assert [x.sharding for x in leaves] == shardings
+
+
+def test_fetch_asks_only_the_copies_that_overlap_and_only_their_overlap():
+    """A process whose devices hold rows 0-32 of columns 0-24 of W asks worker 0 and
+    worker 1 for those cells alone, and worker 2 nothing."""
+    requests = []
+    copies = _copies_of_three_workers(requests)
+    before = copies.fetched_bytes
+    pieces = copies.fetch([(0, ((0, 32), (0, 24)))])
+    assert sorted(o for o, _ in requests) == [0, 1]
+    assert sorted((p.leaf, p.index) for p in pieces) == [(0, ((0, 32), (0, 16))),
+                                                         (0, ((0, 32), (16, 24)))]
+    np.testing.assert_array_equal(pieces[0].data, W[:32, :16])
+    assert copies.fetched_from == {0: "agent-0", 1: "agent-1"}
+    assert copies.fetched_bytes - before == 32 * 24 * W.itemsize  # those cells alone
+
+
+def test_assemble_agreed_is_the_whole_state_and_a_missing_leaf_is_named():
+    whole = state_transfer.assemble_agreed(_copies_of_three_workers(), 3)
+    np.testing.assert_array_equal(whole[0], W)
+    np.testing.assert_array_equal(whole[1], B)
+    with pytest.raises(StateUnavailableError, match="state of 3 leaves; this one has 4"):
+        _copies_of_three_workers().leaves(4)
+    lacking = local_copies({1: b"".join(bytes(p) for p in pack(
+        4, 1, [ShardEntry(0, (2,), ((0, 2),), np.zeros(2, np.float32))], num_leaves=2))}, 4)
+    with pytest.raises(StateUnavailableError, match=r"leaves \[1\] are in none"):
+        lacking.leaves(2)
+
+
+def test_a_copy_of_another_step_is_never_placed():
+    """An agent answering for the agreed step 4 with a copy of step 5 (a mixed-step state)
+    is refused: that copy cannot be fetched, which the recovery treats as a peer failure
+    (`CopiesUnreachableError`), never a silent mix."""
+    from mnemojax._src.distributed.worker.recovery import CopiesUnreachableError
+
+    copies = _copies_of_three_workers()
+    newer = b"".join(bytes(p) for p in pack(
+        5, 1, [ShardEntry(0, W.shape, ((0, 64), (16, 32)), W[:, 16:32])], num_leaves=3))
+    copies._fetch = local_copies({1: newer}, 4)._fetch
+    with pytest.raises(CopiesUnreachableError, match="is of step 5.*not the agreed step 4"):
+        copies.fetch([(0, ((0, 64), (16, 32)))])
