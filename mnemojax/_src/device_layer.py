@@ -62,8 +62,8 @@ class DeviceLayer(Protocol):
 
 def _from_callback(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``value``'s pieces on this process's devices of ``sharding``. A process with no
-    device in the mesh (one that idles after a loss) holds none, and reads nothing
-    (``make_array_from_callback`` would read the whole of a replicated value)."""
+    device of ``sharding`` holds none and reads nothing (``make_array_from_callback``
+    would read the whole of a replicated value, and needs a local shard for the dtype)."""
     if not sharding.addressable_devices:
         return jax.make_array_from_single_device_arrays(value.shape, sharding, [],
                                                         dtype=value.dtype)

@@ -268,8 +268,9 @@ def _every_process_used(plan: MeshPlan, devices: Mapping[int, Sequence[int]]) ->
     if idle:
         raise MeshTooSmallError(
             f"the new mesh {plan.shape} would leave processes {idle} of the new world with "
-            f"no device (each of the {len(devices)} processes must hold part of it: keep "
-            "each model replica within whole processes, or add spares)",
+            f"no device, and a process with none cannot run the step (a model replica that "
+            "spans processes, or a global batch the survivors cannot split evenly, leaves "
+            "one idle: keep replicas within whole processes, or add spares)",
             healthy_devices=sum(map(len, devices.values())), required=len(used))
 
 

@@ -42,8 +42,9 @@ class RecoveryRecord:
             closed: a background compile that is running is waited for), agree, plan,
             compile, restore, replay.
         generation: multi-process: the new world's generation.
-        fetched_from: multi-process: origin worker id -> the agent its snapshot came from
-            (only the snapshots needed to cover the state).
+        fetched_from: multi-process: origin worker id -> the agent that served this
+            process the regions of that worker's copy its own devices hold (only the
+            copies that overlap them).
         agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after
             a decision and the others agreed again).
         from_export: multi-process: the new world lowered the step from the `jax.export`

@@ -147,3 +147,27 @@ def test_agent_serves_a_header_or_the_asked_regions_of_a_checked_copy(two_agents
         np.testing.assert_array_equal(unpack(part)[1][0].data, w[2:4])
     finally:
         client.close()
+
+
+def test_agent_never_cuts_a_replica_that_fails_its_check(two_agents):
+    """A flipped bit in a buddy's replica (held in the agent's process memory): asked for
+    its header or its regions, the agent refuses rather than cut it under a fresh
+    checksum."""
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address, secret=SECRET)
+    w = np.arange(16, dtype=np.float32)
+    try:
+        client.publish(2, pack(2, 0, [ShardEntry(0, (16,), ((0, 16),), w)], num_leaves=1))
+        wait_until(lambda: held(agents[1].address)[0].get("0") == [2])
+        store = agents[1].snapshots.replicas
+        payload, crc = store.get(0, 2)
+        flipped = bytearray(payload)
+        flipped[-1] ^= 0x01
+        with store._lock:
+            store._by_origin[0][2] = (bytes(flipped), crc)
+        for kw in ({"header_only": True}, {"boxes": [(0, ((0, 4),))]}):
+            with pytest.raises(StateUnavailableError, match="fails its check"):
+                fetch_snapshot([agents[1].address], 0, 2, secret=SECRET, **kw)
+    finally:
+        client.close()

@@ -8,6 +8,7 @@ import pytest
 from mnemojax._src.distributed.snapshot_codec import (
     HostBlocks,
     ShardEntry,
+    dtype_of,
     header,
     pack,
     read_meta,
@@ -99,3 +100,19 @@ def test_host_blocks_build_the_regions_asked_for_and_refuse_a_gap():
     assert np.asarray(scalar) == 7 and np.asarray(scalar).dtype == np.float32
     with pytest.raises(StateUnavailableError, match="leaf 1"):
         HostBlocks(1, (), np.dtype(np.float32), [])[()]
+
+
+def test_bfloat16_shards_keep_their_dtype_through_select_and_blocks():
+    """JAX's bfloat16 is ``V2`` to numpy without ml_dtypes: the payload names it, so a
+    restored leaf is bfloat16 again, not raw bytes."""
+    import ml_dtypes
+
+    w = np.arange(8, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    p = _payload(1, 0, [ShardEntry(0, (8,), ((0, 8),), w)], num_leaves=1)
+    assert read_meta(p)["shards"][0]["dtype"] == "bfloat16"
+    [piece] = unpack(b"".join(bytes(b) for b in select(p, [(0, ((2, 6),))])))[1]
+    assert piece.data.dtype == w.dtype
+    got = HostBlocks(0, (8,), dtype_of("bfloat16"), [piece])[2:6]
+    assert got.dtype == w.dtype and got.astype(np.float32).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="unknown dtype 'float9'"):
+        dtype_of("float9")

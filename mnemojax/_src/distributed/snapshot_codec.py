@@ -47,7 +47,7 @@ def pack(step: int, worker_id: int, entries: Sequence[ShardEntry], *,
     meta, offset, datas = [], 0, []
     for e in entries:
         data = np.ascontiguousarray(e.data)
-        meta.append({"leaf": e.leaf, "shape": list(e.shape), "dtype": data.dtype.str,
+        meta.append({"leaf": e.leaf, "shape": list(e.shape), "dtype": data.dtype.name,
                      "index": [list(i) for i in e.index], "offset": offset,
                      "nbytes": data.nbytes})
         offset += data.nbytes
@@ -57,6 +57,24 @@ def pack(step: int, worker_id: int, entries: Sequence[ShardEntry], *,
     pad = (-(_LEN.size + len(head))) % ALIGN
     prefix = _LEN.pack(len(head)) + head + b"\0" * pad
     return [memoryview(prefix)] + [memoryview(d.reshape(-1).view(np.uint8)) for d in datas]
+
+
+def dtype_of(name: str) -> np.dtype:
+    """A payload's dtype from its name: numpy's, or one of JAX's extra types (bfloat16,
+    float8, int4: `ml_dtypes`, which numpy alone knows only as raw ``V2`` bytes).
+
+    Raises:
+        ValueError: no such dtype.
+    """
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # registers its types with numpy (a JAX dependency; no JAX import)
+
+        try:
+            return np.dtype(getattr(ml_dtypes, name, name))
+        except TypeError:
+            raise ValueError(f"a snapshot payload names an unknown dtype {name!r}") from None
 
 
 def read_meta(payload: bytes | bytearray | memoryview) -> dict:
@@ -88,7 +106,7 @@ def unpack(payload: bytes | bytearray | memoryview) -> tuple[dict, list[ShardEnt
     for m in meta["shards"]:
         raw = view[base + m["offset"]:base + m["offset"] + m["nbytes"]]
         shape = tuple(b - a for a, b in m["index"])
-        data = np.frombuffer(raw, dtype=np.dtype(m["dtype"])).reshape(shape)
+        data = np.frombuffer(raw, dtype=dtype_of(m["dtype"])).reshape(shape)
         entries.append(ShardEntry(m["leaf"], tuple(m["shape"]),
                                   tuple(tuple(i) for i in m["index"]), data))
     return meta, entries
@@ -120,7 +138,8 @@ def select(payload: bytes | bytearray | memoryview, boxes: Sequence[Box]) -> lis
     """The parts of ``payload`` inside ``boxes``, encoded as a payload (`pack`) of the same
     step, worker and world: for each of its shards and each box of that shard's leaf that
     overlaps it, the overlap. A survivor asks its sources for the regions its devices hold
-    on the new mesh, so it never receives (or assembles) the whole state.
+    on the new mesh, so it receives only those (the whole state only when its devices
+    hold all of it, as with replicated leaves).
 
     Raises:
         ValueError: the payload does not start with valid metadata, or a box names a leaf

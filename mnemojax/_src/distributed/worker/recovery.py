@@ -60,7 +60,7 @@ class WorldRecovery:
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
                   reason: str = "", first_replayable: int | None = None) -> WorldRecovery:
-    """Detaches, agrees, joins the survivors' world and fetches the agreed state.
+    """Detaches, agrees, reads what the agreed copies cover and joins the survivors' world.
 
     Detaching comes first, so the old world's service can stop at decision time. The caller
     must hold no ``jax.Array`` of the old world (drop them and leave the ``except`` block
@@ -71,14 +71,15 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
 
     Barrier semantics: `Coordinator.agree` returns once every live member of ``world`` has
     arrived (or was declared dead); every survivor gets the same agreement or an
-    `AgreementError`. The agreed payloads are fetched, then the new world is joined, which is
-    a second barrier (``connect``): when a member of the new world died after the decision,
-    or could not fetch the agreed state (its sources died since), it times out
+    `AgreementError`. The agreed copies' headers are read, then the new world is joined,
+    which is a second barrier (``connect``): when a member of the new world died after the
+    decision, or could not read a copy (its sources died since), it times out
     (``world.attach_timeout_s``) for every survivor alike, and they agree again over the new
-    world (another round).
+    world (another round). The copies' regions are fetched later, on restore
+    (`AgreedCopies.fetch`).
 
     When ``agreement.resume_step == -1`` (no step's state survives, `Agreement.lost`), the
-    new world is joined but nothing is fetched: the caller falls back or raises.
+    new world is joined but nothing is read: the caller falls back or raises.
 
     Args:
         coordinator: the agreement service (`LauncherCoordinator` under ``mnemojax launch``).
@@ -99,9 +100,9 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
 def join_world(coordinator: Coordinator, world: WorldSpec,
                agreement: Agreement) -> WorldRecovery:
     """A fresh process (a worker restarted after its world's coordination service died,
-    or a spare taking a dead member's rank) joins the world ``agreement`` decided: fetches
-    the agreed state, then connects. As for a survivor, a world that does not form (a
-    member died after the decision, a copy could not be fetched) is agreed on again, over
+    or a spare taking a dead member's rank) joins the world ``agreement`` decided: reads
+    the agreed copies' headers, then connects. As for a survivor, a world that does not form
+    (a member died after the decision, a copy could not be read) is agreed on again, over
     that world, with any step the copies cover (`ANY_STEP`).
 
     Call after `coordination.configure_process` and before any JAX use.
@@ -119,8 +120,8 @@ def join_world(coordinator: Coordinator, world: WorldSpec,
 
 def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, float],
                 agree: Callable[[int], Agreement]) -> WorldRecovery:
-    """Agreement rounds (``agree(generation)``) until this process has fetched the agreed
-    state and joined the agreed world (`recover_world`)."""
+    """Agreement rounds (``agree(generation)``) until this process has read the agreed
+    copies' headers and joined the agreed world (`recover_world`)."""
     rounds, members = 0, None
     replaces: dict[int, int] = {}  # joiner -> the member of the failed world it replaces
     while True:
@@ -239,7 +240,8 @@ class AgreedCopies:
                     f"the copy of worker {origin} is of a state of {meta['num_leaves']} "
                     f"leaves; this one has {num_leaves}")
             for m in meta["shards"]:
-                specs.setdefault(m["leaf"], (tuple(m["shape"]), np.dtype(m["dtype"])))
+                specs.setdefault(m["leaf"], (tuple(m["shape"]),
+                                             snapshot_codec.dtype_of(m["dtype"])))
         if missing := [i for i in range(num_leaves) if i not in specs]:
             raise StateUnavailableError(f"leaves {missing} are in none of the agreed copies")
         return [specs[i] for i in range(num_leaves)]

@@ -82,7 +82,7 @@ class DistributedSession:
         peer_watch: tells the step's pending wait of a peer's death (`peer_watch`).
         resume: set when this process is fresh in a running job (restarted after its
             world's coordination service died, or a spare; ``MNEMOJAX_RESUME``): how it
-            joined (agreement, fetched copies); `take_resume` restores its state.
+            joined (agreement, the copies' headers); `take_resume` restores its state.
     """
 
     def __init__(self, world: WorldSpec):
@@ -211,8 +211,8 @@ class DistributedSession:
 
         Raises:
             StateUnavailableError: the copies are of another state or leave a region
-                uncovered, or (`CopiesUnreachableError`) the holders of one died since its
-                header was read, when joining.
+                uncovered, or (`CopiesUnreachableError`) the holders of one died between
+                the join (when its header was read) and this call.
         """
         rec = self.resume
         if rec is None or rec.agreement.resume_step < 0:
