@@ -64,3 +64,18 @@ def test_a_barrier_of_another_world_is_refused():
     arbiter, _, _ = _arbiter()
     with pytest.raises(AgreementError, match="current world is 0"):
         arbiter.barrier(_barrier(0, generation=1))
+
+
+def test_a_member_gone_to_the_agreement_fails_the_barrier_like_a_death():
+    """Worker 1 saw world 0 fail where no death is known and arrived at the agreement: the
+    others, waiting at the compile barrier, fail it naming worker 1 (instead of waiting to
+    evict it), and recover too."""
+    arbiter, roster, _ = _arbiter()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(arbiter.barrier, _barrier(0))
+        time.sleep(0.2)
+        assert not waiting.done()
+        with roster.cv:  # what `Arbiter.agree` does first
+            arbiter.book.arrive(1, 0, 4, None)
+            roster.cv.notify_all()
+        assert waiting.result(timeout=5).failed == (1,)

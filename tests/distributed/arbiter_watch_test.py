@@ -82,3 +82,22 @@ def test_an_ending_job_fails_an_agreement_already_waiting():
             waiting.result(timeout=5)
     with pytest.raises(AgreementError, match="job is ending"):
         arbiter.agree(wire.Agree(worker_id=1, generation=0, last_step=3))
+
+
+def test_a_member_gone_to_the_agreement_ends_the_others_poll():
+    """No death is known, but worker 1 arrived at the agreement (it saw world 0 fail,
+    e.g. the holders of a copy it had to fetch died): the poll returns it as ``left``, and
+    a death outranks it."""
+    arbiter, roster = _arbiter()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        polling = pool.submit(arbiter.watch, _watch())
+        time.sleep(0.2)
+        assert not polling.done()
+        with roster.cv:  # what `Arbiter.agree` does first
+            arbiter.book.arrive(1, 0, 4, None)
+            roster.cv.notify_all()
+        assert polling.result(timeout=5) == wire.WorldFailed(generation=0, failed=(),
+                                                            left=(1,))
+    with roster.cv:
+        arbiter.member_died(2)
+    assert arbiter.watch(_watch()) == wire.WorldFailed(generation=0, failed=(2,))

@@ -103,6 +103,20 @@ def test_a_regrow_fails_the_pending_wait_though_no_one_died(world):
     assert not peer_watch.peer_died_error(0, (1,)).mnemojax_regrow  # type: ignore[attr-defined]
 
 
+def test_a_member_that_left_for_the_agreement_fails_the_pending_wait(world):
+    """No death is known, but a member left for the next agreement (it saw the world
+    fail): the step fails its wait as after a death, charged to the budget like one."""
+    _, start = world
+    watch = start(_Launcher(wire.WorldFailed(generation=0, failed=(), left=(2,)))).start()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with peer_watch.abortable(future):
+        error = future.exception(timeout=5)
+        assert "workers [2] of world 0 left it for a new agreement" in str(error)
+        assert not error.mnemojax_regrow  # type: ignore[union-attr]
+    [notice] = watch.notices
+    assert notice.left == (2,) and notice.failed == () and not notice.regrow
+
+
 def test_a_result_that_came_first_is_kept(world):
     _, start = world
     watch = start(_Launcher()).start()

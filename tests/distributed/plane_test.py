@@ -5,6 +5,7 @@ etcd: `make etcd`)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -306,3 +307,19 @@ def test_store_survives_a_member_loss(cluster):
     finally:
         keeper.close(revoke=True)
     assert "nodes/0" not in store.items()
+
+
+def test_a_member_gone_to_the_agreement_is_told_to_the_other_nodes_watch(nodes):
+    """Worker 0 saw world 0 fail where no death is known (the holders of a copy it needed
+    died) and arrived at the next agreement: a watch on node 1 returns no dead member, but
+    worker 0 as ``left``, so worker 2 recovers too instead of waiting in a collective."""
+    results: dict = {}
+    watcher = threading.Thread(target=lambda: results.update(w=nodes.arbiters[1].watch(
+        wire.WatchWorld(worker_id=2, generation=0, timeout_s=30))))
+    watcher.start()
+    time.sleep(0.2)
+    assert "w" not in results  # a quiet world: the poll waits
+    with nodes.arbiters[0]._roster.cv:
+        nodes.arbiters[0].arrive_for(0, 0)
+    watcher.join(timeout=30)
+    assert results["w"] == wire.WorldFailed(generation=0, failed=(), left=(0,))

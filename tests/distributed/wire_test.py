@@ -51,6 +51,7 @@ EXAMPLES = [
     wire.WorldFailed(generation=1, failed=()),
     wire.WorldFailed(generation=0, failed=(1,)),
     wire.WorldFailed(generation=2, failed=(), regrow=True),
+    wire.WorldFailed(generation=2, failed=(), left=(0, 3)),
     wire.HoldingsQuery(),
     wire.Holdings(copies=(COPY, CopyInfo(2, 6, 1, 2, ())),
                   corrupt=(wire.CorruptCopy(origin=0, step=5, error="CRC32"),

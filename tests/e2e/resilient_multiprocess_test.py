@@ -61,8 +61,7 @@ def _launcher_events(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
 
-@pytest.mark.parametrize(("victim", "host_data"), [(1, True), (0, False)],
-                         ids=["worker1-host-data", "worker0"])
+@pytest.mark.parametrize(("victim", "host_data"), [(1, True)], ids=["worker1-host-data"])
 def test_kill_worker(tmp_path, reference, victim, host_data):
     """worker1-host-data: the job feeds per-host batches from a Grain dataset
     (`mnemojax.data.HostBatches`): each process reads only its third of each global batch,
@@ -73,8 +72,8 @@ def test_kill_worker(tmp_path, reference, victim, host_data):
     assert rec["failed_processes"] == [victim] and rec["steps_lost"] <= 1
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
     assert report["launcher_knows_s"] < 1.0  # the agent sees the exit at once
-    # Only worker 0 owns snapshot shards (data row 0): they come from its own agent, which
-    # outlives worker 0; the other workers' copies hold no shards and are not fetched.
+    # Only worker 0 owns snapshot shards (data row 0): they come from its own agent; the
+    # other workers' copies hold no shards and are not fetched.
     assert rec["fetched_from"] == {"0": report["agents"][0]}
     if host_data:
         for w in (0, 2):  # the survivors (the killed worker writes nothing)
@@ -86,16 +85,18 @@ def test_kill_worker(tmp_path, reference, victim, host_data):
 
 
 def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path, reference):
-    """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes.
-    Workers 2 and 3 (replica 1) are killed together; the world of [0, 1] keeps replica 0.
-    Process 0 fetches only the model columns its own devices hold, from its own agent:
-    about half of the state, and nothing of worker 1's copy."""
-    report = _run(tmp_path, [ProcessFault("kill", 2, 4), ProcessFault("kill", 3, 4)],
+    """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
+    and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed
+    together; the world of [2, 3] keeps replica 1. Worker 2 (process 0 of the new world)
+    fetches only the model columns its own devices hold: about half of the state, from
+    worker 0's copy on worker 0's own agent (which outlives its worker), and nothing of
+    worker 1's copy."""
+    report = _run(tmp_path, [ProcessFault("kill", 0, 4), ProcessFault("kill", 1, 4)],
                   nproc=4, extra=("--model-axis", "4"))
     assert report["rc"] == 0, report
     stats = _assert_exact(tmp_path, reference)
     [rec] = stats["recoveries"]
-    assert rec["plan_kind"] == "process_loss" and rec["failed_processes"] == [2, 3]
+    assert rec["plan_kind"] == "process_loss" and rec["failed_processes"] == [0, 1]
     assert (rec["old_mesh_shape"], rec["new_mesh_shape"]) == (
         {"data": 2, "model": 4}, {"data": 1, "model": 4})
     assert rec["fetched_from"] == {"0": report["agents"][0]}

@@ -395,12 +395,15 @@ class WatchWorld(Message):
 class WorldFailed(Message):
     """The members of world ``generation`` known dead (empty: none yet, the poll timed
     out). ``regrow``: no one died, but the world is to re-form larger (spares can fill it
-    back to world 0's size): its members recover as after a death."""
+    back to world 0's size): its members recover as after a death. ``left``: no death is
+    known, but these members left the world for the next agreement (they saw it fail, e.g.
+    the agreed state's holders died before they could fetch it): the others recover too."""
 
     OP: ClassVar[str] = "world_failed"
     generation: int
     failed: tuple[int, ...]
     regrow: bool = False
+    left: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

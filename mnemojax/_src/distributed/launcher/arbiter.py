@@ -129,8 +129,8 @@ class Arbiter:
 
     def barrier(self, request: wire.Barrier) -> wire.BarrierReply:
         """Waits until every member of world ``request.generation`` has arrived at barrier
-        ``request.name`` (passed), or one of them is dead (failed, naming the dead: the
-        caller recovers as from a failed collective). Atomic (`barriers`). A member not
+        ``request.name`` (passed), or one of them is dead or gone to the next agreement
+        (failed, naming them: the caller recovers as from a failed collective). Atomic (`barriers`). A member not
         there within ``request.timeout_s`` of this arrival is evicted, as at the agreement:
         killed, so the barrier fails for the others.
 
@@ -147,7 +147,9 @@ class Arbiter:
             self._barriers.arrive(key, w)
             cv.notify_all()
             deadline = time.monotonic() + request.timeout_s
-            while (failed := self._barriers.outcome(key, book.members, book.dead)) is None:
+            # A member gone to the agreement (it saw the world fail) fails it like a death.
+            while (failed := self._barriers.outcome(
+                    key, book.members, set(book.dead) | set(book.arrived))) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for m in self._barriers.missing(key, book.members):
@@ -164,8 +166,10 @@ class Arbiter:
 
     def watch(self, request: wire.WatchWorld) -> wire.WorldFailed:
         """Waits until a member of world ``request.generation`` is known dead (its agent saw
-        its worker exit with a crash, its agent was lost, or it was evicted), at most
-        ``request.timeout_s``; returns those members (empty when none died meanwhile).
+        its worker exit with a crash, its agent was lost, or it was evicted), or one has
+        left it for the next agreement (``left``: it saw the world fail where the launcher
+        saw no death), at most ``request.timeout_s``; returns those members (empty when
+        none died or left meanwhile).
 
         This is how a survivor blocked in a collective that a dead member can no longer
         complete learns of the death within milliseconds (`worker.peer_watch`), instead of
@@ -175,12 +179,18 @@ class Arbiter:
         g, cv = request.generation, self._roster.cv
         deadline = time.monotonic() + request.timeout_s
         with cv:
-            while not (failed := self._failed_members(g)):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+            while True:
+                failed, gone = self._failed_members(g), self._left(g)
+                remaining = deadline - time.monotonic()
+                if failed or gone or remaining <= 0 or self._closed:
                     break
-                cv.wait(timeout=min(left, 0.5))
-            return wire.WorldFailed(generation=g, failed=failed)
+                cv.wait(timeout=min(remaining, 0.5))
+            return wire.WorldFailed(generation=g, failed=failed, left=() if failed else gone)
+
+    def _left(self, generation: int) -> tuple[int, ...]:
+        """Members of the current world ``generation`` that arrived at its agreement: they
+        saw it fail (call with ``roster.cv`` held)."""
+        return tuple(sorted(self.book.arrived)) if generation == self.book.generation else ()
 
     def _failed_members(self, generation: int) -> tuple[int, ...]:
         """Members of world ``generation`` known dead (call with ``roster.cv`` held)."""

@@ -585,6 +585,8 @@ class EtcdArbiter:
                 outcome, proposal = view.outcome(g, name), None
                 if outcome is None:
                     members, dead = view.worlds().get(g, ()), view.dead()
+                    if view.world(g + 1) is None:  # gone to the agreement: failed it
+                        dead |= set(view.arrivals(g))
                     arrived = view.barrier_arrivals(g, name)
                     gone = tuple(m for m in members if m in dead)
                     if gone or all(m in arrived for m in members):
@@ -616,10 +618,12 @@ class EtcdArbiter:
             while not (failed := self.view.failed_members(g)):
                 if self.view.regrows(g):  # no one died: re-form, larger
                     return wire.WorldFailed(generation=g, failed=(), regrow=True)
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if self.view.world(g + 1) is None and (gone := self.view.arrivals(g)):
+                    return wire.WorldFailed(generation=g, failed=(), left=tuple(sorted(gone)))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
                     break
-                cv.wait(timeout=min(left, 0.5))
+                cv.wait(timeout=min(remaining, 0.5))
             return wire.WorldFailed(generation=g, failed=failed)
 
     def publish_spare(self, worker_id: int, node_rank: int, lease: int) -> None:

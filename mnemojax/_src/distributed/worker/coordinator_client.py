@@ -43,8 +43,9 @@ class Coordinator(Protocol):
 
     def watch(self, *, generation: int, timeout_s: float) -> wire.WorldFailed:
         """Returns the members of world ``generation`` known dead as soon as there is one,
-        or that the world is to re-form larger (``regrow``), or neither after
-        ``timeout_s`` (a long poll; `peer_watch`)."""
+        or that the world is to re-form larger (``regrow``), or the members that left it
+        for the next agreement (``left``), or none of these after ``timeout_s`` (a long
+        poll; `peer_watch`)."""
         ...
 
 

@@ -19,7 +19,9 @@ waits for such a collective to end (at most the collective timeout), so that the
 blocked in it never returns into a finalising interpreter.
 
 No false alarm can come from load: the watch reports only deaths the launcher knows of
-(a worker's exit by a signal, a lost agent, an eviction), never a slow peer. The
+(a worker's exit by a signal, a lost agent, an eviction), and members that left the world
+for the next agreement (they saw it fail where the launcher saw no death, e.g. the agreed
+state's holders died before they could fetch it), never a slow peer. The
 collective timeout stays as the bound for what the launcher cannot see.
 
 Nothing happens on import; JAX is imported only to build the error.
@@ -47,14 +49,16 @@ TOLD_BY_LAUNCHER = "told by the launcher"
 @dataclasses.dataclass(frozen=True)
 class Notice:
     """One death the watch heard of: world ``generation`` lost ``failed`` (none when it
-    re-forms larger: ``regrow``); ``aborted`` waits were failed because of it (0: the
-    step was not waiting then)."""
+    re-forms larger: ``regrow``, or when members ``left`` it for the next agreement, having
+    seen it fail); ``aborted`` waits were failed because of it (0: the step was not waiting
+    then)."""
 
     generation: int
     failed: tuple[int, ...]
     time: float  # time.time() when it arrived
     aborted: int
     regrow: bool = False
+    left: tuple[int, ...] = ()
 
 
 class _Pending:
@@ -83,13 +87,15 @@ class _Pending:
 
 @dataclasses.dataclass(frozen=True)
 class _Heard:
-    """A death (or a regrow) heard of in one world."""
+    """A death (or a regrow, or members that left) heard of in one world."""
 
     failed: tuple[int, ...]
     regrow: bool = False
+    left: tuple[int, ...] = ()
 
     def error(self, generation: int, *, started: bool = True) -> BaseException:
-        return peer_died_error(generation, self.failed, regrow=self.regrow, started=started)
+        return peer_died_error(generation, self.failed, regrow=self.regrow, started=started,
+                               left=self.left)
 
 
 _pending = _Pending()
@@ -175,16 +181,22 @@ def _join_left_behind() -> None:
                         "blocked at exit", generation, time.monotonic() - since)
 
 
-def peer_died_error(generation: int, failed: tuple[int, ...], *,
-                    regrow: bool = False, started: bool = True) -> BaseException:
+def peer_died_error(generation: int, failed: tuple[int, ...], *, regrow: bool = False,
+                    started: bool = True, left: tuple[int, ...] = ()) -> BaseException:
     """The error a watched wait fails with: a non-retryable ``JaxRuntimeError``, which the
     resilient step under a session takes for a peer failure (``regrow``: no one died,
     the world re-forms larger; the same path recovers it, and does not charge it to the
-    recovery budget: ``error.mnemojax_regrow``). ``started``: the step was
-    running (its collectives are abandoned), or it was not started at all."""
+    recovery budget: ``error.mnemojax_regrow``; ``left``: no death known, but these members
+    left for the next agreement). ``started``: the step was running (its collectives are
+    abandoned), or it was not started at all."""
     import jax
-    what = (f"world {generation} re-forms larger (spares fill it back to its first size)"
-            if regrow else f"workers {list(failed)} of world {generation} died")
+    if regrow:
+        what = f"world {generation} re-forms larger (spares fill it back to its first size)"
+    elif failed or not left:
+        what = f"workers {list(failed)} of world {generation} died"
+    else:
+        what = (f"workers {list(left)} of world {generation} left it for a new agreement "
+                "(they saw it fail)")
     fate = ("this step's collectives are abandoned" if started
             else "the step is not started in it")
     error = jax.errors.JaxRuntimeError(f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); {fate}")
@@ -247,18 +259,22 @@ class PeerWatch:
                 log.debug("peer watch: %s", e)
                 self._stop.wait(self._retry_s)
                 continue
-            if (reply.failed or reply.regrow) and not self._stop.is_set():
-                self.notify(generation, reply.failed, regrow=reply.regrow)
+            if (reply.failed or reply.regrow or reply.left) and not self._stop.is_set():
+                self.notify(generation, reply.failed, regrow=reply.regrow, left=reply.left)
 
     def notify(self, generation: int, failed: tuple[int, ...], *,
-               regrow: bool = False) -> Notice:
+               regrow: bool = False, left: tuple[int, ...] = ()) -> Notice:
         """Fails the waits of world ``generation`` (and any later wait in it)."""
-        aborted = _pending.abort(generation, _Heard(tuple(failed), regrow))
-        notice = Notice(generation, tuple(failed), time.time(), aborted, regrow)
+        aborted = _pending.abort(generation, _Heard(tuple(failed), regrow, tuple(left)))
+        notice = Notice(generation, tuple(failed), time.time(), aborted, regrow, tuple(left))
         self.notices.append(notice)
         if regrow:
             log.warning("mnemojax: world %d re-forms larger (%s); %d pending wait(s) "
                         "failed", generation, TOLD_BY_LAUNCHER, aborted)
+        elif left and not failed:
+            log.warning("mnemojax: workers %s left world %d for a new agreement (%s); %d "
+                        "pending wait(s) failed", list(left), generation, TOLD_BY_LAUNCHER,
+                        aborted)
         else:
             log.warning("mnemojax: workers %s of world %d died (%s); %d pending wait(s) "
                         "failed", list(failed), generation, TOLD_BY_LAUNCHER, aborted)
