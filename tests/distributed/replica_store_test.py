@@ -51,3 +51,15 @@ def test_replica_store_refuses_a_flipped_bit_and_another_algorithms_checksum():
             store.put(4, 1, bad, checksum(data))
     store.put(4, 1, data, checksum(data))
     assert store.get(4, 1) == (data, checksum(data))
+
+
+def test_replica_store_keeps_the_received_frame_and_never_an_older_step():
+    """A received payload is stored as it is (no second copy of a replica in the host's
+    memory), what it outdates goes, and a step older than both held ones is not kept."""
+    store = ReplicaStore(keep=2)
+    frames = {step: bytearray(f"s{step}".encode()) for step in (5, 6, 7, 4)}
+    for step, frame in frames.items():
+        store.put(1, step, frame, checksum(frame))
+    assert store.get(1, 7)[0] is frames[7] and store.get(1, 6)[0] is frames[6]
+    assert sorted(s for _, s, _ in store.verify()[0]) == [6, 7]
+    assert store.nbytes() == len(frames[6]) + len(frames[7])

@@ -18,32 +18,36 @@ class ReplicaStore:
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._by_origin: dict[int, dict[int, tuple[bytes, int]]] = {}
+        self._by_origin: dict[int, dict[int, tuple[bytes | bytearray, int]]] = {}
         self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
 
     def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int) -> None:
         """Stores a copy after checking its checksum (raises `SnapshotCorruptError` if it
-        fails)."""
+        fails). The payload is kept as given (a received frame: no copy), and the copies
+        it outdates go first, so the host holds at most ``keep`` copies of ``origin`` plus
+        the one being received."""
         if checksums.checksum(payload) != crc:
             raise SnapshotCorruptError(
                 f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
             held = self._by_origin.setdefault(origin, {})
-            held[step] = (bytes(payload), crc)
-            for old in sorted(held)[:-self.keep]:
+            kept = sorted({*held, step})[-self.keep:]
+            for old in [s for s in held if s not in kept]:
                 del held[old]
+            if step in kept:  # (an older step than every one held is not kept)
+                held[step] = (payload, crc)
 
     def nbytes(self) -> int:
         """Bytes of the copies held."""
         with self._lock:
             return sum(len(p) for held in self._by_origin.values() for p, _ in held.values())
 
-    def get(self, origin: int, step: int) -> tuple[bytes, int]:
+    def get(self, origin: int, step: int) -> tuple[bytes | bytearray, int]:
         """The copy of ``origin``'s snapshot at ``step`` (KeyError if not held)."""
         with self._lock:
             return self._by_origin[origin][step]
 
-    def verify(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int]]]:
+    def verify(self) -> tuple[list[tuple[int, int, bytes | bytearray]], list[tuple[int, int]]]:
         """Checks every copy against its checksum again (memory can flip after the put).
 
         Returns:

@@ -73,7 +73,7 @@ class AgentServer:
                 return
 
     def _dispatch(self, message: wire.Message,
-                  payload: bytearray) -> tuple[wire.Message, bytes] | None:
+                  payload: bytearray) -> tuple[wire.Message, bytes | bytearray] | None:
         now = time.monotonic()
         if isinstance(message, wire.Alloc):
             return self._holder.allocate(message.nbytes, message.budget_bytes), b""
@@ -94,7 +94,7 @@ class AgentServer:
             return self._holder.verified_copies(), b""
         return wire.ErrorReply(message=f"unknown op {message.OP!r}"), b""
 
-    def _serve(self, get: wire.Get) -> tuple[wire.Message, bytes]:
+    def _serve(self, get: wire.Get) -> tuple[wire.Message, bytes | bytearray]:
         """A copy (`wire.Get`): whole, as its holder checked it; or its header or the parts
         inside the asked boxes, cut from the copy once it checks, with their own checksum."""
         what = f"worker {get.origin} step {get.step}"

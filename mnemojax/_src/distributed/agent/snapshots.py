@@ -84,7 +84,7 @@ class SnapshotHolder:
                 raise KeyError("no snapshot slots yet")
             return self.buffer.read()
 
-    def get(self, origin: int, step: int) -> tuple[bytes, int]:
+    def get(self, origin: int, step: int) -> tuple[bytes | bytearray, int]:
         """The copy of worker ``origin``'s snapshot of ``step``: (payload, crc32).
 
         Raises:
@@ -101,7 +101,7 @@ class SnapshotHolder:
     def verified_copies(self) -> wire.Holdings:
         """Every copy held (own slots, buddies' replicas), each checked against its CRC32C
         now, with what it covers; a corrupt copy is listed apart and never counted."""
-        found: list[tuple[int, bytes]] = []
+        found: list[tuple[int, bytes | bytearray]] = []
         corrupt: list[wire.CorruptCopy] = []
         with self._lock:
             if self.buffer is not None:

@@ -22,11 +22,14 @@ class AgentClient:
 
     Args:
         address: the agent's ``host:port`` (``MNEMOJAX_AGENT``).
-        headroom: slot capacity as a multiple of the first snapshot's size.
+        headroom: slot capacity as a multiple of the first snapshot's size (plus 4 KiB for
+            the metadata's step and world numbers). A world's snapshots keep one size, and a
+            larger one (a smaller world's larger shares) gets a new segment, so 1.0: each
+            slot costs the host one copy, not more.
         secret: the job secret (`auth`); the agent must prove it too.
     """
 
-    def __init__(self, address: str, *, secret: bytes, headroom: float = 1.25):
+    def __init__(self, address: str, *, secret: bytes, headroom: float = 1.0):
         self.address, self.headroom = address, headroom
         self._sock = transport.connect(address, secret=secret)
         self._lock = threading.Lock()
