@@ -84,3 +84,18 @@ def test_an_authenticated_agent_link_is_kept(control):
         link.close()
     wait_until(lambda: ("lost", 0) in handler.calls)
     assert threading.active_count() < 50
+
+
+def test_closing_the_server_ends_its_accept_thread():
+    """On Linux a listening socket closed from another thread leaves ``accept`` blocked:
+    each launcher used to leave its accept thread behind (about 50 after the e2e tests,
+    which then failed the thread count above)."""
+    before = {t for t in threading.enumerate() if "accept_loop" in t.name}
+    server = ControlServer(_Handler(), secret=SECRET)
+    server.start()
+    wait_until(lambda: len({t for t in threading.enumerate()
+                            if "accept_loop" in t.name} - before) == 1)
+    [thread] = {t for t in threading.enumerate() if "accept_loop" in t.name} - before
+    server.close()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

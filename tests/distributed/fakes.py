@@ -46,7 +46,7 @@ class FakeLauncher:
     def close(self) -> None:
         for c in self.links.values():
             c.close()
-        self.server.close()
+        transport.close_server(self.server)
 
 
 def closed_without_reply(sock: socket.socket) -> bool:

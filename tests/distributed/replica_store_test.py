@@ -63,3 +63,4 @@ def test_replica_store_keeps_the_received_frame_and_never_an_older_step():
     assert store.get(1, 7)[0] is frames[7] and store.get(1, 6)[0] is frames[6]
     assert sorted(s for _, s, _ in store.verify()[0]) == [6, 7]
     assert store.nbytes() == len(frames[6]) + len(frames[7])
+    assert store.steps(1) == [6, 7] and store.steps(2) == []

@@ -10,6 +10,7 @@ agent imports this.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -179,6 +180,15 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> tuple[socket.socket, str]:
     sock.bind((host, port))
     sock.listen(64)
     return sock, f"{host}:{sock.getsockname()[1]}"
+
+
+def close_server(server: socket.socket) -> None:
+    """Closes a listening socket and wakes the `accept_loop` blocked on it: on Linux a
+    plain ``close`` from another thread leaves ``accept`` blocked (its thread then outlives
+    the server), a ``shutdown`` first makes it return."""
+    with contextlib.suppress(OSError):  # never connected: nothing to shut down
+        server.shutdown(socket.SHUT_RDWR)
+    server.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

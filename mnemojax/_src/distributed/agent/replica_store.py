@@ -37,6 +37,11 @@ class ReplicaStore:
             if step in kept:  # (an older step than every one held is not kept)
                 held[step] = (payload, crc)
 
+    def steps(self, origin: int) -> list[int]:
+        """The steps of ``origin`` held, oldest first (unchecked; `verify` checks)."""
+        with self._lock:
+            return sorted(self._by_origin.get(origin, {}))
+
     def nbytes(self) -> int:
         """Bytes of the copies held."""
         with self._lock:

@@ -55,7 +55,7 @@ class AgentServer:
                                             reason=reason[:200]))
 
     def close(self) -> None:
-        self._server.close()
+        transport.close_server(self._server)
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:

@@ -57,7 +57,7 @@ class ControlServer:
                          daemon=True).start()
 
     def close(self) -> None:
-        self._server.close()
+        transport.close_server(self._server)
 
     def _handle(self, conn: socket.socket) -> None:
         try:
