@@ -171,3 +171,89 @@ def test_agent_never_cuts_a_replica_that_fails_its_check(two_agents):
                 fetch_snapshot([agents[1].address], 0, 2, secret=SECRET, **kw)
     finally:
         client.close()
+
+
+def test_a_budget_the_worker_publishes_under_is_one_the_buddy_keeps_replicas_under(
+        two_agents):
+    """The worker refuses to publish and the agent refuses a replica by the same peak
+    (`shm.agent_peak_bytes`): at a budget just at that peak, equal shares publish and every
+    replica is kept, so the buddy never holds stale copies while the worker publishes."""
+    from mnemojax._src.distributed.shm import agent_peak_bytes
+
+    fake, agents = two_agents
+    for i in range(2):
+        fake.command(i, wire.SetBuddy(buddy=fake.addresses[1 - i]))
+    clients = [AgentClient(a.address, secret=SECRET) for a in agents]
+    try:
+        def payload(step, worker):
+            return pack(step, worker, [ShardEntry(0, (4096,), ((0, 4096),),
+                                                  np.full(4096, step, np.float32))],
+                        num_leaves=1)
+
+        nbytes = sum(len(memoryview(p).cast("B")) for p in payload(10, 0))
+        budget = agent_peak_bytes(nbytes, nbytes)
+        for step in (10, 11, 12):
+            for w, c in enumerate(clients):
+                c.publish(step, payload(step, w), budget_bytes=budget)
+            wait_until(lambda s=step: all(
+                held(a.address)[0].get(str(1 - i), [])[-1:] == [s]
+                for i, a in enumerate(agents)))
+        assert not [e for e in fake.events if isinstance(e, wire.ReplicaRefused)]
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("slack", [0, -1])
+def test_the_agents_replica_check_is_the_workers_peak(slack):
+    """At a budget of exactly `agent_peak_bytes(n, n)` the agent keeps a third replica of
+    n bytes (two held, one arriving); one byte less, it refuses it and says so once."""
+    import os
+
+    from mnemojax._src.checksum import checksum
+    from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
+    from mnemojax._src.distributed.shm import SLOT_MARGIN, agent_peak_bytes
+
+    n, events = 10_000, []
+    holder = SnapshotHolder(1, shm_prefix=f"mnjxtest{os.getpid()}_{slack + 1}_",
+                            report=events.append)
+    try:
+        holder.allocate(n + SLOT_MARGIN, budget_bytes=agent_peak_bytes(n, n) + slack)
+        replies = []
+        for step in (1, 2, 3):
+            frame = bytearray([step]) * n
+            replies.append(holder.accept_replica(
+                wire.Replica(origin=0, step=step, crc=checksum(frame)), frame))
+        kept = [isinstance(r, wire.Ok) for r in replies]
+        assert kept == ([True] * 3 if slack == 0 else [True, True, False])
+        assert len([e for e in events if isinstance(e, wire.ReplicaRefused)]) == (slack < 0)
+    finally:
+        holder.close()
+
+
+def test_a_bigger_segment_keeps_the_old_copies_until_the_first_publish_into_it(two_agents):
+    """A snapshot that outgrows its slots (a smaller world's larger shares) gets a new
+    segment: until the worker has published into it, the old segment's complete copies
+    are still held and served, so there is no moment without one."""
+    _, agents = two_agents
+    client = AgentClient(agents[0].address, secret=SECRET)
+    small, big = np.arange(256, dtype=np.float32), np.arange(4096, dtype=np.float32)
+    try:
+        for step in (1, 2):
+            client.publish(step, pack(step, 0, [ShardEntry(0, (256,), ((0, 256),), small)],
+                                      num_leaves=1))
+        old = agents[0].snapshots.buffer
+        parts = pack(3, 0, [ShardEntry(0, (4096,), ((0, 4096),), big)], num_leaves=1)
+        client._ensure_capacity(sum(len(memoryview(p).cast("B")) for p in parts), None)
+        assert agents[0].snapshots.buffer is not old  # the new segment, nothing in it yet
+        assert held(agents[0].address)[0] == {"0": [1, 2]}
+        data, _ = fetch_snapshot([agents[0].address], 0, 2, secret=SECRET)
+        np.testing.assert_array_equal(_only_shard(data), small)
+        client.publish(3, parts)
+        wait_until(lambda: held(agents[0].address)[0] == {"0": [3]})
+        np.testing.assert_array_equal(
+            _only_shard(fetch_snapshot([agents[0].address], 0, 3, secret=SECRET)[0]), big)
+        with pytest.raises(StateUnavailableError):  # the old segment is gone
+            fetch_snapshot([agents[0].address], 0, 2, secret=SECRET)
+    finally:
+        client.close()

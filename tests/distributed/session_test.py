@@ -16,8 +16,8 @@ from tests.distributed.fakes import SECRET, held, local_copies
 
 
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
-    """The agent would hold ~4 x the payload (two own slots, two of the ring neighbour's):
-    over the budget the worker stops publishing, says so once, and writes nothing."""
+    """The agent would hold ~6 x the payload at its peak (`shm.agent_peak_bytes`): over
+    the budget the worker stops publishing, says so once, and writes nothing."""
     import jax.numpy as jnp
 
     from mnemojax.errors import SnapshotBudgetWarning

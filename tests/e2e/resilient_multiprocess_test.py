@@ -97,6 +97,7 @@ def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path, referenc
     stats = _assert_exact(tmp_path, reference)
     [rec] = stats["recoveries"]
     assert rec["plan_kind"] == "process_loss" and rec["failed_processes"] == [0, 1]
+    assert rec["steps_lost"] <= 1 and report["launcher_knows_s"] < 1.0
     assert (rec["old_mesh_shape"], rec["new_mesh_shape"]) == (
         {"data": 2, "model": 4}, {"data": 1, "model": 4})
     assert rec["fetched_from"] == {"0": report["agents"][0]}

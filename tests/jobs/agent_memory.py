@@ -4,12 +4,13 @@ PYTHONPATH=. python -m tests.jobs.agent_memory [--mib 1,16,128] [--steps 4]
 
 Two real agents (threads of this process, each with its own shared-memory slots and
 replica store, replicating to each other over TCP with the job secret) and two workers'
-clients publishing equal shares of S MiB per step, as in a job of two hosts. After each
-step's replicas have arrived, the agent of worker 1 is read: its two slots (shared memory,
-`SnapshotHolder.buffer`) and the replicas it keeps of worker 0 (`ReplicaStore.nbytes`).
-The peak adds the one replica frame received while the two held are still kept (by
-design: the frame is stored as it arrived, after the step it outdates is dropped).
-Prints one row per size: the figures and their ratios to the own shard S.
+clients publishing equal shares of S MiB per step, as in a job of two hosts. Memory is
+measured, not added up: the agents' process-memory allocations (`tracemalloc`: the
+replicas kept, the frames received, the copies read out of a slot to send) from the first
+step on, current after the last step's replicas arrived and peak over the run, halved (the
+two agents do the same work), plus the agent's two shared-memory slots (their segment
+size). Prints one row per size: the figures and their ratios to the own shard S, beside
+`shm.agent_peak_bytes`, the figure the budget checks use.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.agent import Agent
+from mnemojax._src.distributed.shm import DATA_AT, NUM_SLOTS, agent_peak_bytes
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from tests.distributed.fakes import SECRET, FakeLauncher, held, wait_until
@@ -42,24 +45,27 @@ def measure(mib: int, steps: int) -> dict[str, float]:
             fake.command(i, wire.SetBuddy(buddy=fake.addresses[1 - i]))
         clients = [AgentClient(a.address, secret=SECRET) for a in agents]
         share = np.ones(mib * 2**20 // 4, np.float32)
+        tracemalloc.start()
         for step in range(1, steps + 1):
             for worker, client in enumerate(clients):
                 entry = ShardEntry(0, (2 * share.size,),
                                    ((worker * share.size, (worker + 1) * share.size),), share)
                 client.publish(step, pack(step, worker, [entry], num_leaves=1))
-            wait_until(lambda s=step: agents[1].snapshots.replicas.steps(0)[-1:] == [s],
-                       timeout=120)
+            wait_until(lambda s=step: all(a.snapshots.replicas.steps(1 - i)[-1:] == [s]
+                                          for i, a in enumerate(agents)), timeout=120)
+        time.sleep(0.5)  # the senders are done: their last copies released
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
         assert held(agents[1].address)[0] == {"0": [steps - 1, steps],  # every copy checks
                                               "1": [steps - 1, steps]}
-        holder = agents[1].snapshots
-        assert holder.buffer is not None
-        slots = 2 * holder.buffer.slot_bytes
-        replicas = holder.replicas.nbytes()
-        frame = len(holder.replicas.get(0, steps)[0])  # one more arriving, at the peak
-        return {"own_mib": mib, "slots": slots, "replicas": replicas,
-                "held": slots + replicas, "peak": slots + replicas + frame,
+        buffer = agents[1].snapshots.buffer
+        assert buffer is not None
+        slots = DATA_AT + NUM_SLOTS * buffer.slot_bytes  # the segment: header page, slots
+        return {"slots": slots, "heap_held": current / 2, "heap_peak": peak / 2,
                 "own": share.nbytes}
     finally:
+        if tracemalloc.is_tracing():
+            tracemalloc.stop()
         for c in clients:
             c.close()
         for i in list(fake.links):
@@ -74,16 +80,16 @@ def main() -> None:
     parser.add_argument("--mib", default="1,16,128", help="own shard sizes, MiB")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    print(f"{'own shard':>10} {'2 slots':>10} {'replicas':>10} {'held':>10} {'peak':>10} "
-          f"{'held/own':>9} {'peak/own':>9} {'fixed':>9}")
+    print(f"{'own shard':>10} {'2 slots':>10} {'held':>10} {'peak':>10} {'held/own':>9} "
+          f"{'peak/own':>9} {'budget/own':>11}")
     for mib in (int(m) for m in args.mib.split(",")):
         t = time.perf_counter()
         r = measure(mib, args.steps)
         own = r["own"]
-        print(f"{own / 2**20:>8.1f} M {r['slots'] / 2**20:>8.1f} M "
-              f"{r['replicas'] / 2**20:>8.1f} M {r['held'] / 2**20:>8.1f} M "
-              f"{r['peak'] / 2**20:>8.1f} M {r['held'] / own:>9.3f} {r['peak'] / own:>9.3f} "
-              f"{(r['held'] - 4 * own) / 1024:>7.1f} K  ({time.perf_counter() - t:.1f} s)",
+        held_b, peak_b = r["slots"] + r["heap_held"], r["slots"] + r["heap_peak"]
+        print(f"{own / 2**20:>8.1f} M {r['slots'] / 2**20:>8.1f} M {held_b / 2**20:>8.1f} M "
+              f"{peak_b / 2**20:>8.1f} M {held_b / own:>9.3f} {peak_b / own:>9.3f} "
+              f"{agent_peak_bytes(own, own) / own:>11.3f}  ({time.perf_counter() - t:.1f} s)",
               flush=True)
 
 

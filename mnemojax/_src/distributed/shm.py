@@ -29,6 +29,16 @@ _SLOT = struct.Struct("<QqQII")  # seq, step, nbytes, crc (CRC32C), complete
 _SLOT_HEADER_AT = 64
 DATA_AT = 4096
 NUM_SLOTS = 2
+SLOT_MARGIN = 4096  # a slot's bytes beyond one copy: the metadata's step and world numbers
+
+
+def agent_peak_bytes(own: int, replica: int) -> int:
+    """An agent's snapshot memory at its peak, for its worker's copies of ``own`` bytes and
+    its ring predecessor's of ``replica``: two slots (each one copy plus `SLOT_MARGIN`),
+    the copy of the newest being sent to the buddy (read out of a slot), the two replicas
+    kept and the one being received. The worker refuses to publish over its budget by
+    this figure, and the agent refuses a replica by the same one."""
+    return (NUM_SLOTS + 1) * (own + SLOT_MARGIN) + 3 * replica
 
 
 def shm_unlink(name: str) -> None:

@@ -361,8 +361,8 @@ class AgreementReply(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Barrier(Message):
     """`Coordinator.barrier`: wait until every member of world ``generation`` has arrived
-    at barrier ``name``, or one of them has died (``timeout_s``: then the missing members
-    are evicted, as at the agreement)."""
+    at barrier ``name``, or one of them has died or gone to the next agreement
+    (``timeout_s``: then the missing members are evicted, as at the agreement)."""
 
     OP: ClassVar[str] = "barrier"
     worker_id: int
@@ -374,7 +374,8 @@ class Barrier(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BarrierReply(Message):
     """The barrier's outcome, the same for every member: passed (``failed`` empty), or
-    failed because the members ``failed`` died (or were evicted) before all arrived."""
+    failed because the members ``failed`` died (or were evicted, or went to the next
+    agreement) before all arrived."""
 
     OP: ClassVar[str] = "barrier_result"
     failed: tuple[int, ...]
@@ -382,8 +383,9 @@ class BarrierReply(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WatchWorld(Message):
-    """A long poll: answer when a member of world ``generation`` has died (or was evicted),
-    or after ``timeout_s`` with nobody dead (the worker asks again)."""
+    """A long poll: answer when a member of world ``generation`` has died (or was evicted,
+    or went to the next agreement), or after ``timeout_s`` with none of these (the worker
+    asks again)."""
 
     OP: ClassVar[str] = "watch_world"
     worker_id: int

@@ -70,6 +70,7 @@ class Replicator:
                     sock, target = transport.connect(buddy, secret=self._secret), buddy
                 transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
                                data)
+                del data  # the copy read out of the slot: not kept while waiting for the next
                 transport.recv(sock)
                 sent = step
             except (OSError, ConnectionError, ProtocolError, KeyError,

@@ -80,6 +80,7 @@ class AgentServer:
         if isinstance(message, wire.Published):
             self._watchdog.progress(message.step, now)
             self._report(wire.Progress(worker_id=self.worker_id, step=message.step))
+            self._holder.published()  # the slots a bigger segment replaced may go now
             self._replicator.published(message.step)
             return None
         if isinstance(message, wire.Phase):

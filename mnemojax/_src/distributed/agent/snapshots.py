@@ -16,7 +16,7 @@ from collections.abc import Callable
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
 from mnemojax._src.distributed.agreement import CopyInfo
-from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer, agent_peak_bytes
 from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.errors import SnapshotCorruptError
 
@@ -36,6 +36,9 @@ class SnapshotHolder:
                  report: Callable[[wire.AgentEvent], None]):
         self.worker_id, self.shm_prefix, self._report = worker_id, shm_prefix, report
         self.buffer: SnapshotBuffer | None = None
+        # The segment a bigger one replaced: its complete copies are served until the new
+        # one holds a complete snapshot (`published`), so no moment holds none.
+        self._retired: SnapshotBuffer | None = None
         self.replicas = ReplicaStore()
         self.budget_bytes: int | None = None  # host memory for snapshots (from the worker)
         self._segments = 0
@@ -43,12 +46,15 @@ class SnapshotHolder:
         self._lock = threading.Lock()  # the buffer: replaced on alloc, read by other threads
 
     def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
-        """Slots of at least ``nbytes`` (a bigger segment replaces a smaller one)."""
+        """Slots of at least ``nbytes`` (a bigger segment replaces a smaller one; the
+        smaller one's copies stay readable until the first publish into the new one, so
+        the host briefly holds both)."""
         with self._lock:
             self.budget_bytes = budget_bytes
             if self.buffer is None or self.buffer.slot_bytes < nbytes:
-                if self.buffer is not None:
-                    self.buffer.close()
+                if self._retired is not None:
+                    self._retired.close()
+                self._retired = self.buffer
                 self._segments += 1
                 self.buffer = SnapshotBuffer.create(
                     nbytes, name=f"{self.shm_prefix}w{self.worker_id}_{self._segments}")
@@ -56,10 +62,13 @@ class SnapshotHolder:
 
     def accept_replica(self, replica: wire.Replica, payload: bytearray) -> wire.Ok | wire.ErrorReply:
         """Keeps a buddy's copy if it passes its CRC32C and fits the budget."""
-        own = 2 * self.buffer.slot_bytes if self.buffer is not None else 0
-        # The new copy is stored before the oldest one is evicted: this is the peak.
-        if self.budget_bytes is not None and (
-                own + self.replicas.nbytes() + len(payload) > self.budget_bytes):
+        own = self.buffer.slot_bytes - SLOT_MARGIN if self.buffer is not None else 0
+        # The new copy is held (received) while the two it may outdate are still kept
+        # (`ReplicaStore.put` drops the outdated one first): the peak, as the worker counts
+        # it (`agent_peak_bytes`), with the replicas held as they are.
+        peak = (agent_peak_bytes(own, 0) if self.buffer is not None else 0) \
+            + self.replicas.nbytes() + len(payload)
+        if self.budget_bytes is not None and peak > self.budget_bytes:
             if not self._refused_replicas:
                 self._refused_replicas = True
                 self._report(wire.ReplicaRefused(
@@ -80,9 +89,23 @@ class SnapshotHolder:
             KeyError: none yet. SnapshotCorruptError: it fails its check.
         """
         with self._lock:
-            if self.buffer is None:
-                raise KeyError("no snapshot slots yet")
-            return self.buffer.read()
+            for buffer in self._buffers():
+                try:
+                    return buffer.read()
+                except KeyError:  # a new segment nothing was published into yet
+                    continue
+            raise KeyError("no complete snapshot yet")
+
+    def published(self) -> None:
+        """Its worker published into the current slots: the retired segment goes."""
+        with self._lock:
+            if self._retired is not None:
+                self._retired.close()
+                self._retired = None
+
+    def _buffers(self) -> list[SnapshotBuffer]:
+        """The current segment, then the retired one (call with the lock held)."""
+        return [b for b in (self.buffer, self._retired) if b is not None]
 
     def get(self, origin: int, step: int) -> tuple[bytes | bytearray, int]:
         """The copy of worker ``origin``'s snapshot of ``step``: (payload, crc32).
@@ -93,10 +116,13 @@ class SnapshotHolder:
         if origin != self.worker_id:
             return self.replicas.get(origin, step)
         with self._lock:
-            if self.buffer is None:
-                raise KeyError(step)
-            _, data, crc = self.buffer.read(step)
-        return data, crc
+            for buffer in self._buffers():
+                try:
+                    _, data, crc = buffer.read(step)
+                    return data, crc
+                except KeyError:
+                    continue
+        raise KeyError(step)
 
     def verified_copies(self) -> wire.Holdings:
         """Every copy held (own slots, buddies' replicas), each checked against its CRC32C
@@ -104,10 +130,12 @@ class SnapshotHolder:
         found: list[tuple[int, bytes | bytearray]] = []
         corrupt: list[wire.CorruptCopy] = []
         with self._lock:
-            if self.buffer is not None:
-                for step in sorted(self.buffer.holdings()):
+            seen: set[int] = set()
+            for buffer in self._buffers():
+                for step in sorted(set(buffer.holdings()) - seen):
+                    seen.add(step)
                     try:
-                        found.append((self.worker_id, self.buffer.read(step)[1]))
+                        found.append((self.worker_id, buffer.read(step)[1]))
                     except (SnapshotCorruptError, KeyError) as e:
                         corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
                                                         error=str(e)))
@@ -130,5 +158,6 @@ class SnapshotHolder:
     def close(self) -> None:
         """Unmaps and removes its own slots."""
         with self._lock:
-            if self.buffer is not None:
-                self.buffer.close()
+            for buffer in self._buffers():
+                buffer.close()
+            self._retired = None

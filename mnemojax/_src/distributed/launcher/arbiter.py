@@ -10,7 +10,9 @@ coordination service, lets `book.AgreementBook` decide, stops the old world's se
 the survivors' agents.
 
 The same lock serves the barriers after each compile (`Arbiter.barrier`, `barriers`): a
-member's death, which the launcher hears of from its agent, fails them at once.
+member's death, which the launcher hears of from its agent, fails them at once, and so
+does a member's arrival at the next agreement (it saw the world fail; `Arbiter.watch`
+tells the others the same way).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ agreement: `arbiter.Arbiter.barrier` runs this book under the launcher's lock.
 Atomic: the first outcome decided for a barrier is every member's outcome. It passes when
 every member has arrived while none is dead; it fails, naming the dead, as soon as a member
 is dead before that (also one that arrived, then died: it cannot run the next collective).
+"Dead" here also covers a member gone to the next agreement (the arbiters pass those in):
+it will not run the next collective either.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class BarrierBook:
     def outcome(self, key: BarrierKey, members: Sequence[int],
                 dead: Collection[int]) -> tuple[int, ...] | None:
         """The barrier's outcome, decided now if it can be: ``()`` passed, the dead members
-        (non-empty) failed, ``None`` still open."""
+        (non-empty) failed, ``None`` still open. ``dead``: the members that cannot run the
+        next collective (dead, or gone to the next agreement)."""
         if key in self._outcome:
             return self._outcome[key]
         gone = tuple(m for m in members if m in dead)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import transport, wire
-from mnemojax._src.distributed.shm import SnapshotBuffer
+from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer
 from mnemojax._src.distributed.snapshot_codec import Box
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
 
@@ -38,7 +38,8 @@ class AgentClient:
     def _ensure_capacity(self, nbytes: int, budget_bytes: int | None) -> SnapshotBuffer:
         if self.buffer is None or self.buffer.slot_bytes < nbytes:
             with self._lock:
-                transport.send(self._sock, wire.Alloc(nbytes=int(nbytes * self.headroom) + 4096,
+                transport.send(self._sock, wire.Alloc(nbytes=int(nbytes * self.headroom)
+                                                      + SLOT_MARGIN,
                                                       budget_bytes=budget_bytes))
                 reply = transport.expect(transport.recv(self._sock)[0], wire.Allocated)
             if self.buffer is not None:

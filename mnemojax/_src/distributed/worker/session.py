@@ -41,6 +41,7 @@ from mnemojax._src.distributed.env import (
     WorldSpec,
     world_from_env,
 )
+from mnemojax._src.distributed.shm import agent_peak_bytes
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
@@ -127,8 +128,9 @@ class DistributedSession:
                                               timeout_s=timeout_s)
             if failed:
                 raise _peer_failure(f"workers {list(failed)} of world "
-                                    f"{self.world.generation} died before every worker had "
-                                    f"reached barrier {name!r}")
+                                    f"{self.world.generation} died (or left it for a new "
+                                    f"agreement) before every worker had reached barrier "
+                                    f"{name!r}")
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
@@ -137,7 +139,9 @@ class DistributedSession:
         the copy must finish before the next step may replace the arrays).
 
         The agent keeps two slots of this worker's snapshot and two of its ring
-        predecessor's, so about 4 x the payload of host memory. Over ``budget_bytes``,
+        predecessor's, so 4 x the payload of host memory at rest, and 6 x at its peak
+        (a copy being sent, one being received: `shm.agent_peak_bytes`, with equal
+        shares). Over ``budget_bytes`` at that peak,
         publishing stops for good with a `SnapshotBudgetWarning` (never an OOM of the host):
         a later loss of this worker's shards then falls back to the persistent tier.
 
@@ -150,11 +154,13 @@ class DistributedSession:
             step, self.world.stable_id, state_transfer.local_shards(leaves),
             num_leaves=len(leaves), generation=self.world.generation)
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
-        if budget_bytes is not None and 4 * nbytes > budget_bytes:
+        peak = agent_peak_bytes(nbytes, nbytes)  # its ring neighbour's share: as large
+        if budget_bytes is not None and peak > budget_bytes:
             self.publish_refused = True
             warnings.warn(
-                f"mnemojax: this worker's snapshots need about 4 x {nbytes} bytes of its "
-                f"host's memory (two slots of its own, two of its ring neighbour's), over "
+                f"mnemojax: this worker's snapshots of {nbytes} bytes need {peak} bytes of "
+                f"its host's memory at the peak (two slots of its own and the copy being "
+                f"sent, two of its ring neighbour's and the one being received), over "
                 f"host_memory_budget_bytes={budget_bytes}; they are no longer published",
                 SnapshotBudgetWarning, stacklevel=3)
             return False
