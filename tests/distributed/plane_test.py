@@ -323,3 +323,14 @@ def test_a_member_gone_to_the_agreement_is_told_to_the_other_nodes_watch(nodes):
         nodes.arbiters[0].arrive_for(0, 0)
     watcher.join(timeout=30)
     assert results["w"] == wire.WorldFailed(generation=0, failed=(), left=(0,))
+
+
+def test_a_member_gone_to_the_agreement_fails_the_barrier_on_every_node(nodes):
+    """Worker 0 arrived at the next agreement (it saw world 0 fail): the others' barrier
+    fails naming it, on both nodes, instead of waiting to evict it."""
+    with nodes.arbiters[0]._roster.cv:
+        nodes.arbiters[0].arrive_for(0, 0)
+    failed = nodes.together(lambda w: nodes.of(w).barrier(
+        wire.Barrier(worker_id=w, generation=0, name="c", timeout_s=30)), (1, 2, 3))
+    assert {r.failed for r in failed.values()} == {(0,)}, failed
+    assert 0 not in nodes.arbiters[1].view.dead()  # not evicted: it is at the agreement
