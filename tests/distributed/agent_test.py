@@ -165,7 +165,7 @@ def test_agent_never_cuts_a_replica_that_fails_its_check(two_agents):
         flipped = bytearray(payload)
         flipped[-1] ^= 0x01
         with store._lock:
-            store._by_origin[0][2] = (bytes(flipped), crc)
+            store._by_origin[0][2] = (bytes(flipped), crc, 0)
         for kw in ({"header_only": True}, {"boxes": [(0, ((0, 4),))]}):
             with pytest.raises(StateUnavailableError, match="fails its check"):
                 fetch_snapshot([agents[1].address], 0, 2, secret=SECRET, **kw)
@@ -214,14 +214,16 @@ def test_the_agents_replica_check_is_the_workers_peak(slack):
     from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
     from mnemojax._src.distributed.shm import SLOT_MARGIN, agent_peak_bytes
 
-    n, events = 10_000, []
+    frames = {step: bytearray(b"".join(bytes(p) for p in pack(
+        step, 0, [ShardEntry(0, (10_000,), ((0, 10_000),), np.full(10_000, step, np.uint8))],
+        num_leaves=1))) for step in (1, 2, 3)}
+    n, events = len(frames[1]), []
     holder = SnapshotHolder(1, shm_prefix=f"mnjxtest{os.getpid()}_{slack + 1}_",
                             report=events.append)
     try:
         holder.allocate(n + SLOT_MARGIN, budget_bytes=agent_peak_bytes(n, n) + slack)
         replies = []
-        for step in (1, 2, 3):
-            frame = bytearray([step]) * n
+        for step, frame in frames.items():
             replies.append(holder.accept_replica(
                 wire.Replica(origin=0, step=step, crc=checksum(frame)), frame))
         kept = [isinstance(r, wire.Ok) for r in replies]

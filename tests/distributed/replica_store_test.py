@@ -28,7 +28,7 @@ def test_replica_store_verify_drops_a_copy_that_went_bad_after_the_put():
         data = f"s{step}".encode()
         store.put(4, step, data, checksum(data))
     _, crc = store.get(4, 3)
-    store._by_origin[4][3] = (b"s4", crc)  # a flipped bit in memory
+    store._by_origin[4][3] = (b"s4", crc, 0)  # a flipped bit in memory
     good, bad = store.verify()
     assert [(o, s) for o, s, _ in good] == [(4, 2)] and bad == [(4, 3)]
     with pytest.raises(KeyError):
@@ -64,3 +64,23 @@ def test_replica_store_keeps_the_received_frame_and_never_an_older_step():
     assert sorted(s for _, s, _ in store.verify()[0]) == [6, 7]
     assert store.nbytes() == len(frames[6]) + len(frames[7])
     assert store.steps(1) == [6, 7] and store.steps(2) == []
+
+
+def test_a_new_worlds_copies_outrank_the_old_worlds_later_steps():
+    """After a recovery that resumes behind the held steps, the new world's replayed steps
+    are the newest copies (kept), and the old world's later steps go; an old world's copy
+    never replaces a new world's copy of the same step."""
+    store = ReplicaStore(keep=2)
+
+    def put(step, generation):
+        data = f"s{step}g{generation}".encode()
+        store.put(1, step, data, checksum(data), generation=generation)
+
+    for step in (10, 11):
+        put(step, 0)
+    put(9, 1)  # the new world replays from step 9
+    assert store.steps(1) == [9, 11]
+    put(10, 1)
+    assert store.steps(1) == [9, 10] and store.get(1, 10)[0] == b"s10g1"
+    put(10, 0)  # a late copy of the old world
+    assert store.get(1, 10)[0] == b"s10g1"

@@ -9,33 +9,39 @@ from mnemojax._src.errors import SnapshotCorruptError
 
 
 class ReplicaStore:
-    """Snapshots received from ring neighbours: ``origin -> {step: (payload, crc)}``, where
-    ``crc`` is the payload's CRC32C (`checksum`) as its worker published it.
+    """Snapshots received from ring neighbours: ``origin -> {step: (payload, crc, world)}``,
+    where ``crc`` is the payload's CRC32C (`checksum`) as its worker published it and
+    ``world`` the generation that produced it.
 
-    Keeps the ``keep`` newest steps per origin, so the previous step stays available while a
-    newer copy is in flight or when the survivors resume one step back.
+    Keeps the ``keep`` newest copies per origin, newest by (world, step): a new world's
+    replayed steps are newer than the old world's later ones. So the previous step stays
+    available while a newer copy is in flight or when the survivors resume one step back.
     """
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._by_origin: dict[int, dict[int, tuple[bytes | bytearray, int]]] = {}
+        self._by_origin: dict[int, dict[int, tuple[bytes | bytearray, int, int]]] = {}
         self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
 
-    def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int) -> None:
+    def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int, *,
+            generation: int = 0) -> None:
         """Stores a copy after checking its checksum (raises `SnapshotCorruptError` if it
         fails). The payload is kept as given (a received frame: no copy), and the copies
         it outdates go first, so the host holds at most ``keep`` copies of ``origin`` plus
-        the one being received."""
+        the one being received. A copy of a step held from a newer world is not replaced."""
         if checksums.checksum(payload) != crc:
             raise SnapshotCorruptError(
                 f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
             held = self._by_origin.setdefault(origin, {})
-            kept = sorted({*held, step})[-self.keep:]
+            if step in held and held[step][2] > generation:
+                return
+            order = {s: (g, s) for s, (_, _, g) in held.items()} | {step: (generation, step)}
+            kept = sorted(order, key=order.__getitem__)[-self.keep:]
             for old in [s for s in held if s not in kept]:
                 del held[old]
-            if step in kept:  # (an older step than every one held is not kept)
-                held[step] = (payload, crc)
+            if step in kept:  # (a copy older than every one held is not kept)
+                held[step] = (payload, crc, generation)
 
     def steps(self, origin: int) -> list[int]:
         """The steps of ``origin`` held, oldest first (unchecked; `verify` checks)."""
@@ -45,12 +51,13 @@ class ReplicaStore:
     def nbytes(self) -> int:
         """Bytes of the copies held."""
         with self._lock:
-            return sum(len(p) for held in self._by_origin.values() for p, _ in held.values())
+            return sum(len(p) for held in self._by_origin.values() for p, _, _ in held.values())
 
     def get(self, origin: int, step: int) -> tuple[bytes | bytearray, int]:
         """The copy of ``origin``'s snapshot at ``step`` (KeyError if not held)."""
         with self._lock:
-            return self._by_origin[origin][step]
+            payload, crc, _ = self._by_origin[origin][step]
+            return payload, crc
 
     def verify(self) -> tuple[list[tuple[int, int, bytes | bytearray]], list[tuple[int, int]]]:
         """Checks every copy against its checksum again (memory can flip after the put).
@@ -61,7 +68,7 @@ class ReplicaStore:
         """
         with self._lock:
             copies = [(o, s, p, c) for o, held in self._by_origin.items()
-                      for s, (p, c) in held.items()]
+                      for s, (p, c, _) in held.items()]
         good, bad = [], []
         for origin, step, payload, crc in copies:  # the checksums outside the lock
             if checksums.checksum(payload) == crc:

@@ -76,8 +76,14 @@ class SnapshotHolder:
                     budget_bytes=self.budget_bytes))
             return wire.ErrorReply(message=f"a replica of {len(payload)} bytes would exceed "
                                            f"host_memory_budget_bytes={self.budget_bytes}")
+        try:  # its world: a new world's copies outrank an old world's later steps
+            generation = int(read_meta(payload).get("generation", 0))
+        except (ValueError, TypeError) as e:
+            return wire.ErrorReply(message=f"the replica of worker {replica.origin} step "
+                                           f"{replica.step} is not a snapshot: {e}")
         try:
-            self.replicas.put(replica.origin, replica.step, payload, replica.crc)
+            self.replicas.put(replica.origin, replica.step, payload, replica.crc,
+                              generation=generation)
         except SnapshotCorruptError as e:
             return wire.ErrorReply(message=str(e))
         return wire.Ok()
