@@ -72,15 +72,42 @@ def test_assemble_agreed_is_the_whole_state_and_a_missing_leaf_is_named():
         lacking.leaves(2)
 
 
-def test_a_copy_of_another_step_is_never_placed():
+def test_a_copy_of_another_step_is_never_placed_and_the_next_source_is_asked():
     """An agent answering for the agreed step 4 with a copy of step 5 (a mixed-step state)
-    is refused: that copy cannot be fetched, which the recovery treats as a peer failure
-    (`CopiesUnreachableError`), never a silent mix."""
-    from mnemojax._src.distributed.worker.recovery import CopiesUnreachableError
+    is passed over for the copy's next source; when none has a good one, the fetch fails
+    as a peer failure would (`CopiesUnreachableError`), never with a silent mix."""
+    from mnemojax._src.distributed.snapshot_codec import read_meta, select
+    from mnemojax._src.distributed.worker.recovery import AgreedCopies, CopiesUnreachableError
 
-    copies = _copies_of_three_workers()
-    newer = b"".join(bytes(p) for p in pack(
-        5, 1, [ShardEntry(0, W.shape, ((0, 64), (16, 32)), W[:, 16:32])], num_leaves=3))
-    copies._fetch = local_copies({1: newer}, 4)._fetch
+    def payload(step):
+        return b"".join(bytes(p) for p in pack(
+            step, 1, [ShardEntry(0, W.shape, ((0, 64), (16, 32)), W[:, 16:32])],
+            num_leaves=1))
+
+    served = {"stale": payload(5), "good": payload(4)}
+    asked = []
+
+    def fetch(addrs, origin, step, *, secret, boxes):
+        asked.append(addrs[0])
+        return bytearray(b"".join(select(served[addrs[0]], boxes))), addrs[0]
+
+    def copies(sources):
+        return AgreedCopies(4, 0, {1: read_meta(served["good"])}, {1: sources}, b"",
+                            fetch=fetch)
+
+    [piece] = copies(("stale", "good")).fetch([(0, ((0, 64), (16, 32)))])
+    np.testing.assert_array_equal(piece.data, W[:, 16:32])
+    assert asked == ["stale", "good"]
     with pytest.raises(CopiesUnreachableError, match="is of step 5.*not the agreed step 4"):
-        copies.fetch([(0, ((0, 64), (16, 32)))])
+        copies(("stale",)).fetch([(0, ((0, 64), (16, 32)))])
+
+
+def test_copies_that_disagree_on_a_leaf_are_refused():
+    def payload(worker, dtype):
+        return b"".join(bytes(p) for p in pack(
+            4, worker, [ShardEntry(0, (4,), ((2 * worker, 2 * worker + 2),),
+                                   np.zeros(2, dtype))], num_leaves=1))
+
+    mixed = local_copies({0: payload(0, np.float32), 1: payload(1, np.int32)}, 4)
+    with pytest.raises(StateUnavailableError, match="disagree on leaf 0"):
+        mixed.leaves(1)

@@ -7,7 +7,8 @@ the in-process re-initialisation of DESIGN §4. Before joining the new world it 
 whose sources died stays out and the survivors agree again. The caller then rebuilds its
 mesh over ``jax.devices()``, compiles, waits at `coordination.barrier`, and restores
 (`state_transfer.restore_leaves`): only then, with the new mesh known, does it fetch the
-parts of the copies its own devices hold (`AgreedCopies.fetch`), never the whole state.
+parts of the copies its own devices hold (`AgreedCopies.fetch`), not the whole state
+(unless its devices hold all of it, as with replicated leaves).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class AgreedCopies:
 
         Raises:
             StateUnavailableError: the copies are of a state with another number of leaves,
-                or a leaf is in none of them.
+                disagree on a leaf's shape or dtype, or a leaf is in none of them.
         """
         specs: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
         for origin, meta in self.headers.items():
@@ -240,8 +241,11 @@ class AgreedCopies:
                     f"the copy of worker {origin} is of a state of {meta['num_leaves']} "
                     f"leaves; this one has {num_leaves}")
             for m in meta["shards"]:
-                specs.setdefault(m["leaf"], (tuple(m["shape"]),
-                                             snapshot_codec.dtype_of(m["dtype"])))
+                spec = (tuple(m["shape"]), snapshot_codec.dtype_of(m["dtype"]))
+                if specs.setdefault(m["leaf"], spec) != spec:
+                    raise StateUnavailableError(
+                        f"the copies disagree on leaf {m['leaf']}: {specs[m['leaf']]} and, "
+                        f"in worker {origin}'s, {spec}")
         if missing := [i for i in range(num_leaves) if i not in specs]:
             raise StateUnavailableError(f"leaves {missing} are in none of the agreed copies")
         return [specs[i] for i in range(num_leaves)]
@@ -251,7 +255,8 @@ class AgreedCopies:
         request per copy that overlaps any of them.
 
         Raises:
-            CopiesUnreachableError: no source of an overlapping copy answered.
+            CopiesUnreachableError: no source of an overlapping copy answered with a
+                good one (of the agreed step and world, well formed).
         """
         wanted: dict[int, list[snapshot_codec.Index]] = {}
         for leaf, index in boxes:
@@ -264,17 +269,29 @@ class AgreedCopies:
                     is not None]
             if not mine:
                 continue
-            try:
-                data, addr = self._fetch(self.sources[origin], origin, self.step,
-                                         secret=self._secret, boxes=mine)
-                self._checked(origin, addr, data, self.step, self.generation)
-            except StateUnavailableError as e:
-                raise CopiesUnreachableError(str(e)) from e
-            self.fetched_from[origin] = addr
-            pieces = snapshot_codec.unpack(data)[1]
+            pieces = self._pieces(origin, mine)
             self.fetched_bytes += sum(p.data.nbytes for p in pieces)
             out += pieces
         return out
+
+    def _pieces(self, origin: int,
+                boxes: Sequence[snapshot_codec.Box]) -> list[snapshot_codec.ShardEntry]:
+        """``boxes`` of ``origin``'s copy from the first of its sources that answers with a
+        good one (a bad reply moves on to the next source)."""
+        errors = []
+        for source in self.sources[origin]:
+            try:
+                data, addr = self._fetch([source], origin, self.step, secret=self._secret,
+                                         boxes=boxes)
+                self._checked(origin, addr, data, self.step, self.generation)
+                pieces = snapshot_codec.unpack(data)[1]
+            except (StateUnavailableError, ValueError, KeyError, TypeError) as e:
+                errors.append(f"{source}: {e}")
+                continue
+            self.fetched_from[origin] = addr
+            return pieces
+        raise CopiesUnreachableError(f"no good copy of worker {origin}'s regions of step "
+                                     f"{self.step}: {errors}")
 
 
 def _next_round(coordinator: Coordinator, world: WorldSpec, why: str) -> None:
