@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from mnemojax._src.distributed import transport, wire
+from mnemojax._src.distributed.agent.agent import Agent
 from mnemojax._src.distributed.snapshot_codec import read_meta, select
 from mnemojax._src.distributed.worker.recovery import AgreedCopies
 
@@ -47,6 +49,28 @@ class FakeLauncher:
         for c in self.links.values():
             c.close()
         transport.close_server(self.server)
+
+
+@contextlib.contextmanager
+def running_agents(n: int = 2) -> Iterator[tuple[FakeLauncher, list[Agent]]]:
+    """``n`` agents (threads of this process, no workers) linked to a fake launcher; shut
+    down and joined on exit."""
+    fake = FakeLauncher()
+    agents = [Agent(worker_id=i, launcher=fake.address, command=[], secret=SECRET)
+              for i in range(n)]
+    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(fake.addresses) == n)
+        yield fake, agents
+    finally:
+        for i in list(fake.links):
+            fake.command(i, wire.Shutdown())
+        for t in threads:
+            t.join(timeout=30)
+        fake.close()
+    assert not any(t.is_alive() for t in threads)
 
 
 def closed_without_reply(sock: socket.socket) -> bool:

@@ -16,63 +16,54 @@ size). Prints one row per size: the figures and their ratios to the own shard S,
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 import tracemalloc
 
 import numpy as np
 
 from mnemojax._src.distributed import wire
-from mnemojax._src.distributed.agent.agent import Agent
 from mnemojax._src.distributed.shm import DATA_AT, NUM_SLOTS, agent_peak_bytes
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
 from mnemojax._src.distributed.worker.agent_client import AgentClient
-from tests.distributed.fakes import SECRET, FakeLauncher, held, wait_until
+from tests.distributed.fakes import SECRET, held, running_agents, wait_until
 
 
 def measure(mib: int, steps: int) -> dict[str, float]:
     """The held and peak snapshot bytes of one agent whose worker publishes ``mib`` MiB."""
-    fake = FakeLauncher()
-    agents = [Agent(worker_id=i, launcher=fake.address, command=[], secret=SECRET)
-              for i in range(2)]
-    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    clients: list[AgentClient] = []
-    try:
-        wait_until(lambda: len(fake.addresses) == 2)
+    with running_agents(2) as (fake, agents):
         for i in range(2):  # a ring of two: each agent keeps the other's replicas
             fake.command(i, wire.SetBuddy(buddy=fake.addresses[1 - i]))
         clients = [AgentClient(a.address, secret=SECRET) for a in agents]
-        share = np.ones(mib * 2**20 // 4, np.float32)
-        tracemalloc.start()
-        for step in range(1, steps + 1):
-            for worker, client in enumerate(clients):
-                entry = ShardEntry(0, (2 * share.size,),
-                                   ((worker * share.size, (worker + 1) * share.size),), share)
-                client.publish(step, pack(step, worker, [entry], num_leaves=1))
-            wait_until(lambda s=step: all(a.snapshots.replicas.steps(1 - i)[-1:] == [s]
-                                          for i, a in enumerate(agents)), timeout=120)
-        time.sleep(0.5)  # the senders are done: their last copies released
-        current, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert held(agents[1].address)[0] == {"0": [steps - 1, steps],  # every copy checks
-                                              "1": [steps - 1, steps]}
-        buffer = agents[1].snapshots.buffer
-        assert buffer is not None
-        slots = DATA_AT + NUM_SLOTS * buffer.slot_bytes  # the segment: header page, slots
-        return {"slots": slots, "heap_held": current / 2, "heap_peak": peak / 2,
-                "own": share.nbytes}
-    finally:
-        if tracemalloc.is_tracing():
-            tracemalloc.stop()
-        for c in clients:
-            c.close()
-        for i in list(fake.links):
-            fake.command(i, wire.Shutdown())
-        for t in threads:
-            t.join(timeout=30)
-        fake.close()
+        try:
+            return _publish_and_trace(agents, clients, mib, steps)
+        finally:
+            for c in clients:
+                c.close()
+            if tracemalloc.is_tracing():
+                tracemalloc.stop()
+
+
+def _publish_and_trace(agents, clients, mib: int, steps: int) -> dict[str, float]:
+    """Publishes ``steps`` equal shares from both workers, tracing the agents' memory."""
+    share = np.ones(mib * 2**20 // 4, np.float32)
+    tracemalloc.start()
+    for step in range(1, steps + 1):
+        for worker, client in enumerate(clients):
+            entry = ShardEntry(0, (2 * share.size,),
+                               ((worker * share.size, (worker + 1) * share.size),), share)
+            client.publish(step, pack(step, worker, [entry], num_leaves=1))
+        wait_until(lambda s=step: all(a.snapshots.replicas.steps(1 - i)[-1:] == [s]
+                                      for i, a in enumerate(agents)), timeout=120)
+    time.sleep(0.5)  # the senders are done: their last copies released
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert held(agents[1].address)[0] == {"0": [steps - 1, steps],  # every copy checks
+                                          "1": [steps - 1, steps]}
+    buffer = agents[1].snapshots.buffer
+    assert buffer is not None
+    slots = DATA_AT + NUM_SLOTS * buffer.slot_bytes  # the segment: header page, slots
+    return {"slots": slots, "heap_held": current / 2, "heap_peak": peak / 2,
+            "own": share.nbytes}
 
 
 def main() -> None:
