@@ -56,6 +56,10 @@ from mnemojax._src.topology import (
 
 log = logging.getLogger("mnemojax")
 
+# How long the survivors wait for process 0 to checkpoint the agreed state when too few
+# survive (a missing member is evicted after this: keep it above the largest save).
+CHECKPOINT_BARRIER_S = 900.0
+
 
 @dataclasses.dataclass
 class Resumed:
@@ -436,25 +440,43 @@ class ProcessRecovery:
         leaves = [runtime.layer.put(h, s) for h, s in zip(host.leaves, shardings, strict=True)]
         return host.step, leaves
 
+    def _checkpointed_barrier(self, rec: WorldRecovery, step: int) -> None:
+        """Every survivor waits until process 0 has checkpointed the agreed step (or died,
+        or failed: it arrives either way)."""
+        coordinator = self._session.coordinator
+        if coordinator is None:  # (a recovery across processes always has one)
+            return
+        failed = coordinator.barrier(generation=rec.world.generation,
+                                     name=f"mnemojax-checkpointed-{step}",
+                                     timeout_s=CHECKPOINT_BARRIER_S)
+        if failed:
+            log.warning("mnemojax: workers %s died before the agreed step %d was "
+                        "checkpointed", list(failed), step)
+
     def _persist_agreed_state(self, rec: WorldRecovery, exc: MeshTooSmallError) -> NoReturn:
         """Too few processes survive to hold the model: the agreed state (every shard of
         it, from the agents) goes to the persistent tier before the typed error. Rank 0
-        leaves the distributed world first, so Orbax runs as a single process."""
+        leaves the distributed world first, so Orbax runs as a single process; the others
+        wait for it at the launcher's barrier before they raise (the launcher ends the job
+        a few seconds after the first of them exits, which would cut the save short)."""
         step = rec.agreement.resume_step
         directory = self._options.persistent.directory
         where = "no persistent tier is configured (PersistentOptions(directory=...))"
         if step < 0:
             where = (f"no copy of the shards of workers {list(rec.agreement.lost)} survives, "
                      "so there is no state to checkpoint")
-        elif directory and rec.world.process_id == 0:
-            leaves = state_transfer.assemble_agreed(rec.state, len(self._leaf_keys))
-            coordination.detach_worker()
-            tier = PersistentTier(os.fspath(directory), keys=self._leaf_keys,
-                                  max_to_keep=self._options.persistent.max_to_keep)
-            tier.save(step, leaves, wait=True)
-            tier.close()
-            where = f"step {step} is checkpointed in {tier.directory}"
         elif directory:
             where = f"process 0 of the survivors checkpoints step {step} in {directory}"
+            try:
+                if rec.world.process_id == 0:
+                    leaves = state_transfer.assemble_agreed(rec.state, len(self._leaf_keys))
+                    coordination.detach_worker()
+                    tier = PersistentTier(os.fspath(directory), keys=self._leaf_keys,
+                                          max_to_keep=self._options.persistent.max_to_keep)
+                    tier.save(step, leaves, wait=True)
+                    tier.close()
+                    where = f"step {step} is checkpointed in {tier.directory}"
+            finally:
+                self._checkpointed_barrier(rec, step)
         raise MeshTooSmallError(f"{exc}; {where}", healthy_devices=exc.healthy_devices,
                                 required=exc.required) from exc
