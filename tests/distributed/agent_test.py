@@ -236,7 +236,8 @@ def test_the_agents_replica_check_is_the_workers_peak(slack):
 def test_a_bigger_segment_keeps_the_old_copies_until_the_first_publish_into_it(two_agents):
     """A snapshot that outgrows its slots (a smaller world's larger shares) gets a new
     segment: until the worker has published into it, the old segment's complete copies
-    are still held and served, so there is no moment without one."""
+    are still held and served, so there is no moment without one. Shares that shrink to
+    less than half the slots (a world grown back) get smaller slots again."""
     _, agents = two_agents
     client = AgentClient(agents[0].address, secret=SECRET)
     small, big = np.arange(256, dtype=np.float32), np.arange(4096, dtype=np.float32)
@@ -257,5 +258,12 @@ def test_a_bigger_segment_keeps_the_old_copies_until_the_first_publish_into_it(t
             _only_shard(fetch_snapshot([agents[0].address], 0, 3, secret=SECRET)[0]), big)
         with pytest.raises(StateUnavailableError):  # the old segment is gone
             fetch_snapshot([agents[0].address], 0, 2, secret=SECRET)
+        # Smaller shares again (a world grown back): slots sized for them, not the big ones.
+        large = agents[0].snapshots.buffer
+        client.publish(4, pack(4, 0, [ShardEntry(0, (256,), ((0, 256),), small)],
+                               num_leaves=1))
+        assert agents[0].snapshots.buffer is not large
+        assert agents[0].snapshots.buffer.slot_bytes < large.slot_bytes / 2
+        wait_until(lambda: held(agents[0].address)[0] == {"0": [4]})
     finally:
         client.close()

@@ -46,12 +46,13 @@ class SnapshotHolder:
         self._lock = threading.Lock()  # the buffer: replaced on alloc, read by other threads
 
     def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
-        """Slots of at least ``nbytes`` (a bigger segment replaces a smaller one; the
-        smaller one's copies stay readable until the first publish into the new one, so
-        the host briefly holds both)."""
+        """Slots of at least ``nbytes``: a new segment replaces one too small or more than
+        twice as large (a world grown back to smaller shares); the old one's copies stay
+        readable until the first publish into the new one, so the host briefly holds
+        both."""
         with self._lock:
             self.budget_bytes = budget_bytes
-            if self.buffer is None or self.buffer.slot_bytes < nbytes:
+            if self.buffer is None or not nbytes <= self.buffer.slot_bytes <= 2 * nbytes:
                 if self._retired is not None:
                     self._retired.close()
                 self._retired = self.buffer

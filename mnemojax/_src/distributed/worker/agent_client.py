@@ -36,11 +36,13 @@ class AgentClient:
         self.buffer: SnapshotBuffer | None = None
 
     def _ensure_capacity(self, nbytes: int, budget_bytes: int | None) -> SnapshotBuffer:
-        if self.buffer is None or self.buffer.slot_bytes < nbytes:
+        """Slots for a snapshot of ``nbytes``: new ones when these are too small, or more
+        than twice the size needed (a world grown back to smaller shares), so the host
+        never keeps slots sized for a world that is gone (`SnapshotHolder.allocate`)."""
+        want = int(nbytes * self.headroom) + SLOT_MARGIN
+        if self.buffer is None or not nbytes <= self.buffer.slot_bytes <= 2 * want:
             with self._lock:
-                transport.send(self._sock, wire.Alloc(nbytes=int(nbytes * self.headroom)
-                                                      + SLOT_MARGIN,
-                                                      budget_bytes=budget_bytes))
+                transport.send(self._sock, wire.Alloc(nbytes=want, budget_bytes=budget_bytes))
                 reply = transport.expect(transport.recv(self._sock)[0], wire.Allocated)
             if self.buffer is not None:
                 self.buffer.close()
