@@ -122,6 +122,27 @@ def overlap(a: Index, b: Index) -> Index | None:
     return None if any(lo >= hi for lo, hi in out) else out
 
 
+def index_of(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A region given as slices (a shard's ``index``, or what ``make_array_from_callback``
+    asks for; missing trailing dimensions are whole) as ``((start, stop), ...)``.
+
+    Raises:
+        TypeError: a slice with a stride.
+    """
+    out = []
+    for i, n in enumerate(shape):
+        start, stop, stride = (slices[i] if i < len(slices) else slice(None)).indices(n)
+        if stride != 1:
+            raise TypeError(f"region {slices!r} has stride {stride}")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def _within(part: Index, region: Index) -> tuple[slice, ...]:
+    """Slices that take ``part`` out of an array holding ``region`` (which contains it)."""
+    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, region, strict=True))
+
+
 def header(payload: bytes | bytearray | memoryview) -> bytes:
     """The payload's metadata part alone (what `read_meta` reads): what a copy covers,
     without its data.
@@ -160,9 +181,7 @@ def select(payload: bytes | bytearray | memoryview, boxes: Sequence[Box]) -> lis
             part = overlap(e.index, index)
             if part is None:
                 continue
-            local = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, e.index,
-                                                                             strict=True))
-            out.append(ShardEntry(e.leaf, e.shape, part, e.data[local]))
+            out.append(ShardEntry(e.leaf, e.shape, part, e.data[_within(part, e.index)]))
     return pack(meta["step"], meta.get("worker_id", -1), out, num_leaves=meta["num_leaves"],
                 generation=meta.get("generation", 0))
 
@@ -193,24 +212,15 @@ class HostBlocks:
         if len(index) > self.ndim or not all(isinstance(s, slice) for s in index):
             raise TypeError(f"HostBlocks of leaf {self.leaf} takes slices per dimension, "
                             f"got {index!r}")
-        want = []
-        for i, n in enumerate(self.shape):
-            start, stop, stride = (index[i] if i < len(index) else slice(None)).indices(n)
-            if stride != 1:
-                raise TypeError(f"HostBlocks of leaf {self.leaf}: stride {stride} in {index!r}")
-            want.append((start, max(start, stop)))
-        box = tuple(want)
+        box = index_of(index, self.shape)
         out = np.empty(tuple(b - a for a, b in box), self.dtype)
         covered = np.zeros(out.shape, bool)
         for p in self._pieces:
             part = overlap(p.index, box)
             if part is None:
                 continue
-            dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, box,
-                                                                          strict=True))
-            src = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(part, p.index,
-                                                                          strict=True))
-            out[dst] = p.data[src]
+            dst = _within(part, box)
+            out[dst] = p.data[_within(part, p.index)]
             covered[dst] = True
         if out.size and not covered.all():
             raise StateUnavailableError(

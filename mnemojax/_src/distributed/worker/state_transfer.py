@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from mnemojax._src.distributed.snapshot_codec import Box, HostBlocks, ShardEntry
+from mnemojax._src.distributed.snapshot_codec import Box, HostBlocks, ShardEntry, index_of
 
 if TYPE_CHECKING:
     import jax
@@ -25,14 +25,6 @@ processes each process places the pieces its own devices hold (and a `HostBlocks
 only those)."""
 
 
-def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    out = []
-    for sl, n in zip(index, shape, strict=True):
-        start, stop, _ = sl.indices(n)
-        out.append((start, stop))
-    return tuple(out)
-
-
 def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     """The shards of ``leaves`` (jax.Arrays) this process owns, as host numpy arrays.
 
@@ -43,7 +35,7 @@ def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     for i, leaf in enumerate(leaves):
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
-                entries.append(ShardEntry(i, tuple(leaf.shape), _index(shard.index, leaf.shape),
+                entries.append(ShardEntry(i, tuple(leaf.shape), index_of(shard.index, leaf.shape),
                                           np.asarray(shard.data)))
     return entries
 
@@ -63,7 +55,7 @@ def restore_leaves(copies: AgreedCopies, shardings: Sequence[jax.sharding.Shardi
         StateUnavailableError: the copies are of another state, or leave a region uncovered.
     """
     specs = copies.leaves(len(shardings))
-    boxes = [(leaf, _index(index, shape))
+    boxes = [(leaf, index_of(index, shape))
              for leaf, ((shape, _), sharding) in enumerate(zip(specs, shardings, strict=True))
              for index in sharding.addressable_devices_indices_map(shape).values()
              if index is not None]
