@@ -9,6 +9,7 @@ from mnemojax._src.errors import CheckpointSaveError as CheckpointSaveError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
 from mnemojax._src.errors import DistributedError as DistributedError
 from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
+from mnemojax._src.errors import LeftJobExit as LeftJobExit
 from mnemojax._src.errors import LossCheckWarning as LossCheckWarning
 from mnemojax._src.errors import MathChangedWarning as MathChangedWarning
 from mnemojax._src.errors import MeshTooSmallError as MeshTooSmallError
@@ -39,6 +40,7 @@ __all__ = [
     "DeviceFailureError",
     "DistributedError",
     "InvalidOptionError",
+    "LeftJobExit",
     "LossCheckWarning",
     "MathChangedWarning",
     "MeshTooSmallError",

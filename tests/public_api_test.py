@@ -37,7 +37,7 @@ ERRORS = {
     "AgreementError", "BaselineError", "BatchSplitError", "CheckpointMismatchError",
     "CheckpointCorruptError", "CheckpointSaveError",
     "DeviceFailureError", "SimulationConfigError",
-    "DistributedError", "InvalidOptionError", "LossCheckWarning", "MathChangedWarning",
+    "DistributedError", "InvalidOptionError", "LeftJobExit", "LossCheckWarning", "MathChangedWarning",
     "MeshTooSmallError",
     "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",
     "PreemptionExit", "ProtocolError", "RecoveryExhaustedError", "ShardingMismatchError",
@@ -58,7 +58,7 @@ def test_errors_are_rooted():
     for name in mnemojax.errors.__all__:
         obj = getattr(mnemojax.errors, name)
         assert isinstance(obj, type) and issubclass(obj, BaseException), name
-        if obj is mnemojax.errors.PreemptionExit:  # an exit, not an error
+        if obj in (mnemojax.errors.PreemptionExit, mnemojax.errors.LeftJobExit):  # exits
             assert issubclass(obj, SystemExit)
             continue
         root = mnemojax.errors.MnemojaxWarning if issubclass(obj, Warning) else (

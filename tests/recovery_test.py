@@ -102,3 +102,59 @@ def test_device_recovery_without_any_copy_is_a_typed_error():
 def test_options_take_stop_rules_only():
     with pytest.raises(mnemojax.errors.InvalidOptionError, match="stop="):
         mnemojax.RecoveryOptions(stop=3)  # type: ignore[arg-type]
+
+
+def _world_recovery(generation, members, survivors, process_id):
+    from mnemojax._src.distributed.agreement import Agreement
+    from mnemojax._src.distributed.env import WorldSpec
+    from mnemojax._src.distributed.worker.recovery import AgreedCopies, WorldRecovery
+
+    agreement = Agreement(generation=generation, worker_id=survivors[process_id],
+                          process_id=process_id, num_processes=len(survivors),
+                          coordinator="127.0.0.1:1", resume_step=3, survivors=survivors,
+                          previous_members=members, sources={})
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=process_id,
+                      num_processes=len(survivors), generation=generation)
+    return WorldRecovery(agreement, world, AgreedCopies(3, 0, {}, {}, b""),
+                         {"detach": 0.1, "agree": 0.2, "attach": 0.3, "fetch": 0.0}, 1,
+                         members)
+
+
+@pytest.mark.parametrize("process_id", [0, 2], ids=["stays", "idle"])
+def test_a_process_the_new_mesh_leaves_idle_leaves_and_the_others_agree_again(process_id):
+    """World 1 = workers (0, 1, 2) after worker 3 died; the plan gives process 2 no
+    device. Process 2 leaves the job (`LeftJobExit`, recorded as a ``left_job`` fault);
+    the others agree again and plan on from world 0's members."""
+    import types
+
+    from mnemojax._src.errors import LeftJobExit
+    from mnemojax._src.recovery import ProcessRecovery
+
+    first = _world_recovery(1, (0, 1, 2, 3), (0, 1, 2), process_id)
+    later = _world_recovery(2, (0, 1, 2), (0, 1), min(process_id, 1))
+    calls, events = [], []
+
+    class Session:
+        def leave(self, *, step, reason):
+            calls.append(("leave", step, reason))
+            raise LeftJobExit(reason, step=step, generation=1)
+
+        def recover(self, *, last_step, reason, first_replayable):
+            calls.append(("recover", last_step, first_replayable))
+            return later
+
+    durability = types.SimpleNamespace(emit=lambda kind, **kw: events.append((kind, kw)))
+    recovery = ProcessRecovery(
+        mnemojax.ResilienceOptions(), types.SimpleNamespace(leaf_structs=[]), durability,
+        Statistics(), types.SimpleNamespace(first_step=4), Session(), [], (None, {}))
+    plan = types.SimpleNamespace(shape={"data": 1, "model": 4})
+    if process_id == 2:
+        with pytest.raises(LeftJobExit):
+            recovery._without_idle(first, [2], plan, step=6, last_step=5)
+        assert [c[0] for c in calls] == ["leave"] and "workers [2]" in calls[0][2]
+        assert events[0][0] == "fault" and events[0][1]["classification"] == "left_job"
+        return
+    rec = recovery._without_idle(first, [2], plan, step=6, last_step=5)
+    assert calls == [("recover", 5, 4)] and events == []
+    assert rec.members == (0, 1, 2, 3) and rec.agreement is later.agreement
+    assert rec.rounds == 2 and rec.phases["agree"] == pytest.approx(0.4)

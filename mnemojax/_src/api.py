@@ -263,6 +263,8 @@ class ResilientStep(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         t_call = time.perf_counter()
         b = self._built if self._built is not None else self._build(args, kwargs)
+        if b.session is not None and b.session.left is not None:
+            raise b.session.left  # this process left the job (caught, then called again)
         if b.session is not None and b.session.resume is not None:
             raise WorldConfigError(
                 f"this process joined a running job (world {b.session.world.generation}, at "

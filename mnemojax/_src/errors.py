@@ -257,3 +257,23 @@ class PreemptionExit(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class LeftJobExit(SystemExit):
+    """Raised from a step in a process that a recovery leaves with no device of the new
+    mesh (e.g. a model replica spans two processes and three survive): it has left the job,
+    whose other processes go on without it. Exits the process with status 0 unless caught.
+
+    Attributes:
+        step: the step that failed (the others resume before it).
+        generation: the world it left.
+    """
+
+    def __init__(self, message: str, *, step: int, generation: int):
+        super().__init__(0)
+        self.message = message
+        self.step = step
+        self.generation = generation
+
+    def __str__(self) -> str:
+        return self.message

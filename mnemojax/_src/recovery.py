@@ -7,7 +7,8 @@ Two collaborators of the resilient step, one per kind of failure:
   from the persistent tier, compile (or take the executable compiled ahead), reshard.
 * `ProcessRecovery`: a peer process died (multi-process). Agree with the survivors on the
   new world and the step to resume from, re-initialise into it in-process, plan its mesh
-  with the same planner and rules, compile, restore the agreed state from the agents.
+  with the same planner and rules, compile, restore the agreed state from the agents. A
+  process the plan gives no device leaves the job; the others agree again without it.
 
 Both return a `Resumed`: the new `Runtime`, the state and the step it is the state after.
 The step's own loop then replays the steps since, with their batches, and runs the failed
@@ -258,24 +259,13 @@ def _replanned(plan: MeshPlan, places: Mapping[int, Place], previous_members: Se
                                    spares=spares)
 
 
-def _every_process_used(plan: MeshPlan, devices: Mapping[int, Sequence[int]]) -> None:
-    """Every process of a multi-process world must hold a device of the mesh: one with
-    none cannot run the step (nothing of its outputs is addressable to it). Every process
-    plans alike, so each raises alike.
-
-    Raises:
-        MeshTooSmallError: a process would hold no device of ``plan`` (e.g. a model
-            replica spans two processes and an odd number survive).
-    """
+def _idle_processes(plan: MeshPlan, devices: Mapping[int, Sequence[int]]) -> list[int]:
+    """The processes of the new world that hold no device of ``plan`` (e.g. a model
+    replica spans two processes and an odd number survive). Such a process cannot run the
+    step (nothing of its outputs is addressable to it): it leaves the job. Every process
+    plans alike, so each finds the same ones."""
     used = {int(d) for d in plan.device_ids.flat}
-    idle = sorted(p for p, ids in devices.items() if not used & set(ids))
-    if idle:
-        raise MeshTooSmallError(
-            f"the new mesh {plan.shape} would leave processes {idle} of the new world with "
-            f"no device, and a process with none cannot run the step (a model replica that "
-            "spans processes, or a global batch the survivors cannot split evenly, leaves "
-            "one idle: keep replicas within whole processes, or add spares)",
-            healthy_devices=sum(map(len, devices.values())), required=len(used))
+    return sorted(p for p, ids in devices.items() if not used & set(ids))
 
 
 class ProcessRecovery:
@@ -331,10 +321,14 @@ class ProcessRecovery:
                 runtimes took, over every round so far (the first waits for a background
                 compile that is running): the ``close`` phase, apart from ``detect``.
 
+        A process the new mesh gives no device (a model replica that spans processes,
+        with an odd number left) leaves the job, and the others agree again without it
+        (`_without_idle`).
+
         Raises:
-            MeshTooSmallError: too few processes survive, or the new mesh would leave a
-                process with no device (the agreed state is checkpointed first when a
-                persistent tier is configured).
+            MeshTooSmallError: too few processes survive to hold the model (the agreed
+                state is checkpointed first when a persistent tier is configured).
+            LeftJobExit: in a process the new mesh gives no device: it left the job.
             StateUnavailableError: no copy of the agreed state survives anywhere.
             jax.errors.JaxRuntimeError: a peer failed during the recovery.
         """
@@ -346,29 +340,35 @@ class ProcessRecovery:
                     step, reason[:200])
         rec = session.recover(last_step=last_step, reason=reason,
                               first_replayable=self._batches.first_step)
+        plan_s, left = 0.0, []
+        while True:
+            t = time.perf_counter()
+            agreement = rec.agreement
+            new_devices: dict[int, list[int]] = {}
+            for d in jax.devices():
+                new_devices.setdefault(d.process_index, []).append(d.id)
+            # A world grown back to world 0's size (`book.AgreementBook.decide`): more
+            # processes than the world it was decided from.
+            grown = agreement.num_processes > len(agreement.previous_members)
+            try:
+                if grown:
+                    plan = self._grown_plan(agreement.num_processes, new_devices, rules)
+                else:
+                    # A joiner (a spare) takes a dead member's rank: its devices take that
+                    # member's places in the mesh, which keeps its size.
+                    as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
+                    plan = _replanned(old_plan, places, rec.members, as_old, new_devices,
+                                      rules, spares)
+            except MeshTooSmallError as exc:
+                self._persist_agreed_state(rec, exc)
+            plan_s += time.perf_counter() - t
+            idle = _idle_processes(plan, new_devices)
+            if not idle:
+                break
+            left += [rec.agreement.survivors[p] for p in idle]
+            rec = self._without_idle(rec, idle, plan, step=step, last_step=last_step)
         phases = {"detect": t0 - t_fault - close_s, "close": close_s,
-                  "agree": rec.phases["detach"] + rec.phases["agree"]}
-        t = time.perf_counter()
-        agreement = rec.agreement
-        new_devices: dict[int, list[int]] = {}
-        for d in jax.devices():
-            new_devices.setdefault(d.process_index, []).append(d.id)
-        # A world grown back to world 0's size (`book.AgreementBook.decide`): more
-        # processes than the world it was decided from.
-        grown = agreement.num_processes > len(agreement.previous_members)
-        try:
-            if grown:
-                plan = self._grown_plan(agreement.num_processes, new_devices, rules)
-            else:
-                # A joiner (a spare) takes a dead member's rank: its devices take that
-                # member's places in the mesh, which keeps its size.
-                as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
-                plan = _replanned(old_plan, places, rec.members, as_old, new_devices, rules,
-                                  spares)
-            _every_process_used(plan, new_devices)
-        except MeshTooSmallError as exc:
-            self._persist_agreed_state(rec, exc)
-        phases["plan"] = time.perf_counter() - t
+                  "agree": rec.phases["detach"] + rec.phases["agree"], "plan": plan_s}
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
@@ -387,7 +387,7 @@ class ProcessRecovery:
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
             time.perf_counter() - t)
         phases["replay"] = 0.0
-        dead = tuple(sorted(set(rec.members) - set(agreement.survivors)))
+        dead = tuple(sorted(set(rec.members) - set(agreement.survivors) - set(left)))
         record = RecoveryRecord(
             step=step, failed_devices=(), old_mesh_shape=old_plan.shape,
             new_mesh_shape=plan.shape,
@@ -401,11 +401,31 @@ class ProcessRecovery:
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,
             math_changed=plan.math_changed, failed_processes=dead,
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
-            agreement_rounds=rec.rounds, from_export=exe.exported)
+            left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
+            from_export=exe.exported)
         log.warning("mnemojax: world %d -> %d: processes %s lost; %d processes, mesh %s, "
                     "resuming from step %d", before.generation, rec.world.generation,
                     list(dead), rec.world.num_processes, plan.shape, resume)
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
+
+    def _without_idle(self, rec: WorldRecovery, idle: Sequence[int], plan: MeshPlan, *,
+                      step: int, last_step: int) -> WorldRecovery:
+        """The new world's mesh ``plan`` leaves processes ``idle`` with no device: they
+        leave the job (`DistributedSession.leave`, raising `LeftJobExit` there), and the
+        others agree again over the world they formed, without them. The result continues
+        ``rec`` (`WorldRecovery.then`): planned from the same world that failed."""
+        session = self._session
+        workers = [rec.agreement.survivors[p] for p in idle]
+        why = (f"the new mesh {plan.shape} leaves processes {list(idle)} (workers "
+               f"{workers}) of world {rec.world.generation} with no device")
+        if rec.world.process_id in idle:
+            self._durability.emit("fault", step=step, classification="left_job", detail=why)
+            session.leave(step=step, reason=why)
+        log.warning("mnemojax: step %d: %s: they leave the job; agreeing again without them",
+                    step, why)
+        again = session.recover(last_step=last_step, reason=why,
+                                first_replayable=self._batches.first_step)
+        return rec.then(again)
 
     def _grown_plan(self, processes: int, new_devices: Mapping[int, Sequence[int]],
                     rules: ShapeRules) -> MeshPlan:

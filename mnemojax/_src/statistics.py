@@ -45,8 +45,10 @@ class RecoveryRecord:
         fetched_from: multi-process: origin worker id -> the agent that served this
             process the regions of that worker's copy its own devices hold (only the
             copies that overlap them).
+        left_processes: multi-process: the worker ids that left the job because the new
+            mesh gave their process no device (`LeftJobExit`); not in ``failed_processes``.
         agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after
-            a decision and the others agreed again).
+            a decision, or processes left the job, and the others agreed again).
         from_export: multi-process: the new world lowered the step from the `jax.export`
             made when its mesh was compiled ahead, instead of tracing it again
             (`compiler.ExportedSteps`).
@@ -75,6 +77,7 @@ class RecoveryRecord:
     failed_processes: tuple[int, ...] = ()  # multi-process: workers lost (stable ids)
     generation: int = 0  # multi-process: the world generation after the recovery
     fetched_from: dict[int, str] = dataclasses.field(default_factory=dict)
+    left_processes: tuple[int, ...] = ()
     agreement_rounds: int = 0
     from_export: bool = False
 

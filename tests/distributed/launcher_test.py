@@ -55,3 +55,31 @@ def test_launcher_job_timeout_kills_everything(tmp_path):
     assert time.monotonic() - t < 30
     pids = [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values())
     assert not any(process_alive(p) for p in pids)
+
+
+LEAVER = """
+import os, sys, time
+from mnemojax._src.distributed import auth
+from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
+w = int(os.environ["MNEMOJAX_WORKER_ID"])
+c = LauncherCoordinator(os.environ["MNEMOJAX_CONTROL"], w,
+                        secret=auth.secret_from_env(os.environ))
+if w == 1:
+    c.leave(generation=0, reason="no device of the new mesh")
+else:
+    seen = c.watch(generation=0, timeout_s=30)
+    open(os.path.join(sys.argv[1], "seen"), "w").write(repr(seen.failed))
+    time.sleep(2.0)  # worker 1 has exited meanwhile: its status must end nothing
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_worker_that_leaves_is_gone_for_the_others_and_its_exit_ends_nothing(tmp_path):
+    """Worker 1 leaves the job (`wire.Leave`), then exits 0: worker 0's watch of the world
+    reports it gone at once, and the job ends 0 with worker 0, not with a failure."""
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1),
+                        [sys.executable, "-c", LEAVER, str(tmp_path)])
+    assert launcher.run() == 0
+    assert (tmp_path / "seen").read_text() == "(1,)"
+    assert [e["worker_id"] for e in launcher.events if e["op"] == "leave"] == [1]
+    assert launcher.exit_codes == {0: 0, 1: 0}

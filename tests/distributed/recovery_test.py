@@ -119,3 +119,28 @@ def test_a_fresh_process_joins_the_given_world_or_agrees_again_tracing_replaceme
     assert rec.rounds == 2 and rec.world.generation == 2
     assert agreed == [("report", 1), ("agree", 1, ANY_STEP)]
     assert rec.members == (0, 1) and rec.replaces == {5: 0}
+
+
+def test_a_recovery_continued_by_another_agreement_keeps_the_world_that_failed():
+    """Processes that the new mesh leaves idle leave; the others agree again over the world
+    they formed. The result plans from the world that failed first: its members, each
+    joiner traced back to the member it replaces, phases and rounds summed."""
+    from mnemojax._src.distributed.worker.recovery import AgreedCopies, WorldRecovery
+
+    def rec(generation, members, survivors, replaces, rounds):
+        agreement = Agreement(generation=generation, worker_id=0, process_id=0,
+                              num_processes=len(survivors), coordinator="127.0.0.1:1",
+                              resume_step=3, survivors=survivors, previous_members=members,
+                              sources={}, replaces=replaces)
+        world = WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                          num_processes=len(survivors), generation=generation)
+        copies = AgreedCopies(3, generation - 1, {}, {}, b"")
+        return WorldRecovery(agreement, world, copies, {"agree": 1.0, "attach": 0.5},
+                             rounds, members, replaces)
+
+    first = rec(1, (0, 1, 2, 3), (0, 5, 2), {5: 1}, 1)  # spare 5 took worker 1's place
+    later = rec(2, (0, 5, 2), (0, 6), {6: 5}, 2)  # 2 left; spare 6 took 5's place
+    both = first.then(later)
+    assert both.members == (0, 1, 2, 3) and dict(both.replaces) == {6: 1}
+    assert both.agreement is later.agreement and both.world is later.world
+    assert both.rounds == 3 and both.phases == {"agree": 2.0, "attach": 1.0}

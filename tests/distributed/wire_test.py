@@ -35,6 +35,7 @@ EXAMPLES = [
     wire.KillWorker(),
     wire.Shutdown(),
     wire.ReportFailure(worker_id=1, generation=0, reason="Gloo AllGather failed"),
+    wire.Leave(worker_id=2, generation=1, reason="no device of mesh (2, 2)"),
     wire.Agree(worker_id=1, generation=0, last_step=7, first_replayable=5),
     wire.Agree(worker_id=1, generation=0, last_step=7),
     wire.AgreementReply(agreement=AGREEMENT),

@@ -227,23 +227,46 @@ def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference)
     assert stats["mesh_shape"] == {"data": 3, "model": 2}
 
 
-@pytest.mark.slow  # ~35 s each
-@pytest.mark.parametrize(("model_axis", "why"), [
-    (8, "no whole data-parallel replica"), (4, r"would leave processes \[2\] of the new world with no")],
-    ids=["model-needs-8", "a-process-would-idle"])
-def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path, model_axis, why):
-    """4 processes x 2 devices. On a (1, 8) mesh the model needs all 8 devices: after a
-    kill, 6 remain. On a (2, 4) mesh a replica spans two processes: after a kill, the one
-    replica left would leave the third survivor with no device, which cannot run the step.
-    Either way the job ends with MeshTooSmallError (exit 3), and the agreed step is in the
-    persistent tier, equal to the failure-free run after that many steps."""
+@pytest.mark.slow  # ~35 s
+def test_a_survivor_the_new_mesh_leaves_idle_leaves_the_job_and_the_rest_end_exact(
+        tmp_path, reference):
+    """4 processes x 2 devices on a (2, 4) mesh: a model replica spans two processes.
+    Worker 3 is killed; of its three survivors one replica's worth (two processes) can
+    run the step, and the third would hold no device. It leaves the job (status 0); the
+    other two agree again without it and end exact on a (1, 4) mesh."""
+    report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
+                  extra=("--model-axis", "4"))
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    [rec] = stats["recoveries"]
+    assert rec["failed_processes"] == [3] and rec["left_processes"] == [2]
+    assert rec["agreement_rounds"] == 2
+    assert rec["new_mesh_shape"] == {"data": 1, "model": 4}
+    assert [e["worker_id"] for e in _launcher_events(report, "leave")] == [2]
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[0, 1, 2], [0, 1]]
+    # Its exit may come after the others end the job (it first waits out the collectives
+    # it abandoned): then the launcher ends it. An exit it did report is a clean one.
+    assert [e["code"] for e in _launcher_events(report, "worker_exit")
+            if e["worker_id"] == 2] in ([0], [])
+    with open(tmp_path / "mnemojax-events-w2.jsonl") as f:
+        left = [e for e in map(json.loads, f) if e.get("classification") == "left_job"]
+    assert len(left) == 1 and "no device" in left[0]["detail"]
+
+
+@pytest.mark.slow  # ~35 s
+def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
+    """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices, and after
+    a kill 6 remain. The job ends with MeshTooSmallError (exit 3), and the agreed step is
+    in the persistent tier, equal to the failure-free run after that many steps."""
     import orbax.checkpoint as ocp
 
     report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
-                  extra=("--model-axis", str(model_axis), "--ckpt", str(tmp_path / "ckpt")))
+                  extra=("--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")))
     assert report["rc"] == 3, report
     error = (tmp_path / "error-w0.txt").read_text()
-    assert error.startswith("MeshTooSmallError") and re.search(why, error), error
+    assert error.startswith("MeshTooSmallError") and re.search(
+        "no whole data-parallel replica", error), error
     mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
     saved = mngr.latest_step()
     assert saved is not None and 4 <= saved < STEPS

@@ -319,6 +319,17 @@ class ReportFailure(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Leave(Message):
+    """`Coordinator.leave`: this worker leaves the job (the new mesh gives its process no
+    device): a member that is gone, as if dead, but no failure of the job."""
+
+    OP: ClassVar[str] = "leave"
+    worker_id: int
+    generation: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Agree(Message):
     """`Coordinator.agree`: a barrier over world ``generation``'s live members."""
 
@@ -523,7 +534,7 @@ class Published(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Phase(Message):
-    """The worker entered ``phase`` (``compile``, ``recover``, ``train``, ``finish``)."""
+    """The worker entered ``phase`` (``compile``, ``recover``, ``train``, ``finish``, ``left``)."""
 
     OP: ClassVar[str] = "phase"
     phase: str
@@ -636,7 +647,7 @@ Command = Start | SetBuddy | PauseWatchdog | KillWorker | Shutdown
 MESSAGES: tuple[type[Message], ...] = (
     Hello, WorkerStarted, WorkerExit, Progress, Hang, ReplicaRefused, WorkerPhase,
     RefusedConnection, Start, SetBuddy, PauseWatchdog, KillWorker, Shutdown,
-    ReportFailure, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
+    ReportFailure, Leave, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
     AwaitJoin, Joined,
     HoldingsQuery, Holdings,
     Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,

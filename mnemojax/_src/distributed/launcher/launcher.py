@@ -46,6 +46,8 @@ class Launcher:
     ``worker_error``).
 
     A worker killed by a signal (negative exit status) is a crash: the survivors recover.
+    A worker that leaves (`wire.Leave`: a recovery gave its process no device) is no longer
+    a member, as if dead, and its exit (status 0) ends nothing.
     A worker that exits with a positive status ended itself (the user's exception, or
     ``sys.exit(n)``): the job ends with that status, never recovered.
 
@@ -78,6 +80,7 @@ class Launcher:
         # sys.exit(n)): (worker id, status, when). It ends the job; nothing is recovered.
         self._worker_error: tuple[int, int, float] | None = None
         self._stop_signals: list[int] = []  # SIGTERM / SIGINT received, in order
+        self._departed: set[int] = set()  # workers that left the job (`wire.Leave`): not dead
         self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
@@ -129,6 +132,19 @@ class Launcher:
                 with self.roster.cv:
                     self._uncaught[message.worker_id] = message.reason[len(UNCAUGHT):]
             return wire.Ok()
+        if isinstance(message, wire.Leave):
+            self._record(message.to_wire())
+            logger.warning("mnemojax launch: worker %d leaves the job in world %d (%s); the "
+                           "others go on without it", message.worker_id, message.generation,
+                           message.reason)
+            with self.roster.cv:
+                member = message.worker_id in self.arbiter.live_members()
+                self._departed.add(message.worker_id)
+                self.arbiter.member_died(message.worker_id)
+                if member:  # the others re-form their world: they may block a while
+                    self.roster.command_all(wire.PauseWatchdog(), but=message.worker_id)
+                self.roster.cv.notify_all()
+            return wire.Ok()
         if isinstance(message, wire.Agree):
             self._record(message.to_wire())
             if (error := self._worker_error) is not None:  # the job is ending: no new world
@@ -156,6 +172,8 @@ class Launcher:
         if worker_id in self.roster.exit_codes:
             return
         self.roster.exit_codes[worker_id] = code
+        if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
+            return
         if code > 0 and self._worker_error is None and not self._stop_signals:
             self._end_on_worker_error(worker_id, code)
         if code != 0:

@@ -169,7 +169,7 @@ class NodeLauncher(Launcher):
                 self.plane.end(f"the job is ending: workers {sorted(new)} died and recovery "
                                "is off", code=self._failed_code)
         for w in dead & set(o.local_agents):  # a spare that joined is a worker like any
-            if w not in self.roster.exit_codes and w not in self._killed:
+            if w not in self.roster.exit_codes and w not in self._killed | self._departed:
                 self._killed.add(w)  # evicted by another node: fence it here
                 self.roster.command(w, wire.KillWorker())
         end = view.end()

@@ -23,7 +23,7 @@ The job's keys (under ``/mnemojax/<job>/``)::
                               its members re-form it, larger (created once)
     rejoin/<first id>         a node that rejoined the running job (``--grow-back``) took
                               the ids from there (created once)
-    dead/<worker>             declared dead (crashed, evicted); permanent
+    dead/<worker>             declared dead (crashed, evicted, or left the job); permanent
     exit/<worker>             its worker's exit status; permanent
     end                       the job is ending (why; a worker's error status), created once
 

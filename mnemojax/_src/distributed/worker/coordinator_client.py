@@ -20,6 +20,12 @@ class Coordinator(Protocol):
         """Tells the coordinator this worker saw a failure in world ``generation``."""
         ...
 
+    def leave(self, *, generation: int, reason: str) -> None:
+        """This worker leaves the job from world ``generation`` (its process has no device
+        in the new mesh): the others' next agreement goes on without it, as without a dead
+        member, and its later exit (status 0) is no failure."""
+        ...
+
     def agree(self, *, generation: int, last_step: int,
               first_replayable: int | None = None) -> Agreement:
         """Barrier over the live members of world ``generation``; returns the decision.
@@ -64,7 +70,8 @@ class LauncherCoordinator:
         self.control, self.worker_id, self.timeout_s = control, worker_id, timeout_s
         self._secret = secret
 
-    def _call(self, message: wire.ReportFailure | wire.Agree | wire.Barrier | wire.WatchWorld,
+    def _call(self, message: wire.ReportFailure | wire.Leave | wire.Agree | wire.Barrier
+                    | wire.WatchWorld,
               reply: type[transport.M], *, timeout_s: float | None = None) -> transport.M:
         try:
             answer, _ = transport.request(
@@ -78,6 +85,10 @@ class LauncherCoordinator:
     def report_failure(self, *, generation: int, reason: str) -> None:
         self._call(wire.ReportFailure(worker_id=self.worker_id, generation=generation,
                                       reason=reason), wire.Ok)
+
+    def leave(self, *, generation: int, reason: str) -> None:
+        self._call(wire.Leave(worker_id=self.worker_id, generation=generation,
+                              reason=reason), wire.Ok)
 
     def agree(self, *, generation: int, last_step: int,
               first_replayable: int | None = None) -> Agreement:

@@ -193,7 +193,7 @@ def peer_died_error(generation: int, failed: tuple[int, ...], *, regrow: bool = 
     if regrow:
         what = f"world {generation} re-forms larger (spares fill it back to its first size)"
     elif failed or not left:
-        what = f"workers {list(failed)} of world {generation} died"
+        what = f"workers {list(failed)} of world {generation} died (or left the job)"
     else:
         what = (f"workers {list(left)} of world {generation} left it for a new agreement "
                 "(they saw it fail)")

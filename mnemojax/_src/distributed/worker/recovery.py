@@ -58,6 +58,18 @@ class WorldRecovery:
     members: tuple[int, ...] = ()
     replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
+    def then(self, later: WorldRecovery) -> WorldRecovery:
+        """``later`` (an agreement over the world this one formed) as the continuation of
+        this recovery: still from the members of the world that failed first, each joiner
+        traced back to the member of that world it replaces, phases and rounds summed."""
+        replaces = dict(self.replaces)
+        for joiner, gone in later.replaces.items():
+            replaces[joiner] = replaces.pop(gone, gone)
+        phases = {k: self.phases.get(k, 0.0) + later.phases.get(k, 0.0)
+                  for k in {*self.phases, *later.phases}}
+        return dataclasses.replace(later, phases=phases, rounds=self.rounds + later.rounds,
+                                   members=self.members, replaces=replaces)
+
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
                   reason: str = "", first_replayable: int | None = None) -> WorldRecovery:

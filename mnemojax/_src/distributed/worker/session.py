@@ -24,7 +24,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from mnemojax._src.distributed import auth, snapshot_codec, wire
 from mnemojax._src.distributed.agreement import Agreement, compiled_barrier
@@ -56,6 +56,7 @@ from mnemojax._src.distributed.worker.state_transfer import PutFn
 from mnemojax._src.errors import (
     AgreementError,
     DistributedError,
+    LeftJobExit,
     SnapshotBudgetWarning,
     WorldConfigError,
 )
@@ -84,6 +85,8 @@ class DistributedSession:
         resume: set when this process is fresh in a running job (restarted after its
             world's coordination service died, or a spare; ``MNEMOJAX_RESUME``): how it
             joined (agreement, the copies' headers); `take_resume` restores its state.
+        left: set once this process has left the job (`leave`): raised again by any
+            later step.
     """
 
     def __init__(self, world: WorldSpec):
@@ -96,6 +99,7 @@ class DistributedSession:
         self.publish_refused = False  # over the host-memory budget (see `publish`)
         self.peer_watch: PeerWatch | None = None  # started by `initialize` under a launcher
         self.resume: WorldRecovery | None = None
+        self.left: LeftJobExit | None = None  # this process left the job (`leave`)
 
     @property
     def can_recover(self) -> bool:
@@ -186,6 +190,30 @@ class DistributedSession:
                             first_replayable=first_replayable)
         self.world = rec.world
         return rec
+
+    def leave(self, *, step: int, reason: str) -> NoReturn:
+        """This process has no device in the new world's mesh: it leaves the job, which
+        goes on without it (the others agree again over the world it leaves, as over a
+        dead member's). Its agent stays, serving its copies.
+
+        Raises:
+            LeftJobExit: always, once the launcher knows and this process has detached
+                (status 0 unless caught).
+            AgreementError: the launcher could not be reached.
+        """
+        if self.coordinator is None:
+            raise DistributedError("this worker has no coordinator (MNEMOJAX_CONTROL): it "
+                                   "cannot leave the job")
+        generation = self.world.generation
+        self.phase("left")
+        # Detached first: once the launcher knows, the others' agreement can decide and the
+        # world's service stop, and a client whose service is gone aborts its process.
+        coordination.detach_worker()
+        self.coordinator.leave(generation=generation, reason=reason[:500])
+        self.left = LeftJobExit(f"mnemojax: worker {self.world.stable_id} left the job in world "
+                          f"{generation} at step {step}: {reason}", step=step,
+                          generation=generation)
+        raise self.left
 
     def restore(self, rec: WorldRecovery, shardings: Sequence[jax.sharding.Sharding], *,
                 put: PutFn) -> list[jax.Array]:
