@@ -1,5 +1,6 @@
 """The pure planner on fake topologies (plain integer ids), up to 512 devices."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -259,14 +260,21 @@ def test_process_loss_keeps_the_math_and_uses_idle_processes_as_spares():
     assert plan.shape == {"data": 4, "model": 1} and len(plan.idle) == 3
 
 
-def test_process_loss_never_shrinks_the_model_axis():
-    """(1, 8) over 4 processes: no whole replica survives the loss of one process. Across
-    processes the model axis is not shrunk: a typed error (then the Orbax tier)."""
+def test_process_loss_shrinks_the_model_axis_when_no_whole_replica_survives():
+    """(1, 8) over 4 processes: no whole replica survives the loss of process 1, so the
+    model axis shrinks to the widest width that divides its sharded dims (4 of the 6
+    devices left), over whole processes in order: the third survivor is left idle (it
+    leaves the job). Fewer devices than ``min_devices`` is still a typed error."""
     renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 2, 3),
                                    new_world_devices(3, 2))
-    with pytest.raises(MeshTooSmallError, match="not shrunk across processes") as info:
-        plan_after_process_loss(grid(1, 8), AXES, renumbering, rules(24))
-    assert info.value.healthy_devices == 6 and info.value.required == 8
+    model_dims = ShapeRules(data_axis="data", sharded_dims={"model": (64,)}, batch_size=24,
+                            batch_policy="keep_math", min_devices=1)
+    plan = plan_after_process_loss(grid(1, 8), AXES, renumbering, model_dims)
+    assert plan.kind == "shrink_model" and plan.shape == {"data": 1, "model": 4}
+    assert plan.device_ids.tolist() == [[0, 1, 2, 3]] and not plan.math_changed
+    at_least_6 = dataclasses.replace(model_dims, min_devices=6)
+    with pytest.raises(MeshTooSmallError, match="min_devices=6"):
+        plan_after_process_loss(grid(1, 8), AXES, renumbering, at_least_6)
 
 
 def test_process_loss_applies_min_devices():
@@ -326,9 +334,11 @@ def test_the_worlds_one_process_loss_forms_are_one_plan_over_the_first_processes
         assert actual.key == plan.key
 
 
-def test_no_plan_ahead_when_processes_hold_unequal_devices_or_none_survives():
+def test_no_plan_ahead_when_processes_hold_unequal_devices_or_only_one_is_left():
     places = {0: (0, 0), 1: (0, 1), 2: (1, 0)}  # 2 + 1 devices: ids would not carry over
     assert process_loss_plans(grid(3, 1), AXES, places, rules()) == []
     assert process_loss_plans(grid(1, 2), AXES, world(1, 2), rules()) == []
-    # Every process holds part of the only replica: no process loss is survivable.
-    assert process_loss_plans(grid(1, 4), AXES, world(2, 2), rules()) == []
+    # Every process holds part of the only replica: the model axis shrinks onto the
+    # survivor's devices.
+    [plan] = process_loss_plans(grid(1, 4), AXES, world(2, 2), rules())
+    assert plan.kind == "shrink_model" and plan.device_ids.tolist() == [[0, 1]]

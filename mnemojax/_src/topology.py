@@ -135,7 +135,6 @@ def plan_reduced_mesh(
     batch_size: int | None = None,
     batch_policy: str = "keep_math",
     min_devices: int = 1,
-    shrink_model: bool = True,
 ) -> MeshPlan:
     """Plans the mesh to continue on after `failed` devices died.
 
@@ -166,8 +165,6 @@ def plan_reduced_mesh(
         batch_size: examples in the global batch (split along the batch axes).
         batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
         min_devices: the plan must keep at least this many devices.
-        shrink_model: whether axes other than the batch axes may shrink (across processes
-            they may not: see `plan_after_process_loss`).
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -231,8 +228,7 @@ def plan_reduced_mesh(
                 swapped[pos] = next(replacement)
         return finish(swapped, "spare_swap")
 
-    order = list(batch_axes) + ([a for a in axis_names if a not in batch_axes]
-                                if shrink_model else [])
+    order = list(batch_axes) + [a for a in axis_names if a not in batch_axes]
     best = None
     for axis in order:
         plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
@@ -240,13 +236,6 @@ def plan_reduced_mesh(
         if plan is not None and (best is None or plan[0].size > best[1].size):
             best = (axis, *plan)
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
-    if best is None and not shrink_model:
-        per_replica = math.prod(n for a, n in zip(axis_names, device_ids.shape, strict=True)
-                                if a not in batch_axes)
-        raise MeshTooSmallError(
-            f"no whole data-parallel replica ({per_replica} devices) can be formed from the "
-            f"{healthy} healthy devices, and the model axes are not shrunk across processes",
-            healthy_devices=healthy, required=per_replica)
     if best is None:
         raise MeshTooSmallError(
             f"no axis of the mesh {dict(zip(axis_names, device_ids.shape, strict=True))} can "
@@ -413,10 +402,11 @@ def plan_after_process_loss(
     """Plans the mesh of a new multi-process world after processes died.
 
     The devices of lost processes are the failed devices, and `plan_reduced_mesh` plans as
-    for a device loss, with the same `rules`, except that no model axis shrinks:
-    a replica stays whole on the processes that hold it. The plan is then renumbered into
-    the new world's device ids; its group changes stay in the old world's ids (which
-    collectives lost a member).
+    for a device loss, with the same `rules`: a data-parallel replica is dropped, or,
+    where that keeps more devices (no whole replica survives), a model axis shrinks. A
+    process the plan gives no device leaves the job (`recovery.ProcessRecovery`). The plan
+    is then renumbered into the new world's device ids; its group changes stay in the old
+    world's ids (which collectives lost a member).
 
     Args:
         device_ids: the old mesh, in old device ids.
@@ -427,13 +417,14 @@ def plan_after_process_loss(
         spares: old ids of surviving devices outside the mesh, in order of preference.
 
     Raises:
-        MeshTooSmallError: no whole replica survives, or fewer than ``min_devices``.
+        MeshTooSmallError: no mesh fits the survivors' devices, or fewer than
+            ``min_devices``.
     """
     device_ids = np.asarray(device_ids, dtype=np.int64)
     failed = {int(d) for d in device_ids.flat if int(d) not in renumbering}
     live_spares = [int(s) for s in spares if int(s) in renumbering]
     plan = plan_reduced_mesh(device_ids, axis_names, failed, spares=live_spares,
-                             shrink_model=False, **rules.as_kwargs())
+                             **rules.as_kwargs())
     new_ids = np.vectorize(lambda i: renumbering[int(i)], otypes=[np.int64])(plan.device_ids)
     return dataclasses.replace(
         plan, device_ids=new_ids,

@@ -61,6 +61,7 @@ def _launcher_events(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
 
+@pytest.mark.slow  # ~26 s; per-host rows after a kill: the default multinode test
 @pytest.mark.parametrize(("victim", "host_data"), [(1, True)], ids=["worker1-host-data"])
 def test_kill_worker(tmp_path, reference, victim, host_data):
     """worker1-host-data: the job feeds per-host batches from a Grain dataset
@@ -227,7 +228,28 @@ def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference)
     assert stats["mesh_shape"] == {"data": 3, "model": 2}
 
 
-@pytest.mark.slow  # ~35 s
+def test_no_whole_replica_left_shrinks_the_model_axis_and_an_idle_survivor_leaves(
+        tmp_path, reference):
+    """4 processes x 2 devices on a (1, 8) mesh: the one model replica spans every
+    process. Worker 3 is killed: no whole replica survives, so the model axis shrinks to
+    4 (the widest width dividing its sharded dims that 6 devices hold), over workers 0
+    and 1. Worker 2 would hold no device: it leaves the job (status 0), the others agree
+    again without it, restore the 8-way shards onto 4 devices and end exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
+                  extra=("--model-axis", "8"))
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    [rec] = stats["recoveries"]
+    assert rec["old_mesh_shape"] == {"data": 1, "model": 8} and not rec["math_changed"]
+    assert rec["new_mesh_shape"] == {"data": 1, "model": 4}
+    assert rec["failed_processes"] == [3] and rec["left_processes"] == [2]
+    assert rec["agreement_rounds"] == 2
+    assert [e["worker_id"] for e in _launcher_events(report, "leave")] == [2]
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[0, 1, 2], [0, 1]]
+
+
+@pytest.mark.slow  # ~35 s; the default test above leaves a survivor idle too
 def test_a_survivor_the_new_mesh_leaves_idle_leaves_the_job_and_the_rest_end_exact(
         tmp_path, reference):
     """4 processes x 2 devices on a (2, 4) mesh: a model replica spans two processes.
@@ -256,17 +278,17 @@ def test_a_survivor_the_new_mesh_leaves_idle_leaves_the_job_and_the_rest_end_exa
 
 @pytest.mark.slow  # ~35 s
 def test_too_few_survivors_end_in_typed_error_with_a_checkpoint(tmp_path):
-    """4 processes x 2 devices on a (1, 8) mesh: the model needs all 8 devices, and after
-    a kill 6 remain. The job ends with MeshTooSmallError (exit 3), and the agreed step is
+    """4 processes x 2 devices on a (1, 8) mesh with ``min_devices=8``: after a kill 6
+    devices remain. The job ends with MeshTooSmallError (exit 3), and the agreed step is
     in the persistent tier, equal to the failure-free run after that many steps."""
     import orbax.checkpoint as ocp
 
     report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
-                  extra=("--model-axis", "8", "--ckpt", str(tmp_path / "ckpt")))
+                  extra=("--model-axis", "8", "--min-devices", "8",
+                         "--ckpt", str(tmp_path / "ckpt")))
     assert report["rc"] == 3, report
     error = (tmp_path / "error-w0.txt").read_text()
-    assert error.startswith("MeshTooSmallError") and re.search(
-        "no whole data-parallel replica", error), error
+    assert error.startswith("MeshTooSmallError") and re.search("min_devices=8", error), error
     mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
     saved = mngr.latest_step()
     assert saved is not None and 4 <= saved < STEPS

@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--precompile-cache", default=None, metavar="DIR",
                         help="compile the next worlds ahead, with JAX's persistent "
                              "compilation cache in DIR (default: neither)")
+    parser.add_argument("--min-devices", type=int, default=1, metavar="N",
+                        help="RecoveryOptions(min_devices=N)")
     parser.add_argument("--run-recoveries", type=int, default=None, metavar="N",
                         help="RecoveryOptions(run_stop=stop_after_attempt(N)): at most N "
                              "recoveries charged to the run")
@@ -67,9 +69,10 @@ def main() -> None:
         faults = mnemojax.testing.FaultInjector().transient_error(args.transient_at_step)
     extra_opts = {} if args.precompile_cache is None else {
         "compile": mnemojax.CompileOptions(precompile=True, cache_dir=args.precompile_cache)}
+    recovery = {"min_devices": args.min_devices}
     if args.run_recoveries is not None:
-        extra_opts["recovery"] = mnemojax.RecoveryOptions(
-            run_stop=mnemojax.retry.stop_after_attempt(args.run_recoveries))
+        recovery["run_stop"] = mnemojax.retry.stop_after_attempt(args.run_recoveries)
+    extra_opts["recovery"] = mnemojax.RecoveryOptions(**recovery)
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
