@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mnemojax._src import sharding as shd
 from mnemojax._src.device_layer import JaxDeviceLayer
-from mnemojax._src.proxy import DeviceProxy, host_batch, looks_transient
+from mnemojax._src.proxy import DeviceProxy, host_batch, looks_local, looks_transient
 from mnemojax._src.topology import MeshPlan
 from mnemojax.errors import BatchSplitError, StepHangError
 from mnemojax.testing import FaultInjector
@@ -290,6 +290,20 @@ def test_place_batch_goes_through_the_layer():
 ])
 def test_looks_transient(text, transient):
     assert looks_transient(RuntimeError(text)) is transient
+
+
+@pytest.mark.parametrize("text,local", [
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB", True),
+    ("INVALID_ARGUMENT: Executable expected parameter 0 of size 64", True),
+    ("UNKNOWN: mnemojax: workers [2] of world 0 died (told by the launcher)", False),
+    ("INTERNAL: gloo: Connection closed by peer", False),
+    ("INVALID_ARGUMENT: Gloo all-reduce failed: connection reset", False),
+    ("UNAVAILABLE: RESOURCE_EXHAUSTED later in the text", False),
+])
+def test_looks_local(text, local):
+    """A process's own error (out of memory, a bad argument) is never a peer failure
+    under a session: it is raised, not recovered by re-planning the same mesh."""
+    assert looks_local(RuntimeError(text)) is local
 
 
 def test_host_batch_turns_leaves_into_numpy():

@@ -45,7 +45,7 @@ from mnemojax._src.errors import (
 )
 from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
-from mnemojax._src.proxy import Verdict, host_batch, looks_transient
+from mnemojax._src.proxy import Verdict, host_batch, looks_local, looks_transient
 from mnemojax._src.recovery import (
     DeviceRecovery,
     ProcessRecovery,
@@ -327,6 +327,9 @@ class ResilientStep(Generic[P, R]):
             CheckpointMismatchError: the checkpoint belongs to another model.
             CheckpointCorruptError: there are checkpoints and none can be read (an
                 unreadable newest one falls back to the one before it).
+            LeftJobExit: a process that joined a running job could not fetch the agreed
+                state (its holders died since it joined): it left the job, which goes on
+                without it (status 0 unless caught).
         """
         b = self._built if self._built is not None else self._build(args, kwargs,
                                                                     restoring=True)
@@ -666,10 +669,12 @@ class ResilientStep(Generic[P, R]):
     def _is_peer_failure(self, exc: BaseException) -> bool:
         """Under a session, a runtime error is a peer failure unless it is a retryable
         status of this process (then it is retried in place: the peers wait for it in the
-        collective, up to the collective timeout)."""
+        collective, up to the collective timeout) or its own error (out of memory, an
+        invalid argument: raised as it is, `looks_local`)."""
         session = self._require_built().session
         return (session is not None and session.can_recover
-                and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc))
+                and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc)
+                and not looks_local(exc))
 
     # -- around the step ------------------------------------------------------------------
     def _require_built(self) -> _Built:

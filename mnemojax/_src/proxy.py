@@ -214,6 +214,19 @@ class _Waiter:
                 raise
 
 
+# Statuses that no peer's death causes: this process's own error (out of memory, a bad
+# argument), raised as it is under a session too, never taken for a peer failure.
+_LOCAL = re.compile(r"^\s*(RESOURCE_EXHAUSTED|INVALID_ARGUMENT|UNIMPLEMENTED)\b")
+
+
+def looks_local(exc: BaseException) -> bool:
+    """An error of this process itself (out of memory, an invalid argument): under a
+    session it must not start a world recovery, which would plan the same mesh again and
+    fail the same way until the budget ends (a gloo error is never local)."""
+    text = str(exc)
+    return "gloo" not in text.lower() and bool(_LOCAL.match(text))
+
+
 def looks_transient(exc: BaseException) -> bool:
     """A retryable status that is not a CPU collective failing on a peer (gloo reports a
     dead peer as a connection reset or a timeout, which must not be retried in place)."""

@@ -326,7 +326,8 @@ class ProcessRecovery:
         (`_without_idle`).
 
         Raises:
-            MeshTooSmallError: too few processes survive to hold the model (the agreed
+            MeshTooSmallError: no mesh fits the survivors' devices, or it would have
+                fewer than ``min_devices`` (the agreed
                 state is checkpointed first when a persistent tier is configured).
             LeftJobExit: in a process the new mesh gives no device: it left the job.
             StateUnavailableError: no copy of the agreed state survives anywhere.

@@ -402,9 +402,10 @@ def plan_after_process_loss(
     """Plans the mesh of a new multi-process world after processes died.
 
     The devices of lost processes are the failed devices, and `plan_reduced_mesh` plans as
-    for a device loss, with the same `rules`: a data-parallel replica is dropped, or,
-    where that keeps more devices (no whole replica survives), a model axis shrinks. A
-    process the plan gives no device leaves the job (`recovery.ProcessRecovery`). The plan
+    for a device loss, with the same `rules`: the axis that keeps the most devices
+    shrinks (ties: the batch axes), so a model axis shrinks where that keeps more devices
+    than dropping data-parallel replicas, e.g. when no whole replica survives. A process
+    the plan gives no device leaves the job (`recovery.ProcessRecovery`). The plan
     is then renumbered into the new world's device ids; its group changes stay in the old
     world's ids (which collectives lost a member).
 

@@ -72,3 +72,45 @@ def test_a_session_without_a_launcher_cannot_recover():
     assert not session.can_recover
     with pytest.raises(DistributedError, match="no coordinator"):
         session.recover(last_step=3, reason="test")
+
+
+def test_a_fresh_process_whose_copy_holders_died_leaves_the_job(monkeypatch):
+    """A fresh process read the agreed copy's header when it joined; by its restore, every
+    holder of the copy has died. It leaves the job (the launcher learns it, it detaches,
+    `LeftJobExit`, status 0) instead of ending the job with `StateUnavailableError`."""
+    import jax
+
+    from mnemojax._src.distributed.worker import coordination
+    from mnemojax._src.distributed.worker.recovery import AgreedCopies
+    from mnemojax._src.errors import LeftJobExit, StateUnavailableError
+
+    payload = bytearray(b"".join(bytes(p) for p in pack(
+        4, 0, [ShardEntry(0, (8,), ((0, 8),), np.zeros(8, np.float32))], num_leaves=1)))
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=1, num_processes=2,
+                      worker_id=5, generation=1)
+    agreement = Agreement(generation=1, worker_id=5, process_id=1, num_processes=2,
+                          coordinator="127.0.0.1:1", resume_step=4, survivors=(0, 5),
+                          previous_members=(0, 1), sources={1: ("agent-1",)}, replaces={5: 1})
+
+    def dead_holders(addrs, origin, step, *, secret, boxes):  # as `fetch_snapshot` fails
+        raise StateUnavailableError(f"no copy of worker {origin} step {step}: "
+                                    f"[{addrs[0]}: connection refused]")
+
+    copies = AgreedCopies(4, 0, {1: local_copies({1: payload}, 4).headers[1]},
+                          {1: ("agent-1",)}, b"", fetch=dead_holders)
+    calls = []
+
+    class Coordinator:
+        def leave(self, *, generation, reason):
+            calls.append(("leave", generation, reason))
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: calls.append(("detach",)))
+    session = DistributedSession(world)
+    session.coordinator = Coordinator()  # pyright: ignore[reportAttributeAccessIssue]
+    session.resume = WorldRecovery(agreement, world, copies, phases={})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(LeftJobExit, match="could not be fetched") as info:
+        session.take_resume([sharding], put=JaxDeviceLayer().put)
+    assert info.value.code == 0 and info.value.step == 4
+    assert [c[0] for c in calls] == ["detach", "leave"] and calls[1][1] == 1
+    assert session.resume is None and session.left is info.value

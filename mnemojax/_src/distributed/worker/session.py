@@ -243,15 +243,25 @@ class DistributedSession:
         (``resume_step == -1``; `resume` is then kept: the caller falls back to the
         persistent tier or raises). Once only.
 
+        When the holders of a copy died between the join (when its header was read) and
+        this call, this process leaves the job (`leave`): the others learn it at once and
+        recover their world without it, from whatever copies survive or the persistent
+        tier, rather than the job ending here.
+
         Raises:
             StateUnavailableError: the copies are of another state or leave a region
-                uncovered, or (`CopiesUnreachableError`) the holders of one died between
-                the join (when its header was read) and this call.
+                uncovered.
+            LeftJobExit: a copy could not be fetched: this process left the job.
         """
         rec = self.resume
         if rec is None or rec.agreement.resume_step < 0:
             return None
-        leaves = state_transfer.restore_leaves(rec.state, shardings, put=put)
+        try:
+            leaves = state_transfer.restore_leaves(rec.state, shardings, put=put)
+        except CopiesUnreachableError as e:
+            self.resume = None
+            self.leave(step=rec.agreement.resume_step,
+                       reason=f"it joined, but the agreed state could not be fetched: {e}")
         self.resume = None
         return rec.agreement.resume_step, leaves
 
