@@ -209,23 +209,21 @@ def test_every_copy_lost_falls_back_to_the_checkpoint(tmp_path, reference):
     assert rec["source_step"] in (2, 4) and rec["new_mesh_shape"] == {"data": 2, "model": 2}
 
 
-def test_nan_batch_is_skipped_by_every_process_alike(tmp_path, reference):
-    """The finiteness verdict is global: every process skips the poisoned batch, and a
-    kill later in the run still recovers exactly."""
-    report = _run(tmp_path, [ProcessFault("kill", 1, 6)], extra=("--nan-at-step", "3"))
+def test_a_nan_batch_and_a_transient_error_are_handled_in_place_then_a_kill_recovers(
+        tmp_path, reference):
+    """One job, three faults. The finiteness verdict is global: every process skips the
+    poisoned batch of step 3. Worker 0's launch of step 4 fails once with UNAVAILABLE: it
+    retries at once, its peers wait in the collective, and no world recovery happens. The
+    kill of worker 1 after step 6 is the one recovery, and the run ends exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 6)],
+                  extra=("--nan-at-step", "3", "--transient-worker", "0",
+                         "--transient-at-step", "4"))
     assert report["rc"] == 0, report
     stats = _assert_exact(tmp_path, reference)
-    assert stats["skipped_batches"] == [3] and len(stats["recoveries"]) == 1
-
-
-def test_transient_error_in_one_process_is_retried_in_place(tmp_path, reference):
-    """Worker 0's launch of step 4 fails once with UNAVAILABLE: it retries at once, its
-    peers wait in the collective, and no world recovery happens."""
-    report = _run(tmp_path, [], extra=("--transient-worker", "0", "--transient-at-step", "4"))
-    assert report["rc"] == 0, report
-    stats = _assert_exact(tmp_path, reference)
-    assert stats["transient_retries"] == 1 and stats["recoveries"] == []
-    assert stats["mesh_shape"] == {"data": 3, "model": 2}
+    assert stats["skipped_batches"] == [3] and stats["transient_retries"] == 1
+    [rec] = stats["recoveries"]
+    assert rec["failed_processes"] == [1] and rec["step"] > 6
+    assert len(_launcher_events(report, "decided")) == 1
 
 
 def test_no_whole_replica_left_shrinks_the_model_axis_and_an_idle_survivor_leaves(
