@@ -295,6 +295,7 @@ def test_looks_transient(text, transient):
 @pytest.mark.parametrize("text,local", [
     ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB", True),
     ("INVALID_ARGUMENT: Executable expected parameter 0 of size 64", True),
+    ("UNIMPLEMENTED: this collective is not implemented on CPU", True),
     ("UNKNOWN: mnemojax: workers [2] of world 0 died (told by the launcher)", False),
     ("INTERNAL: gloo: Connection closed by peer", False),
     ("INVALID_ARGUMENT: Gloo all-reduce failed: connection reset", False),

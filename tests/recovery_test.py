@@ -150,11 +150,11 @@ def test_a_process_the_new_mesh_leaves_idle_leaves_and_the_others_agree_again(pr
     plan = types.SimpleNamespace(shape={"data": 1, "model": 4})
     if process_id == 2:
         with pytest.raises(LeftJobExit):
-            recovery._without_idle(first, [2], plan, step=6, last_step=5)
+            recovery._without_idle(first, [2], [2], plan, step=6, last_step=5)
         assert [c[0] for c in calls] == ["leave"] and "workers [2]" in calls[0][2]
         assert events[0][0] == "fault" and events[0][1]["classification"] == "left_job"
         return
-    rec = recovery._without_idle(first, [2], plan, step=6, last_step=5)
+    rec = recovery._without_idle(first, [2], [2], plan, step=6, last_step=5)
     assert calls == [("recover", 5, 4)] and events == []
     assert rec.members == (0, 1, 2, 3) and rec.agreement is later.agreement
     assert rec.rounds == 2 and rec.phases["agree"] == pytest.approx(0.4)

@@ -334,7 +334,7 @@ def test_the_worlds_one_process_loss_forms_are_one_plan_over_the_first_processes
         assert actual.key == plan.key
 
 
-def test_no_plan_ahead_when_processes_hold_unequal_devices_or_only_one_is_left():
+def test_plans_ahead_only_when_processes_hold_equal_devices_and_two_or_more_are_left():
     places = {0: (0, 0), 1: (0, 1), 2: (1, 0)}  # 2 + 1 devices: ids would not carry over
     assert process_loss_plans(grid(3, 1), AXES, places, rules()) == []
     assert process_loss_plans(grid(1, 2), AXES, world(1, 2), rules()) == []

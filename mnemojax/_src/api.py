@@ -34,6 +34,7 @@ from mnemojax._src.errors import (
     DeviceFailureError,
     DistributedError,
     InvalidOptionError,
+    LeftJobExit,
     LossCheckWarning,
     MathChangedWarning,
     NonFiniteLossError,
@@ -263,8 +264,9 @@ class ResilientStep(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         t_call = time.perf_counter()
         b = self._built if self._built is not None else self._build(args, kwargs)
-        if b.session is not None and b.session.left is not None:
-            raise b.session.left  # this process left the job (caught, then called again)
+        if (left := b.session.left if b.session is not None else None) is not None:
+            # This process left the job (the exit was caught, then the step called again).
+            raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if b.session is not None and b.session.resume is not None:
             raise WorldConfigError(
                 f"this process joined a running job (world {b.session.world.generation}, at "
@@ -328,7 +330,8 @@ class ResilientStep(Generic[P, R]):
             CheckpointCorruptError: there are checkpoints and none can be read (an
                 unreadable newest one falls back to the one before it).
             LeftJobExit: a process that joined a running job could not fetch the agreed
-                state (its holders died since it joined): it left the job, which goes on
+                state (no holder of a copy answered with a good one: they died since it
+                joined, or their copies fail their checks): it left the job, which goes on
                 without it (status 0 unless caught).
         """
         b = self._built if self._built is not None else self._build(args, kwargs,

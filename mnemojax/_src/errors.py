@@ -260,12 +260,19 @@ class PreemptionExit(SystemExit):
 
 
 class LeftJobExit(SystemExit):
-    """Raised from a step in a process that a recovery leaves with no device of the new
-    mesh (e.g. a model replica spans two processes and three survive): it has left the job,
-    whose other processes go on without it. Exits the process with status 0 unless caught.
+    """This process has left the job, whose other processes go on without it. Exits the
+    process with status 0 unless caught; a later step raises it again. Raised:
+
+    * from a step, when a recovery leaves the process with no device of the new mesh
+      (e.g. a model replica spans two processes and three survive);
+    * from ``step.restore()`` in a process that joined a running job (a spare, or a worker
+      restarted after its world's coordination service died), when no holder of an
+      agreed copy answers with a good one (they died since it joined, or their copies
+      fail their checks).
 
     Attributes:
-        step: the step that failed (the others resume before it).
+        step: the step that failed, or for a process that joined, the agreed step it was
+            to resume from.
         generation: the world it left.
     """
 

@@ -327,8 +327,8 @@ class ProcessRecovery:
 
         Raises:
             MeshTooSmallError: no mesh fits the survivors' devices, or it would have
-                fewer than ``min_devices`` (the agreed
-                state is checkpointed first when a persistent tier is configured).
+                fewer than ``min_devices`` (the agreed state is checkpointed first when a
+                persistent tier is configured).
             LeftJobExit: in a process the new mesh gives no device: it left the job.
             StateUnavailableError: no copy of the agreed state survives anywhere.
             jax.errors.JaxRuntimeError: a peer failed during the recovery.
@@ -366,8 +366,9 @@ class ProcessRecovery:
             idle = _idle_processes(plan, new_devices)
             if not idle:
                 break
-            left += [rec.agreement.survivors[p] for p in idle]
-            rec = self._without_idle(rec, idle, plan, step=step, last_step=last_step)
+            leaving = [rec.agreement.survivors[p] for p in idle]
+            rec = self._without_idle(rec, idle, leaving, plan, step=step, last_step=last_step)
+            left += leaving
         phases = {"detect": t0 - t_fault - close_s, "close": close_s,
                   "agree": rec.phases["detach"] + rec.phases["agree"], "plan": plan_s}
         t = time.perf_counter()
@@ -404,21 +405,22 @@ class ProcessRecovery:
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
             from_export=exe.exported)
-        log.warning("mnemojax: world %d -> %d: processes %s lost; %d processes, mesh %s, "
+        log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d processes, mesh %s, "
                     "resuming from step %d", before.generation, rec.world.generation,
-                    list(dead), rec.world.num_processes, plan.shape, resume)
+                    list(dead), f", {sorted(left)} left the job" if left else "",
+                    rec.world.num_processes, plan.shape, resume)
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
 
-    def _without_idle(self, rec: WorldRecovery, idle: Sequence[int], plan: MeshPlan, *,
-                      step: int, last_step: int) -> WorldRecovery:
-        """The new world's mesh ``plan`` leaves processes ``idle`` with no device: they
-        leave the job (`DistributedSession.leave`, raising `LeftJobExit` there), and the
-        others agree again over the world they formed, without them. The result continues
-        ``rec`` (`WorldRecovery.then`): planned from the same world that failed."""
+    def _without_idle(self, rec: WorldRecovery, idle: Sequence[int], workers: Sequence[int],
+                      plan: MeshPlan, *, step: int, last_step: int) -> WorldRecovery:
+        """The new world's mesh ``plan`` leaves processes ``idle`` (``workers``) with no
+        device: they leave the job (`DistributedSession.leave`, raising `LeftJobExit`
+        there), and the others agree again over the world they formed, without them. The
+        result continues ``rec`` (`WorldRecovery.then`): planned from the same world that
+        failed."""
         session = self._session
-        workers = [rec.agreement.survivors[p] for p in idle]
         why = (f"the new mesh {plan.shape} leaves processes {list(idle)} (workers "
-               f"{workers}) of world {rec.world.generation} with no device")
+               f"{list(workers)}) of world {rec.world.generation} with no device")
         if rec.world.process_id in idle:
             self._durability.emit("fault", step=step, classification="left_job", detail=why)
             session.leave(step=step, reason=why)
@@ -475,7 +477,7 @@ class ProcessRecovery:
                         "checkpointed", list(failed), step)
 
     def _persist_agreed_state(self, rec: WorldRecovery, exc: MeshTooSmallError) -> NoReturn:
-        """Too few processes survive to hold the model: the agreed state (every shard of
+        """No mesh fits the survivors (or not ``min_devices``): the agreed state (every shard of
         it, from the agents) goes to the persistent tier before the typed error. Rank 0
         leaves the distributed world first, so Orbax runs as a single process; the others
         wait for it at the launcher's barrier before they raise (the launcher ends the job

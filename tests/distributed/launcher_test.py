@@ -64,22 +64,28 @@ from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordina
 w = int(os.environ["MNEMOJAX_WORKER_ID"])
 c = LauncherCoordinator(os.environ["MNEMOJAX_CONTROL"], w,
                         secret=auth.secret_from_env(os.environ))
+gone = os.path.join(sys.argv[1], "gone")
 if w == 1:
     c.leave(generation=0, reason="no device of the new mesh")
-else:
-    seen = c.watch(generation=0, timeout_s=30)
-    open(os.path.join(sys.argv[1], "seen"), "w").write(repr(seen.failed))
-    time.sleep(2.0)  # worker 1 has exited meanwhile: its status must end nothing
+    open(gone, "w").close()
+    sys.exit(3)  # whatever status a worker that left ends with, it ends nothing
+seen = c.watch(generation=0, timeout_s=30)
+open(os.path.join(sys.argv[1], "seen"), "w").write(repr(seen.failed))
+deadline = time.monotonic() + 30
+while not os.path.exists(gone) and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(1.0)  # worker 1 has exited meanwhile (it exits right after writing `gone`)
 """
 
 
 @pytest.mark.multiprocess
 def test_a_worker_that_leaves_is_gone_for_the_others_and_its_exit_ends_nothing(tmp_path):
-    """Worker 1 leaves the job (`wire.Leave`), then exits 0: worker 0's watch of the world
-    reports it gone at once, and the job ends 0 with worker 0, not with a failure."""
+    """Worker 1 leaves the job (`wire.Leave`), then exits with status 3: worker 0's watch
+    of the world reports it gone at once, and the job ends 0 with worker 0 (a worker's own
+    non-zero status ends the job, but not once it has left)."""
     launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1),
                         [sys.executable, "-c", LEAVER, str(tmp_path)])
     assert launcher.run() == 0
     assert (tmp_path / "seen").read_text() == "(1,)"
     assert [e["worker_id"] for e in launcher.events if e["op"] == "leave"] == [1]
-    assert launcher.exit_codes == {0: 0, 1: 0}
+    assert launcher.exit_codes == {0: 0, 1: 3}

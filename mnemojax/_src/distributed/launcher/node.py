@@ -201,6 +201,11 @@ class NodeLauncher(Launcher):
 
     # -- the launcher's hooks -----------------------------------------------------------------
     def _worker_gone(self, worker_id: int, code: int) -> None:
+        if worker_id in self._departed:  # it left the job: its exit is no death to act on
+            if worker_id not in self.roster.exit_codes:
+                self.plane.publish_exit(worker_id, code)
+            super()._worker_gone(worker_id, code)
+            return
         if worker_id in self._idle:  # a waiting spare ended: one spare fewer, nothing more
             self._idle.discard(worker_id)
             self.roster.exit_codes[worker_id] = code

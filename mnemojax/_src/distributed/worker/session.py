@@ -192,14 +192,16 @@ class DistributedSession:
         return rec
 
     def leave(self, *, step: int, reason: str) -> NoReturn:
-        """This process has no device in the new world's mesh: it leaves the job, which
-        goes on without it (the others agree again over the world it leaves, as over a
-        dead member's). Its agent stays, serving its copies.
+        """This process leaves the job, which goes on without it (the others agree again
+        over the world it leaves, as over a dead member's): the new world's mesh gives it
+        no device, or, having just joined, it cannot fetch the agreed state. Its agent
+        stays, serving its copies.
 
         Raises:
-            LeftJobExit: always, once the launcher knows and this process has detached
+            LeftJobExit: always, once this process has detached and the launcher knows
                 (status 0 unless caught).
             AgreementError: the launcher could not be reached.
+            DistributedError: this session has no coordinator (no launcher).
         """
         if self.coordinator is None:
             raise DistributedError("this worker has no coordinator (MNEMOJAX_CONTROL): it "
@@ -210,9 +212,9 @@ class DistributedSession:
         # world's service stop, and a client whose service is gone aborts its process.
         coordination.detach_worker()
         self.coordinator.leave(generation=generation, reason=reason[:500])
-        self.left = LeftJobExit(f"mnemojax: worker {self.world.stable_id} left the job in world "
-                          f"{generation} at step {step}: {reason}", step=step,
-                          generation=generation)
+        self.left = LeftJobExit(
+            f"mnemojax: worker {self.world.stable_id} left the job in world {generation} at "
+            f"step {step}: {reason}", step=step, generation=generation)
         raise self.left
 
     def restore(self, rec: WorldRecovery, shardings: Sequence[jax.sharding.Sharding], *,
@@ -243,8 +245,9 @@ class DistributedSession:
         (``resume_step == -1``; `resume` is then kept: the caller falls back to the
         persistent tier or raises). Once only.
 
-        When the holders of a copy died between the join (when its header was read) and
-        this call, this process leaves the job (`leave`): the others learn it at once and
+        When no holder of a copy answers with a good one (they died since the join, when
+        its header was read, or their copies fail their checks), this process leaves the
+        job (`leave`): the others learn it at once and
         recover their world without it, from whatever copies survive or the persistent
         tier, rather than the job ending here.
 
@@ -256,13 +259,12 @@ class DistributedSession:
         rec = self.resume
         if rec is None or rec.agreement.resume_step < 0:
             return None
+        self.resume = None  # once, whatever happens
         try:
             leaves = state_transfer.restore_leaves(rec.state, shardings, put=put)
         except CopiesUnreachableError as e:
-            self.resume = None
             self.leave(step=rec.agreement.resume_step,
                        reason=f"it joined, but the agreed state could not be fetched: {e}")
-        self.resume = None
         return rec.agreement.resume_step, leaves
 
     def agree_stop(self, name: str, proposal: int) -> int:
