@@ -240,7 +240,18 @@ class BaselineError(MnemojaxError, RuntimeError):
         self.stderr_tail = stderr_tail
 
 
-class PreemptionExit(SystemExit):
+class _CleanExit(SystemExit):
+    """An exit with status 0 that says why (``str()``): an end mnemojax chose, no error."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PreemptionExit(_CleanExit):
     """Raised from a step after a preemption notice, once the persistent checkpoint of the
     last complete step is committed. Exits the process with status 0 unless caught.
 
@@ -250,16 +261,12 @@ class PreemptionExit(SystemExit):
     """
 
     def __init__(self, message: str, *, step: int, directory: str):
-        super().__init__(0)
-        self.message = message
+        super().__init__(message)
         self.step = step
         self.directory = directory
 
-    def __str__(self) -> str:
-        return self.message
 
-
-class LeftJobExit(SystemExit):
+class LeftJobExit(_CleanExit):
     """This process has left the job, whose other processes go on without it. Exits the
     process with status 0 unless caught; a later step raises it again. Raised:
 
@@ -277,10 +284,6 @@ class LeftJobExit(SystemExit):
     """
 
     def __init__(self, message: str, *, step: int, generation: int):
-        super().__init__(0)
-        self.message = message
+        super().__init__(message)
         self.step = step
         self.generation = generation
-
-    def __str__(self) -> str:
-        return self.message

@@ -321,7 +321,8 @@ class ReportFailure(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Leave(Message):
     """`Coordinator.leave`: this worker leaves the job (the new mesh gives its process no
-    device): a member that is gone, as if dead, but no failure of the job."""
+    device, or it joined and cannot fetch the agreed state): a member that is gone, as if
+    dead, but no failure of the job."""
 
     OP: ClassVar[str] = "leave"
     worker_id: int

@@ -46,8 +46,9 @@ class Launcher:
     ``worker_error``).
 
     A worker killed by a signal (negative exit status) is a crash: the survivors recover.
-    A worker that leaves (`wire.Leave`: a recovery gave its process no device) is no longer
-    a member, as if dead, and its exit (status 0) ends nothing.
+    A worker that leaves (`wire.Leave`: a recovery gave its process no device, or it joined
+    and could not fetch the agreed state) is no longer a member, as if dead, and its exit
+    ends nothing, whatever its status.
     A worker that exits with a positive status ended itself (the user's exception, or
     ``sys.exit(n)``): the job ends with that status, never recovered.
 

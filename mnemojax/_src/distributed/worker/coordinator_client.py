@@ -21,9 +21,9 @@ class Coordinator(Protocol):
         ...
 
     def leave(self, *, generation: int, reason: str) -> None:
-        """This worker leaves the job from world ``generation`` (its process has no device
-        in the new mesh): the others' next agreement goes on without it, as without a dead
-        member, and its later exit (status 0) is no failure."""
+        """This worker leaves the job from world ``generation`` (`wire.Leave`): the others'
+        next agreement goes on without it, as without a dead member, and its later exit,
+        whatever its status, is no failure."""
         ...
 
     def agree(self, *, generation: int, last_step: int,

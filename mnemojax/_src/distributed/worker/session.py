@@ -247,9 +247,9 @@ class DistributedSession:
 
         When no holder of a copy answers with a good one (they died since the join, when
         its header was read, or their copies fail their checks), this process leaves the
-        job (`leave`): the others learn it at once and
-        recover their world without it, from whatever copies survive or the persistent
-        tier, rather than the job ending here.
+        job (`leave`): the others learn it at once and recover their world without it,
+        from whatever copies survive or the persistent tier, rather than the job ending
+        here.
 
         Raises:
             StateUnavailableError: the copies are of another state or leave a region
