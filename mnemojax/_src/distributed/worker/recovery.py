@@ -63,12 +63,19 @@ class WorldRecovery:
         this recovery: still from the members of the world that failed first, each joiner
         traced back to the member of that world it replaces, phases and rounds summed."""
         replaces = dict(self.replaces)
-        for joiner, gone in later.replaces.items():
-            replaces[joiner] = replaces.pop(gone, gone)
+        _trace_back(replaces, later.replaces)
         phases = {k: self.phases.get(k, 0.0) + later.phases.get(k, 0.0)
                   for k in {*self.phases, *later.phases}}
         return dataclasses.replace(later, phases=phases, rounds=self.rounds + later.rounds,
                                    members=self.members, replaces=replaces)
+
+
+def _trace_back(replaces: dict[int, int], later: Mapping[int, int]) -> None:
+    """Adds a later round's ``later`` (joiner -> the member it replaces) to ``replaces``,
+    in place. A joiner of a later round may replace one of an earlier round's: each is
+    traced back to the member of the world that failed first (whose devices it takes)."""
+    for joiner, gone in later.items():
+        replaces[joiner] = replaces.pop(gone, gone)
 
 
 def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
@@ -145,10 +152,7 @@ def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, fl
         t = time.perf_counter()
         agreement = agree(world.generation)
         members = members or agreement.previous_members
-        # A joiner of a later round may replace one of an earlier round's: trace each back
-        # to the member of the world that failed first (whose devices it takes).
-        for joiner, dead in agreement.replaces.items():
-            replaces[joiner] = replaces.pop(dead, dead)
+        _trace_back(replaces, agreement.replaces)
         phases["agree"] += time.perf_counter() - t
         world = dataclasses.replace(
             world, coordinator=agreement.coordinator, process_id=agreement.process_id,

@@ -171,6 +171,12 @@ class DistributedSession:
         self.agent.publish(step, parts, budget_bytes=budget_bytes)
         return True
 
+    def _coordinator(self, to: str) -> LauncherCoordinator:
+        if self.coordinator is None:
+            raise DistributedError(f"this worker has no coordinator (MNEMOJAX_CONTROL): it "
+                                   f"cannot {to}")
+        return self.coordinator
+
     def recover(self, *, last_step: int, reason: str,
                 first_replayable: int | None = None) -> WorldRecovery:
         """Agrees with the survivors and joins the new world (see `recover_world`).
@@ -182,11 +188,9 @@ class DistributedSession:
             DistributedError: this session cannot recover (no launcher; `can_recover`).
             AgreementError: the survivors could not agree.
         """
-        if self.coordinator is None:
-            raise DistributedError("this worker has no coordinator (MNEMOJAX_CONTROL): it "
-                                   "cannot recover from a peer failure")
+        coordinator = self._coordinator("recover from a peer failure")
         self.phase("recover")
-        rec = recover_world(self.coordinator, self.world, last_step=last_step, reason=reason,
+        rec = recover_world(coordinator, self.world, last_step=last_step, reason=reason,
                             first_replayable=first_replayable)
         self.world = rec.world
         return rec
@@ -203,15 +207,13 @@ class DistributedSession:
             AgreementError: the launcher could not be reached.
             DistributedError: this session has no coordinator (no launcher).
         """
-        if self.coordinator is None:
-            raise DistributedError("this worker has no coordinator (MNEMOJAX_CONTROL): it "
-                                   "cannot leave the job")
+        coordinator = self._coordinator("leave the job")
         generation = self.world.generation
         self.phase("left")
         # Detached first: once the launcher knows, the others' agreement can decide and the
         # world's service stop, and a client whose service is gone aborts its process.
         coordination.detach_worker()
-        self.coordinator.leave(generation=generation, reason=reason[:500])
+        coordinator.leave(generation=generation, reason=reason[:500])
         self.left = LeftJobExit(
             f"mnemojax: worker {self.world.stable_id} left the job in world {generation} at "
             f"step {step}: {reason}", step=step, generation=generation)
