@@ -485,8 +485,9 @@ class ResilientStep(Generic[P, R]):
                         del exc  # hold nothing of the old world (see recover_world)
                         self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
                         pending = None
-                        resumed = self._recover_world(step, reason, t_fault, budget,
-                                                      charge=not regrow)
+                        resumed = self._recover_world(
+                            step, reason, t_fault, budget, charge=not regrow,
+                            live=None if regrow else (state_step, leaves))
                     else:
                         verdict = b.runtime.proxy.classify(exc)
                         if verdict.kind == "user":
@@ -583,16 +584,24 @@ class ResilientStep(Generic[P, R]):
                             "starting it again", step, list(verdict.failed))
 
     def _recover_world(self, step: int, reason: str, t_fault: float,
-                       budget: _StepBudget, *, charge: bool = True) -> Resumed:
+                       budget: _StepBudget, *, charge: bool = True,
+                       live: tuple[int, list] | None = None) -> Resumed:
         """A collective failed: forget the old world, then `ProcessRecovery.recover`;
         again whenever a peer dies while it runs (each time over the world that failed),
         within the budgets. ``charge=False``: the first round was announced as a regrow
         (the world re-forms larger) and is not charged to the budgets, unless the world it
-        forms did not only grow (no grow-back, or a member died); later rounds are."""
+        forms did not only grow (no grow-back, or a member died); later rounds are.
+        ``live``: (its step, the state leaves) still on this process's devices: their
+        replicas go to its agent first (`_hold_live`)."""
         b = self._require_built()
         assert b.process_recovery is not None
         uncharged = not charge
         close_s = 0.0  # every round's close of its old runtime (the first waits longest)
+        if live is not None:
+            t_hold = time.perf_counter()
+            self._hold_live(*live)
+            close_s += time.perf_counter() - t_hold
+            del live
         while True:
             if charge:
                 budget.charge_recovery(DistributedError(f"step {step}: {reason}"))
@@ -624,6 +633,26 @@ class ResilientStep(Generic[P, R]):
             self._statistics.faults_during_recovery += 1  # the exception is gone here
             log.warning("mnemojax: step %d: a peer failed during the recovery; recovering "
                         "the world again", step)
+
+    def _hold_live(self, state_step: int, leaves: list) -> None:
+        """Hands this worker's agent the replicas its devices hold of the state after
+        ``state_step`` (`DistributedSession.hold`), unless switched off
+        (``SnapshotOptions.hold_live_replicas``) or the arrays are gone (donated to the
+        step that failed). Best effort: a failure here is logged, never raised."""
+        b = self._require_built()
+        if b.session is None or not self.options.snapshot.hold_live_replicas:
+            return
+        try:
+            if any(leaf.is_deleted() for leaf in leaves):
+                return
+            held = b.session.hold(state_step, leaves)
+        except Exception as exc:  # noqa: BLE001 - never in the way of the recovery
+            log.warning("mnemojax: step %d: could not hand the agent this worker's "
+                        "replicas: %s: %s", state_step, type(exc).__name__, exc)
+            return
+        if held:
+            log.info("mnemojax: the agent holds %d bytes of this worker's replicas of step "
+                     "%d", held, state_step)
 
     def _forget_world(self) -> None:
         """Drops every array and executable of the old world before it is torn down."""

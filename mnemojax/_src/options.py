@@ -113,6 +113,12 @@ class SnapshotOptions:
         host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
             memory; if the state does not fit, snapshots are disabled with a warning.
         verify_checksums: check each buffer's CRC32C before restoring from it.
+        hold_live_replicas: multi-process: at a peer failure each survivor hands its agent
+            the regions of the last good state its devices hold that its snapshots lack
+            (data-parallel replicas), so a host lost together with its ring buddy loses
+            nothing a third survivor still holds. Costs a device-to-host copy of those
+            regions per failure, before the agreement; within
+            ``host_memory_budget_bytes`` (else the agent refuses it).
     """
 
     every_steps: int = 20
@@ -120,6 +126,7 @@ class SnapshotOptions:
     grads_every_steps: int = 0
     host_memory_budget_bytes: int = 8 << 30
     verify_checksums: bool = True
+    hold_live_replicas: bool = True
 
     def __post_init__(self):
         _check_types(self)

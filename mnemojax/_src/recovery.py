@@ -460,7 +460,11 @@ class ProcessRecovery:
                 f"{unavailable}, and no persistent tier is configured "
                 "(PersistentOptions(directory=...))")
         host = self._persistent.host_state(step, shardings, unavailable)
-        leaves = [runtime.layer.put(h, s) for h, s in zip(host.leaves, shardings, strict=True)]
+        # Orbax restores each leaf onto its sharding already: one that spans other
+        # processes' devices cannot be read back to the host to be placed again.
+        leaves = [h if isinstance(h, jax.Array) and h.sharding.is_equivalent_to(s, h.ndim)
+                  else runtime.layer.put(h, s)
+                  for h, s in zip(host.leaves, shardings, strict=True)]
         return host.step, leaves
 
     def _checkpointed_barrier(self, rec: WorldRecovery, step: int) -> None:

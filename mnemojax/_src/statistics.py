@@ -44,7 +44,8 @@ class RecoveryRecord:
         generation: multi-process: the new world's generation.
         fetched_from: multi-process: origin worker id -> the agent that served this
             process the regions of that worker's copy its own devices hold (only the
-            copies that overlap them).
+            copies that overlap them); a survivor's held copy of its replicas
+            (`SnapshotOptions.hold_live_replicas`) is listed as ``-1 - worker id``.
         left_processes: multi-process: the worker ids that left the job because the new
             mesh gave their process no device (`LeftJobExit`); not in ``failed_processes``.
         agreement_rounds: multi-process: agreement rounds (2+ when a survivor died after

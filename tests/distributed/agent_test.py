@@ -267,3 +267,57 @@ def test_a_bigger_segment_keeps_the_old_copies_until_the_first_publish_into_it(t
         wait_until(lambda: held(agents[0].address)[0] == {"0": [4]})
     finally:
         client.close()
+
+
+def test_a_held_copy_is_served_until_the_next_publish_and_kept_within_the_budget(two_agents):
+    """At a peer failure the worker hands its agent a held copy (`AgentClient.hold`): the
+    agent lists it under `held_origin`, serves it (whole or by region) like any copy,
+    never replicates it, and drops it at the worker's next publish. A held copy that would
+    take the host over its budget is refused, with the reason."""
+    from mnemojax._src.distributed.agreement import held_origin
+
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address, secret=SECRET)
+    w = np.arange(8, dtype=np.float32)
+
+    def payload(step, origin, n=8):
+        return pack(step, origin, [ShardEntry(0, (n,), ((0, n),), np.arange(n, dtype=np.float32)
+                                              + step)], num_leaves=1)
+
+    try:
+        client.publish(3, payload(3, 0), budget_bytes=40_000)
+        assert client.hold(3, payload(3, held_origin(0))) is None
+        wait_until(lambda: held(agents[1].address)[0].get("0") == [3])
+        assert held(agents[0].address)[0] == {"0": [3], str(held_origin(0)): [3]}
+        data, addr = fetch_snapshot([agents[0].address], held_origin(0), 3, secret=SECRET)
+        np.testing.assert_array_equal(_only_shard(data), w + 3)
+        assert held(agents[1].address)[0] == {"0": [3]}  # never replicated
+        with pytest.raises(StateUnavailableError):  # only the held step
+            fetch_snapshot([agents[0].address], held_origin(0), 2, secret=SECRET)
+        client.publish(4, payload(4, 0), budget_bytes=40_000)
+        wait_until(lambda: str(held_origin(0)) not in held(agents[0].address)[0])
+        with pytest.raises(StateUnavailableError):
+            fetch_snapshot([agents[0].address], held_origin(0), 3, secret=SECRET)
+        # Slots of ~4 KB each plus ~40 KB held: over the budget of 40 KB, refused.
+        refused = client.hold(4, payload(4, held_origin(0), n=10_000))
+        assert refused is not None and "host_memory_budget_bytes=40000" in refused
+        assert held(agents[0].address)[0] == {"0": [3, 4]}
+    finally:
+        client.close()
+
+
+def test_an_agent_refuses_a_held_copy_that_fails_its_check():
+    import os
+
+    from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
+
+    frame = bytearray(b"".join(bytes(p) for p in pack(
+        2, -1, [ShardEntry(0, (4,), ((0, 4),), np.ones(4, np.float32))], num_leaves=1)))
+    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_h_", report=lambda e: None)
+    try:
+        reply = holder.accept_held(wire.Hold(step=2, crc=1), frame)
+        assert isinstance(reply, wire.ErrorReply) and "fails its" in reply.message
+        assert holder.held is None and holder.verified_copies().copies == ()
+    finally:
+        holder.close()

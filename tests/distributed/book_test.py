@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mnemojax._src.distributed.agreement import choose_resume_step
+from mnemojax._src.distributed.agreement import choose_resume_step, held_origin
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.errors import AgreementError
 from tests.distributed.agreement_test import copy
@@ -165,3 +165,32 @@ def test_a_shrunk_world_grows_back_to_world_0s_layout_when_spares_fill_every_slo
     # A member dying in the same formation frees its slot too: three joiners fill it.
     assert decide([8, 9, 10], dead=(3,))[1].survivors == (8, 1, 9, 10)
     assert decide([8, 9], dead=(3,))[1].survivors == (1,)
+
+
+def test_a_survivors_held_copy_covers_what_a_lost_host_and_its_buddy_took():
+    """Hosts 0 and 1 lost: worker 0's snapshot (columns 0-3; worker 1 owned 3-6) is gone
+    with its buddy. Survivors 2 and 3 hold replicas of every column (held copies, listed
+    under `held_origin`): step 4 is still complete, from them. Where the snapshots cover
+    a region, a held copy is not named; of two held copies of one region, the first."""
+    def decide(holdings):
+        book = AgreementBook(0, [0, 1, 2, 3])
+        for w in (2, 3):
+            book.arrive(w, 0, last_step=4)
+        book.mark_dead(0)
+        book.mark_dead(1)
+        return book.decide(coordinator="c", holdings=holdings)[2]
+
+    held = {"a2": [copy(2, 4, []), copy(held_origin(2), 4, [(0, 3), (3, 6)])],
+            "a3": [copy(3, 4, []), copy(held_origin(3), 4, [(0, 3), (3, 6)])]}
+    agreed = decide(held)
+    assert agreed.resume_step == 4 and agreed.lost == ()
+    assert agreed.sources == {held_origin(2): ("a2",)}
+    # Worker 1's snapshot survives (columns 3-6): a held copy is still needed for 0-3.
+    agreed = decide({**held, "b1": [copy(1, 4, [(3, 6)])]})
+    assert agreed.sources == {1: ("b1",), held_origin(2): ("a2",)}
+    # Every region in a snapshot: no held copy is named.
+    agreed = decide({**held, "b0": [copy(0, 4, [(0, 3)])], "b1": [copy(1, 4, [(3, 6)])]})
+    assert agreed.sources == {0: ("b0",), 1: ("b1",)}
+    # Without held copies the same loss loses worker 0's and 1's state.
+    assert decide({a: [c for c in cs if c.origin >= 0] for a, cs in held.items()}).lost \
+        == (0, 1)

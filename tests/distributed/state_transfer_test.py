@@ -111,3 +111,24 @@ def test_copies_that_disagree_on_a_leaf_are_refused():
     mixed = local_copies({0: payload(0, np.float32), 1: payload(1, np.int32)}, 4)
     with pytest.raises(StateUnavailableError, match="disagree on leaf 0"):
         mixed.leaves(1)
+
+
+def test_held_shards_are_the_replicas_a_process_holds_beyond_what_it_owns():
+    """Process 2's view of a (4, 2) data x model mesh over 4 processes: it owns nothing
+    (data row 0 does) and holds a whole replica: W's two column halves, and B on both its
+    devices (one held region). A region it owns on one device is not held again."""
+    from types import SimpleNamespace as NS
+
+    def shard(cols, replica_id, value):
+        return NS(index=(slice(None), slice(*cols)), replica_id=replica_id, data=value)
+
+    w = NS(shape=(64, 48), addressable_shards=[shard((0, 24), 2, W[:, :24]),
+                                               shard((24, 48), 2, W[:, 24:])])
+    b = NS(shape=(6,), addressable_shards=[NS(index=(slice(None),), replica_id=r, data=B)
+                                           for r in (4, 5)])
+    held = state_transfer.held_shards([w, b])  # type: ignore[arg-type]
+    assert [(e.leaf, e.index) for e in held] == [(0, ((0, 64), (0, 24))),
+                                                 (0, ((0, 64), (24, 48))), (1, ((0, 6),))]
+    np.testing.assert_array_equal(held[1].data, W[:, 24:])
+    b.addressable_shards[0].replica_id = 0  # owned here: in its snapshot already
+    assert [e.leaf for e in state_transfer.held_shards([w, b])] == [0, 0]  # type: ignore[arg-type]

@@ -42,6 +42,8 @@ EXAMPLES = [
     wire.AgreementReply(agreement=dataclasses.replace(AGREEMENT, resume_step=-1, sources={},
                                                       lost=(1,), why="gone")),
     wire.AgreementReply(agreement=dataclasses.replace(AGREEMENT, replaces={7: 1})),
+    # A survivor's held copy is named by a negative origin (`agreement.held_origin`).
+    wire.AgreementReply(agreement=dataclasses.replace(AGREEMENT, sources={-4: ("a3",)})),
     wire.Barrier(worker_id=1, generation=0, name="mnemojax-compiled-0", timeout_s=300.0),
     wire.BarrierReply(failed=()),
     wire.BarrierReply(failed=(0, 2)),
@@ -62,6 +64,7 @@ EXAMPLES = [
     wire.Alloc(nbytes=1 << 20, budget_bytes=1 << 30),
     wire.Allocated(name="mnjx1_w0_1", slot_bytes=1 << 20),
     wire.Published(step=7),
+    wire.Hold(step=7, crc=123456),
     wire.Phase(phase="train"),
     wire.Replica(origin=0, step=7, crc=0xFFFFFFFF),
     wire.Get(origin=0, step=7),

@@ -174,11 +174,41 @@ def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, refere
     assert [d["survivors"] for d in decided] == [[0, 2, 3], [0, 3]]
 
 
+def test_a_host_lost_with_its_buddy_recovers_from_a_survivors_held_replicas(
+        tmp_path, reference):
+    """4 processes x 2 devices on a (4, 2) mesh: worker 0 (data row 0) owns every
+    snapshot shard, and its copies are on its own agent and its ring buddy's, agent 1.
+    Hosts 0 and 1 die together (workers and agents). At the failure workers 2 and 3 hand
+    their agents the replicas their devices hold (held copies, `agreement.held_origin`:
+    worker w's as -1 - w): the survivors restore worker 0's shards from them, on a (2, 2)
+    mesh, and end exact instead of going to a checkpoint."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)],
+                  nproc=4)
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    recs = stats["recoveries"]
+    # One recovery, or two when worker 1 reached the agreement before its host died.
+    assert sorted(p for r in recs for p in r["failed_processes"]) == [0, 1]
+    assert all(r["source"] == "agent_snapshots" for r in recs)
+    assert recs[-1]["new_mesh_shape"] == {"data": 2, "model": 2}
+    held_by = {"-3": report["agents"][2], "-4": report["agents"][3]}
+    assert set(recs[-1]["fetched_from"].items()) <= set(held_by.items())
+    assert recs[-1]["fetched_from"], recs[-1]
+
+
+def _no_replica_double_loss(tmp_path, extra=(), **kw) -> dict:
+    """Hosts 0 and 1 die together on a (1, 8) mesh over 4 processes: no device holds a
+    replica, so worker 0's shards were only on its agent and on its buddy, agent 1 (worker
+    1's survive on agent 2). The survivors' mesh is (1, 4)."""
+    return _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4,
+                extra=("--model-axis", "8", *extra), **kw)
+
+
 @pytest.mark.slow  # ~25 s; unit-tested in tests/distributed/recovery_test.py
 def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
-    """Hosts 0 and 1 die together: worker 0's shards were on its agent and on its buddy,
-    agent 1. Every survivor raises StateUnavailableError naming worker 0 (exit 4)."""
-    report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4)
+    """Worker 0's shards are lost with hosts 0 and 1 (`_no_replica_double_loss`): every
+    survivor raises StateUnavailableError naming worker 0 (exit 4)."""
+    report = _no_replica_double_loss(tmp_path)
     assert report["rc"] == 4, report
     # One decision, or two when worker 1 reached the agreement before its host died.
     decided = _launcher_events(report, "decided")[-1]
@@ -191,17 +221,18 @@ def test_every_copy_lost_without_a_checkpoint_is_a_typed_error(tmp_path):
 @pytest.mark.slow  # ~40 s; the fallback is also tested in one process (persistent_test)
 def test_every_copy_lost_falls_back_to_the_checkpoint(tmp_path, reference):
     """The same double loss with an Orbax checkpoint every 2 steps: the survivors restore
-    the newest checkpoint onto their (2, 2) mesh, replay the kept batches, end exact."""
+    the newest checkpoint onto their (1, 4) mesh, replay the kept batches, end exact."""
     # Both hosts must be gone when the survivors agree. The peer watch tells them of the
     # first death within milliseconds, which can split the double loss into two recoveries
     # (each exact, the second maybe from a re-formed buddy), so it is off here: the failed
     # collective is slower than the second kill.
-    report = _run(tmp_path, [ProcessFault("host", 0, 4), ProcessFault("host", 1, 4)], nproc=4,
-                  extra=("--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2"),
-                  extra_env={"MNEMOJAX_PEER_WATCH": "0"})
-    rec = _one_recovery(tmp_path, reference, report, nproc=4)
+    report = _no_replica_double_loss(
+        tmp_path, ("--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2"),
+        extra_env={"MNEMOJAX_PEER_WATCH": "0"})
+    assert report["rc"] == 0, report
+    [rec] = _assert_exact(tmp_path, reference)["recoveries"]
     assert rec["source"] == "persistent" and rec["failed_processes"] == [0, 1]
-    assert rec["source_step"] in (2, 4) and rec["new_mesh_shape"] == {"data": 2, "model": 2}
+    assert rec["source_step"] in (2, 4) and rec["new_mesh_shape"] == {"data": 1, "model": 4}
 
 
 def test_a_nan_batch_and_a_transient_error_are_handled_in_place_then_a_kill_recovers(

@@ -14,7 +14,11 @@ Protocol (one round per failure; ``generation`` counts worlds, 0 at launch):
    copies on live agents (a worker's own agent or its ring buddy), each verified against its
    CRC32C when the agents are asked, cover every element of every leaf (`choose_resume_step`),
    so a recovery never mixes steps across hosts and never restores a corrupt copy. A worker
-   whose shards are all replicated elsewhere need not have a copy. When no step is complete,
+   whose shards are all replicated elsewhere need not have a copy. The copies include the
+   survivors' *held* copies (`held_origin`): at the failure each survivor hands its agent
+   the regions of the last good state its devices hold that its snapshot lacks, so a host
+   lost together with its ring buddy loses nothing a third survivor still holds; a held
+   copy is named among the sources only where the snapshots leave a region uncovered. When no step is complete,
    the decision says which workers' state is lost (``resume_step == -1``).
    Every arrival has detached, so the coordinator then stops world g's service (service
    last) and has already started world g+1's.
@@ -44,6 +48,14 @@ from collections.abc import Iterable, Mapping, Sequence
 # The last step of a process that joins from its agents' copies (restarted, or a spare):
 # any step the copies cover will do.
 ANY_STEP = 2**62
+
+
+def held_origin(worker_id: int) -> int:
+    """The origin under which worker ``worker_id``'s *held* copy is listed: the regions of
+    the last good state its devices held at a failure that its own snapshot lacks
+    (data-parallel replicas), handed to its agent then (`wire.Hold`). Negative, so it never
+    names a worker: ``-1 - worker_id``."""
+    return -1 - worker_id
 
 
 def compiled_barrier(generation: int) -> str:

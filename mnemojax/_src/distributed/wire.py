@@ -125,8 +125,9 @@ class _Fields:
     def addresses_by_worker(self, name: str) -> dict[int, tuple[str, ...]]:
         value = self._raw(name)
         if not isinstance(value, dict) or not all(
-                isinstance(k, str) and k.isdigit() and isinstance(v, list)
+                isinstance(k, str) and k.removeprefix("-").isdigit() and isinstance(v, list)
                 and all(isinstance(a, str) for a in v) for k, v in value.items()):
+            # (a negative id names a survivor's held copy, `agreement.held_origin`)
             self.fail(name, f"must map worker ids to lists of addresses, got {value!r}")
         return {int(k): tuple(v) for k, v in value.items()}
 
@@ -534,6 +535,18 @@ class Published(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Hold(Message):
+    """At a peer failure: keep this (the payload) until the next publish, the regions of
+    the last good state (``step``) the worker's devices hold that its snapshots lack, as
+    the copy of origin `agreement.held_origin`; ``crc`` is the payload's CRC32C. Answered
+    `Ok`, or `ErrorReply` when it fails its check or would exceed the host's budget."""
+
+    OP: ClassVar[str] = "hold"
+    step: int
+    crc: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Phase(Message):
     """The worker entered ``phase`` (``compile``, ``recover``, ``train``, ``finish``, ``left``)."""
 
@@ -651,7 +664,7 @@ MESSAGES: tuple[type[Message], ...] = (
     ReportFailure, Leave, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
     AwaitJoin, Joined,
     HoldingsQuery, Holdings,
-    Alloc, Allocated, Published, Phase, Replica, Get, Snapshot,
+    Alloc, Allocated, Published, Hold, Phase, Replica, Get, Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}
 

@@ -2,8 +2,9 @@
 
 Its worker (one persistent connection, `worker.agent_client.AgentClient`) asks for slots
 (`wire.Alloc`), says it published a step (`wire.Published`: the watchdog's progress signal,
-and what triggers replication) and which phase it is in (`wire.Phase`, passed on to the
-launcher as `wire.WorkerPhase`). The predecessor's
+and what triggers replication), which phase it is in (`wire.Phase`, passed on to the
+launcher as `wire.WorkerPhase`) and, at a peer failure, what it holds that its snapshots
+lack (`wire.Hold`). The predecessor's
 agent pushes replicas (`wire.Replica`); survivors fetch copies (`wire.Get`); the launcher
 asks what is held (`wire.HoldingsQuery`) when survivors agree. Every connection must prove
 the job secret first (`transport.accept_loop`); a refused one is reported to the launcher
@@ -83,6 +84,8 @@ class AgentServer:
             self._holder.published()  # the slots a bigger segment replaced may go now
             self._replicator.published(message.step)
             return None
+        if isinstance(message, wire.Hold):
+            return self._holder.accept_held(message, payload), b""
         if isinstance(message, wire.Phase):
             self._watchdog.set_phase(message.phase, now)
             self._report(wire.WorkerPhase(worker_id=self.worker_id, phase=message.phase))

@@ -2,9 +2,12 @@
 
 Its own worker's two slots live in shared memory (`shm.SnapshotBuffer`, created here, so
 they outlive the worker); its ring predecessor's replicas live in process memory
-(`replica_store.ReplicaStore`). The worker gives the budget (``host_memory_budget_bytes``)
-when it asks for its slots; a replica that would take the slots plus the replicas over it
-is refused, and the first refusal is reported to the launcher. No JAX here.
+(`replica_store.ReplicaStore`). At a peer failure its worker may also hand it a *held*
+copy (`accept_held`): the regions of the last good state the worker's devices hold that
+its snapshots lack; it is never replicated, and goes at the worker's next publish. The
+worker gives the budget (``host_memory_budget_bytes``) when it asks for its slots; a
+replica or held copy that would take the slots plus the copies held over it is refused,
+and the first refused replica is reported to the launcher. No JAX here.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import logging
 import threading
 from collections.abc import Callable
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
-from mnemojax._src.distributed.agreement import CopyInfo
+from mnemojax._src.distributed.agreement import CopyInfo, held_origin
 from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer, agent_peak_bytes
 from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.errors import SnapshotCorruptError
@@ -40,6 +44,7 @@ class SnapshotHolder:
         # one holds a complete snapshot (`published`), so no moment holds none.
         self._retired: SnapshotBuffer | None = None
         self.replicas = ReplicaStore()
+        self.held: tuple[int, bytearray, int] | None = None  # (step, payload, crc)
         self.budget_bytes: int | None = None  # host memory for snapshots (from the worker)
         self._segments = 0
         self._refused_replicas = False
@@ -61,14 +66,18 @@ class SnapshotHolder:
                     nbytes, name=f"{self.shm_prefix}w{self.worker_id}_{self._segments}")
             return wire.Allocated(name=self.buffer.name, slot_bytes=self.buffer.slot_bytes)
 
+    def _peak_with(self, nbytes: int) -> int:
+        """Host memory for snapshots with a new copy of ``nbytes`` received, before the
+        copies it may outdate go (`ReplicaStore.put` drops the outdated one first): the
+        peak as the worker counts it (`agent_peak_bytes`), with every other copy held."""
+        own = self.buffer.slot_bytes - SLOT_MARGIN if self.buffer is not None else 0
+        held = len(self.held[1]) if self.held is not None else 0
+        return (agent_peak_bytes(own, 0) if self.buffer is not None else 0) \
+            + self.replicas.nbytes() + held + nbytes
+
     def accept_replica(self, replica: wire.Replica, payload: bytearray) -> wire.Ok | wire.ErrorReply:
         """Keeps a buddy's copy if it passes its CRC32C and fits the budget."""
-        own = self.buffer.slot_bytes - SLOT_MARGIN if self.buffer is not None else 0
-        # The new copy is held (received) while the two it may outdate are still kept
-        # (`ReplicaStore.put` drops the outdated one first): the peak, as the worker counts
-        # it (`agent_peak_bytes`), with the replicas held as they are.
-        peak = (agent_peak_bytes(own, 0) if self.buffer is not None else 0) \
-            + self.replicas.nbytes() + len(payload)
+        peak = self._peak_with(len(payload))
         if self.budget_bytes is not None and peak > self.budget_bytes:
             if not self._refused_replicas:
                 self._refused_replicas = True
@@ -89,6 +98,27 @@ class SnapshotHolder:
             return wire.ErrorReply(message=str(e))
         return wire.Ok()
 
+    def accept_held(self, hold: wire.Hold, payload: bytearray) -> wire.Ok | wire.ErrorReply:
+        """Keeps its worker's held copy (`wire.Hold`) in place of any earlier one, if it is
+        a snapshot payload, passes its CRC32C and fits the budget with every other copy."""
+        what = f"the held copy of worker {self.worker_id} step {hold.step}"
+        if checksums.checksum(payload) != hold.crc:
+            return wire.ErrorReply(message=f"{what} fails its {checksums.NAME} check")
+        try:
+            read_meta(payload)
+        except (ValueError, TypeError) as e:
+            return wire.ErrorReply(message=f"{what} is not a snapshot: {e}")
+        with self._lock:
+            self.held = None  # replaced: an earlier one is of an older failure
+            peak = self._peak_with(len(payload))
+            if self.budget_bytes is not None and peak > self.budget_bytes:
+                return wire.ErrorReply(
+                    message=f"{what} ({len(payload)} bytes) would take the host's snapshot "
+                            f"memory to {peak} bytes, over host_memory_budget_bytes="
+                            f"{self.budget_bytes}")
+            self.held = (hold.step, payload, hold.crc)
+        return wire.Ok()
+
     def newest(self) -> tuple[int, bytes, int]:
         """Its own worker's newest complete snapshot: (step, payload, crc32).
 
@@ -104,8 +134,10 @@ class SnapshotHolder:
             raise KeyError("no complete snapshot yet")
 
     def published(self) -> None:
-        """Its worker published into the current slots: the retired segment goes."""
+        """Its worker published into the current slots: the retired segment goes, and the
+        held copy (its snapshots cover a newer step now)."""
         with self._lock:
+            self.held = None
             if self._retired is not None:
                 self._retired.close()
                 self._retired = None
@@ -120,6 +152,12 @@ class SnapshotHolder:
         Raises:
             KeyError: not held. SnapshotCorruptError: it fails its check.
         """
+        if origin == held_origin(self.worker_id):
+            with self._lock:
+                if self.held is None or self.held[0] != step:
+                    raise KeyError(step)
+                _, data, crc = self.held
+            return data, crc
         if origin != self.worker_id:
             return self.replicas.get(origin, step)
         with self._lock:
@@ -132,7 +170,7 @@ class SnapshotHolder:
         raise KeyError(step)
 
     def verified_copies(self) -> wire.Holdings:
-        """Every copy held (own slots, buddies' replicas), each checked against its CRC32C
+        """Every copy held (own slots, buddies' replicas, the held copy), each checked against its CRC32C
         now, with what it covers; a corrupt copy is listed apart and never counted."""
         found: list[tuple[int, bytes | bytearray]] = []
         corrupt: list[wire.CorruptCopy] = []
@@ -146,6 +184,17 @@ class SnapshotHolder:
                     except (SnapshotCorruptError, KeyError) as e:
                         corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
                                                         error=str(e)))
+            held = self.held
+        if held is not None:
+            step, payload, crc = held
+            if checksums.checksum(payload) == crc:
+                found.append((held_origin(self.worker_id), payload))
+            else:
+                corrupt.append(wire.CorruptCopy(origin=held_origin(self.worker_id), step=step,
+                                                error="held copy fails its CRC32C check"))
+                with self._lock:
+                    if self.held is held:
+                        self.held = None
         good, bad = self.replicas.verify()
         found += [(origin, payload) for origin, _, payload in good]
         corrupt += [wire.CorruptCopy(origin=o, step=s, error="replica fails its CRC32C check")

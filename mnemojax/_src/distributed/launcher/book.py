@@ -107,10 +107,8 @@ class AgreementBook:
         sources: dict[int, list[str]] = {}
         if chosen is not None:
             step, generation = chosen
-            for addr, copies in holdings.items():
-                for c in copies:  # a copy with no shards adds nothing to fetch
-                    if (c.step, c.generation) == chosen and c.shards:
-                        sources.setdefault(c.origin, []).append(addr)
+            for origin, addrs in _needed_copies(holdings, chosen).items():
+                sources[origin] = addrs
         else:
             every = [c for copies in holdings.values() for c in copies]
             newest = max(((c.step, c.generation) for c in every), default=None)
@@ -138,3 +136,25 @@ class AgreementBook:
                          replaces=replaces)
             for i, w in enumerate(survivors)}
         return self.decision
+
+
+def _needed_copies(holdings: Mapping[str, Sequence[CopyInfo]],
+                   chosen: tuple[int, int]) -> dict[int, list[str]]:
+    """Origin -> the agents holding its copy of ``chosen`` (step, generation), for the
+    copies the restore needs: every worker's snapshot that has shards, and a survivor's
+    held copy (`agreement.held_origin`, negative) only where it holds a region no copy
+    before it does (shards of one world are equal or disjoint, so a region is one box)."""
+    copies: dict[int, tuple[CopyInfo, list[str]]] = {}
+    for addr, held in holdings.items():
+        for c in held:  # a copy with no shards adds nothing to fetch
+            if (c.step, c.generation) == chosen and c.shards:
+                copies.setdefault(c.origin, (c, []))[1].append(addr)
+    covered: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+    needed: dict[int, list[str]] = {}
+    for origin in sorted(copies, key=lambda o: (o < 0, abs(o))):  # snapshots first
+        copy, addrs = copies[origin]
+        boxes = {(leaf, index) for leaf, _, index in copy.shards}
+        if origin >= 0 or not boxes <= covered:
+            needed[origin] = addrs
+            covered |= boxes
+    return needed

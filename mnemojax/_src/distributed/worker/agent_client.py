@@ -1,4 +1,5 @@
-"""The worker's side of its agent: snapshot publishing, progress, phase, fetching copies.
+"""The worker's side of its agent: snapshot publishing, progress, phase, held copies,
+fetching copies.
 
 The worker writes each snapshot straight into the agent's shared memory (no socket copy),
 then sends a small ``published`` message, which is also the watchdog's progress signal and
@@ -65,6 +66,26 @@ class AgentClient:
         with self._lock:
             transport.send(self._sock, wire.Published(step=step))
         return crc
+
+    def hold(self, step: int, parts: Sequence[bytes | memoryview]) -> str | None:
+        """Hands the agent a held copy of ``step`` (the concatenation of ``parts``), kept
+        until the next publish (`wire.Hold`).
+
+        Returns:
+            None once the agent holds it, else why it refused it (over the budget).
+
+        Raises:
+            ProtocolError: the agent answered with something else.
+        """
+        payload = b"".join(memoryview(p).cast("B") for p in parts)  # one frame
+        with self._lock:
+            transport.send(self._sock, wire.Hold(step=step, crc=checksums.checksum(payload)),
+                           payload)
+            reply = transport.recv(self._sock)[0]
+        if isinstance(reply, wire.ErrorReply):
+            return reply.message
+        transport.expect(reply, wire.Ok)
+        return None
 
     def phase(self, phase: str) -> None:
         """Tells the watchdog the phase (``compile``, ``recover``, ``train``)."""

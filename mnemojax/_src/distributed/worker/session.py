@@ -5,7 +5,8 @@
 step then finds the session with `current()` and:
 
 * publishes its shards to the agent after every good step (`publish`);
-* on a peer failure, drops the old world's arrays and calls `recover`, which runs the
+* on a peer failure, hands its agent the replicas its devices hold (`hold`), drops the
+  old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
 * is told of a peer's death by the launcher within milliseconds (`peer_watch`), which
   fails the step's pending wait as a failed collective would, where gloo on CPU would block
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from mnemojax._src.distributed import auth, snapshot_codec, wire
-from mnemojax._src.distributed.agreement import Agreement, compiled_barrier
+from mnemojax._src.distributed.agreement import Agreement, compiled_barrier, held_origin
 from mnemojax._src.distributed.env import (
     CONTROL,
     COORDINATOR,
@@ -170,6 +171,32 @@ class DistributedSession:
             return False
         self.agent.publish(step, parts, budget_bytes=budget_bytes)
         return True
+
+    def hold(self, step: int, leaves: Sequence[jax.Array]) -> int:
+        """At a peer failure, before the old world's arrays go: hands the agent the regions
+        of the state after ``step`` that this process's devices hold and its snapshots lack
+        (data-parallel replicas, `state_transfer.held_shards`) as its held copy
+        (`agreement.held_origin`). The agreement may then take a region from it that the
+        failure lost with its owner's host and ring buddy. The agent keeps it until the next
+        publish, within the host's budget (else it refuses it, logged here).
+
+        Returns:
+            Bytes held (0: nothing to hold, or refused).
+        """
+        if self.agent is None:
+            return 0
+        entries = state_transfer.held_shards(leaves)
+        if not entries:
+            return 0
+        parts = snapshot_codec.pack(
+            step, held_origin(self.world.stable_id), entries, num_leaves=len(leaves),
+            generation=self.world.generation)
+        refused = self.agent.hold(step, parts)
+        if refused is not None:
+            log.warning("mnemojax: the agent refused this worker's held copy of step %d: %s",
+                        step, refused)
+            return 0
+        return sum(len(memoryview(p).cast("B")) for p in parts)
 
     def _coordinator(self, to: str) -> LauncherCoordinator:
         if self.coordinator is None:

@@ -40,6 +40,21 @@ def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     return entries
 
 
+def held_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
+    """The regions of ``leaves`` this process's devices hold that `local_shards` leaves out
+    (replicas: ``replica_id != 0``), each once: what it hands its agent as its held copy at
+    a peer failure (`session.DistributedSession.hold`)."""
+    entries = []
+    for i, leaf in enumerate(leaves):
+        shards = [(index_of(s.index, leaf.shape), s) for s in leaf.addressable_shards]
+        seen = {index for index, s in shards if s.replica_id == 0}
+        for index, shard in shards:
+            if index not in seen:
+                seen.add(index)
+                entries.append(ShardEntry(i, tuple(leaf.shape), index, np.asarray(shard.data)))
+    return entries
+
+
 def restore_leaves(copies: AgreedCopies, shardings: Sequence[jax.sharding.Sharding], *,
                    put: PutFn) -> list[jax.Array]:
     """Builds arrays with ``shardings`` (of the new world) from the agreed copies.
