@@ -256,6 +256,8 @@ class ResilientStep(Generic[P, R]):
         """
         ownership.release(self)
         if self._built is not None:
+            if self._built.session is not None:  # the agent holds the last step's copy
+                self._built.session.settle(quiet=True)
             self._built.runtime.close()
             self._built.durability.emit("run_end", step=self._step, steps=self._step)
             self._built.durability.close()
@@ -597,6 +599,8 @@ class ResilientStep(Generic[P, R]):
         assert b.process_recovery is not None
         uncharged = not charge
         close_s = 0.0  # every round's close of its old runtime (the first waits longest)
+        if b.session is not None:  # the publish in flight reads the arrays about to go
+            b.session.settle(quiet=True)
         if live is not None:
             t_hold = time.perf_counter()
             self._hold_live(*live)
@@ -645,7 +649,8 @@ class ResilientStep(Generic[P, R]):
         try:
             if any(leaf.is_deleted() for leaf in leaves):
                 return
-            held = b.session.hold(state_step, leaves)
+            held = b.session.hold(state_step, leaves,
+                                  budget_bytes=self.options.snapshot.host_memory_budget_bytes)
         except Exception as exc:  # noqa: BLE001 - never in the way of the recovery
             log.warning("mnemojax: step %d: could not hand the agent this worker's "
                         "replicas: %s: %s", state_step, type(exc).__name__, exc)
@@ -871,7 +876,9 @@ class ResilientStep(Generic[P, R]):
         session = b.session
         assert session is not None
         refused = session.publish_refused
-        session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes)
+        # The copy runs while the next step does, unless that step donates these arrays.
+        session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes,
+                        background=not self.options.compile.donate_state)
         if session.publish_refused and not refused:
             b.durability.emit("fault", step=step, classification="snapshot_budget")
 

@@ -287,7 +287,7 @@ def test_a_held_copy_is_served_until_the_next_publish_and_kept_within_the_budget
 
     try:
         client.publish(3, payload(3, 0), budget_bytes=40_000)
-        assert client.hold(3, payload(3, held_origin(0))) is None
+        assert client.hold(3, payload(3, held_origin(0)), timeout_s=10) is None
         wait_until(lambda: held(agents[1].address)[0].get("0") == [3])
         assert held(agents[0].address)[0] == {"0": [3], str(held_origin(0)): [3]}
         data, addr = fetch_snapshot([agents[0].address], held_origin(0), 3, secret=SECRET)
@@ -300,7 +300,7 @@ def test_a_held_copy_is_served_until_the_next_publish_and_kept_within_the_budget
         with pytest.raises(StateUnavailableError):
             fetch_snapshot([agents[0].address], held_origin(0), 3, secret=SECRET)
         # Slots of ~4 KB each plus ~40 KB held: over the budget of 40 KB, refused.
-        refused = client.hold(4, payload(4, held_origin(0), n=10_000))
+        refused = client.hold(4, payload(4, held_origin(0), n=10_000), timeout_s=10)
         assert refused is not None and "host_memory_budget_bytes=40000" in refused
         assert held(agents[0].address)[0] == {"0": [3, 4]}
     finally:

@@ -194,3 +194,10 @@ def test_a_survivors_held_copy_covers_what_a_lost_host_and_its_buddy_took():
     # Without held copies the same loss loses worker 0's and 1's state.
     assert decide({a: [c for c in cs if c.origin >= 0] for a, cs in held.items()}).lost \
         == (0, 1)
+    # A held copy names no worker: one of a newer step than any snapshot (past the
+    # survivors' last step) does not make every member look lost.
+    # Here worker 2 owns columns 0-3 (worker 0 owned 3-6, lost).
+    newer = {"a2": [copy(2, 4, [(0, 3)]), copy(held_origin(2), 5, [(3, 6)])],
+             "a3": [copy(3, 4, [])]}
+    agreed = decide(newer)
+    assert agreed.resume_step == -1 and agreed.lost == (0, 1), agreed

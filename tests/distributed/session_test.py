@@ -15,6 +15,78 @@ from mnemojax._src.errors import DistributedError
 from tests.distributed.fakes import SECRET, held, local_copies
 
 
+def test_a_background_publish_is_settled_before_the_next_and_its_error_raised_once(
+        two_agents, caplog):
+    """`publish(background=True)` copies on a thread: the next publish (or `settle`) waits
+    for it, so the agent holds every step in order; an agent that cannot be reached is
+    raised by the next `settle`, or only logged by a quiet one (a recovery's)."""
+    import jax.numpy as jnp
+
+    _, agents = two_agents
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1, agent=agents[0].address,
+                                           secret=SECRET))
+    assert session.agent is not None
+    try:
+        for step in (1, 2, 3):
+            assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
+                                   budget_bytes=1 << 20, background=True)
+        session.settle()
+        assert held(agents[0].address)[0] == {"0": [2, 3]}
+        session.agent._sock.close()  # the agent's connection is gone
+        for quiet in (False, True):
+            assert session.publish(4, [jnp.ones((256,), jnp.float32)], background=True)
+            if quiet:
+                session.settle(quiet=True)
+                assert "did not reach its agent" in caplog.text
+            else:
+                with pytest.raises(OSError):
+                    session.settle()
+            session.settle()  # raised (or logged) once
+    finally:
+        session.agent.close()
+
+
+def test_a_held_copy_goes_to_the_agent_only_for_a_step_published_in_this_world(
+        two_agents, monkeypatch):
+    """`hold` hands the agent the replicas of the step it last published in this world
+    (listed under `held_origin`); not for another step or world (a restored step is not
+    published again in its new world), and not when they would not fit the budget beside
+    the snapshots, which it finds before copying anything."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed.agreement import held_origin
+    from mnemojax._src.distributed.worker import state_transfer
+
+    replica = np.arange(1000, dtype=np.float32)
+
+    def held_shards(leaves, *, max_bytes=None):  # one process has no replica of another's
+        del leaves
+        return None if max_bytes is not None and replica.nbytes > max_bytes else [
+            ShardEntry(0, (2000,), ((1000, 2000),), replica)]
+
+    monkeypatch.setattr(state_transfer, "held_shards", held_shards)
+    _, agents = two_agents
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1, agent=agents[0].address,
+                                           secret=SECRET))
+    leaves = [jnp.ones((2000,), jnp.float32)]
+    assert session.agent is not None
+    try:
+        assert session.publish(3, leaves, budget_bytes=1 << 20, background=True)
+        assert session.hold(2, leaves) == 0  # not the step published
+        assert session.hold(3, leaves, budget_bytes=6 * 8000) == 0  # beside ~6 x 8 KB
+        assert held(agents[0].address)[0] == {"0": [3]}
+        assert session.hold(3, leaves, budget_bytes=1 << 20) > replica.nbytes
+        assert held(agents[0].address)[0] == {"0": [3], str(held_origin(0)): [3]}
+        session.world = dataclasses.replace(session.world, generation=1)
+        assert session.hold(3, leaves) == 0  # step 3 was published in world 0
+    finally:
+        session.agent.close()
+
+
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
     """The agent would hold ~6 x the payload at its peak (`shm.agent_peak_bytes`): over
     the budget the worker stops publishing, says so once, and writes nothing."""

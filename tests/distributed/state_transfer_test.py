@@ -132,3 +132,35 @@ def test_held_shards_are_the_replicas_a_process_holds_beyond_what_it_owns():
     np.testing.assert_array_equal(held[1].data, W[:, 24:])
     b.addressable_shards[0].replica_id = 0  # owned here: in its snapshot already
     assert [e.leaf for e in state_transfer.held_shards([w, b])] == [0, 0]  # type: ignore[arg-type]
+
+
+def test_a_held_copy_is_asked_only_for_the_regions_no_snapshot_has():
+    """Worker 0's snapshot (columns 0-16 of W, B, the counter) is lost; survivor 2's held
+    copy (`held_origin`) has columns 0-32 as replicas. The restore asks worker 1 and 2's
+    snapshots for their columns, and the held copy for columns 0-16 alone, each region
+    once, and places every leaf exactly."""
+    from mnemojax._src.distributed.agreement import held_origin
+
+    def payload(origin, entries):
+        return b"".join(bytes(p) for p in pack(4, origin, entries, num_leaves=3))
+
+    cols = {w: ShardEntry(0, W.shape, ((0, 64), (16 * w, 16 * w + 16)),
+                          W[:, 16 * w:16 * w + 16]) for w in range(3)}
+    held = payload(held_origin(2), [cols[0], cols[1], ShardEntry(1, (6,), ((0, 6),), B),
+                                    ShardEntry(2, (), (), np.array(9, np.int32))])
+    requests = []
+    copies = local_copies({1: payload(1, [cols[1]]), 2: payload(2, [cols[2]]),
+                           held_origin(2): held}, 4, requests=requests)
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices()[:8])
+    shardings = [NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P()),
+                 NamedSharding(mesh, P())]
+    leaves = state_transfer.restore_leaves(copies, shardings, put=JaxDeviceLayer().put)
+    np.testing.assert_array_equal(np.asarray(leaves[0]), W)
+    np.testing.assert_array_equal(np.asarray(leaves[1]), B)
+    assert int(leaves[2]) == 9
+    asked = {origin: boxes for origin, boxes in requests}
+    assert [o for o, _ in requests] == [1, 2, held_origin(2)]
+    held_cols = {index[1] for leaf, index in asked[held_origin(2)] if leaf == 0}
+    assert held_cols and all(16 * 0 <= a < b <= 16 for a, b in held_cols)  # never 16-32
+    # Every cell of W arrives once: 64 x 48 floats, plus B and the counter.
+    assert copies.fetched_bytes == W.nbytes + B.nbytes + 4

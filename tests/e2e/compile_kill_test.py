@@ -88,7 +88,9 @@ def test_kill_in_the_first_compile_recovers_from_the_initial_state(tmp_path, ref
     print("kill in the first compile, seconds from the kill:", json.dumps(timing))
     assert len(timing) == 2
     for t in timing.values():
-        assert t["detected_s"] < 5.0, timing  # the barrier failed, not timed out
+        # The barrier failed (`barrier_failed` above), not timed out (300 s); a survivor
+        # sees it once its own compile ends, seconds later on a loaded 2-core machine.
+        assert t["detected_s"] < 60.0, timing
         assert t["next_good_step_s"] < 60.0, timing
 
 

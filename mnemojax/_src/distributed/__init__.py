@@ -29,7 +29,7 @@ Shared (no JAX):
     agent           `Agent`: its parts and main loop (commands, exits, watchdog)
     launcher_link   its link to the launcher: events out, commands in
     server          `AgentServer`: requests from its worker, peers and the launcher
-    snapshots       `SnapshotHolder`: own slots and buddy replicas, within the budget
+    snapshots       `SnapshotHolder`: own slots, buddy replicas, a held copy, in budget
     replication     `Replicator`: pushes each new snapshot to the ring successor
     replica_store   `ReplicaStore`: the buddy copies (pure)
     watchdog        `HangWatchdog` (pure)

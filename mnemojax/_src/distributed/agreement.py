@@ -82,10 +82,11 @@ class Agreement:
         previous_members: worker ids of the old world in old rank order.
         sources: ``origin worker id -> agent addresses`` holding a verified copy of that
             worker's snapshot of ``resume_step`` (first = preferred). Only the origins whose
-            shards are needed: together they cover every leaf.
+            shards are needed: together they cover every leaf. A negative origin is a
+            survivor's held copy (`held_origin`), named only for regions no snapshot has.
         lost: when ``resume_step == -1``, the old members whose shards no live agent holds
             a verified copy of (their agent and ring buddy are gone, or the copies are
-            corrupt). The survivors still form the new world, then fall back to the
+            corrupt, and no survivor's held copy makes up for them). The survivors still form the new world, then fall back to the
             persistent tier or raise a typed error.
         why: when ``resume_step == -1``, why no in-memory state can be used.
         replaces: joiner worker id -> the dead member whose rank (and so whose devices'

@@ -16,7 +16,7 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from mnemojax._src.distributed import auth, wire
@@ -44,13 +44,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any],
-               payload: bytes | bytearray | memoryview = b"") -> None:
+Payload = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+"""A frame's binary payload: one buffer, or parts sent one after the other (no join)."""
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b"") -> None:
     """Sends one frame (a JSON header, an optional binary payload)."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_PREFIX.pack(len(head), len(payload)) + head)
-    if len(payload):
-        sock.sendall(payload)
+    parts = [memoryview(payload).cast("B")] if isinstance(
+        payload, bytes | bytearray | memoryview) else [memoryview(p).cast("B") for p in payload]
+    sock.sendall(_PREFIX.pack(len(head), sum(len(p) for p in parts)) + head)
+    for part in parts:
+        if len(part):
+            sock.sendall(part)
 
 
 def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,
@@ -74,8 +80,7 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,
     return header, payload
 
 
-def send(sock: socket.socket, message: wire.Message,
-         payload: bytes | bytearray | memoryview = b"") -> None:
+def send(sock: socket.socket, message: wire.Message, payload: Payload = b"") -> None:
     """Sends one message (and an optional binary payload)."""
     send_frame(sock, message.to_wire(), payload)
 
@@ -155,7 +160,7 @@ def connect(address: str, timeout_s: float | None = 10.0, *, secret: bytes) -> s
 
 
 def request(address: str, message: wire.Message, reply: type[M],
-            payload: bytes | bytearray | memoryview = b"", *, secret: bytes,
+            payload: Payload = b"", *, secret: bytes,
             timeout_s: float | None = 10.0) -> tuple[M, bytearray]:
     """One request/response exchange on a fresh connection.
 

@@ -22,6 +22,7 @@ worker -> launcher          WatchWorld (a long poll, `peer_watch`)  WorldFailed 
 launcher -> agent           HoldingsQuery                          Holdings
 worker -> its agent         Alloc                                  Allocated
 worker -> its agent         Published, Phase                       none
+worker -> its agent         Hold (+ payload, own connection)       Ok | ErrorReply
 agent -> its ring buddy     Replica (+ payload)                    Ok | ErrorReply
 anyone -> agent             Get                                    Snapshot (+ payload) | ErrorReply
 server -> client (setup)    AuthChallenge; the client answers      AuthAccepted, or closed

@@ -110,7 +110,8 @@ class AgreementBook:
             for origin, addrs in _needed_copies(holdings, chosen).items():
                 sources[origin] = addrs
         else:
-            every = [c for copies in holdings.values() for c in copies]
+            # (held copies name no worker: their regions are others' shards)
+            every = [c for copies in holdings.values() for c in copies if c.origin >= 0]
             newest = max(((c.step, c.generation) for c in every), default=None)
             members = (members_of or {}).get(newest[1], self.members) if newest \
                 else self.members
@@ -122,7 +123,7 @@ class AgreementBook:
             lost = tuple(m for m in members if m not in present and m not in empty)
             why = (f"no live agent holds a verified copy of the shards of workers "
                    f"{list(lost)} (their agents and ring buddies are gone, or the copies "
-                   "fail CRC32C)") if lost else (
+                   "fail CRC32C, and no survivor held a replica of them)") if lost else (
                 f"the newest complete state in memory is older than step {floor}, the "
                 "oldest the survivors still keep the batches to replay from")
         home_of = dict(homes or {})

@@ -32,6 +32,7 @@ class AgentClient:
 
     def __init__(self, address: str, *, secret: bytes, headroom: float = 1.0):
         self.address, self.headroom = address, headroom
+        self._secret = secret
         self._sock = transport.connect(address, secret=secret)
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
@@ -67,24 +68,23 @@ class AgentClient:
             transport.send(self._sock, wire.Published(step=step))
         return crc
 
-    def hold(self, step: int, parts: Sequence[bytes | memoryview]) -> str | None:
+    def hold(self, step: int, parts: Sequence[bytes | memoryview], *,
+             timeout_s: float) -> str | None:
         """Hands the agent a held copy of ``step`` (the concatenation of ``parts``), kept
-        until the next publish (`wire.Hold`).
+        until the next publish (`wire.Hold`), on a connection of its own: a copy too slow
+        for ``timeout_s`` leaves the worker's link to its agent as it was.
 
         Returns:
-            None once the agent holds it, else why it refused it (over the budget).
-
-        Raises:
-            ProtocolError: the agent answered with something else.
+            None once the agent holds it, else why not (over the budget, a timeout).
         """
-        payload = b"".join(memoryview(p).cast("B") for p in parts)  # one frame
-        with self._lock:
-            transport.send(self._sock, wire.Hold(step=step, crc=checksums.checksum(payload)),
-                           payload)
-            reply = transport.recv(self._sock)[0]
-        if isinstance(reply, wire.ErrorReply):
-            return reply.message
-        transport.expect(reply, wire.Ok)
+        crc = 0
+        for part in parts:
+            crc = checksums.checksum(memoryview(part).cast("B"), crc)
+        try:
+            transport.request(self.address, wire.Hold(step=step, crc=crc), wire.Ok, parts,
+                              secret=self._secret, timeout_s=timeout_s)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            return str(e)
         return None
 
     def phase(self, phase: str) -> None:

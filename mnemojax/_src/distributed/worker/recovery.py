@@ -278,11 +278,19 @@ class AgreedCopies:
         for leaf, index in boxes:
             wanted.setdefault(leaf, []).append(index)
         out: list[snapshot_codec.ShardEntry] = []
-        for origin, meta in self.headers.items():
-            mine = [(m["leaf"], index) for m in meta["shards"]
-                    for index in wanted.get(m["leaf"], ())
-                    if snapshot_codec.overlap(tuple(map(tuple, m["index"])), index)
-                    is not None]
+        covered: set[snapshot_codec.Box] = set()  # shards of the copies asked so far
+        for origin in sorted(self.headers, key=lambda o: (o < 0, abs(o))):  # held last
+            shards = [(m["leaf"], tuple(tuple(i) for i in m["index"]))
+                      for m in self.headers[origin]["shards"]]
+            if origin >= 0:  # a snapshot: the parts of its shards inside the boxes
+                mine = [(leaf, index) for leaf, shard in shards
+                        for index in wanted.get(leaf, ())
+                        if snapshot_codec.overlap(shard, index) is not None]
+            else:  # a held copy: only its shards no copy before it has, never twice
+                mine = [(leaf, part) for leaf, shard in shards if (leaf, shard) not in covered
+                        for index in wanted.get(leaf, ())
+                        if (part := snapshot_codec.overlap(shard, index)) is not None]
+            covered.update(shards)
             if not mine:
                 continue
             pieces = self._pieces(origin, mine)

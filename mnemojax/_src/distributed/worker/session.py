@@ -4,7 +4,8 @@
 (or SLURM) describes in the environment; it must run before any JAX use. The resilient
 step then finds the session with `current()` and:
 
-* publishes its shards to the agent after every good step (`publish`);
+* publishes its shards to the agent after every good step (`publish`), the copy on a
+  thread while the next step runs;
 * on a peer failure, hands its agent the replicas its devices hold (`hold`), drops the
   old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
@@ -101,6 +103,10 @@ class DistributedSession:
         self.peer_watch: PeerWatch | None = None  # started by `initialize` under a launcher
         self.resume: WorldRecovery | None = None
         self.left: LeftJobExit | None = None  # this process left the job (`leave`)
+        self._publishing: threading.Thread | None = None  # the publish in flight
+        self._publish_error: BaseException | None = None  # what it raised
+        self._published: tuple[int, int] | None = None  # (step, world) last published
+        self._published_nbytes = 0  # its payload
 
     @property
     def can_recover(self) -> bool:
@@ -139,9 +145,15 @@ class DistributedSession:
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
-                budget_bytes: int | None = None) -> bool:
-        """Hands this worker's shards of the state after `step` to its agent (blocking:
-        the copy must finish before the next step may replace the arrays).
+                budget_bytes: int | None = None, background: bool = False) -> bool:
+        """Hands this worker's shards of the state after `step` to its agent.
+
+        With ``background`` the copy into the agent's shared memory (and its CRC32C) runs
+        on a thread while the caller goes on (the next step), one publish in flight: this
+        call first waits for the one before (`settle`). The caller must keep ``leaves``
+        alive and undonated until then (on CPU the shards are views of device buffers);
+        every path that reads the agent's copies or drops the arrays settles first
+        (`recover`, `hold`, `leave`, `finish`). Without it the copy is done on return.
 
         The agent keeps two slots of this worker's snapshot and two of its ring
         predecessor's, so 4 x the payload of host memory at rest, and 6 x at its peak
@@ -155,6 +167,7 @@ class DistributedSession:
         """
         if self.agent is None or self.publish_refused:
             return False
+        self.settle()
         parts = snapshot_codec.pack(
             step, self.world.stable_id, state_transfer.local_shards(leaves),
             num_leaves=len(leaves), generation=self.world.generation)
@@ -169,34 +182,92 @@ class DistributedSession:
                 f"host_memory_budget_bytes={budget_bytes}; they are no longer published",
                 SnapshotBudgetWarning, stacklevel=3)
             return False
-        self.agent.publish(step, parts, budget_bytes=budget_bytes)
+        agent, generation = self.agent, self.world.generation
+
+        def copy() -> None:
+            agent.publish(step, parts, budget_bytes=budget_bytes)
+            self._published, self._published_nbytes = (step, generation), nbytes
+
+        if not background:
+            copy()
+            return True
+
+        def copy_in_background() -> None:
+            try:
+                copy()
+            except BaseException as e:  # noqa: BLE001 - raised by the next `settle`
+                self._publish_error = e
+
+        self._publishing = threading.Thread(target=copy_in_background,
+                                            name=f"mnemojax-publish-{step}", daemon=True)
+        self._publishing.start()
         return True
 
-    def hold(self, step: int, leaves: Sequence[jax.Array]) -> int:
+    def settle(self, *, quiet: bool = False) -> None:
+        """Waits for the publish in flight, if any (`publish` with ``background``).
+
+        Raises:
+            Exception: what that publish raised (an agent that cannot be reached), unless
+                ``quiet`` (then it is logged: a recovery goes on without that copy).
+        """
+        if self._publishing is not None:
+            self._publishing.join()
+            self._publishing = None
+        error, self._publish_error = self._publish_error, None
+        if error is None:
+            return
+        if not quiet:
+            raise error
+        log.warning("mnemojax: this worker's last snapshot did not reach its agent: %s: %s",
+                    type(error).__name__, error)
+
+    def hold(self, step: int, leaves: Sequence[jax.Array], *,
+             budget_bytes: int | None = None) -> int:
         """At a peer failure, before the old world's arrays go: hands the agent the regions
         of the state after ``step`` that this process's devices hold and its snapshots lack
         (data-parallel replicas, `state_transfer.held_shards`) as its held copy
         (`agreement.held_origin`). The agreement may then take a region from it that the
         failure lost with its owner's host and ring buddy. The agent keeps it until the next
-        publish, within the host's budget (else it refuses it, logged here).
+        publish.
+
+        Only when this worker published ``step`` in this world (a held copy completes
+        that step's snapshots; a restored step is not published again in its new world,
+        and the agent's held copy of the world before stays), and only within the budget:
+        the regions, with this worker's two slots and its neighbour's two copies, at most
+        ``budget_bytes`` (checked before anything is copied; the agent checks again).
 
         Returns:
-            Bytes held (0: nothing to hold, or refused).
+            Bytes held (0: nothing to hold, not published, over the budget, or refused;
+            logged).
         """
         if self.agent is None:
             return 0
-        entries = state_transfer.held_shards(leaves)
+        self.phase("recover")  # the watchdog waits while the copy is made
+        self.settle(quiet=True)  # its `published` would drop the held copy
+        if self._published != (step, self.world.generation):
+            log.info("mnemojax: no held copy: step %d was not published in world %d", step,
+                     self.world.generation)
+            return 0
+        own = self._published_nbytes
+        room = None if budget_bytes is None else budget_bytes - agent_peak_bytes(own, own)
+        entries = state_transfer.held_shards(leaves, max_bytes=room)
+        if entries is None:
+            log.warning("mnemojax: no held copy of step %d: this worker's replicas do not fit "
+                        "host_memory_budget_bytes=%s beside its snapshots", step, budget_bytes)
+            return 0
         if not entries:
             return 0
         parts = snapshot_codec.pack(
             step, held_origin(self.world.stable_id), entries, num_leaves=len(leaves),
             generation=self.world.generation)
-        refused = self.agent.hold(step, parts)
+        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        # Loopback at >= 100 MB/s even on a loaded host, plus the agent's CRC check.
+        refused = self.agent.hold(step, parts, timeout_s=30.0 + nbytes / 100e6)
         if refused is not None:
-            log.warning("mnemojax: the agent refused this worker's held copy of step %d: %s",
-                        step, refused)
+            log.warning("mnemojax: the agent did not take this worker's held copy of step "
+                        "%d: %s", step, refused)
             return 0
-        return sum(len(memoryview(p).cast("B")) for p in parts)
+        return nbytes
 
     def _coordinator(self, to: str) -> LauncherCoordinator:
         if self.coordinator is None:
@@ -216,6 +287,7 @@ class DistributedSession:
             AgreementError: the survivors could not agree.
         """
         coordinator = self._coordinator("recover from a peer failure")
+        self.settle(quiet=True)  # ``last_step`` is published
         self.phase("recover")
         rec = recover_world(coordinator, self.world, last_step=last_step, reason=reason,
                             first_replayable=first_replayable)
@@ -235,6 +307,7 @@ class DistributedSession:
             DistributedError: this session has no coordinator (no launcher).
         """
         coordinator = self._coordinator("leave the job")
+        self.settle(quiet=True)
         generation = self.world.generation
         self.phase("left")
         # Detached first: once the launcher knows, the others' agreement can decide and the
@@ -302,6 +375,7 @@ class DistributedSession:
         return coordination.agree_stop_step(f"{self.world.generation}/{name}", proposal)
 
     def finish(self) -> None:
+        self.settle()
         self.phase("finish")
 
 

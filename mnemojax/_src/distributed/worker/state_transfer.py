@@ -2,7 +2,9 @@
 
 Each worker snapshots only the shards it owns (``replica_id == 0`` of its addressable
 shards), so across all workers every element is stored exactly once, and a replicated leaf
-is stored by one worker only: losing that worker means taking it from the buddy copy.
+is stored by one worker only: losing that worker means taking it from the buddy copy, or,
+with its buddy lost too, from a survivor's replicas, handed to its agent at the failure
+(`held_shards`).
 """
 
 from __future__ import annotations
@@ -40,19 +42,27 @@ def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
     return entries
 
 
-def held_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
+def held_shards(leaves: Sequence[jax.Array], *,
+                max_bytes: int | None = None) -> list[ShardEntry] | None:
     """The regions of ``leaves`` this process's devices hold that `local_shards` leaves out
     (replicas: ``replica_id != 0``), each once: what it hands its agent as its held copy at
-    a peer failure (`session.DistributedSession.hold`)."""
-    entries = []
+    a peer failure (`session.DistributedSession.hold`).
+
+    Returns:
+        The regions as host arrays; None, before anything is copied to the host, when
+        they come to more than ``max_bytes``.
+    """
+    regions = []
     for i, leaf in enumerate(leaves):
         shards = [(index_of(s.index, leaf.shape), s) for s in leaf.addressable_shards]
         seen = {index for index, s in shards if s.replica_id == 0}
         for index, shard in shards:
             if index not in seen:
                 seen.add(index)
-                entries.append(ShardEntry(i, tuple(leaf.shape), index, np.asarray(shard.data)))
-    return entries
+                regions.append((i, tuple(leaf.shape), index, shard.data))
+    if max_bytes is not None and sum(data.nbytes for *_, data in regions) > max_bytes:
+        return None
+    return [ShardEntry(i, shape, index, np.asarray(data)) for i, shape, index, data in regions]
 
 
 def restore_leaves(copies: AgreedCopies, shardings: Sequence[jax.sharding.Sharding], *,

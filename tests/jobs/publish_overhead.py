@@ -1,0 +1,120 @@
+"""What publishing every step to the agent costs across processes (issue 13, item 6).
+
+    PYTHONPATH=. python -m tests.jobs.publish_overhead [--hidden 2048] [--steps 60]
+        [--repeats 3]
+
+Runs a resilient MLP (512 -> hidden -> 512, Adam; ~25 MB of state at the default width)
+under `mnemojax.testing.run_scenario`: 2 processes x 2 CPU devices, a (2, 2) data x model
+mesh, so worker 0 owns every snapshot shard and publishes the whole state after every
+step. Three modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing
+is published), ``sync`` (the copy into the agent's shared memory done before the step
+returns, as before session 8) and ``background`` (the default: the copy runs while the
+next step does). Prints worker 0's median step time per mode (steps after the first 10)
+and the ratios to ``off``. Every process ends with the launcher (bounded by
+``--timeout-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+MODES = ("off", "sync", "background")
+WARMUP = 10  # steps left out: the compile, the first executions
+
+
+def worker(args: argparse.Namespace) -> None:
+    import mnemojax
+
+    session = mnemojax.initialize()
+    if args.mode == "sync":  # the copy before the step returns
+        from mnemojax._src.distributed.worker.session import DistributedSession
+
+        publish = DistributedSession.publish
+
+        def sync_publish(self, *a, background: bool = False, **k):
+            del background
+            return publish(self, *a, background=False, **k)
+
+        DistributedSession.publish = sync_publish  # type: ignore[method-assign]
+    import jax
+    import numpy as np
+
+    from mnemojax.models.tasks import build_mlp, mlp_train_step
+
+    me = session.world.stable_id if session is not None else 0
+    mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model, optimizer = build_mlp(seed=0, din=512, dhidden=args.hidden, dout=512)
+    budget = 1 if args.mode == "off" else 8 << 30
+    step = mnemojax.resilient(mlp_train_step, mesh=mesh, options=mnemojax.ResilienceOptions(
+        event_log=str(Path(args.out) / f"events-{args.mode}-w{me}.jsonl"),
+        run_name=f"{args.mode}-w{me}",
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
+        snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=budget)))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(64, 512)).astype(np.float32),
+             "y": rng.integers(0, 512, size=(64,)).astype(np.int32)}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mnemojax.errors.SnapshotBudgetWarning)  # "off"
+        for _ in range(args.steps):
+            step(model, optimizer, batch)
+    step.close()
+    if session is not None:
+        session.finish()
+
+
+def median_step_s(path: Path) -> float:
+    from mnemojax._src.events import read_events
+
+    steps = [e["duration_s"] for e in read_events(path) if e["kind"] == "step"]
+    return statistics.median(steps[WARMUP:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.jobs.publish_overhead")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default="background", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from mnemojax.testing import run_scenario
+
+    medians: dict[str, list[float]] = {m: [] for m in MODES}
+    params = 512 * args.hidden * 2 + args.hidden + 512
+    print(f"MLP 512-{args.hidden}-512 ({params / 1e6:.2f} M params, ~{params * 12 / 1e6:.0f} "
+          f"MB with Adam), 2 processes x 2 CPU devices, mesh (2, 2), {args.steps} steps")
+    for r in range(args.repeats):
+        for mode in MODES:
+            out = Path(tempfile.mkdtemp(prefix=f"mnemojax-publish-{mode}-"))
+            cmd = [sys.executable, "-m", "tests.jobs.publish_overhead", "--worker", "--mode",
+                   mode, "--out", str(out), "--hidden", str(args.hidden), "--steps",
+                   str(args.steps)]
+            report = run_scenario(cmd, nproc=2, devices_per_proc=2, job_timeout_s=args.timeout_s)
+            if report["rc"] != 0:
+                print(f"{mode}: the job failed (exit {report['rc']}); output in {out}")
+                return 1
+            medians[mode].append(median_step_s(out / f"events-{mode}-w0.jsonl"))
+            print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms")
+    off = statistics.median(medians["off"])
+    print(f"\n| mode | worker 0's median step (ms, median of {args.repeats}) | x off |")
+    print("|---|---:|---:|")
+    for mode in MODES:
+        m = statistics.median(medians[mode])
+        print(f"| {mode} | {m * 1e3:.1f} | {m / off:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
