@@ -9,14 +9,17 @@ mesh, so worker 0 owns every snapshot shard and publishes the whole state after 
 step. Three modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing
 is published), ``sync`` (the copy into the agent's shared memory done before the step
 returns, as before session 8) and ``background`` (the default: the copy runs while the
-next step does). Prints worker 0's median step time per mode (steps after the first 10)
-and the ratios to ``off``. Every process ends with the launcher (bounded by
+next step does). Prints worker 0's median step time per mode (steps after the first 10),
+the ratios to ``off`` and the median time of its copy into the agent's shared memory (the
+CRC32C included; the rest of the cost is the agents' replication to the ring buddy, on
+the same cores here). Every process ends with the launcher (bounded by
 ``--timeout-s``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -40,10 +43,25 @@ def worker(args: argparse.Namespace) -> None:
             return publish(self, *a, background=False, **k)
 
         DistributedSession.publish = sync_publish  # type: ignore[method-assign]
+    import time
+
     import jax
     import numpy as np
 
+    from mnemojax._src.distributed.worker.agent_client import AgentClient
     from mnemojax.models.tasks import build_mlp, mlp_train_step
+
+    copies: list[float] = []  # seconds of each copy into the agent's shared memory
+    agent_publish = AgentClient.publish
+
+    def timed_publish(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return agent_publish(self, *a, **k)
+        finally:
+            copies.append(time.perf_counter() - t)
+
+    AgentClient.publish = timed_publish  # type: ignore[method-assign]
 
     me = session.world.stable_id if session is not None else 0
     mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"),
@@ -67,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     step.close()
     if session is not None:
         session.finish()
+    (Path(args.out) / f"copies-w{me}.json").write_text(json.dumps(copies))
 
 
 def median_step_s(path: Path) -> float:
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from mnemojax.testing import run_scenario
 
     medians: dict[str, list[float]] = {m: [] for m in MODES}
+    copy_ms: dict[str, list[float]] = {m: [] for m in MODES}
     params = 512 * args.hidden * 2 + args.hidden + 512
     print(f"MLP 512-{args.hidden}-512 ({params / 1e6:.2f} M params, ~{params * 12 / 1e6:.0f} "
           f"MB with Adam), 2 processes x 2 CPU devices, mesh (2, 2), {args.steps} steps")
@@ -106,13 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode}: the job failed (exit {report['rc']}); output in {out}")
                 return 1
             medians[mode].append(median_step_s(out / f"events-{mode}-w0.jsonl"))
-            print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms")
+            copied = json.loads((out / "copies-w0.json").read_text())[WARMUP:]
+            copy_ms[mode].append(statistics.median(copied) * 1e3 if copied else 0.0)
+            print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms, "
+                  f"copy into the agent {copy_ms[mode][-1]:.1f} ms")
     off = statistics.median(medians["off"])
-    print(f"\n| mode | worker 0's median step (ms, median of {args.repeats}) | x off |")
-    print("|---|---:|---:|")
+    print(f"\n| mode | worker 0's median step (ms, median of {args.repeats}) | x off | "
+          "its copy into the agent (ms) |")
+    print("|---|---:|---:|---:|")
     for mode in MODES:
         m = statistics.median(medians[mode])
-        print(f"| {mode} | {m * 1e3:.1f} | {m / off:.3f} |")
+        print(f"| {mode} | {m * 1e3:.1f} | {m / off:.3f} | "
+              f"{statistics.median(copy_ms[mode]):.1f} |")
     return 0
 
 
