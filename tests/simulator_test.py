@@ -184,6 +184,47 @@ def test_reduced_mesh_runs_degraded_and_grows_back():
     assert simulate_job(hot, "mnemojax", stream).goodput < mnemo.goodput
 
 
+def test_capacity_drops_replicas_or_narrows_the_model_axis_within_the_headroom():
+    # 4 replicas of 8 hosts: one host lost drops a replica (3/4), or, where a device can
+    # hold twice its share, keeps all four on model axes of 4 hosts (1/2): the better is 3/4.
+    job = JobOptions(accelerators=256, hosts_per_replica=8, model_shrink_headroom=2.0)
+    assert job.capacity(0) == 1.0 and job.capacity(1) == 0.75 and job.capacity(3) == 0.5
+    # One replica over every host (a model too large for data parallelism).
+    single = JobOptions(accelerators=64, hosts_per_replica=8)
+    assert single.capacity(1) == 0.0  # headroom 1: nothing but waiting
+    wider = dataclasses.replace(single, model_shrink_headroom=2.0)
+    assert wider.capacity(1) == 0.5 and wider.capacity(4) == 0.5 and wider.capacity(5) == 0.0
+    assert dataclasses.replace(single, model_shrink_headroom=8.0).capacity(5) == 0.25
+    # 6 hosts per replica, headroom 2: 5 left -> the widest divisor of 6 in [3, 5] is 3.
+    assert JobOptions(accelerators=48, hosts_per_replica=6,
+                      model_shrink_headroom=2.0).capacity(1) == 0.5
+
+
+def test_a_single_replica_job_runs_on_a_narrower_model_axis_instead_of_waiting():
+    """One replica spans every host: with headroom 1 a lost host means waiting hours for a
+    replacement, as for the restart strategies; with headroom 2 mnemojax goes on at half
+    throughput on a model axis half as wide, and grows back when the host returns."""
+    options = SimulationOptions(
+        job=JobOptions(accelerators=64, hosts_per_replica=8),
+        spares=SpareOptions(spare_hosts=0, replacement_delay_s=6 * 3600),
+        failures=FailureOptions(mtbf_accelerator_hours=LLAMA / 200),
+        days=20,
+    )
+    stream = poisson_stream(
+        _rng(5), accelerators=64, failures=options.failures, horizon_s=options.horizon_s
+    )
+    waits = simulate_job(options, "mnemojax", stream)
+    narrow = simulate_job(
+        dataclasses.replace(
+            options, job=dataclasses.replace(options.job, model_shrink_headroom=2.0)),
+        "mnemojax", stream)
+    assert waits.seconds[st.DEGRADED] == 0 and waits.mean_recovery_s > 3600
+    assert narrow.seconds[st.DEGRADED] > 0 and narrow.grows > 0
+    assert narrow.goodput > waits.goodput
+    for r in (waits, narrow):
+        assert sum(r.seconds.values()) == pytest.approx(options.horizon_s)
+
+
 def test_finite_spare_pool_is_used_then_refilled():
     options = SimulationOptions(
         job=JobOptions(accelerators=1024),
@@ -206,6 +247,8 @@ def test_finite_spare_pool_is_used_then_refilled():
         (lambda: JobOptions(accelerators=12), "accelerators=12"),
         (lambda: JobOptions(accelerators=64, hosts_per_replica=3), "hosts_per_replica=3"),
         (lambda: JobOptions(accelerators=64, step_time_s=-1.0), "step_time_s=-1.0"),
+        (lambda: JobOptions(accelerators=64, model_shrink_headroom=0.5),
+         "model_shrink_headroom=0.5"),
         (lambda: FailureOptions(mtbf_accelerator_hours=-5.0), "mtbf_accelerator_hours=-5.0"),
         (lambda: FailureOptions(mtbf_accelerator_hours=0), "mtbf_accelerator_hours=0"),
         (lambda: FailureOptions(planned_per_day=-1.0), "planned_per_day=-1.0"),

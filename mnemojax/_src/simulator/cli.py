@@ -149,6 +149,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     j.add_argument("--min-replica-fraction", type=float, default=0.5)
     j.add_argument(
+        "--model-shrink-headroom",
+        type=float,
+        default=1.0,
+        help="how many times its share of the state a device can hold: above 1 a reduced "
+        "mesh may narrow the model axis instead of dropping replicas (default 1: never)",
+    )
+    j.add_argument(
         "--planned-per-day",
         type=_planned,
         default=0.0,
@@ -233,6 +240,7 @@ def build_options(args: argparse.Namespace) -> tuple[SimulationOptions, dict[str
         state_bytes_per_host=args.state_gb_per_host * 1e9,
         host_bandwidth_bytes_per_s=args.host_bandwidth_gb_s * 1e9,
         min_replica_fraction=args.min_replica_fraction,
+        model_shrink_headroom=args.model_shrink_headroom,
     )
     options = SimulationOptions(
         job=job,

@@ -110,8 +110,15 @@ class JobOptions:
         state_bytes_per_host: training state (params + optimizer) held per host; it is what
             a hot spare or a restarted job pulls from peer memory.
         host_bandwidth_bytes_per_s: per-host network bandwidth for that state transfer.
-        min_replica_fraction: a reduced mesh never runs on fewer replicas than this share;
-            below it the job waits for a replacement host.
+        min_replica_fraction: a reduced mesh never runs on less than this share of the full
+            mesh's throughput (of its replicas, when whole replicas are dropped); below it
+            the job waits for a replacement host.
+        model_shrink_headroom: how many times its full-mesh share of the state a device can
+            hold. Above 1, a reduced mesh may instead keep every replica on a narrower model
+            axis (`capacity`): a replica of ``hosts_per_replica`` hosts that lost one goes on
+            on the widest divisor of its width it still has, if the share that grows by
+            (full width / new width) fits. 1 (default): only whole replicas are dropped, so
+            a job whose one replica spans every host waits for a replacement.
     """
 
     accelerators: int
@@ -121,6 +128,7 @@ class JobOptions:
     state_bytes_per_host: float = 3.2e9
     host_bandwidth_bytes_per_s: float = 25e9
     min_replica_fraction: float = 0.5
+    model_shrink_headroom: float = 1.0
 
     def __post_init__(self):
         _check(
@@ -149,10 +157,35 @@ class JobOptions:
         _non_negative("state_bytes_per_host", self.state_bytes_per_host)
         _positive("host_bandwidth_bytes_per_s", self.host_bandwidth_bytes_per_s)
         _fraction("min_replica_fraction", self.min_replica_fraction)
+        _check(
+            isinstance(self.model_shrink_headroom, int | float)
+            and math.isfinite(self.model_shrink_headroom)
+            and self.model_shrink_headroom >= 1,
+            "model_shrink_headroom",
+            self.model_shrink_headroom,
+            "a finite number >= 1",
+        )
 
     @property
     def hosts(self) -> int:
         return self.accelerators // self.accelerators_per_host
+
+    def capacity(self, down: int) -> float:
+        """The share of full throughput a reduced mesh keeps with ``down`` hosts missing
+        (each in a different replica while there are replicas to spread them over): the
+        better of dropping the damaged replicas and, within ``model_shrink_headroom``,
+        keeping every replica on a narrower model axis, as mnemojax's planner picks the
+        axis that keeps the most devices."""
+        replicas, width = self.replicas, self.hosts_per_replica
+        if down <= 0:
+            return 1.0
+        best = max(replicas - down, 0) / replicas
+        left = width - math.ceil(down / replicas)  # hosts of the most damaged replica
+        narrowest = max(math.ceil(width / self.model_shrink_headroom), 1)
+        for w in range(left, narrowest - 1, -1):  # the widest divisor that fits
+            if width % w == 0:
+                return max(best, w / width)
+        return best
 
     @property
     def replicas(self) -> int:

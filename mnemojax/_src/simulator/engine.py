@@ -8,7 +8,9 @@ strategy's running accounting), so the categories always sum to the horizon.
 
 Assumptions (see WORKSPACE_NOTES.md, "Goodput simulator"):
   * An accelerator failure takes its whole host out of the job.
-  * Missing hosts sit in distinct data-parallel replicas (exact while few are missing).
+  * Missing hosts sit in distinct data-parallel replicas (exact while few are missing); a
+    reduced mesh drops the damaged replicas or, within the job's memory headroom, narrows
+    the model axis of every replica (`JobOptions.capacity`).
   * A failure during a recovery restarts that recovery (Daly's model); one during a wait
     for a replacement host joins the wait.
 """
@@ -82,14 +84,15 @@ def simulate_job(
     strategy = st.make_strategy(strategy_name, options, stream.mtbf_s)
     job, spares = options.job, options.spares
     horizon = options.horizon_s
-    hosts, replicas = job.hosts, job.replicas
+    hosts = job.hosts
     mode = getattr(strategy, "mode", "hot_spare")
+    reduces = strategy.grows_in_place and mode != "hot_spare"
     # Hosts that may be missing while the job still runs (reduced mesh); 0: must wait.
-    max_down = (
-        replicas - math.ceil(job.min_replica_fraction * replicas) if strategy.grows_in_place else 0
-    )
-    if mode == "hot_spare":
-        max_down = 0
+    max_down = 0
+    while reduces and max_down < hosts - 1 and (
+            job.capacity(max_down + 1) >= max(job.min_replica_fraction, 1e-12)):
+        max_down += 1
+    capacity = [job.capacity(d) for d in range(max_down + 1)]  # running: down <= max_down
     infinite_pool = spares.spare_hosts is None
     pool = 0 if spares.spare_hosts is None else spares.spare_hosts
     returns: list[float] = []  # times at which a repaired/replacement host is available
@@ -125,8 +128,8 @@ def simulate_job(
             phases[0][1] -= dt
             ledger[phases[0][0]] += dt
         else:
-            capacity = (replicas - down) / replicas
-            strategy.advance(dt, capacity, ledger)
+            strategy.advance(dt, capacity[down] if down < len(capacity) else
+                             job.capacity(down), ledger)
         t = t_next
         if t >= horizon:
             break
