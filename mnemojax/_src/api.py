@@ -238,12 +238,15 @@ class ResilientStep(Generic[P, R]):
         return self._built is None or self._built.runtime.compiler.wait_precompiled(timeout_s)
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:
-        """Blocks until the snapshot copy in flight (if any) is complete."""
+        """Blocks until the snapshot copy in flight (if any) is complete: in this process,
+        or, under several processes, into this worker's agent."""
         if self._built is None:
             return True
         rt = self._built.runtime
+        session = self._built.session
         return all(store.wait_idle(timeout_s) for store in (rt.store, rt.grads_store)
-                   if store is not None)
+                   if store is not None) and (session is None
+                                              or session.publish_idle(timeout_s))
 
     def close(self) -> None:
         """Stops the background threads (snapshot copiers, compiler) and waits for the

@@ -117,8 +117,9 @@ class SnapshotOptions:
             the regions of the last good state its devices hold that its snapshots lack
             (data-parallel replicas), so a host lost together with its ring buddy loses
             nothing a third survivor still holds. Costs a device-to-host copy of those
-            regions per failure, before the agreement; within
-            ``host_memory_budget_bytes`` (else the agent refuses it).
+            regions per failure, before the agreement; skipped when they would not fit
+            ``host_memory_budget_bytes`` beside the snapshots, or when the survivor did not
+            publish that step in its current world.
     """
 
     every_steps: int = 20

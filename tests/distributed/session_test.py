@@ -31,6 +31,7 @@ def test_a_background_publish_is_settled_before_the_next_and_its_error_raised_on
         for step in (1, 2, 3):
             assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
                                    budget_bytes=1 << 20, background=True)
+        assert session.publish_idle(10.0)  # (what `wait_snapshots` waits for)
         session.settle()
         assert held(agents[0].address)[0] == {"0": [2, 3]}
         session.agent._sock.close()  # the agent's connection is gone

@@ -104,7 +104,8 @@ class JobOptions:
         accelerators: accelerators in the job (a multiple of ``accelerators_per_host``).
         accelerators_per_host: accelerators per host; a failed accelerator takes its host out.
         hosts_per_replica: hosts in one data-parallel replica; a reduced mesh drops whole
-            replicas, so losing one host removes ``1 / replicas`` of the throughput.
+            replicas, so losing one host removes ``1 / replicas`` of the throughput (or
+            narrows the model axis, within ``model_shrink_headroom``).
         step_time_s: time of one training step at full size (lost work of the snapshot
             strategies is bounded by it).
         state_bytes_per_host: training state (params + optimizer) held per host; it is what

@@ -71,6 +71,8 @@ log = logging.getLogger("mnemojax")
 
 _current: DistributedSession | None = None
 
+_MAX_FRAME = 2**32 - (1 << 20)  # a held copy's payload: one frame, with its metadata
+
 # A `wire.ReportFailure` whose reason starts so is a user's exception, not a peer failure:
 # the launcher ends the job with it (`launcher.launcher.UNCAUGHT`, the same text).
 UNCAUGHT = "uncaught exception: "
@@ -203,6 +205,14 @@ class DistributedSession:
         self._publishing.start()
         return True
 
+    def publish_idle(self, timeout_s: float | None = None) -> bool:
+        """Waits up to ``timeout_s`` for the publish in flight; whether none is left (its
+        error, if any, is raised by the next `settle`)."""
+        if self._publishing is not None:
+            self._publishing.join(timeout_s)
+            return not self._publishing.is_alive()
+        return True
+
     def settle(self, *, quiet: bool = False) -> None:
         """Waits for the publish in flight, if any (`publish` with ``background``).
 
@@ -249,11 +259,14 @@ class DistributedSession:
                      self.world.generation)
             return 0
         own = self._published_nbytes
-        room = None if budget_bytes is None else budget_bytes - agent_peak_bytes(own, own)
+        room = _MAX_FRAME  # one frame carries it (`transport`: 32-bit lengths)
+        if budget_bytes is not None:
+            room = min(room, budget_bytes - agent_peak_bytes(own, own))
         entries = state_transfer.held_shards(leaves, max_bytes=room)
         if entries is None:
             log.warning("mnemojax: no held copy of step %d: this worker's replicas do not fit "
-                        "host_memory_budget_bytes=%s beside its snapshots", step, budget_bytes)
+                        "host_memory_budget_bytes=%s beside its snapshots (or one frame)",
+                        step, budget_bytes)
             return 0
         if not entries:
             return 0
@@ -261,8 +274,10 @@ class DistributedSession:
             step, held_origin(self.world.stable_id), entries, num_leaves=len(leaves),
             generation=self.world.generation)
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
-        # Loopback at >= 100 MB/s even on a loaded host, plus the agent's CRC check.
-        refused = self.agent.hold(step, parts, timeout_s=30.0 + nbytes / 100e6)
+        # Loopback at >= 100 MB/s even on a loaded host, plus the agent's CRC check; but
+        # well within the agreement's deadline, which evicts a survivor that comes late.
+        timeout_s = min(30.0 + nbytes / 100e6, self.world.attach_timeout_s / 2)
+        refused = self.agent.hold(step, parts, timeout_s=timeout_s)
         if refused is not None:
             log.warning("mnemojax: the agent did not take this worker's held copy of step "
                         "%d: %s", step, refused)
