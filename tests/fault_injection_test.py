@@ -56,6 +56,19 @@ def test_transfers_touching_dead_devices_fail():
     np.testing.assert_array_equal(layer.fetch(shard0), [0, 1])
 
 
+def test_out_of_memory_fails_that_launch_once_and_is_no_device_loss():
+    faults = FaultInjector().out_of_memory(2)
+    layer = faults.wrap(JaxDeviceLayer())
+    x = np.ones(4, np.float32)
+    assert layer.execute(_exe(), (x,), step=1, devices={0})[0] == 2
+    with pytest.raises(jax.errors.JaxRuntimeError, match="^RESOURCE_EXHAUSTED"):
+        layer.execute(_exe(), (x,), step=2, devices={0})
+    assert layer.execute(_exe(), (x,), step=2, devices={0})[0] == 2  # once
+    assert faults.dead_devices == frozenset() and [f.kind for f in faults.injected] == ["oom"]
+    with pytest.raises(InvalidOptionError, match="at_step=0"):
+        FaultInjector().out_of_memory(0)
+
+
 def test_bad_schedule_is_rejected():
     with pytest.raises(InvalidOptionError, match="at_step=0"):
         FaultInjector().lose_devices(0, [1])

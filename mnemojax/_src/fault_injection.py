@@ -26,7 +26,7 @@ Surface = Literal["dispatch", "block"]
 @dataclasses.dataclass
 class _Event:
     kind: Literal["lose_devices", "lose_during_recovery", "transient", "memory_pressure",
-                  "hang", "corrupt_snapshot"]
+                  "hang", "corrupt_snapshot", "oom"]
     at_step: int
     device_ids: tuple[int, ...] = ()
     surface: Surface = "dispatch"
@@ -130,6 +130,15 @@ class FaultInjector:
         self._events.append(_Event("transient", at_step, times=times))
         return self
 
+    def out_of_memory(self, at_step: int) -> FaultInjector:
+        """Step `at_step` fails at launch with a ``RESOURCE_EXHAUSTED`` error, as XLA
+        raises when this process's devices cannot hold the step: an error of the process
+        itself, raised to the caller (never recovered, also under several processes)."""
+        if at_step < 1:
+            raise InvalidOptionError(f"at_step={at_step!r} is invalid: expected >= 1")
+        self._events.append(_Event("oom", at_step))
+        return self
+
     def memory_pressure(self, at_step: int, *, fraction: float = 0.97,
                         ramp_steps: int = 3) -> FaultInjector:
         """From step `at_step - ramp_steps` host memory use climbs to `fraction` of its
@@ -216,6 +225,10 @@ class _InterposedLayer:
         for ev in self._inj._fire_due(step, ("lose_devices", "hang", "corrupt_snapshot")):
             if ev.kind == "corrupt_snapshot":
                 self._corrupt_latest_copy()
+        if self._inj._fire_due(step, ("oom",)):
+            raise jax.errors.JaxRuntimeError(
+                f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate the buffers of "
+                f"step {step} (injected by mnemojax.testing.FaultInjector)")
         if self._inj._take_transient(step):
             raise jax.errors.JaxRuntimeError(
                 "UNAVAILABLE: collective timed out waiting for peers (transient; injected by "

@@ -44,10 +44,13 @@ def _ops(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
 
-@pytest.mark.parametrize("where", [pytest.param("loop", marks=pytest.mark.slow), "step"])  # ~22 s each
+@pytest.mark.parametrize("where", [pytest.param("loop", marks=pytest.mark.slow), "step",
+                                   pytest.param("oom", marks=pytest.mark.slow)])  # ~22 s each
 def test_user_exception_in_one_worker_ends_the_job_with_it(tmp_path, capfd, where):
-    """Worker 2 of 4 raises (in the training loop, or inside the step call): the job ends
-    with its exit status and its message, every worker stops, nothing is recovered."""
+    """Worker 2 of 4 raises (in the training loop, or inside the step call; or its step
+    fails with RESOURCE_EXHAUSTED, an error of its own process, `proxy.looks_local`, not a
+    peer failure): the job ends with its exit status and its message, every worker stops,
+    nothing is recovered."""
     report = _run(tmp_path, "--raise-worker", "2", "--raise-at-step", "3", "--raise-in", where,
                   nproc=4)
     assert report["rc"] == 1, report["rc"]
@@ -55,6 +58,8 @@ def test_user_exception_in_one_worker_ends_the_job_with_it(tmp_path, capfd, wher
     assert error["worker_id"] == 2 and error["code"] == 1
     if where == "loop":
         assert error["error"] == "RuntimeError: user bug in worker 2 at step 3"
+    if where == "oom":
+        assert error["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED"), error
     assert error["error"], error
     assert _ops(report, "decided") == []  # never recovered
     assert not (tmp_path / "final.npz").exists()
