@@ -159,16 +159,22 @@ def test_classical_near_llama3_published_goodput():
     assert 0.87 < p.goodput < 0.93
 
 
-def test_reduced_mesh_runs_degraded_and_grows_back():
+def _without_spares(job: JobOptions, *, rate: float, seed: int):
+    """20 days at ``rate`` x the Llama 3 failure rate, no spare hosts (a lost host is back
+    after 6 h): the options and their interruption stream."""
     options = SimulationOptions(
-        job=JobOptions(accelerators=1024, hosts_per_replica=2),
+        job=job,
         spares=SpareOptions(spare_hosts=0, replacement_delay_s=6 * 3600),
-        failures=FailureOptions(mtbf_accelerator_hours=LLAMA / 20),
+        failures=FailureOptions(mtbf_accelerator_hours=LLAMA / rate),
         days=20,
     )
-    stream = poisson_stream(
-        _rng(3), accelerators=1024, failures=options.failures, horizon_s=options.horizon_s
-    )
+    return options, poisson_stream(_rng(seed), accelerators=job.accelerators,
+                                   failures=options.failures, horizon_s=options.horizon_s)
+
+
+def test_reduced_mesh_runs_degraded_and_grows_back():
+    options, stream = _without_spares(JobOptions(accelerators=1024, hosts_per_replica=2),
+                                      rate=20, seed=3)
     results = {name: simulate_job(options, name, stream) for name in st.STRATEGY_NAMES}
     mnemo = results["mnemojax"]
     assert mnemo.grows > 0
@@ -204,15 +210,8 @@ def test_a_single_replica_job_runs_on_a_narrower_model_axis_instead_of_waiting()
     """One replica spans every host: with headroom 1 a lost host means waiting hours for a
     replacement, as for the restart strategies; with headroom 2 mnemojax goes on at half
     throughput on a model axis half as wide, and grows back when the host returns."""
-    options = SimulationOptions(
-        job=JobOptions(accelerators=64, hosts_per_replica=8),
-        spares=SpareOptions(spare_hosts=0, replacement_delay_s=6 * 3600),
-        failures=FailureOptions(mtbf_accelerator_hours=LLAMA / 200),
-        days=20,
-    )
-    stream = poisson_stream(
-        _rng(5), accelerators=64, failures=options.failures, horizon_s=options.horizon_s
-    )
+    options, stream = _without_spares(JobOptions(accelerators=64, hosts_per_replica=8),
+                                      rate=200, seed=5)
     waits = simulate_job(options, "mnemojax", stream)
     narrow = simulate_job(
         dataclasses.replace(
