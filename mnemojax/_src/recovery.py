@@ -319,7 +319,8 @@ class ProcessRecovery:
             spares: old ids of the old world's spare devices (idle survivors can swap in).
             close_s: of the time since ``t_fault``, how long closing the old worlds'
                 runtimes took, over every round so far (the first waits for a background
-                compile that is running): the ``close`` phase, apart from ``detect``.
+                compile that is running), with the held copy handed to the agent before:
+                the ``close`` phase, apart from ``detect``.
 
         A process the new mesh gives no device (a model replica that spans processes,
         with an odd number left) leaves the job, and the others agree again without it

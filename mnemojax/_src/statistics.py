@@ -39,8 +39,9 @@ class RecoveryRecord:
         hang: the failure was a hang noticed by the watchdog (no error was raised).
         failed_processes: multi-process recoveries (``plan_kind == "process_loss"``):
             the worker ids lost. Their phases are detect, close (the old world's runtime
-            closed: a background compile that is running is waited for), agree, plan,
-            compile, restore, replay.
+            closed: a background compile that is running is waited for; and the survivor's
+            held copy handed to its agent, `SnapshotOptions.hold_live_replicas`), agree,
+            plan, compile, restore, replay.
         generation: multi-process: the new world's generation.
         fetched_from: multi-process: origin worker id -> the agent that served this
             process the regions of that worker's copy its own devices hold (only the

@@ -130,6 +130,10 @@ def test_held_shards_are_the_replicas_a_process_holds_beyond_what_it_owns():
     assert [(e.leaf, e.index) for e in held] == [(0, ((0, 64), (0, 24))),
                                                  (0, ((0, 64), (24, 48))), (1, ((0, 6),))]
     np.testing.assert_array_equal(held[1].data, W[:, 24:])
+    # Over ``max_bytes`` (the budget's room), None before any host copy; at it, the regions.
+    assert state_transfer.held_shards([w, b], max_bytes=W.nbytes) is None  # type: ignore[arg-type]
+    assert len(state_transfer.held_shards(  # type: ignore[arg-type]
+        [w, b], max_bytes=W.nbytes + B.nbytes) or ()) == 3
     b.addressable_shards[0].replica_id = 0  # owned here: in its snapshot already
     assert [e.leaf for e in state_transfer.held_shards([w, b])] == [0, 0]  # type: ignore[arg-type]
 

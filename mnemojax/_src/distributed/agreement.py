@@ -58,6 +58,14 @@ def held_origin(worker_id: int) -> int:
     return -1 - worker_id
 
 
+def snapshots_first(origins: Iterable[int]) -> list[int]:
+    """Copy origins in the order a restore takes regions from them: every worker's
+    snapshot by worker id, then the held copies (`held_origin`), each only for what no
+    copy before it has (`launcher.book` names them so, `worker.recovery.AgreedCopies`
+    fetches so)."""
+    return sorted(origins, key=lambda o: (o < 0, abs(o)))
+
+
 def compiled_barrier(generation: int) -> str:
     """The name of the barrier every member of world ``generation`` passes after its first
     compile (`worker.session.DistributedSession.compiled`): passed, the world has formed."""

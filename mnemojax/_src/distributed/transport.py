@@ -26,6 +26,7 @@ logger = logging.getLogger("mnemojax")
 
 _PREFIX = struct.Struct("!II")
 MAX_HEADER = 1 << 20
+MAX_PAYLOAD = 2**32 - 1  # a frame's payload length is 32 bits (`_PREFIX`)
 HANDSHAKE_MAX_HEADER = 1024  # an unauthenticated peer cannot make the server allocate more
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -49,11 +50,20 @@ Payload = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryvi
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b"") -> None:
-    """Sends one frame (a JSON header, an optional binary payload)."""
+    """Sends one frame (a JSON header, an optional binary payload).
+
+    Raises:
+        ProtocolError: the payload is longer than a frame carries (`MAX_PAYLOAD`); nothing
+            was sent.
+    """
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [memoryview(payload).cast("B")] if isinstance(
         payload, bytes | bytearray | memoryview) else [memoryview(p).cast("B") for p in payload]
-    sock.sendall(_PREFIX.pack(len(head), sum(len(p) for p in parts)) + head)
+    size = sum(len(p) for p in parts)
+    if size > MAX_PAYLOAD or len(head) > MAX_PAYLOAD:
+        raise ProtocolError(f"a payload of {size} bytes is larger than one frame carries "
+                            f"({MAX_PAYLOAD} bytes)")
+    sock.sendall(_PREFIX.pack(len(head), size) + head)
     for part in parts:
         if len(part):
             sock.sendall(part)

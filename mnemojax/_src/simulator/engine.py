@@ -88,11 +88,11 @@ def simulate_job(
     mode = getattr(strategy, "mode", "hot_spare")
     reduces = strategy.grows_in_place and mode != "hot_spare"
     # Hosts that may be missing while the job still runs (reduced mesh); 0: must wait.
-    max_down = 0
-    while reduces and max_down < hosts - 1 and (
-            job.capacity(max_down + 1) >= max(job.min_replica_fraction, 1e-12)):
-        max_down += 1
-    capacity = [job.capacity(d) for d in range(max_down + 1)]  # running: down <= max_down
+    capacity = [1.0]  # by hosts down, while the job can run so (a wait is inserted above)
+    while reduces and len(capacity) < hosts and (
+            (share := job.capacity(len(capacity))) >= max(job.min_replica_fraction, 1e-12)):
+        capacity.append(share)
+    max_down = len(capacity) - 1
     infinite_pool = spares.spare_hosts is None
     pool = 0 if spares.spare_hosts is None else spares.spare_hosts
     returns: list[float] = []  # times at which a repaired/replacement host is available
@@ -128,8 +128,7 @@ def simulate_job(
             phases[0][1] -= dt
             ledger[phases[0][0]] += dt
         else:
-            strategy.advance(dt, capacity[down] if down < len(capacity) else
-                             job.capacity(down), ledger)
+            strategy.advance(dt, capacity[down], ledger)
         t = t_next
         if t >= horizon:
             break

@@ -174,8 +174,9 @@ class SnapshotHolder:
         raise KeyError(step)
 
     def verified_copies(self) -> wire.Holdings:
-        """Every copy held (own slots, buddies' replicas, the held copy), each checked against its CRC32C
-        now, with what it covers; a corrupt copy is listed apart and never counted."""
+        """Every copy held (own slots, buddies' replicas, the held copy), each checked
+        against its CRC32C now, with what it covers; a corrupt copy is listed apart and
+        never counted."""
         found: list[tuple[int, bytes | bytearray]] = []
         corrupt: list[wire.CorruptCopy] = []
         with self._lock:

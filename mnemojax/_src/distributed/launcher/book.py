@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from mnemojax._src.distributed.agreement import Agreement, CopyInfo, choose_resume_step
+from mnemojax._src.distributed.agreement import (
+    Agreement,
+    CopyInfo,
+    choose_resume_step,
+    snapshots_first,
+)
 from mnemojax._src.errors import AgreementError
 
 
@@ -107,8 +112,7 @@ class AgreementBook:
         sources: dict[int, list[str]] = {}
         if chosen is not None:
             step, generation = chosen
-            for origin, addrs in _needed_copies(holdings, chosen).items():
-                sources[origin] = addrs
+            sources = _needed_copies(holdings, chosen)
         else:
             # (held copies name no worker: their regions are others' shards)
             every = [c for copies in holdings.values() for c in copies if c.origin >= 0]
@@ -152,7 +156,7 @@ def _needed_copies(holdings: Mapping[str, Sequence[CopyInfo]],
                 copies.setdefault(c.origin, (c, []))[1].append(addr)
     covered: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
     needed: dict[int, list[str]] = {}
-    for origin in sorted(copies, key=lambda o: (o < 0, abs(o))):  # snapshots first
+    for origin in snapshots_first(copies):
         copy, addrs = copies[origin]
         boxes = {(leaf, index) for leaf, _, index in copy.shards}
         if origin >= 0 or not boxes <= covered:

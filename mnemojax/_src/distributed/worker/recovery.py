@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from mnemojax._src.distributed import snapshot_codec
-from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
+from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, snapshots_first
 from mnemojax._src.distributed.env import WorldSpec
 from mnemojax._src.distributed.worker import coordination
 from mnemojax._src.distributed.worker.agent_client import fetch_snapshot
@@ -279,7 +279,7 @@ class AgreedCopies:
             wanted.setdefault(leaf, []).append(index)
         out: list[snapshot_codec.ShardEntry] = []
         covered: set[snapshot_codec.Box] = set()  # shards of the copies asked so far
-        for origin in sorted(self.headers, key=lambda o: (o < 0, abs(o))):  # held last
+        for origin in snapshots_first(self.headers):
             shards = [(m["leaf"], tuple(tuple(i) for i in m["index"]))
                       for m in self.headers[origin]["shards"]]
             if origin >= 0:  # a snapshot: the parts of its shards inside the boxes

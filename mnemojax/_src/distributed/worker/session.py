@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from mnemojax._src.distributed import auth, snapshot_codec, wire
+from mnemojax._src.distributed import auth, snapshot_codec, transport, wire
 from mnemojax._src.distributed.agreement import Agreement, compiled_barrier, held_origin
 from mnemojax._src.distributed.env import (
     CONTROL,
@@ -70,8 +70,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mnemojax")
 
 _current: DistributedSession | None = None
-
-_MAX_FRAME = 2**32 - (1 << 20)  # a held copy's payload: one frame, with its metadata
 
 # A `wire.ReportFailure` whose reason starts so is a user's exception, not a peer failure:
 # the launcher ends the job with it (`launcher.launcher.UNCAUGHT`, the same text).
@@ -165,7 +163,8 @@ class DistributedSession:
         a later loss of this worker's shards then falls back to the persistent tier.
 
         Returns:
-            Whether the snapshot was published.
+            Whether the snapshot is published (with ``background``: its copy started; an
+            error of that copy is raised by the next `settle`).
         """
         if self.agent is None or self.publish_refused:
             return False
@@ -259,7 +258,7 @@ class DistributedSession:
                      self.world.generation)
             return 0
         own = self._published_nbytes
-        room = _MAX_FRAME  # one frame carries it (`transport`: 32-bit lengths)
+        room = transport.MAX_PAYLOAD - (1 << 20)  # one frame carries it, with its metadata
         if budget_bytes is not None:
             room = min(room, budget_bytes - agent_peak_bytes(own, own))
         entries = state_transfer.held_shards(leaves, max_bytes=room)
