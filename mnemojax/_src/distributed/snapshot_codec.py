@@ -27,36 +27,53 @@ ALIGN = 64
 
 @dataclasses.dataclass(frozen=True)
 class ShardEntry:
-    """One shard: leaf ``leaf`` (global ``shape``), ``index`` = ((start, stop), ...)."""
+    """One shard: leaf ``leaf`` (global ``shape``), ``index`` = ((start, stop), ...).
+
+    ``data``: a host array; or, to be packed, any array with ``dtype`` and ``nbytes``
+    that numpy can read (a device array is copied to the host by `data_views`)."""
 
     leaf: int
     shape: tuple[int, ...]
     index: tuple[tuple[int, int], ...]
-    data: np.ndarray
+    data: Any
 
 
 def pack(step: int, worker_id: int, entries: Sequence[ShardEntry], *,
          num_leaves: int, generation: int = 0) -> list[memoryview]:
-    """Encodes shards as buffers to concatenate (no copy of the shard data here).
+    """Encodes shards as buffers to concatenate (no copy of host shard data here): the
+    `header` and the `data_views`.
 
     Args:
         num_leaves: leaves in the whole state (a worker may hold shards of only some).
         generation: the world that produced the shards (one mesh per world, so the shards
             of one step and generation tile each leaf without partial overlaps).
     """
-    meta, offset, datas = [], 0, []
+    return [memoryview(header_of(step, worker_id, entries, num_leaves=num_leaves,
+                                 generation=generation)), *data_views(entries)]
+
+
+def header_of(step: int, worker_id: int, entries: Sequence[ShardEntry], *,
+              num_leaves: int, generation: int = 0) -> bytes:
+    """A payload's metadata prefix (`pack`), from the shards' sizes and dtypes alone: a
+    device array's data is not read."""
+    meta, offset = [], 0
     for e in entries:
-        data = np.ascontiguousarray(e.data)
-        meta.append({"leaf": e.leaf, "shape": list(e.shape), "dtype": data.dtype.name,
+        nbytes = int(e.data.nbytes)
+        meta.append({"leaf": e.leaf, "shape": list(e.shape),
+                     "dtype": np.dtype(e.data.dtype).name,
                      "index": [list(i) for i in e.index], "offset": offset,
-                     "nbytes": data.nbytes})
-        offset += data.nbytes
-        datas.append(data)
+                     "nbytes": nbytes})
+        offset += nbytes
     head = json.dumps({"step": step, "worker_id": worker_id, "num_leaves": num_leaves,
                        "generation": generation, "shards": meta}).encode()
     pad = (-(_LEN.size + len(head))) % ALIGN
-    prefix = _LEN.pack(len(head)) + head + b"\0" * pad
-    return [memoryview(prefix)] + [memoryview(d.reshape(-1).view(np.uint8)) for d in datas]
+    return _LEN.pack(len(head)) + head + b"\0" * pad
+
+
+def data_views(entries: Sequence[ShardEntry]) -> list[memoryview]:
+    """The shards' bytes, in `header_of`'s order: views of host arrays (a device array is
+    read to the host here; on CPU that is a view of its buffer too)."""
+    return [np.ascontiguousarray(e.data).reshape(-1).view(np.uint8).data for e in entries]
 
 
 def dtype_of(name: str) -> np.dtype:

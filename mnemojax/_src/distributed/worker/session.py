@@ -169,10 +169,13 @@ class DistributedSession:
         if self.agent is None or self.publish_refused:
             return False
         self.settle()
-        parts = snapshot_codec.pack(
-            step, self.world.stable_id, state_transfer.local_shards(leaves),
-            num_leaves=len(leaves), generation=self.world.generation)
-        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        # The size from the shards' metadata; their bytes are read (on GPU: copied to the
+        # host) by the copy, on its thread when in the background.
+        shards = state_transfer.local_shards(leaves, to_host=False)
+        head = snapshot_codec.header_of(step, self.world.stable_id, shards,
+                                        num_leaves=len(leaves),
+                                        generation=self.world.generation)
+        nbytes = len(head) + sum(int(e.data.nbytes) for e in shards)
         peak = agent_peak_bytes(nbytes, nbytes)  # its ring neighbour's share: as large
         if budget_bytes is not None and peak > budget_bytes:
             self.publish_refused = True
@@ -186,6 +189,7 @@ class DistributedSession:
         agent, generation = self.agent, self.world.generation
 
         def copy() -> None:
+            parts = [memoryview(head), *snapshot_codec.data_views(shards)]
             agent.publish(step, parts, budget_bytes=budget_bytes)
             self._published, self._published_nbytes = (step, generation), nbytes
 

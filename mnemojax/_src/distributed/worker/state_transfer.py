@@ -27,18 +27,20 @@ processes each process places the pieces its own devices hold (and a `HostBlocks
 only those)."""
 
 
-def local_shards(leaves: Sequence[jax.Array]) -> list[ShardEntry]:
-    """The shards of ``leaves`` (jax.Arrays) this process owns, as host numpy arrays.
+def local_shards(leaves: Sequence[jax.Array], *, to_host: bool = True) -> list[ShardEntry]:
+    """The shards of ``leaves`` (jax.Arrays) this process owns, as host numpy arrays (on
+    CPU views of the device buffers), or with ``to_host=False`` as the single-device
+    arrays themselves (`snapshot_codec.data_views` reads them to the host later).
 
-    The arrays are views of device buffers: encode them (`snapshot_codec.pack`) and publish
-    before the next step may donate or delete the leaves.
+    Encode them (`snapshot_codec.pack`) and publish before the next step may donate or
+    delete the leaves.
     """
     entries = []
     for i, leaf in enumerate(leaves):
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
                 entries.append(ShardEntry(i, tuple(leaf.shape), index_of(shard.index, leaf.shape),
-                                          np.asarray(shard.data)))
+                                          np.asarray(shard.data) if to_host else shard.data))
     return entries
 
 
