@@ -11,7 +11,6 @@ from mnemojax.errors import InvalidOptionError
 @pytest.mark.parametrize("cls,field,value,legal", [
     (mnemojax.SnapshotOptions, "every_steps", -1, ">= 0"),
     (mnemojax.SnapshotOptions, "grads_every_steps", -2, ">= 0"),
-    (mnemojax.SnapshotOptions, "replicate_every_steps", 0, ">= 1"),
     (mnemojax.SnapshotOptions, "host_memory_budget_bytes", 0, "> 0"),
     (mnemojax.RecoveryOptions, "batch_policy", "pad", "'keep_math'"),
     (mnemojax.RecoveryOptions, "stop", 3, "a stop rule"),

@@ -180,7 +180,6 @@ class ResilientStep(Generic[P, R]):
         self._run_recoveries: list[float] = []  # budget clock of every recovery this run
         snap = self.options.snapshot
         self._batches = ReplayBuffer(max(snap.every_steps, snap.unreplicated_every_steps,
-                                         snap.replicate_every_steps,
                                          self.options.persistent.every_steps, 1) + 1)
         self._built: _Built | None = None
         self._warned_no_loss = False
@@ -881,10 +880,8 @@ class ResilientStep(Generic[P, R]):
         assert session is not None
         refused = session.publish_refused
         # The copy runs while the next step does, unless that step donates these arrays.
-        snap = self.options.snapshot
-        session.publish(step, leaves, budget_bytes=snap.host_memory_budget_bytes,
-                        background=not self.options.compile.donate_state,
-                        replicate=step % snap.replicate_every_steps == 0)
+        session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes,
+                        background=not self.options.compile.donate_state)
         if session.publish_refused and not refused:
             b.durability.emit("fault", step=step, classification="snapshot_budget")
 

@@ -113,12 +113,6 @@ class SnapshotOptions:
         host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
             memory; if the state does not fit, snapshots are disabled with a warning.
         verify_checksums: check each buffer's CRC32C before restoring from it.
-        replicate_every_steps: multi-process: each worker publishes its snapshot to its
-            agent after every step, and the agent sends every k-th one to its ring buddy
-            (the copy that survives the loss of the whole host). 1 (default): every step.
-            A larger k spends 1/k of the replication's memory bandwidth and network, and a
-            host lost with its agent then resumes from up to k steps back (replayed from
-            the kept batches); a worker that dies alone still loses at most one step.
         hold_live_replicas: multi-process: at a peer failure each survivor hands its agent
             the regions of the last good state its devices hold that its snapshots lack
             (data-parallel replicas), so a host lost together with its ring buddy loses
@@ -133,7 +127,6 @@ class SnapshotOptions:
     grads_every_steps: int = 0
     host_memory_budget_bytes: int = 8 << 30
     verify_checksums: bool = True
-    replicate_every_steps: int = 1
     hold_live_replicas: bool = True
 
     def __post_init__(self):
@@ -142,8 +135,6 @@ class SnapshotOptions:
         _check(self.unreplicated_every_steps >= 0, "unreplicated_every_steps",
                self.unreplicated_every_steps, "an int >= 0")
         _check(self.grads_every_steps >= 0, "grads_every_steps", self.grads_every_steps, ">= 0")
-        _check(self.replicate_every_steps >= 1, "replicate_every_steps",
-               self.replicate_every_steps, "an int >= 1")
         _check(
             self.host_memory_budget_bytes > 0,
             "host_memory_budget_bytes",

@@ -321,28 +321,3 @@ def test_an_agent_refuses_a_held_copy_that_fails_its_check():
         assert holder.held is None and holder.verified_copies().copies == ()
     finally:
         holder.close()
-
-
-def test_a_snapshot_published_without_replicate_stays_with_its_own_agent(two_agents):
-    """`SnapshotOptions.replicate_every_steps`: the worker publishes every step, and only
-    the ones it marks go to the ring buddy; its own agent holds every one."""
-    fake, agents = two_agents
-    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
-    client = AgentClient(agents[0].address, secret=SECRET)
-    w = np.arange(8, dtype=np.float32)
-    try:
-        def publish(step):
-            client.publish(step, pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)],
-                                      num_leaves=1), replicate=step % 2 == 0)
-
-        for step in (1, 2, 3):  # 3 lands while 2 is being sent, or before
-            publish(step)
-        wait_until(lambda: held(agents[1].address)[0].get("0"))
-        assert held(agents[1].address)[0] == {"0": [2]}  # the step marked, not the newest
-        publish(4)
-        wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [4])
-        assert held(agents[1].address)[0] == {"0": [2, 4]}  # never 1 or 3
-        assert held(agents[0].address)[0] == {"0": [3, 4]}
-        assert [e.step for e in fake.events if isinstance(e, wire.Progress)] == [1, 2, 3, 4]
-    finally:
-        client.close()

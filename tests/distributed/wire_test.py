@@ -64,7 +64,6 @@ EXAMPLES = [
     wire.Alloc(nbytes=1 << 20, budget_bytes=1 << 30),
     wire.Allocated(name="mnjx1_w0_1", slot_bytes=1 << 20),
     wire.Published(step=7),
-    wire.Published(step=8, replicate=False),
     wire.Hold(step=7, crc=123456),
     wire.Phase(phase="train"),
     wire.Replica(origin=0, step=7, crc=0xFFFFFFFF),

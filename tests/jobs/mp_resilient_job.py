@@ -51,8 +51,6 @@ def main() -> None:
     parser.add_argument("--precompile-cache", default=None, metavar="DIR",
                         help="compile the next worlds ahead, with JAX's persistent "
                              "compilation cache in DIR (default: neither)")
-    parser.add_argument("--replicate-every", type=int, default=1, metavar="K",
-                        help="SnapshotOptions(replicate_every_steps=K)")
     parser.add_argument("--no-held-replicas", action="store_true",
                         help="SnapshotOptions(hold_live_replicas=False): a lost state comes "
                              "from the snapshots alone")
@@ -78,9 +76,8 @@ def main() -> None:
     if args.run_recoveries is not None:
         recovery["run_stop"] = mnemojax.retry.stop_after_attempt(args.run_recoveries)
     extra_opts["recovery"] = mnemojax.RecoveryOptions(**recovery)
-    extra_opts["snapshot"] = mnemojax.SnapshotOptions(
-        hold_live_replicas=not args.no_held_replicas,
-        replicate_every_steps=args.replicate_every)
+    if args.no_held_replicas:
+        extra_opts["snapshot"] = mnemojax.SnapshotOptions(hold_live_replicas=False)
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",

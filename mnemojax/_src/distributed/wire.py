@@ -529,12 +529,10 @@ class Allocated(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Published(Message):
-    """The snapshot of ``step`` is complete in shared memory (also the progress signal);
-    ``replicate``: send it to the ring buddy (`SnapshotOptions.replicate_every_steps`)."""
+    """The snapshot of ``step`` is complete in shared memory (also the progress signal)."""
 
     OP: ClassVar[str] = "published"
     step: int
-    replicate: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

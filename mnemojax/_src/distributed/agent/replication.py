@@ -22,7 +22,7 @@ logger = logging.getLogger("mnemojax")
 
 
 class Replicator:
-    """Pushes the newest snapshot marked for replication to the buddy; `run` is its thread.
+    """Pushes the newest snapshot to the buddy; `run` is its thread.
 
     Args:
         worker_id: the origin of the copies sent.
@@ -40,8 +40,7 @@ class Replicator:
         self._buddy: str | None = None
 
     def published(self, step: int) -> None:
-        """The worker published ``step``, marked for replication: send it next (a newer
-        marked one replaces it if it was not sent yet)."""
+        """The worker published ``step``: send it (or a newer one) next."""
         with self._cv:
             self._published = step
             self._cv.notify()
@@ -64,19 +63,8 @@ class Replicator:
             if step is None or step == sent or buddy is None:
                 continue
             try:
-                # That step, not the newest: with `replicate_every_steps` every buddy must
-                # hold the same steps. Not checked here: the buddy checks every replica.
-                step, data, crc = self._holder.own(step, verify=False)
-            except KeyError:  # already overwritten (replication fell two publishes behind)
-                logger.info("agent %d: step %s left the slots before it was sent; the next "
-                            "one marked for replication goes", self.worker_id, step)
-                sent = step
-                continue
-            except SnapshotCorruptError as e:  # rewritten while read: try again
-                logger.warning("agent %d: replication of step %s: %s", self.worker_id, step, e)
-                time.sleep(0.05)
-                continue
-            try:
+                # Not checked here: the buddy checks every replica it receives.
+                step, data, crc = self._holder.newest(verify=False)
                 if sock is None or target != buddy:
                     if sock is not None:
                         sock.close()
@@ -86,7 +74,8 @@ class Replicator:
                 del data  # the copy read out of the slot: not kept while waiting for the next
                 transport.recv(sock)
                 sent = step
-            except (OSError, ConnectionError, ProtocolError) as e:
+            except (OSError, ConnectionError, ProtocolError, KeyError,
+                    SnapshotCorruptError) as e:
                 logger.warning("agent %d: replication to %s failed: %s", self.worker_id,
                                buddy, e)
                 if sock is not None:

@@ -82,8 +82,7 @@ class AgentServer:
             self._watchdog.progress(message.step, now)
             self._report(wire.Progress(worker_id=self.worker_id, step=message.step))
             self._holder.published()  # the slots a bigger segment replaced may go now
-            if message.replicate:
-                self._replicator.published(message.step)
+            self._replicator.published(message.step)
             return None
         if isinstance(message, wire.Hold):
             return self._holder.accept_held(message, payload), b""

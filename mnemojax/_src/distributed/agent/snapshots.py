@@ -119,24 +119,23 @@ class SnapshotHolder:
             self.held = (hold.step, payload, hold.crc)
         return wire.Ok()
 
-    def own(self, step: int | None = None, *, verify: bool = True) -> tuple[int, bytes, int]:
-        """A copy of its own worker's snapshot of ``step`` (None: the newest complete one)
-        read out of its slots: (step, payload, crc32).
+    def newest(self, *, verify: bool = True) -> tuple[int, bytes, int]:
+        """Its own worker's newest complete snapshot: (step, payload, crc32).
 
         Args:
             verify: check its CRC32C here (the replicator leaves it to the buddy).
 
         Raises:
-            KeyError: not (or no longer) in the slots. SnapshotCorruptError: it fails its
-                check, or its slot was rewritten while it was read.
+            KeyError: none yet. SnapshotCorruptError: it fails its check, or its slot was
+                rewritten while it was read.
         """
         with self._lock:
             for buffer in self._buffers():
                 try:
-                    return buffer.read(step, verify=verify)
-                except KeyError:  # not in this segment (or nothing published into it yet)
+                    return buffer.read(verify=verify)
+                except KeyError:  # a new segment nothing was published into yet
                     continue
-            raise KeyError("no complete snapshot yet" if step is None else step)
+            raise KeyError("no complete snapshot yet")
 
     def published(self) -> None:
         """Its worker published into the current slots: the retired segment goes, and the

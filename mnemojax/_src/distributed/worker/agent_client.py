@@ -52,14 +52,12 @@ class AgentClient:
         return self.buffer
 
     def publish(self, step: int, parts: Sequence[bytes | memoryview], *,
-                budget_bytes: int | None = None, replicate: bool = True) -> int:
+                budget_bytes: int | None = None) -> int:
         """Writes the snapshot of ``step`` into shared memory and tells the agent.
 
         Args:
             budget_bytes: host memory the agent may use for snapshots (its slots and the
                 replicas it keeps for its ring neighbour); passed on when it allocates.
-            replicate: the agent sends this one to its ring buddy (else the buddy keeps
-                the copies it has).
 
         Returns:
             The payload's checksum (CRC32C, `checksum.checksum`).
@@ -67,7 +65,7 @@ class AgentClient:
         nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
         crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
         with self._lock:
-            transport.send(self._sock, wire.Published(step=step, replicate=replicate))
+            transport.send(self._sock, wire.Published(step=step))
         return crc
 
     def hold(self, step: int, parts: Sequence[bytes | memoryview], *,

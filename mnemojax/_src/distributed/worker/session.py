@@ -145,10 +145,8 @@ class DistributedSession:
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
-                budget_bytes: int | None = None, background: bool = False,
-                replicate: bool = True) -> bool:
-        """Hands this worker's shards of the state after `step` to its agent, which also
-        sends it to its ring buddy if ``replicate``.
+                budget_bytes: int | None = None, background: bool = False) -> bool:
+        """Hands this worker's shards of the state after `step` to its agent.
 
         With ``background`` the copy into the agent's shared memory (and its CRC32C) runs
         on a thread while the caller goes on (the next step), one publish in flight: this
@@ -192,7 +190,7 @@ class DistributedSession:
 
         def copy() -> None:
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
-            agent.publish(step, parts, budget_bytes=budget_bytes, replicate=replicate)
+            agent.publish(step, parts, budget_bytes=budget_bytes)
             self._published, self._published_nbytes = (step, generation), nbytes
 
         if not background:
