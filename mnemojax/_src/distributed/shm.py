@@ -75,6 +75,12 @@ def _untrack(shm: shared_memory.SharedMemory) -> memoryview:
     return shm.buf
 
 
+
+def nbytes_of(parts: Sequence[bytes | memoryview]) -> int:
+    """Bytes of a payload given as parts to concatenate (`snapshot_codec.pack`)."""
+    return sum(len(memoryview(p).cast("B")) for p in parts)
+
+
 class SnapshotBuffer:
     """Two snapshot slots in one shared-memory segment.
 
@@ -135,7 +141,7 @@ class SnapshotBuffer:
         Returns:
             The payload's checksum (CRC32C, `checksum.checksum`).
         """
-        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        nbytes = nbytes_of(parts)
         if nbytes > self.slot_bytes:
             raise DistributedError(f"snapshot of {nbytes} bytes exceeds the slot "
                                    f"({self.slot_bytes} bytes)")

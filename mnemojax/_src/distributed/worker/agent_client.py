@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import transport, wire
-from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer
+from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer, nbytes_of
 from mnemojax._src.distributed.snapshot_codec import Box
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
 
@@ -62,7 +62,7 @@ class AgentClient:
         Returns:
             The payload's checksum (CRC32C, `checksum.checksum`).
         """
-        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        nbytes = nbytes_of(parts)
         crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
         with self._lock:
             transport.send(self._sock, wire.Published(step=step))

@@ -44,7 +44,7 @@ from mnemojax._src.distributed.env import (
     WorldSpec,
     world_from_env,
 )
-from mnemojax._src.distributed.shm import agent_peak_bytes
+from mnemojax._src.distributed.shm import agent_peak_bytes, nbytes_of
 from mnemojax._src.distributed.worker import coordination, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
@@ -276,7 +276,7 @@ class DistributedSession:
         parts = snapshot_codec.pack(
             step, held_origin(self.world.stable_id), entries, num_leaves=len(leaves),
             generation=self.world.generation)
-        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        nbytes = nbytes_of(parts)
         # Loopback at >= 100 MB/s even on a loaded host, plus the agent's CRC check; but
         # well within the agreement's deadline, which evicts a survivor that comes late.
         timeout_s = min(30.0 + nbytes / 100e6, self.world.attach_timeout_s / 2)
