@@ -10,7 +10,7 @@ from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack, read_meta
 from mnemojax._src.distributed.worker.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.errors import StateUnavailableError
 from mnemojax.testing import corrupt_agent_copies
-from tests.distributed.fakes import SECRET, closed_without_reply, held, wait_until
+from tests.distributed.fakes import SECRET, closed_without_reply, held, running_agents, wait_until
 
 
 def _only_shard(payload) -> np.ndarray:
@@ -51,6 +51,41 @@ def test_buddy_replication_and_serving(two_agents):
         np.testing.assert_array_equal(_only_shard(data), w + 3)
     finally:
         client.close()
+
+
+def test_a_replayed_step_and_a_new_buddy_each_get_the_newest_copy():
+    """The replicator sends by publish, not by step number: a step a new world publishes
+    again under the same number (it replays the failed step) replaces the buddy's copy
+    of the old world, and a new buddy gets the newest copy at once, not at the next
+    publish (both were one-step windows with a host lost and no copy of that step)."""
+    w = np.arange(8, dtype=np.float32)
+
+    def payload(step, value, generation):
+        return pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + value)], num_leaves=1,
+                    generation=generation)
+
+    def replica(address, step):
+        data = fetch_snapshot([address], 0, step, secret=SECRET)[0]
+        return read_meta(data)["generation"], _only_shard(data)
+
+    with running_agents(3) as (fake, agents):
+        fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+        client = AgentClient(agents[0].address, secret=SECRET)
+        try:
+            for step in (4, 5):
+                client.publish(step, payload(step, step, 0))
+            wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [5])
+            client.publish(5, payload(5, 50, 1))  # world 1 replays step 5
+            wait_until(lambda: replica(agents[1].address, 5)[0] == 1)
+            np.testing.assert_array_equal(replica(agents[1].address, 5)[1], w + 50)
+            assert held(agents[2].address)[0] == {}
+            fake.command(0, wire.SetBuddy(buddy=fake.addresses[2]))  # no publish after
+            wait_until(lambda: held(agents[2].address)[0] == {"0": [5]})
+            generation, data = replica(agents[2].address, 5)
+            assert generation == 1
+            np.testing.assert_array_equal(data, w + 50)
+        finally:
+            client.close()
 
 
 def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):

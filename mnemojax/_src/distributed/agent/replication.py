@@ -36,31 +36,42 @@ class Replicator:
         self.worker_id, self._holder, self._stop = worker_id, holder, stop
         self._secret = secret
         self._cv = threading.Condition()
-        self._published: int | None = None
+        self._any_published = False
         self._buddy: str | None = None
+        # Bumped at every publish and every new buddy: what `run` has sent is a version,
+        # not a step number, so a step published again (a new world replays it under the
+        # same number) is sent again, and a new buddy gets the newest copy at once.
+        self._version = 0
 
     def published(self, step: int) -> None:
         """The worker published ``step``: send it (or a newer one) next."""
         with self._cv:
-            self._published = step
+            self._any_published = True
+            self._version += 1
             self._cv.notify()
 
     def set_buddy(self, buddy: str | None) -> None:
-        """Replicate to ``buddy`` from now on (None: nobody)."""
+        """Replicate to ``buddy`` from now on (None: nobody); a new buddy gets the newest
+        copy held, without waiting for the next publish."""
         with self._cv:
-            self._buddy = buddy
-            self._cv.notify()
+            if buddy != self._buddy:
+                self._buddy = buddy
+                self._version += 1
+                self._cv.notify()
 
     def run(self) -> None:
         sock: socket.socket | None = None
-        sent: int | None = None
+        sent = 0  # the version last sent (or with nothing to send)
         target: str | None = None
         while not self._stop.is_set():
             with self._cv:
-                self._cv.wait_for(lambda last=sent: self._published != last
+                self._cv.wait_for(lambda last=sent: self._version != last
                                   or self._stop.is_set(), timeout=0.5)
-                step, buddy = self._published, self._buddy
-            if step is None or step == sent or buddy is None:
+                version, buddy, any_published = self._version, self._buddy, self._any_published
+            if version == sent:
+                continue
+            if buddy is None or not any_published:
+                sent = version
                 continue
             try:
                 # Not checked here: the buddy checks every replica it receives.
@@ -72,8 +83,8 @@ class Replicator:
                 transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
                                data)
                 del data  # the copy read out of the slot: not kept while waiting for the next
-                transport.recv(sock)
-                sent = step
+                transport.recv(sock)  # a refusal (budget) is the buddy's to report
+                sent = version
             except (OSError, ConnectionError, ProtocolError, KeyError,
                     SnapshotCorruptError) as e:
                 logger.warning("agent %d: replication to %s failed: %s", self.worker_id,
