@@ -879,9 +879,12 @@ class ResilientStep(Generic[P, R]):
         session = b.session
         assert session is not None
         refused = session.publish_refused
-        # The copy runs while the next step does, unless that step donates these arrays.
-        session.publish(step, leaves, budget_bytes=self.options.snapshot.host_memory_budget_bytes,
-                        background=not self.options.compile.donate_state)
+        # The copy may run while the next step does (`SnapshotOptions.overlap_publish`),
+        # unless that step donates these arrays.
+        snapshot = self.options.snapshot
+        session.publish(step, leaves, budget_bytes=snapshot.host_memory_budget_bytes,
+                        background=snapshot.overlap_publish
+                        and not self.options.compile.donate_state)
         if session.publish_refused and not refused:
             b.durability.emit("fault", step=step, classification="snapshot_budget")
 

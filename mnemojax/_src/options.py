@@ -120,6 +120,14 @@ class SnapshotOptions:
             regions per failure, before the agreement; skipped when they would not fit
             ``host_memory_budget_bytes`` beside the snapshots, or when the survivor did not
             publish that step in its current world.
+        overlap_publish: multi-process: copy each snapshot into the agent on a thread
+            while the next step runs, instead of before it starts. Off by default: a
+            process whose copy takes longer than the next step can die with neither of
+            its last two steps complete while a peer has moved two steps on, leaving no
+            step that every worker holds (the recovery then falls back to the persistent
+            tier). For hosts with spare cores where the copy is short against the step;
+            on this project's 2-core CPU VM it measured no faster. Ignored with
+            ``CompileOptions.donate_state`` (the next step donates these arrays).
     """
 
     every_steps: int = 20
@@ -128,6 +136,7 @@ class SnapshotOptions:
     host_memory_budget_bytes: int = 8 << 30
     verify_checksums: bool = True
     hold_live_replicas: bool = True
+    overlap_publish: bool = False
 
     def __post_init__(self):
         _check_types(self)

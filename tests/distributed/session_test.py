@@ -12,7 +12,7 @@ from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack
 from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.errors import DistributedError
-from tests.distributed.fakes import SECRET, held, local_copies
+from tests.distributed.fakes import SECRET, held, local_copies, wait_until
 
 
 def test_a_background_publish_is_settled_before_the_next_and_its_error_raised_once(
@@ -85,6 +85,63 @@ def test_a_held_copy_goes_to_the_agent_only_for_a_step_published_in_this_world(
         session.world = dataclasses.replace(session.world, generation=1)
         assert session.hold(3, leaves) == 0  # step 3 was published in world 0
     finally:
+        session.agent.close()
+
+
+def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, caplog):
+    """Publishing step N overwrites the slot of N - 2, so it first waits until the ring
+    buddy holds N - 1 (a peer one step behind at a failure agrees on N - 1, which then
+    only the buddy may have): with a buddy that takes 0.5 s per replica, each publish
+    returns only after the buddy has answered for the one before. A buddy that cannot be
+    reached does not block the publish: it is counted and said once."""
+    import threading
+    import time
+
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed import transport, wire
+
+    answered: list[int] = []  # the steps the slow buddy has answered for, in order
+    stop = threading.Event()
+
+    def slow_buddy(conn):
+        with conn:
+            while True:
+                try:
+                    message, _ = transport.recv(conn)
+                except (OSError, ConnectionError):
+                    return
+                time.sleep(0.5)
+                answered.append(message.step)
+                transport.send(conn, wire.Ok())
+
+    server, address = transport.listen()
+    threading.Thread(target=transport.accept_loop, args=(server, slow_buddy),
+                     kwargs={"secret": SECRET, "stop": stop}, daemon=True).start()
+    fake, agents = two_agents
+    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                           num_processes=1, agent=agents[0].address,
+                                           secret=SECRET))
+    assert session.agent is not None
+    try:
+        fake.command(0, wire.SetBuddy(buddy=address))
+        wait_until(lambda: agents[0].replicator._buddy == address)
+        for step in (1, 2, 3):
+            assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
+                                   budget_bytes=1 << 20)
+            assert answered == list(range(1, step))  # N - 1 was held before N was written
+        assert session.replication_lags == 0
+        fake.command(0, wire.SetBuddy(buddy="127.0.0.1:1"))  # nobody listens there
+        wait_until(lambda: agents[0].replicator._buddy == "127.0.0.1:1")
+        for step in (4, 5, 6):
+            assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
+                                   budget_bytes=1 << 20)
+        assert session.replication_lags >= 2
+        assert caplog.text.count("has not reached its ring buddy") == 1
+        assert held(agents[0].address)[0] == {"0": [5, 6]}
+    finally:
+        stop.set()
+        transport.close_server(server)
         session.agent.close()
 
 

@@ -6,13 +6,15 @@
 Runs a resilient MLP (512 -> hidden -> 512, Adam; ~25 MB of state at the default width)
 under `mnemojax.testing.run_scenario`: 2 processes x 2 CPU devices, a (2, 2) data x model
 mesh, so worker 0 owns every snapshot shard and publishes the whole state after every
-step. Three modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing
-is published), ``sync`` (the copy into the agent's shared memory done before the step
-returns, as before session 8) and ``background`` (the default: the copy runs while the
-next step does). Prints worker 0's median step time per mode (steps after the first 10),
-the ratios to ``off`` and the median time of its copy into the agent's shared memory (the
-CRC32C included; the rest of the cost is the agents' replication to the ring buddy, on
-the same cores here). Every process ends with the launcher (bounded by
+step. Four modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing
+is published), ``nowait`` (the copy into the agent's shared memory done before the step
+returns, without waiting for the buddy to hold the last snapshot: session 8's synchronous
+publish), ``sync`` (the default since session 9: the same, after the agent says its buddy
+holds the last snapshot) and ``background`` (`SnapshotOptions.overlap_publish`: the copy
+runs while the next step does). Prints worker 0's median step time per mode (steps after
+the first 10), the ratios to ``off``, the median time of its copy into the agent's shared
+memory (the CRC32C included) and of its wait for the buddy; the rest of the cost is the
+agents' replication to the ring buddy, on the same cores here). Every process ends with the launcher (bounded by
 ``--timeout-s``).
 """
 
@@ -25,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("off", "sync", "background")
+MODES = ("off", "nowait", "sync", "background")
 WARMUP = 10  # steps left out: the compile, the first executions
 
 
@@ -33,16 +35,10 @@ def worker(args: argparse.Namespace) -> None:
     import mnemojax
 
     session = mnemojax.initialize()
-    if args.mode == "sync":  # the copy before the step returns
+    if args.mode == "nowait":  # no wait for the buddy before overwriting a slot
         from mnemojax._src.distributed.worker.session import DistributedSession
 
-        publish = DistributedSession.publish
-
-        def sync_publish(self, *a, background: bool = False, **k):
-            del background
-            return publish(self, *a, background=False, **k)
-
-        DistributedSession.publish = sync_publish  # type: ignore[method-assign]
+        DistributedSession._await_replicated = lambda *a, **k: None  # type: ignore[method-assign]
     import time
 
     import jax
@@ -62,6 +58,17 @@ def worker(args: argparse.Namespace) -> None:
             copies.append(time.perf_counter() - t)
 
     AgentClient.publish = timed_publish  # type: ignore[method-assign]
+    waits: list[float] = []  # seconds of each wait for the buddy (`await_replicated`)
+    agent_wait = AgentClient.await_replicated
+
+    def timed_wait(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return agent_wait(self, *a, **k)
+        finally:
+            waits.append(time.perf_counter() - t)
+
+    AgentClient.await_replicated = timed_wait  # type: ignore[method-assign]
 
     me = session.world.stable_id if session is not None else 0
     mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"),
@@ -72,7 +79,8 @@ def worker(args: argparse.Namespace) -> None:
         event_log=str(Path(args.out) / f"events-{args.mode}-w{me}.jsonl"),
         run_name=f"{args.mode}-w{me}",
         compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
-        snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=budget)))
+        snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=budget,
+                                          overlap_publish=args.mode == "background")))
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(64, 512)).astype(np.float32),
              "y": rng.integers(0, 512, size=(64,)).astype(np.int32)}
@@ -86,6 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     if session is not None:
         session.finish()
     (Path(args.out) / f"copies-w{me}.json").write_text(json.dumps(copies))
+    (Path(args.out) / f"waits-w{me}.json").write_text(json.dumps(waits))
 
 
 def median_step_s(path: Path) -> float:
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=MODES, default="background", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default="sync", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -112,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     medians: dict[str, list[float]] = {m: [] for m in MODES}
     copy_ms: dict[str, list[float]] = {m: [] for m in MODES}
+    wait_ms: dict[str, list[float]] = {m: [] for m in MODES}
     params = 512 * args.hidden * 2 + args.hidden + 512
     print(f"MLP 512-{args.hidden}-512 ({params / 1e6:.2f} M params, ~{params * 12 / 1e6:.0f} "
           f"MB with Adam), 2 processes x 2 CPU devices, mesh (2, 2), {args.steps} steps")
@@ -128,16 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             medians[mode].append(median_step_s(out / f"events-{mode}-w0.jsonl"))
             copied = json.loads((out / "copies-w0.json").read_text())[WARMUP:]
             copy_ms[mode].append(statistics.median(copied) * 1e3 if copied else 0.0)
+            waited = json.loads((out / "waits-w0.json").read_text())[WARMUP:]
+            wait_ms[mode].append(statistics.median(waited) * 1e3 if waited else 0.0)
             print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms, "
-                  f"copy into the agent {copy_ms[mode][-1]:.1f} ms")
+                  f"copy into the agent {copy_ms[mode][-1]:.1f} ms, wait for the buddy "
+                  f"{wait_ms[mode][-1]:.2f} ms")
     off = statistics.median(medians["off"])
     print(f"\n| mode | worker 0's median step (ms, median of {args.repeats}) | x off | "
-          "its copy into the agent (ms) |")
-    print("|---|---:|---:|---:|")
+          "its copy into the agent (ms) | its wait for the buddy (ms) |")
+    print("|---|---:|---:|---:|---:|")
     for mode in MODES:
         m = statistics.median(medians[mode])
         print(f"| {mode} | {m * 1e3:.1f} | {m / off:.3f} | "
-              f"{statistics.median(copy_ms[mode]):.1f} |")
+              f"{statistics.median(copy_ms[mode]):.1f} | "
+              f"{statistics.median(wait_ms[mode]):.2f} |")
     return 0
 
 

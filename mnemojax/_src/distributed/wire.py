@@ -22,6 +22,7 @@ worker -> launcher          WatchWorld (a long poll, `peer_watch`)  WorldFailed 
 launcher -> agent           HoldingsQuery                          Holdings
 worker -> its agent         Alloc                                  Allocated
 worker -> its agent         Published, Phase                       none
+worker -> its agent         AwaitReplicated (before a publish)     Replicated
 worker -> its agent         Hold (+ payload, own connection)       Ok | ErrorReply
 agent -> its ring buddy     Replica (+ payload)                    Ok | ErrorReply
 anyone -> agent             Get                                    Snapshot (+ payload) | ErrorReply
@@ -536,6 +537,26 @@ class Published(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AwaitReplicated(Message):
+    """Before the worker overwrites its older slot: answer once every snapshot published
+    so far has reached the ring buddy, or at once when there is none, nothing was
+    published, or sending fails; at the latest after ``timeout_s``."""
+
+    OP: ClassVar[str] = "await_replicated"
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Replicated(Message):
+    """`AwaitReplicated`'s answer: whether the buddy has every published snapshot, and if
+    not, why (``detail``)."""
+
+    OP: ClassVar[str] = "replicated"
+    caught_up: bool
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Hold(Message):
     """At a peer failure: keep this (the payload) until the next publish, the regions of
     the last good state (``step``) the worker's devices hold that its snapshots lack, as
@@ -665,7 +686,7 @@ MESSAGES: tuple[type[Message], ...] = (
     ReportFailure, Leave, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
     AwaitJoin, Joined,
     HoldingsQuery, Holdings,
-    Alloc, Allocated, Published, Hold, Phase, Replica, Get, Snapshot,
+    Alloc, Allocated, Published, AwaitReplicated, Replicated, Hold, Phase, Replica, Get, Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}
 

@@ -42,6 +42,8 @@ class Replicator:
         # not a step number, so a step published again (a new world replays it under the
         # same number) is sent again, and a new buddy gets the newest copy at once.
         self._version = 0
+        self._sent = 0  # the version `run` last sent (or found nothing to send at)
+        self._failing: str | None = None  # why the last send failed, until one succeeds
 
     def published(self, step: int) -> None:
         """The worker published ``step``: send it (or a newer one) next."""
@@ -59,19 +61,43 @@ class Replicator:
                 self._version += 1
                 self._cv.notify()
 
+    def wait_caught_up(self, timeout_s: float) -> tuple[bool, str]:
+        """Waits until every snapshot published so far has reached the buddy (or there is
+        nothing to send), at most ``timeout_s``; returns at once while sending fails.
+
+        Returns:
+            (caught up, why not).
+        """
+        with self._cv:
+            target = self._version
+            self._cv.wait_for(lambda: self._sent >= target or self._failing is not None
+                              or self._stop.is_set(), timeout=timeout_s)
+            if self._sent >= target:
+                return True, ""
+            if self._failing is not None:
+                return False, f"replication to {self._buddy} fails: {self._failing}"
+            return False, (f"the copy to {self._buddy} is still being sent after "
+                           f"{timeout_s:g} s")
+
+    def _done(self, version: int, failing: str | None = None) -> None:
+        with self._cv:
+            if failing is None:
+                self._sent = version
+            self._failing = failing
+            self._cv.notify_all()
+
     def run(self) -> None:
         sock: socket.socket | None = None
-        sent = 0  # the version last sent (or with nothing to send)
         target: str | None = None
         while not self._stop.is_set():
             with self._cv:
-                self._cv.wait_for(lambda last=sent: self._version != last
-                                  or self._stop.is_set(), timeout=0.5)
+                self._cv.wait_for(lambda: self._version != self._sent or self._stop.is_set(),
+                                  timeout=0.5)
                 version, buddy, any_published = self._version, self._buddy, self._any_published
-            if version == sent:
+            if version == self._sent:
                 continue
             if buddy is None or not any_published:
-                sent = version
+                self._done(version)
                 continue
             try:
                 # Not checked here: the buddy checks every replica it receives.
@@ -84,14 +110,17 @@ class Replicator:
                                data)
                 del data  # the copy read out of the slot: not kept while waiting for the next
                 transport.recv(sock)  # a refusal (budget) is the buddy's to report
-                sent = version
+                self._done(version)
             except (OSError, ConnectionError, ProtocolError, KeyError,
                     SnapshotCorruptError) as e:
                 logger.warning("agent %d: replication to %s failed: %s", self.worker_id,
                                buddy, e)
+                self._done(version, failing=f"{type(e).__name__}: {e}")
                 if sock is not None:
                     sock.close()
                 sock = None
                 time.sleep(0.2)
         if sock is not None:
             sock.close()
+        with self._cv:
+            self._cv.notify_all()  # a waiter returns: stopping

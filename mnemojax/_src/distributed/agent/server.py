@@ -2,7 +2,8 @@
 
 Its worker (one persistent connection, `worker.agent_client.AgentClient`) asks for slots
 (`wire.Alloc`), says it published a step (`wire.Published`: the watchdog's progress signal,
-and what triggers replication), which phase it is in (`wire.Phase`, passed on to the
+and what triggers replication), waits before the next publish until the buddy has the
+last one (`wire.AwaitReplicated`), which phase it is in (`wire.Phase`, passed on to the
 launcher as `wire.WorkerPhase`) and, at a peer failure, what it holds that its snapshots
 lack (`wire.Hold`). The predecessor's
 agent pushes replicas (`wire.Replica`); survivors fetch copies (`wire.Get`); the launcher
@@ -84,6 +85,11 @@ class AgentServer:
             self._holder.published()  # the slots a bigger segment replaced may go now
             self._replicator.published(message.step)
             return None
+        if isinstance(message, wire.AwaitReplicated):
+            # At most half the hang floor: the wait sits between two progress signals.
+            caught_up, detail = self._replicator.wait_caught_up(
+                min(message.timeout_s, self._watchdog.min_s / 2))
+            return wire.Replicated(caught_up=caught_up, detail=detail), b""
         if isinstance(message, wire.Hold):
             return self._holder.accept_held(message, payload), b""
         if isinstance(message, wire.Phase):

@@ -68,6 +68,18 @@ class AgentClient:
             transport.send(self._sock, wire.Published(step=step))
         return crc
 
+    def await_replicated(self, timeout_s: float) -> str | None:
+        """Waits until the agent has sent every snapshot published so far to the ring buddy
+        (`wire.AwaitReplicated`; the agent bounds the wait by its hang watchdog).
+
+        Returns:
+            None once it has (or there is nothing to send), else why not.
+        """
+        with self._lock:
+            transport.send(self._sock, wire.AwaitReplicated(timeout_s=timeout_s))
+            reply = transport.expect(transport.recv(self._sock)[0], wire.Replicated)
+        return None if reply.caught_up else reply.detail
+
     def hold(self, step: int, parts: Sequence[bytes | memoryview], *,
              timeout_s: float) -> str | None:
         """Hands the agent a held copy of ``step`` (the concatenation of ``parts``), kept

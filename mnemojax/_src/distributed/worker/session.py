@@ -4,8 +4,9 @@
 (or SLURM) describes in the environment; it must run before any JAX use. The resilient
 step then finds the session with `current()` and:
 
-* publishes its shards to the agent after every good step (`publish`), the copy on a
-  thread while the next step runs;
+* publishes its shards to the agent after every good step (`publish`), once the agent's
+  ring buddy holds the one before (so every worker's copies stay in step); the copy may
+  run while the next step does (`SnapshotOptions.overlap_publish`);
 * on a peer failure, hands its agent the replicas its devices hold (`hold`), drops the
   old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
@@ -75,6 +76,10 @@ _current: DistributedSession | None = None
 # the launcher ends the job with it (`launcher.launcher.UNCAUGHT`, the same text).
 UNCAUGHT = "uncaught exception: "
 
+# How long a publish may wait for the buddy to hold the last snapshot (the agent bounds it
+# further, to half its hang floor).
+REPLICATION_WAIT_S = 60.0
+
 
 class DistributedSession:
     """This worker's world, agent connection and coordinator.
@@ -107,6 +112,8 @@ class DistributedSession:
         self._publish_error: BaseException | None = None  # what it raised
         self._published: tuple[int, int] | None = None  # (step, world) last published
         self._published_nbytes = 0  # its payload
+        self.replication_lags = 0  # publishes that overwrote a slot the buddy lacked
+        self._replication_lagging = False
 
     @property
     def can_recover(self) -> bool:
@@ -148,6 +155,8 @@ class DistributedSession:
                 budget_bytes: int | None = None, background: bool = False) -> bool:
         """Hands this worker's shards of the state after `step` to its agent.
 
+        The copy first waits until the agent's ring buddy holds the last snapshot
+        (`_await_replicated`: the slot it overwrites may be the step a failure agrees on).
         With ``background`` the copy into the agent's shared memory (and its CRC32C) runs
         on a thread while the caller goes on (the next step), one publish in flight: this
         call first waits for the one before (`settle`). The caller must keep ``leaves``
@@ -189,6 +198,9 @@ class DistributedSession:
         agent, generation = self.agent, self.world.generation
 
         def copy() -> None:
+            # The slot this copy overwrites holds the step before the last one: it goes
+            # only once the buddy has the last one (`_await_replicated`).
+            self._await_replicated(agent, step)
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
             agent.publish(step, parts, budget_bytes=budget_bytes)
             self._published, self._published_nbytes = (step, generation), nbytes
@@ -207,6 +219,30 @@ class DistributedSession:
                                             name=f"mnemojax-publish-{step}", daemon=True)
         self._publishing.start()
         return True
+
+    def _await_replicated(self, agent: AgentClient, step: int) -> None:
+        """Waits until the agent's ring buddy holds this worker's last snapshot.
+
+        Why: the agent keeps two slots, so publishing ``step`` overwrites the one before
+        the last. A peer still one step behind at a failure needs this worker's copy of
+        that last step to agree on; if the host then dies too, only the buddy has it. A
+        buddy lagging further (replication slower than the snapshot cadence) would leave
+        no step that every worker holds: waiting here keeps every worker's copies in
+        step, at the cost of training no faster than the copies reach the buddies. The
+        agent bounds the wait (half its hang floor); past it, or while its buddy cannot
+        be reached, this publishes anyway and says so once per episode.
+        """
+        lag = agent.await_replicated(REPLICATION_WAIT_S)
+        if lag is None:
+            self._replication_lagging = False
+            return
+        self.replication_lags += 1
+        if not self._replication_lagging:
+            self._replication_lagging = True
+            log.warning("mnemojax: step %d: this worker's last snapshot has not reached "
+                        "its ring buddy (%s); publishing anyway, so a host lost now may "
+                        "find no step every worker holds (then the persistent tier). Fewer "
+                        "snapshots (`SnapshotOptions`) give each copy more time", step, lag)
 
     def publish_idle(self, timeout_s: float | None = None) -> bool:
         """Waits up to ``timeout_s`` for the publish in flight; whether none is left (its
