@@ -107,6 +107,9 @@ def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
         assert held(agents[1].address)[0].get("0") == [1]  # step 2 was never held
         with pytest.raises(StateUnavailableError):
             fetch_snapshot([agents[1].address], 0, 2, secret=SECRET)
+        # The worker's wait before its next publish hears that its buddy lacks step 2.
+        detail = c0.await_replicated(5.0)
+        assert detail is not None and "refused" in detail and "host_memory_budget" in detail
     finally:
         c0.close()
         c1.close()

@@ -538,9 +538,10 @@ class Published(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AwaitReplicated(Message):
-    """Before the worker overwrites its older slot: answer once every snapshot published
-    so far has reached the ring buddy, or at once when there is none, nothing was
-    published, or sending fails; at the latest after ``timeout_s``."""
+    """Before the worker overwrites its older slot: answer once the replicator has sent
+    the newest snapshot after every publish so far and the ring buddy kept it, or at once
+    when there is no buddy or nothing was published (caught up), or when sending fails or
+    the buddy refused the last copy (not); at the latest after ``timeout_s``."""
 
     OP: ClassVar[str] = "await_replicated"
     timeout_s: float

@@ -20,6 +20,9 @@ from mnemojax._src.errors import ProtocolError, SnapshotCorruptError
 
 logger = logging.getLogger("mnemojax")
 
+SEND_TIMEOUT_S = 10.0  # a replica's send: this, plus its size at the floor rate below
+SEND_FLOOR_BYTES_PER_S = 50e6
+
 
 class Replicator:
     """Pushes the newest snapshot to the buddy; `run` is its thread.
@@ -44,6 +47,7 @@ class Replicator:
         self._version = 0
         self._sent = 0  # the version `run` last sent (or found nothing to send at)
         self._failing: str | None = None  # why the last send failed, until one succeeds
+        self._refused: str | None = None  # why the buddy refused the last copy sent
 
     def published(self, step: int) -> None:
         """The worker published ``step``: send it (or a newer one) next."""
@@ -57,13 +61,14 @@ class Replicator:
         copy held, without waiting for the next publish."""
         with self._cv:
             if buddy != self._buddy:
-                self._buddy = buddy
+                self._buddy, self._failing = buddy, None
                 self._version += 1
                 self._cv.notify()
 
     def wait_caught_up(self, timeout_s: float) -> tuple[bool, str]:
-        """Waits until every snapshot published so far has reached the buddy (or there is
-        nothing to send), at most ``timeout_s``; returns at once while sending fails.
+        """Waits until the newest copy has been sent after every publish so far and the
+        buddy kept it (or there is nothing to send), at most ``timeout_s``; returns at once
+        while sending fails or when the buddy refused the last copy.
 
         Returns:
             (caught up, why not).
@@ -72,17 +77,20 @@ class Replicator:
             target = self._version
             self._cv.wait_for(lambda: self._sent >= target or self._failing is not None
                               or self._stop.is_set(), timeout=timeout_s)
-            if self._sent >= target:
+            if self._sent >= target and self._refused is None:
                 return True, ""
+            if self._refused is not None:
+                return False, f"{self._buddy} refused the last copy: {self._refused}"
             if self._failing is not None:
                 return False, f"replication to {self._buddy} fails: {self._failing}"
             return False, (f"the copy to {self._buddy} is still being sent after "
                            f"{timeout_s:g} s")
 
-    def _done(self, version: int, failing: str | None = None) -> None:
+    def _done(self, version: int, *, failing: str | None = None,
+              refused: str | None = None) -> None:
         with self._cv:
             if failing is None:
-                self._sent = version
+                self._sent, self._refused = version, refused
             self._failing = failing
             self._cv.notify_all()
 
@@ -106,11 +114,16 @@ class Replicator:
                     if sock is not None:
                         sock.close()
                     sock, target = transport.connect(buddy, secret=self._secret), buddy
+                # The timeout covers the whole send: at least 10 s, more for a large copy.
+                sock.settimeout(SEND_TIMEOUT_S + len(data) / SEND_FLOOR_BYTES_PER_S)
                 transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
                                data)
                 del data  # the copy read out of the slot: not kept while waiting for the next
-                transport.recv(sock)  # a refusal (budget) is the buddy's to report
-                self._done(version)
+                reply, _ = transport.recv(sock)
+                # A refusal (budget, check) is the buddy's to report to the launcher; the
+                # worker's wait hears of it.
+                self._done(version, refused=reply.message
+                           if isinstance(reply, wire.ErrorReply) else None)
             except (OSError, ConnectionError, ProtocolError, KeyError,
                     SnapshotCorruptError) as e:
                 logger.warning("agent %d: replication to %s failed: %s", self.worker_id,

@@ -69,15 +69,21 @@ class AgentClient:
         return crc
 
     def await_replicated(self, timeout_s: float) -> str | None:
-        """Waits until the agent has sent every snapshot published so far to the ring buddy
+        """Waits until the agent's ring buddy holds its newest snapshot
         (`wire.AwaitReplicated`; the agent bounds the wait by its hang watchdog).
 
         Returns:
             None once it has (or there is nothing to send), else why not.
         """
         with self._lock:
-            transport.send(self._sock, wire.AwaitReplicated(timeout_s=timeout_s))
-            reply = transport.expect(transport.recv(self._sock)[0], wire.Replicated)
+            # The answer may take up to ``timeout_s``: past the connection's own timeout.
+            previous = self._sock.gettimeout()
+            self._sock.settimeout(timeout_s + 10.0)
+            try:
+                transport.send(self._sock, wire.AwaitReplicated(timeout_s=timeout_s))
+                reply = transport.expect(transport.recv(self._sock)[0], wire.Replicated)
+            finally:
+                self._sock.settimeout(previous)
         return None if reply.caught_up else reply.detail
 
     def hold(self, step: int, parts: Sequence[bytes | memoryview], *,

@@ -5,8 +5,8 @@
 step then finds the session with `current()` and:
 
 * publishes its shards to the agent after every good step (`publish`), once the agent's
-  ring buddy holds the one before (so every worker's copies stay in step); the copy may
-  run while the next step does (`SnapshotOptions.overlap_publish`);
+  ring buddy holds the one before (so the buddies cannot fall behind the cadence); the
+  copy may run while the next step does (`SnapshotOptions.overlap_publish`);
 * on a peer failure, hands its agent the replicas its devices hold (`hold`), drops the
   old world's arrays and calls `recover`, which runs the
   agreement protocol and the in-process re-initialisation and returns the agreed state;
@@ -77,8 +77,9 @@ _current: DistributedSession | None = None
 UNCAUGHT = "uncaught exception: "
 
 # How long a publish may wait for the buddy to hold the last snapshot (the agent bounds it
-# further, to half its hang floor).
-REPLICATION_WAIT_S = 60.0
+# further, to half its hang floor). A copy slower than this per snapshot cannot keep up
+# with the cadence anyway: the publish then goes on and says so.
+REPLICATION_WAIT_S = 5.0
 
 
 class DistributedSession:
@@ -224,13 +225,17 @@ class DistributedSession:
         """Waits until the agent's ring buddy holds this worker's last snapshot.
 
         Why: the agent keeps two slots, so publishing ``step`` overwrites the one before
-        the last. A peer still one step behind at a failure needs this worker's copy of
-        that last step to agree on; if the host then dies too, only the buddy has it. A
-        buddy lagging further (replication slower than the snapshot cadence) would leave
-        no step that every worker holds: waiting here keeps every worker's copies in
-        step, at the cost of training no faster than the copies reach the buddies. The
-        agent bounds the wait (half its hang floor); past it, or while its buddy cannot
-        be reached, this publishes anyway and says so once per episode.
+        the last, and the buddy keeps two copies. Without the wait a buddy could fall any
+        number of steps behind (replication slower than the cadence), and a host lost
+        then would find no step that every worker holds. With it, when this worker
+        writes N, its buddy holds N - 1, and every peer (which has published N - 1 before
+        this step could finish) has N - 1 in its own agent and N - 2 at its buddy. What
+        is left: a host whose copy of N - 1 is still on the wire when it dies, while this
+        worker's N has already reached its buddy and pushed out N - 2 there (a copy more
+        than about twice as slow as this worker's); that loss falls back to the
+        persistent tier. The agent bounds the wait (half its hang floor, at most
+        `REPLICATION_WAIT_S`); past it, or while the buddy cannot be reached or refuses
+        copies, this publishes anyway and says so once per episode.
         """
         lag = agent.await_replicated(REPLICATION_WAIT_S)
         if lag is None:
