@@ -39,6 +39,28 @@ def test_publish_flips_and_keeps_previous_step(buffer):
     assert buffer.read()[0] == 3  # the worker detaching does not remove the agent's segment
 
 
+def test_a_replayed_step_overwrites_the_abandoned_copy_not_the_resumed_one(buffer):
+    """A worker ahead at a failure holds steps 5 and 6; the new world resumes from 5 and
+    replays 6: its copy of 6 replaces the old world's 6 (an abandoned future), and 5, the
+    step the world resumed from, stays (overwriting the older slot would have left only
+    two copies of step 6)."""
+    writer = SnapshotBuffer.attach(buffer.name)
+    try:
+        for step in (5, 6):
+            writer.publish(step, [b"world-0 step-", str(step).encode()])
+        writer.publish(6, [b"world-1 step-6"])
+        assert sorted(buffer.holdings()) == [5, 6]
+        assert buffer.read()[:2] == (6, b"world-1 step-6")
+        assert buffer.read(5)[1] == b"world-0 step-5"
+        writer.publish(4, [b"world-2 step-4"])  # resumed from 3 (from a buddy), replays 4
+        assert buffer.read()[:2] == (4, b"world-2 step-4")
+        assert sorted(buffer.holdings()) == [4, 6]  # the later of the two ahead goes next
+        writer.publish(5, [b"world-2 step-5"])
+        assert sorted(buffer.holdings()) == [4, 5]
+    finally:
+        writer.close()
+
+
 def test_torn_or_corrupt_slot_fails_crc(buffer):
     buffer.publish(7, [b"x" * 100])
     raw = shared_memory.SharedMemory(name=buffer.name)

@@ -146,8 +146,13 @@ class SnapshotBuffer:
             raise DistributedError(f"snapshot of {nbytes} bytes exceeds the slot "
                                    f"({self.slot_bytes} bytes)")
         headers = [self._header(i) for i in range(NUM_SLOTS)]
-        newest = max(range(NUM_SLOTS), key=lambda i: (headers[i][4], headers[i][0]))
-        target = (newest + 1) % NUM_SLOTS
+        # A complete copy of this step or a later one is an abandoned future (a new world
+        # resumed from an earlier step and replays this one) or this step again: it goes
+        # first, so the step the world resumed from stays. Otherwise an incomplete slot,
+        # then the older one.
+        ahead = [i for i in range(NUM_SLOTS) if headers[i][4] and headers[i][1] >= step]
+        target = min(ahead, key=lambda i: headers[i][0]) if ahead else min(
+            range(NUM_SLOTS), key=lambda i: (headers[i][4], headers[i][0]))
         seq = max(h[0] for h in headers) + 1
         self._set_header(target, seq, -1, 0, 0, 0)  # invalidate before touching the data
         at, crc = DATA_AT + target * self.slot_bytes, 0
