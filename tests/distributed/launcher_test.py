@@ -89,3 +89,29 @@ def test_a_worker_that_leaves_is_gone_for_the_others_and_its_exit_ends_nothing(t
     assert (tmp_path / "seen").read_text() == "(1,)"
     assert [e["worker_id"] for e in launcher.events if e["op"] == "leave"] == [1]
     assert launcher.exit_codes == {0: 0, 1: 3}
+
+
+ALL_LEAVE = """
+import os
+from mnemojax._src.distributed import auth
+from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
+w = int(os.environ["MNEMOJAX_WORKER_ID"])
+c = LauncherCoordinator(os.environ["MNEMOJAX_CONTROL"], w,
+                        secret=auth.secret_from_env(os.environ))
+c.leave(generation=0, reason=f"no copy of worker {w + 7} step 4")
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_job_every_member_left_ends_saying_why(tmp_path, caplog):
+    """Every member leaves (e.g. fresh processes whose agreed copies died before they could
+    fetch them): the job ends with status 1, and the launcher says that nobody holds the
+    state and why each left, in its log and its events."""
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1),
+                        [sys.executable, "-c", ALL_LEAVE])
+    with caplog.at_level("ERROR", logger="mnemojax"):
+        assert launcher.run() == 1
+    [end] = [e for e in launcher.events if e["op"] == "no_members"]
+    assert end["left"] == {"0": "no copy of worker 7 step 4", "1": "no copy of worker 8 step 4"}
+    assert "nobody holds its state" in caplog.text
+    assert "worker 1: no copy of worker 8 step 4" in caplog.text

@@ -82,6 +82,7 @@ class Launcher:
         self._worker_error: tuple[int, int, float] | None = None
         self._stop_signals: list[int] = []  # SIGTERM / SIGINT received, in order
         self._departed: set[int] = set()  # workers that left the job (`wire.Leave`): not dead
+        self._leave_reasons: dict[int, str] = {}  # why each left (said if nobody is left)
         self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
@@ -141,6 +142,7 @@ class Launcher:
             with self.roster.cv:
                 member = message.worker_id in self.arbiter.live_members()
                 self._departed.add(message.worker_id)
+                self._leave_reasons[message.worker_id] = message.reason
                 self.arbiter.member_died(message.worker_id)
                 if member:  # the others re-form their world: they may block a while
                     self.roster.command_all(wire.PauseWatchdog(), but=message.worker_id)
@@ -227,11 +229,22 @@ class Launcher:
             return self._failed_code
         current = self.arbiter.live_members()
         if not current:
+            self._say_nobody_is_left()
             return self._failed_code if self._failed_code is not None else 1
         exit_codes = self._exit_codes()
         if all(exit_codes.get(m) == 0 for m in current):
             return 0
         return None
+
+    def _say_nobody_is_left(self) -> None:
+        """The job ends with no member left: says why, naming those that left it (e.g.
+        fresh processes whose agreed copies died before they could fetch them)."""
+        left = dict(self._leave_reasons)
+        self._record({"op": "no_members", "left": {str(w): r for w, r in left.items()},
+                      "failed_code": self._failed_code})
+        why = "; ".join(f"worker {w}: {r}" for w, r in sorted(left.items()))
+        logger.error("mnemojax launch: no member of the job is left, so nobody holds its "
+                     "state%s; ending the job", f" (left: {why})" if why else "")
 
     def _running_workers(self) -> list[int]:
         """This launcher's workers that were started and have not ended (call with
