@@ -172,6 +172,40 @@ def test_get_waits_for_a_compile_already_running():
         compiler.close()
 
 
+def test_a_background_compile_lowers_the_switch_interval_and_restores_it():
+    """While a step traces in the background, the training thread's GIL hand-offs wait
+    at most `switch_interval_s` (`CompileOptions.background_switch_interval_s`); the
+    interval is what it was once no background compile runs, also after one fails."""
+    import sys
+
+    before = sys.getswitchinterval()
+    gate = _Gate()
+    compiler = _compiler(gate, switch_interval_s=0.0005)
+    try:
+        compiler.precompile([_plan((4, 2))], BATCH)
+        assert gate.tracing.wait(60)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        gate.release.set()
+        assert compiler.wait_precompiled(timeout_s=120)
+        assert sys.getswitchinterval() == before
+
+        def broken(leaves, batch):
+            raise ValueError("not traceable")
+
+        failing = _compiler(broken, switch_interval_s=0.0005)
+        try:
+            [future] = failing.precompile([_plan((2, 2))], BATCH)
+            with pytest.raises(ValueError):
+                future.result(timeout=120)
+            assert sys.getswitchinterval() == before
+        finally:
+            failing.close()
+    finally:
+        gate.release.set()
+        compiler.close()
+        sys.setswitchinterval(before)
+
+
 def test_get_compiles_now_what_is_only_queued_and_drops_the_queue():
     """The background worker is busy with (4, 2); (3, 2) and (2, 2) wait behind it. A
     recovery needing (3, 2) compiles it at once and the queued (2, 2) is cancelled."""

@@ -312,8 +312,12 @@ class ResilientStep(Generic[P, R]):
         if b.precompile_due:
             # Last, once the step is fully committed: background lowering and compiling
             # contend with the training thread (GIL, compile locks) and would otherwise
-            # delay the replayed step's commit (see bench/micro.py, item 3).
+            # delay the replayed step's commit (see bench/micro.py, item 3). This call's
+            # references to the states go first: each array freed while the compile
+            # thread holds the GIL waits a switch interval for it (~1 s for the tiny
+            # GPT's old state after a recovery, measured).
             b.precompile_due = False
+            del leaves, ran_on, new_leaves, batch
             self._schedule_precompile()
         return result
 

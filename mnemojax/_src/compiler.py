@@ -210,6 +210,34 @@ def _compile_lowered(lowered) -> Any:
     return lowered.compile()
 
 
+class _SwitchInterval:
+    """Lowers Python's thread switch interval while any background compile runs (counted
+    across compilers), and restores what it was when the last one ends."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved: float | None = None
+
+    def enter(self, seconds: float) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._saved = sys.getswitchinterval()
+                if seconds < self._saved:
+                    sys.setswitchinterval(seconds)
+            self._active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._saved is not None:
+                sys.setswitchinterval(self._saved)
+                self._saved = None
+
+
+_switch_interval = _SwitchInterval()
+
+
 class StepCompiler:
     """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch.
 
@@ -224,8 +252,10 @@ class StepCompiler:
     def __init__(self, pure: Callable, specs: Sequence[PartitionSpec], leaf_structs,
                  *, batch_axes: Sequence[str], donate: bool, check_state: bool = True,
                  axis_types: shd.AxisTypes | None = None,
-                 exports: ExportedSteps | None = None):
+                 exports: ExportedSteps | None = None,
+                 switch_interval_s: float | None = None):
         self._pure = pure
+        self._switch_interval_s = switch_interval_s
         self._exports = exports
         self._axis_types = dict(axis_types or {})
         self._specs = list(specs)
@@ -394,12 +424,19 @@ class StepCompiler:
         return futures
 
     def _background(self, k, plan, batch_struct) -> Executable:
+        # `CompileOptions.background_switch_interval_s`: the training thread gets the GIL
+        # back within this, not 5 ms, at each hand-off while this compile traces.
+        if self._switch_interval_s is not None:
+            _switch_interval.enter(self._switch_interval_s)
         try:
             exe = self._compile(plan, batch_struct, ahead=True)
         except Exception:
             with self._lock:
                 self._futures.pop(k, None)
             raise
+        finally:
+            if self._switch_interval_s is not None:
+                _switch_interval.exit()
         with self._lock:
             self._ready[k] = exe
             self._futures.pop(k, None)

@@ -127,7 +127,8 @@ class RuntimeBuilder:
                 self._pure, self._specs, self.leaf_structs, batch_axes=opts.batch_axes,
                 donate=opts.compile.donate_state,
                 check_state=opts.check_state and opts.nonfinite != "ignore",
-                axis_types=self.axis_types, exports=self.exports)
+                axis_types=self.axis_types, exports=self.exports,
+                switch_interval_s=opts.compile.background_switch_interval_s)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
