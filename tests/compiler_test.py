@@ -157,6 +157,39 @@ def test_precompile_runs_in_the_background_and_is_counted():
         compiler.close()
 
 
+def test_warm_one_runs_each_executable_compiled_ahead_once_and_never_a_callback():
+    """`warm_one` executes one cold executable compiled ahead per call (on zeros), until
+    none is left; the executables stay the ones `get` returns. A step that calls back to
+    the host is never warmed: its callback would see the zeros."""
+    compiler = _compiler()
+    try:
+        plans = [_plan((4, 2)), _plan((3, 2))]
+        compiler.precompile(plans, BATCH)
+        assert compiler.wait_precompiled(timeout_s=120)
+        assert [compiler.warm_one() for _ in range(3)] == [True, True, False]
+        assert compiler.warmed == 2
+        for plan in plans:
+            exe, where = compiler.get(plan, BATCH)
+            assert where == "ready" and exe.warm
+    finally:
+        compiler.close()
+
+    seen = []
+
+    def calls_back(leaves, batch):
+        jax.debug.callback(lambda x: seen.append(x), batch["x"][0, 0])
+        return _pure(leaves, batch)
+
+    compiler = _compiler(calls_back)
+    try:
+        compiler.precompile([_plan((2, 2))], BATCH)
+        assert compiler.wait_precompiled(timeout_s=120)
+        assert not compiler.warm_one() and not compiler.warm_one()
+        assert compiler.warmed == 0 and seen == []
+    finally:
+        compiler.close()
+
+
 def test_get_waits_for_a_compile_already_running():
     gate = _Gate()
     compiler = _compiler(gate)

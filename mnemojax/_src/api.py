@@ -319,6 +319,8 @@ class ResilientStep(Generic[P, R]):
             b.precompile_due = False
             del leaves, ran_on, new_leaves, batch
             self._schedule_precompile()
+        elif b.session is None and self.options.compile.warm_fallbacks:
+            b.runtime.compiler.warm_one()  # (`CompileOptions.warm_fallbacks`)
         return result
 
     def restore(self, *args: Any, **kwargs: Any) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import export as jax_export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -101,6 +102,7 @@ class Executable:
     ahead_of_time: bool
     from_cache: bool = False  # loaded from the persistent compilation cache
     exported: bool = False  # lowered from a `jax.export` of the step (no trace)
+    warm: bool = False  # executed once already (`StepCompiler.warm_one`)
 
 
 class ExportedSteps:
@@ -210,6 +212,14 @@ def _compile_lowered(lowered) -> Any:
     return lowered.compile()
 
 
+def _zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
+    """A zero array laid out by ``sharding``, each shard made on its own (no global host
+    copy)."""
+    block = sharding.shard_shape(tuple(shape))
+    return jax.make_array_from_callback(tuple(shape), sharding,
+                                        lambda _: np.zeros(block, dtype))
+
+
 class _SwitchInterval:
     """Lowers Python's thread switch interval while any background compile runs (counted
     across compilers), and restores what it was when the last one ends."""
@@ -264,6 +274,9 @@ class StepCompiler:
         self._donate = donate
         self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
+        self._structs: dict[tuple, Any] = {}  # the batch struct each was compiled for
+        self._has_callbacks: bool | None = None  # does the step call back to the host?
+        self.warmed = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -439,8 +452,47 @@ class StepCompiler:
                 _switch_interval.exit()
         with self._lock:
             self._ready[k] = exe
+            self._structs[k] = batch_struct
             self._futures.pop(k, None)
         return exe
+
+    def warm_one(self) -> bool:
+        """Executes one executable compiled ahead and never run, once, on zeros, so its
+        first execution (several step times: XLA's one-time set-up per executable) is
+        not a recovery's. Call it from the training thread between steps: every device
+        then runs it after the step in the same order (an execution dispatched from
+        another thread could interleave with the step's collectives in another order
+        per device). Needs room for one more copy of the state on the plan's devices.
+        A step with host callbacks is never warmed (they would see the zeros); an
+        executable whose warm-up fails counts as warm (logged; never the step's error).
+
+        Returns:
+            Whether one was executed.
+        """
+        with self._lock:
+            cold = [(k, e) for k, e in self._ready.items() if e.ahead_of_time and not e.warm]
+        if not cold:
+            return False
+        key, exe = cold[0]
+        exe.warm = True
+        if self._has_callbacks is None:
+            self._has_callbacks = "callback" in (exe.compiled.as_text() or "")
+        if self._has_callbacks:
+            return False
+        try:
+            state = [_zeros(shape, dtype, sh) for (shape, dtype), sh in
+                     zip(self.leaf_structs, exe.state_shardings, strict=True)]
+            batch = jax.tree.map(lambda s, sh: _zeros(s.shape, s.dtype, sh),
+                                 self._structs[key], exe.batch_shardings)
+            jax.block_until_ready(exe.compiled(state, batch))
+        except Exception as e:  # noqa: BLE001 - a warm-up never fails the training
+            log.warning("mnemojax: warming the step for mesh %s failed (%s: %s); it runs "
+                        "cold if a recovery needs it", dict(exe.mesh.shape),
+                        type(e).__name__, e)
+            return False
+        with self._lock:
+            self.warmed += 1
+        return True
 
     def pending(self) -> int:
         with self._lock:

@@ -250,6 +250,14 @@ class CompileOptions:
             training thread (freeing each array of the previous state, waiting on the
             step) would otherwise wait up to the default 5 ms for it: the step after a
             recovery took ~0.6 s longer on the tiny GPT. None: leave it alone.
+        warm_fallbacks: one process: run each step compiled ahead once, on zeros, on
+            the training thread between steps (one per call), so a recovery does not pay
+            its first execution (XLA's one-time set-up per executable: ~3 step times of
+            the tiny GPT on CPU). Off by default: each warm-up costs that same first
+            execution up front, for every candidate mesh (up to ``max_precompiled``),
+            after the first step and after each recovery, so it trades throughput for
+            recovery latency; it also needs room for one more copy of the state on the
+            candidate's devices. A step with host callbacks is never warmed.
     """
 
     precompile: bool = True
@@ -258,6 +266,7 @@ class CompileOptions:
     donate_state: bool = False
     export_ahead: bool = True
     background_switch_interval_s: float | None = 0.0005
+    warm_fallbacks: bool = False
 
     def __post_init__(self):
         _check_types(self)

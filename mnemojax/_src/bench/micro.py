@@ -9,7 +9,9 @@
 2. The step's finiteness check: none, per-device flags (what the step compiles) and one
    global ``jnp.all`` per leaf (a cross-device reduction per leaf).
 3. After a recovery: the failed step's whole call against the runtime's ``total_s`` (the
-   background compiles start only after the commit, so the two should be close).
+   background compiles start only after the commit, so the two should be close), its
+   reshard and replay, without and with `CompileOptions.warm_fallbacks` (and what the
+   warm-ups cost the steps before).
 4. Every-step snapshots: step time without snapshots and with one every step (blocks of
    steps, the order alternating per round), the snapshot's bytes and copy time (during
    training and alone), and its throughput as a percentage of this machine's memcpy
@@ -128,22 +130,37 @@ def _recovery_call(cfg, mesh, batches) -> list[str]:
     import mnemojax
     from mnemojax.models.tasks import build_gpt, lm_train_step
 
-    m, o = build_gpt(cfg)
-    faults = mnemojax.testing.FaultInjector().lose_devices(8, [3])
-    step = mnemojax.resilient(lm_train_step, mesh=mesh, fault_injector=faults)
-    calls = []
-    for i, batch in enumerate(batches[:12]):
-        t = time.perf_counter()
-        step(m, o, batch)
-        calls.append(time.perf_counter() - t)
-        if i == 0:
-            step.wait_precompiled()
-    [rec] = step.statistics.recoveries
-    step.close()
-    return ["3. recovery of a device lost in step 8 (executable compiled ahead)",
-            f"   whole call of step 8         {1e3 * calls[7]:8.1f} ms",
-            f"   runtime total_s              {1e3 * rec.total_s:8.1f} ms",
-            f"   steady step (median 2-7)     {1e3 * statistics.median(calls[1:7]):8.1f} ms"]
+    lines = ["3. recovery of a device lost in step 8 (executables compiled ahead), without "
+             "and with CompileOptions(warm_fallbacks=True)"]
+    for warm in (False, True):
+        m, o = build_gpt(cfg)
+        faults = mnemojax.testing.FaultInjector().lose_devices(8, [3])
+        step = mnemojax.resilient(
+            lm_train_step, mesh=mesh, fault_injector=faults,
+            options=mnemojax.ResilienceOptions(
+                compile=mnemojax.CompileOptions(warm_fallbacks=warm)))
+        calls = []
+        for i, batch in enumerate(batches[:12]):
+            t = time.perf_counter()
+            step(m, o, batch)
+            calls.append(time.perf_counter() - t)
+            if i == 0:
+                step.wait_precompiled()
+        [rec] = step.statistics.recoveries
+        warmed = step._require_built().runtime.compiler.warmed
+        step.close()
+        steady = statistics.median(calls[8:12])  # on the new mesh
+        lines += [
+            f"   warm_fallbacks={warm}: {warmed} executables warmed in steps 2-7",
+            f"     whole call of step 8       {1e3 * calls[7]:8.1f} ms",
+            f"     runtime total_s            {1e3 * rec.total_s:8.1f} ms "
+            f"(reshard {1e3 * rec.phases_s['reshard']:.1f}, replay "
+            f"{1e3 * rec.phases_s['replay']:.1f}: {rec.phases_s['replay'] / steady:.1f} "
+            "step times)",
+            f"     steps 2-7 (median, max)    {1e3 * statistics.median(calls[1:7]):8.1f}, "
+            f"{1e3 * max(calls[1:7]):.1f} ms",
+            f"     steps 9-12 (median)        {1e3 * steady:8.1f} ms"]
+    return lines
 
 
 def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> list[str]:
