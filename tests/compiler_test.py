@@ -159,14 +159,19 @@ def test_precompile_runs_in_the_background_and_is_counted():
 
 def test_warm_one_runs_each_executable_compiled_ahead_once_and_never_a_callback():
     """`warm_one` executes one cold executable compiled ahead per call (on zeros), until
-    none is left; the executables stay the ones `get` returns. A step that calls back to
-    the host is never warmed: its callback would see the zeros."""
+    none is left, never one over a dead device nor one already in use; the executables
+    stay the ones `get` returns. A step that calls back to the host is never warmed: its
+    callback would see the zeros."""
     compiler = _compiler()
     try:
-        plans = [_plan((4, 2)), _plan((3, 2))]
+        plans = [_plan((4, 2)), _plan((3, 2)), _plan((2, 2))]
         compiler.precompile(plans, BATCH)
         assert compiler.wait_precompiled(timeout_s=120)
-        assert [compiler.warm_one() for _ in range(3)] == [True, True, False]
+        exe, where = compiler.get(plans[2], BATCH)  # in use: it runs now, no warm-up
+        assert where == "ready" and exe.warm
+        # Never over a dead device: with device 6 gone only the (3, 2) plan is warmed.
+        assert [compiler.warm_one(dead={6}) for _ in range(2)] == [True, False]
+        assert [compiler.warm_one() for _ in range(2)] == [True, False]
         assert compiler.warmed == 2
         for plan in plans:
             exe, where = compiler.get(plan, BATCH)

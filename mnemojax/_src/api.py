@@ -314,13 +314,16 @@ class ResilientStep(Generic[P, R]):
             # contend with the training thread (GIL, compile locks) and would otherwise
             # delay the replayed step's commit (see bench/micro.py, item 3). This call's
             # references to the states go first: each array freed while the compile
-            # thread holds the GIL waits a switch interval for it (~1 s for the tiny
-            # GPT's old state after a recovery, measured).
+            # thread holds the GIL waits a switch interval for it (~0.6 s for the tiny
+            # GPT's old state after a recovery, measured; the pure form's caller still
+            # holds its state: there `background_switch_interval_s` is what helps).
             b.precompile_due = False
             del leaves, ran_on, new_leaves, batch
             self._schedule_precompile()
         elif b.session is None and self.options.compile.warm_fallbacks:
-            b.runtime.compiler.warm_one()  # (`CompileOptions.warm_fallbacks`)
+            # (`CompileOptions.warm_fallbacks`) never over a dead device; bounded like a step
+            b.runtime.compiler.warm_one(dead=b.runtime.proxy.dead,
+                                        timeout_s=self._hang_timeout_s())
         return result
 
     def restore(self, *args: Any, **kwargs: Any) -> Any:

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -411,6 +411,7 @@ class StepCompiler:
             exe = self._ready.get(k)
             future = self._futures.get(k)
         if exe is not None:
+            exe.warm = True  # it runs now
             return exe, "ready"
         self.cancel_pending(keep=k)  # free the background worker for what is needed now
         if future is not None:
@@ -456,39 +457,74 @@ class StepCompiler:
             self._futures.pop(k, None)
         return exe
 
-    def warm_one(self) -> bool:
+    def warm_one(self, *, dead: Collection[int] = (), timeout_s: float = 60.0) -> bool:
         """Executes one executable compiled ahead and never run, once, on zeros, so its
         first execution (several step times: XLA's one-time set-up per executable) is
         not a recovery's. Call it from the training thread between steps: every device
         then runs it after the step in the same order (an execution dispatched from
         another thread could interleave with the step's collectives in another order
-        per device). Needs room for one more copy of the state on the plan's devices.
-        A step with host callbacks is never warmed (they would see the zeros); an
-        executable whose warm-up fails counts as warm (logged; never the step's error).
+        per device). Holds a zero state, its outputs and temporaries on the plan's
+        devices while it runs. Never warmed: an executable over a device in ``dead``
+        (a candidate of a mesh that is gone), and any of a step with host callbacks
+        (they would see the zeros; also when its HLO cannot be read). A warm-up that
+        fails, or is not done within ``timeout_s`` (it is then left running: the next
+        step's hang rule judges the devices), counts as done; it never fails the caller.
 
         Returns:
             Whether one was executed.
         """
+        gone = {int(d) for d in dead}
         with self._lock:
-            cold = [(k, e) for k, e in self._ready.items() if e.ahead_of_time and not e.warm]
+            cold = [(k, e) for k, e in self._ready.items() if e.ahead_of_time and not e.warm
+                    and not gone.intersection(d.id for d in e.mesh.devices.flat)]
         if not cold:
             return False
         key, exe = cold[0]
         exe.warm = True
         if self._has_callbacks is None:
-            self._has_callbacks = "callback" in (exe.compiled.as_text() or "")
+            try:
+                text = exe.compiled.as_text()
+            except Exception:  # noqa: BLE001 - unreadable: assume callbacks (never warm)
+                text = None
+            self._has_callbacks = text is None or "callback" in text
+            if self._has_callbacks:
+                log.info("mnemojax: the step calls back to the host (or its HLO cannot be "
+                         "read): fallback executables are not warmed")
         if self._has_callbacks:
             return False
-        try:
+        failure: list[BaseException] = []
+        try:  # dispatched on this (the training) thread: its order on every device
             state = [_zeros(shape, dtype, sh) for (shape, dtype), sh in
                      zip(self.leaf_structs, exe.state_shardings, strict=True)]
             batch = jax.tree.map(lambda s, sh: _zeros(s.shape, s.dtype, sh),
                                  self._structs[key], exe.batch_shardings)
-            jax.block_until_ready(exe.compiled(state, batch))
-        except Exception as e:  # noqa: BLE001 - a warm-up never fails the training
-            log.warning("mnemojax: warming the step for mesh %s failed (%s: %s); it runs "
-                        "cold if a recovery needs it", dict(exe.mesh.shape),
-                        type(e).__name__, e)
+            out = exe.compiled(state, batch)
+            del state, batch
+        except Exception as e:  # noqa: BLE001 - reported below
+            failure.append(e)
+            out = None
+        finished = threading.Event()
+
+        def wait(result) -> None:
+            try:
+                jax.block_until_ready(result)
+            except Exception as e:  # noqa: BLE001 - reported below
+                failure.append(e)
+            finally:
+                finished.set()
+
+        if out is not None:  # only the wait is bounded, on a thread of its own
+            threading.Thread(target=wait, args=(out,), name="mnemojax-warm",
+                             daemon=True).start()
+            out = None  # the wait's thread holds the outputs until they are ready
+            done = finished.wait(timeout_s)
+        else:
+            done = True
+        if not done or failure:
+            why = (f"{type(failure[0]).__name__}: {failure[0]}" if failure else
+                   f"not done after {timeout_s:.0f} s")
+            log.warning("mnemojax: warming the step for mesh %s failed (%s); it runs cold "
+                        "if a recovery needs it", dict(exe.mesh.shape), why)
             return False
         with self._lock:
             self.warmed += 1

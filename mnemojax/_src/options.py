@@ -248,16 +248,21 @@ class CompileOptions:
             thread switch interval (`sys.setswitchinterval`, process-wide) is lowered to
             this, then restored. Tracing holds the GIL, and every hand-off of the
             training thread (freeing each array of the previous state, waiting on the
-            step) would otherwise wait up to the default 5 ms for it: the step after a
-            recovery took ~0.6 s longer on the tiny GPT. None: leave it alone.
-        warm_fallbacks: one process: run each step compiled ahead once, on zeros, on
-            the training thread between steps (one per call), so a recovery does not pay
-            its first execution (XLA's one-time set-up per executable: ~3 step times of
-            the tiny GPT on CPU). Off by default: each warm-up costs that same first
+            step) would otherwise wait up to the default 5 ms for it: the call that
+            recovered from a device loss returned ~0.6 s late on the tiny GPT, and the
+            steps after it were slow. Process-wide (data-loader threads see it too), and
+            a value set meanwhile by the user is overwritten on restore. None: leave it
+            alone.
+        warm_fallbacks: one process (ignored under ``mnemojax launch``): run each step
+            compiled ahead once, on zeros, on the training thread between steps (one per
+            call, bounded by the step's hang timeout), so a recovery does not pay its
+            first execution (XLA's one-time set-up per executable: ~2-3 step times of the
+            tiny GPT on CPU). Off by default: each warm-up costs that same first
             execution up front, for every candidate mesh (up to ``max_precompiled``),
             after the first step and after each recovery, so it trades throughput for
-            recovery latency; it also needs room for one more copy of the state on the
-            candidate's devices. A step with host callbacks is never warmed.
+            recovery latency; while it runs the candidate's devices hold a zero state,
+            its outputs and temporaries beside the live state. A step with host
+            callbacks is never warmed (they would see the zeros).
     """
 
     precompile: bool = True

@@ -105,13 +105,13 @@ c.leave(generation=0, reason=f"no copy of worker {w + 7} step 4")
 @pytest.mark.multiprocess
 def test_a_job_every_member_left_ends_saying_why(tmp_path, caplog):
     """Every member leaves (e.g. fresh processes whose agreed copies died before they could
-    fetch them): the job ends with status 1, and the launcher says that nobody holds the
-    state and why each left, in its log and its events."""
+    fetch them): the job ends with status 1, and the launcher says that no member is left
+    and why each left, in its log and its events."""
     launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1),
                         [sys.executable, "-c", ALL_LEAVE])
     with caplog.at_level("ERROR", logger="mnemojax"):
         assert launcher.run() == 1
     [end] = [e for e in launcher.events if e["op"] == "no_members"]
     assert end["left"] == {"0": "no copy of worker 7 step 4", "1": "no copy of worker 8 step 4"}
-    assert "nobody holds its state" in caplog.text
+    assert "no member of the job is left" in caplog.text
     assert "worker 1: no copy of worker 8 step 4" in caplog.text

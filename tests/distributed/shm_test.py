@@ -61,6 +61,22 @@ def test_a_replayed_step_overwrites_the_abandoned_copy_not_the_resumed_one(buffe
         writer.close()
 
 
+def test_a_step_published_again_beside_an_empty_slot_keeps_its_first_copy():
+    """A fresh process restores step 0 and publishes it again: the empty slot takes it,
+    so the agent's one copy of step 0 (which survivors may be reading) stays whole."""
+    buffer = SnapshotBuffer.create(1024)
+    writer = SnapshotBuffer.attach(buffer.name)
+    try:
+        writer.publish(0, [b"first step-0"])
+        writer.publish(0, [b"again step-0"])
+        assert sorted({buffer._header(i)[1] for i in range(2)}) == [0]
+        assert buffer.read(0)[1] in (b"first step-0", b"again step-0")
+        assert sum(buffer._header(i)[4] for i in range(2)) == 2  # both complete
+    finally:
+        writer.close()
+        buffer.close()
+
+
 def test_torn_or_corrupt_slot_fails_crc(buffer):
     buffer.publish(7, [b"x" * 100])
     raw = shared_memory.SharedMemory(name=buffer.name)

@@ -3,11 +3,12 @@
 The agent creates the segment and outlives the worker; the worker attaches and publishes.
 Layout: page 0 holds the headers, then two data slots of ``slot_bytes`` each. A slot header is
 ``seq, step, nbytes, crc, complete``; ``crc`` is the payload's CRC32C (`checksum`). Publishing
-step k writes the slot that does *not* hold the newest complete snapshot: clear ``complete``,
-write the data, write step/size/CRC, then set ``complete`` and a new ``seq`` (the flip). So
-the newest complete snapshot is never overwritten, and the previous step stays readable in the
-other slot until the next publish. Readers copy, re-read the header (seqlock) and check the
-CRC, so a torn read is detected.
+step k writes an incomplete slot if there is one, else a slot holding step k or a later one
+(an abandoned future: a new world resumed earlier and replays k), else the older slot: clear
+``complete``, write the data, write step/size/CRC, then set ``complete`` and a new ``seq``
+(the flip). So the newest complete snapshot of an earlier step is never overwritten, and the
+step before stays readable in the other slot until the next publish. Readers copy, re-read
+the header (seqlock) and check the CRC, so a torn read is detected.
 """
 
 from __future__ import annotations
@@ -146,13 +147,13 @@ class SnapshotBuffer:
             raise DistributedError(f"snapshot of {nbytes} bytes exceeds the slot "
                                    f"({self.slot_bytes} bytes)")
         headers = [self._header(i) for i in range(NUM_SLOTS)]
-        # A complete copy of this step or a later one is an abandoned future (a new world
-        # resumed from an earlier step and replays this one) or this step again: it goes
-        # first, so the step the world resumed from stays. Otherwise an incomplete slot,
-        # then the older one.
+        # An incomplete slot first (never written, or torn); then a complete copy of this
+        # step or a later one: an abandoned future (a new world resumed from an earlier
+        # step and replays this one) or this step again, so the step the world resumed
+        # from stays; then the older copy.
+        incomplete = [i for i in range(NUM_SLOTS) if not headers[i][4]]
         ahead = [i for i in range(NUM_SLOTS) if headers[i][4] and headers[i][1] >= step]
-        target = min(ahead, key=lambda i: headers[i][0]) if ahead else min(
-            range(NUM_SLOTS), key=lambda i: (headers[i][4], headers[i][0]))
+        target = min(incomplete or ahead or range(NUM_SLOTS), key=lambda i: headers[i][0])
         seq = max(h[0] for h in headers) + 1
         self._set_header(target, seq, -1, 0, 0, 0)  # invalidate before touching the data
         at, crc = DATA_AT + target * self.slot_bytes, 0

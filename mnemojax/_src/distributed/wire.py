@@ -538,7 +538,7 @@ class Published(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AwaitReplicated(Message):
-    """Before the worker overwrites its older slot: answer once the replicator has sent
+    """Before the worker overwrites one of its two slots: answer once the replicator has sent
     the newest snapshot after every publish so far and the ring buddy kept it, or at once
     when there is no buddy or nothing was published (caught up), or when sending fails or
     the buddy refused the last copy (not); at the latest after ``timeout_s``."""

@@ -237,14 +237,16 @@ class Launcher:
         return None
 
     def _say_nobody_is_left(self) -> None:
-        """The job ends with no member left: says why, naming those that left it (e.g.
-        fresh processes whose agreed copies died before they could fetch them)."""
+        """The job ends with no member left: says so, naming those that left it and why
+        (e.g. fresh processes whose agreed copies died before they could fetch them; on
+        several nodes, the leavers this node's launcher heard of)."""
         left = dict(self._leave_reasons)
         self._record({"op": "no_members", "left": {str(w): r for w, r in left.items()},
                       "failed_code": self._failed_code})
         why = "; ".join(f"worker {w}: {r}" for w, r in sorted(left.items()))
-        logger.error("mnemojax launch: no member of the job is left, so nobody holds its "
-                     "state%s; ending the job", f" (left: {why})" if why else "")
+        logger.error("mnemojax launch: no member of the job is left to go on (each died "
+                     "or left it%s); ending the job",
+                     f"; left, as this launcher heard: {why}" if why else "")
 
     def _running_workers(self) -> list[int]:
         """This launcher's workers that were started and have not ended (call with

@@ -199,8 +199,8 @@ class DistributedSession:
         agent, generation = self.agent, self.world.generation
 
         def copy() -> None:
-            # The slot this copy overwrites holds the step before the last one: it goes
-            # only once the buddy has the last one (`_await_replicated`).
+            # The slot this copy overwrites usually holds the step before the last one:
+            # it goes only once the buddy has the last one (`_await_replicated`).
             self._await_replicated(agent, step)
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
             agent.publish(step, parts, budget_bytes=budget_bytes)
@@ -225,7 +225,8 @@ class DistributedSession:
         """Waits until the agent's ring buddy holds this worker's last snapshot.
 
         Why: the agent keeps two slots, so publishing ``step`` overwrites the one before
-        the last, and the buddy keeps two copies. Without the wait a buddy could fall any
+        the last (in steady training; `shm.SnapshotBuffer.publish` has the rule), and the
+        buddy keeps two copies. Without the wait a buddy could fall any
         number of steps behind (replication slower than the cadence), and a host lost
         then would find no step that every worker holds. With it, when this worker
         writes N, its buddy holds N - 1, and every peer (which has published N - 1 before
