@@ -15,6 +15,12 @@ from mnemojax._src.errors import DistributedError
 from tests.distributed.fakes import SECRET, held, local_copies, wait_until
 
 
+def _session(agent: str) -> DistributedSession:
+    """A one-process session whose agent is ``agent`` (no coordinator behind it)."""
+    return DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
+                                        num_processes=1, agent=agent, secret=SECRET))
+
+
 def test_a_background_publish_is_settled_before_the_next_and_its_error_raised_once(
         two_agents, caplog):
     """`publish(background=True)` copies on a thread: the next publish (or `settle`) waits
@@ -23,9 +29,7 @@ def test_a_background_publish_is_settled_before_the_next_and_its_error_raised_on
     import jax.numpy as jnp
 
     _, agents = two_agents
-    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
-                                           num_processes=1, agent=agents[0].address,
-                                           secret=SECRET))
+    session = _session(agents[0].address)
     assert session.agent is not None
     try:
         for step in (1, 2, 3):
@@ -70,9 +74,7 @@ def test_a_held_copy_goes_to_the_agent_only_for_a_step_published_in_this_world(
 
     monkeypatch.setattr(state_transfer, "held_shards", held_shards)
     _, agents = two_agents
-    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
-                                           num_processes=1, agent=agents[0].address,
-                                           secret=SECRET))
+    session = _session(agents[0].address)
     leaves = [jnp.ones((2000,), jnp.float32)]
     assert session.agent is not None
     try:
@@ -119,9 +121,7 @@ def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, cap
     threading.Thread(target=transport.accept_loop, args=(server, slow_buddy),
                      kwargs={"secret": SECRET, "stop": stop}, daemon=True).start()
     fake, agents = two_agents
-    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
-                                           num_processes=1, agent=agents[0].address,
-                                           secret=SECRET))
+    session = _session(agents[0].address)
     assert session.agent is not None
     try:
         fake.command(0, wire.SetBuddy(buddy=address))
@@ -154,9 +154,7 @@ def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
     from mnemojax.errors import SnapshotBudgetWarning
 
     _, agents = two_agents
-    session = DistributedSession(WorldSpec(coordinator="127.0.0.1:1", process_id=0,
-                                           num_processes=1, agent=agents[0].address,
-                                           secret=SECRET))
+    session = _session(agents[0].address)
     leaves = [jnp.ones((256,), jnp.float32)]  # 1 KiB of shards, plus metadata
     assert session.agent is not None
     try:

@@ -31,6 +31,24 @@ MODES = ("off", "nowait", "sync", "background")
 WARMUP = 10  # steps left out: the compile, the first executions
 
 
+def _timed(cls: type, name: str) -> list[float]:
+    """Wraps method ``name`` of ``cls`` to time every call; returns the list of seconds."""
+    import time
+
+    seconds: list[float] = []
+    method = getattr(cls, name)
+
+    def timed(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return method(self, *a, **k)
+        finally:
+            seconds.append(time.perf_counter() - t)
+
+    setattr(cls, name, timed)
+    return seconds
+
+
 def worker(args: argparse.Namespace) -> None:
     import mnemojax
 
@@ -39,7 +57,6 @@ def worker(args: argparse.Namespace) -> None:
         from mnemojax._src.distributed.worker.session import DistributedSession
 
         DistributedSession._await_replicated = lambda *a, **k: None  # type: ignore[method-assign]
-    import time
 
     import jax
     import numpy as np
@@ -47,28 +64,8 @@ def worker(args: argparse.Namespace) -> None:
     from mnemojax._src.distributed.worker.agent_client import AgentClient
     from mnemojax.models.tasks import build_mlp, mlp_train_step
 
-    copies: list[float] = []  # seconds of each copy into the agent's shared memory
-    agent_publish = AgentClient.publish
-
-    def timed_publish(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return agent_publish(self, *a, **k)
-        finally:
-            copies.append(time.perf_counter() - t)
-
-    AgentClient.publish = timed_publish  # type: ignore[method-assign]
-    waits: list[float] = []  # seconds of each wait for the buddy (`await_replicated`)
-    agent_wait = AgentClient.await_replicated
-
-    def timed_wait(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return agent_wait(self, *a, **k)
-        finally:
-            waits.append(time.perf_counter() - t)
-
-    AgentClient.await_replicated = timed_wait  # type: ignore[method-assign]
+    copies = _timed(AgentClient, "publish")  # each copy into the agent's shared memory
+    waits = _timed(AgentClient, "await_replicated")  # each wait for the buddy
 
     me = session.world.stable_id if session is not None else 0
     mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"),
