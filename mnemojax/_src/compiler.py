@@ -274,7 +274,6 @@ class StepCompiler:
         self._donate = donate
         self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
-        self._structs: dict[tuple, Any] = {}  # the batch struct each was compiled for
         self._has_callbacks: bool | None = None  # does the step call back to the host?
         self.warmed = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
@@ -453,7 +452,6 @@ class StepCompiler:
                 _switch_interval.exit()
         with self._lock:
             self._ready[k] = exe
-            self._structs[k] = batch_struct
             self._futures.pop(k, None)
         return exe
 
@@ -496,8 +494,10 @@ class StepCompiler:
         try:  # dispatched on this (the training) thread: its order on every device
             state = [_zeros(shape, dtype, sh) for (shape, dtype), sh in
                      zip(self.leaf_structs, exe.state_shardings, strict=True)]
-            batch = jax.tree.map(lambda s, sh: _zeros(s.shape, s.dtype, sh),
-                                 self._structs[key], exe.batch_shardings)
+            _, leaves, treedef = key  # the batch's shapes and dtypes (`key`)
+            batch = jax.tree.unflatten(treedef, [
+                _zeros(shape, np.dtype(dtype), sh) for (shape, dtype), sh in
+                zip(leaves, jax.tree.leaves(exe.batch_shardings), strict=True)])
             out = exe.compiled(state, batch)
             del state, batch
         except Exception as e:  # noqa: BLE001 - reported below
