@@ -173,6 +173,18 @@ def test_run_returns_the_step_outputs_with_and_without_a_timeout():
         proxy.run(lambda leaves, batch: 1 / 0, [], {}, step=3, timeout_s=5.0)
 
 
+def test_await_outputs_waits_like_a_step_without_the_layers_injected_faults():
+    """Work run beside the steps (a warm-up) is waited for as a step is, but never
+    through the device layer: a fault set to fire when step 1 blocks stays for step 1."""
+    faults = FaultInjector().lose_devices(1, [2], surface="block")
+    proxy, _ = _proxy(faults)
+    x = jax.device_put(np.arange(4.0, dtype=np.float32))
+    out = proxy.await_outputs([x + 1], timeout_s=5.0, step=1)
+    np.testing.assert_array_equal(out[0], [1, 2, 3, 4])
+    with pytest.raises(jax.errors.JaxRuntimeError):  # the step's fault is still to come
+        proxy.run(_noop_step, [], {}, step=1, timeout_s=5.0)
+
+
 # -- probe_all ----------------------------------------------------------------------------
 
 def test_probe_all_records_new_deaths_once_and_skips_known_dead():

@@ -322,8 +322,9 @@ class ResilientStep(Generic[P, R]):
             self._schedule_precompile()
         elif b.session is None and self.options.compile.warm_fallbacks:
             # (`CompileOptions.warm_fallbacks`) never over a dead device; bounded like a step
-            b.runtime.compiler.warm_one(dead=b.runtime.proxy.dead,
-                                        timeout_s=self._hang_timeout_s())
+            proxy, timeout_s = b.runtime.proxy, self._hang_timeout_s()
+            b.runtime.compiler.warm_one(dead=proxy.dead, wait=lambda out: proxy.await_outputs(
+                out, timeout_s=timeout_s, step=self._step))
         return result
 
     def restore(self, *args: Any, **kwargs: Any) -> Any:

@@ -455,7 +455,8 @@ class StepCompiler:
             self._futures.pop(k, None)
         return exe
 
-    def warm_one(self, *, dead: Collection[int] = (), timeout_s: float = 60.0) -> bool:
+    def warm_one(self, *, dead: Collection[int] = (),
+                 wait: Callable[[Any], Any] = jax.block_until_ready) -> bool:
         """Executes one executable compiled ahead and never run, once, on zeros, so its
         first execution (several step times: XLA's one-time set-up per executable) is
         not a recovery's. Call it from the training thread between steps: every device
@@ -464,9 +465,11 @@ class StepCompiler:
         per device). Holds a zero state, its outputs and temporaries on the plan's
         devices while it runs. Never warmed: an executable over a device in ``dead``
         (a candidate of a mesh that is gone), and any of a step with host callbacks
-        (they would see the zeros; also when its HLO cannot be read). A warm-up that
-        fails, or is not done within ``timeout_s`` (it is then left running: the next
-        step's hang rule judges the devices), counts as done; it never fails the caller.
+        (they would see the zeros; also when its HLO cannot be read). ``wait`` blocks on
+        the outputs (the caller's bounded wait: `proxy.DeviceProxy.await_outputs`). A
+        warm-up that fails, or that ``wait`` gives up on (it is then left running: the
+        next step's hang rule judges the devices), counts as done; it never fails the
+        caller.
 
         Returns:
             Whether one was executed.
@@ -490,7 +493,6 @@ class StepCompiler:
                          "read): fallback executables are not warmed")
         if self._has_callbacks:
             return False
-        failure: list[BaseException] = []
         try:  # dispatched on this (the training) thread: its order on every device
             state = [_zeros(shape, dtype, sh) for (shape, dtype), sh in
                      zip(self.leaf_structs, exe.state_shardings, strict=True)]
@@ -498,33 +500,11 @@ class StepCompiler:
             batch = jax.tree.unflatten(treedef, [
                 _zeros(shape, np.dtype(dtype), sh) for (shape, dtype), sh in
                 zip(leaves, jax.tree.leaves(exe.batch_shardings), strict=True)])
-            out = exe.compiled(state, batch)
-            del state, batch
-        except Exception as e:  # noqa: BLE001 - reported below
-            failure.append(e)
-            out = None
-        finished = threading.Event()
-
-        def wait(result) -> None:
-            try:
-                jax.block_until_ready(result)
-            except Exception as e:  # noqa: BLE001 - reported below
-                failure.append(e)
-            finally:
-                finished.set()
-
-        if out is not None:  # only the wait is bounded, on a thread of its own
-            threading.Thread(target=wait, args=(out,), name="mnemojax-warm",
-                             daemon=True).start()
-            out = None  # the wait's thread holds the outputs until they are ready
-            done = finished.wait(timeout_s)
-        else:
-            done = True
-        if not done or failure:
-            why = (f"{type(failure[0]).__name__}: {failure[0]}" if failure else
-                   f"not done after {timeout_s:.0f} s")
-            log.warning("mnemojax: warming the step for mesh %s failed (%s); it runs cold "
-                        "if a recovery needs it", dict(exe.mesh.shape), why)
+            wait(exe.compiled(state, batch))
+        except Exception as e:  # noqa: BLE001 - a warm-up never fails the training
+            log.warning("mnemojax: warming the step for mesh %s failed (%s: %s); it runs "
+                        "cold if a recovery needs it", dict(exe.mesh.shape),
+                        type(e).__name__, e)
             return False
         with self._lock:
             self.warmed += 1

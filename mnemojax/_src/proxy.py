@@ -120,6 +120,14 @@ class DeviceProxy:
             return self.layer.block(out, step=step, devices=self._devices)
         return self._waiter.wait(self.layer.block, out, step, self._devices, timeout_s)
 
+    def await_outputs(self, outputs, *, timeout_s: float, step: int):
+        """Waits for the outputs of work run beside the steps (a warm-up,
+        `StepCompiler.warm_one`) as for a step's: at most ``timeout_s``, then
+        `StepHangError`; the device layer's own wait (and its injected faults) is not
+        used, so the step's faults fire where they were set."""
+        return self._waiter.wait(lambda out, step, devices: jax.block_until_ready(out),
+                                 outputs, step, self._devices, timeout_s)
+
     def classify(self, exc: BaseException) -> Verdict:
         """Sorts an exception raised by `run` or a transfer (see module docstring)."""
         t0 = time.perf_counter()
