@@ -84,11 +84,13 @@ def test_spare_swapped_in_keeps_mesh_shape():
 
 def test_snapshot_cadence_rolls_back_and_replays_buffered_batches():
     """With snapshots every 3 steps on (1, 8), a loss at step 6 restores step 3 and
-    replays steps 4 and 5 from the kept batches: same math, two steps recomputed."""
+    replays steps 4 and 5 from the kept batches: same math, two steps recomputed. Settled:
+    a copy of step 3 still running at step 6 (seen once under the full suite) would be
+    lost with device 7, and the recovery would rightly go back to step 0."""
     opts = h.no_precompile(snapshot=mnemojax.SnapshotOptions(unreplicated_every_steps=3))
     faults = FaultInjector().lose_devices(6, [7])
     got, step = h.resilient_run(h.make_batches(STEPS), mesh=h.mesh_of((1, 8)), faults=faults,
-                                options=opts)
+                                options=opts, settle=True)
     h.assert_same_run(got, reference())
     [rec] = step.statistics.recoveries
     assert rec.source == "host_snapshot" and rec.source_step == 3 and rec.steps_lost == 2
