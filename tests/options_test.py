@@ -53,6 +53,12 @@ def test_donated_state_cannot_skip_batches():
                                    compile=mnemojax.CompileOptions(donate_state=True))
 
 
+def test_a_copy_in_series_cannot_overlap_the_step():
+    with pytest.raises(InvalidOptionError, match="replicate_in_series=True.*overlap_publish"):
+        mnemojax.SnapshotOptions(replicate_in_series=True, overlap_publish=True)
+    assert mnemojax.SnapshotOptions(replicate_in_series=True).replicate_in_series
+
+
 @pytest.mark.parametrize("cls,field,value,legal", [
     (mnemojax.SnapshotOptions, "every_steps", 2.5, "an int"),
     (mnemojax.SnapshotOptions, "every_steps", True, "an int"),

@@ -894,7 +894,8 @@ class ResilientStep(Generic[P, R]):
         snapshot = self.options.snapshot
         session.publish(step, leaves, budget_bytes=snapshot.host_memory_budget_bytes,
                         background=snapshot.overlap_publish
-                        and not self.options.compile.donate_state)
+                        and not self.options.compile.donate_state,
+                        in_series=snapshot.replicate_in_series)
         if session.publish_refused and not refused:
             b.durability.emit("fault", step=step, classification="snapshot_budget")
 

@@ -128,6 +128,20 @@ class SnapshotOptions:
             tier). For hosts with spare cores where the copy is short against the step;
             on this project's 2-core CPU VM it measured no faster. Ignored with
             ``CompileOptions.donate_state`` (the next step donates these arrays).
+        replicate_in_series: multi-process: each publish returns only once the agent's
+            ring buddy holds the snapshot just published, so the next step starts after
+            it (replication in series with training). By default (False) the copy to the
+            buddy overlaps the next step, and a publish waits only for the one before.
+            That leaves one narrow window: a host dying while its last copy is still on
+            the wire, while a peer's next copy has already pushed the step before out of
+            its own buddy, leaves no step every worker holds (then the persistent tier).
+            In series, every worker's step N+1 starts after its buddy holds N, and no
+            worker can finish step N+2 (and overwrite N) before every peer has started it,
+            so at every moment some step is held both by each worker's agent and by its
+            buddy. The wait is bounded as the one before a publish is (5 s, half the
+            agent's hang floor); past it the step goes on and says so. Costs the
+            replication's latency per snapshot (`tests.jobs.publish_overhead`). Not with
+            ``overlap_publish``.
     """
 
     every_steps: int = 20
@@ -137,9 +151,13 @@ class SnapshotOptions:
     verify_checksums: bool = True
     hold_live_replicas: bool = True
     overlap_publish: bool = False
+    replicate_in_series: bool = False
 
     def __post_init__(self):
         _check_types(self)
+        _check(not (self.replicate_in_series and self.overlap_publish),
+               "replicate_in_series", self.replicate_in_series,
+               "False with overlap_publish=True (a copy in series cannot overlap the step)")
         _check(self.every_steps >= 0, "every_steps", self.every_steps, "an int >= 0")
         _check(self.unreplicated_every_steps >= 0, "unreplicated_every_steps",
                self.unreplicated_every_steps, "an int >= 0")

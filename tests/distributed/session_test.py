@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -90,48 +94,59 @@ def test_a_held_copy_goes_to_the_agent_only_for_a_step_published_in_this_world(
         session.agent.close()
 
 
-def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, caplog):
-    """Publishing step N overwrites the slot of N - 2, so it first waits until the ring
-    buddy holds N - 1 (a peer one step behind at a failure agrees on N - 1, which then
-    only the buddy may have): with a buddy that takes 0.5 s per replica, each publish
-    returns only after the buddy has answered for the one before. A buddy that cannot be
-    reached does not block the publish: it is counted and said once."""
-    import threading
-    import time
-
-    import jax.numpy as jnp
-
+@contextlib.contextmanager
+def _slow_buddy(delay_s: float = 0.5):
+    """A buddy that answers each replica after ``delay_s``: yields its address and the
+    steps it has answered for, in order."""
     from mnemojax._src.distributed import transport, wire
 
-    answered: list[int] = []  # the steps the slow buddy has answered for, in order
+    answered: list[int] = []
     stop = threading.Event()
 
-    def slow_buddy(conn):
+    def serve(conn):
         with conn:
             while True:
                 try:
                     message, _ = transport.recv(conn)
                 except (OSError, ConnectionError):
                     return
-                time.sleep(0.5)
+                time.sleep(delay_s)
                 answered.append(message.step)
                 transport.send(conn, wire.Ok())
 
     server, address = transport.listen()
-    threading.Thread(target=transport.accept_loop, args=(server, slow_buddy),
+    threading.Thread(target=transport.accept_loop, args=(server, serve),
                      kwargs={"secret": SECRET, "stop": stop}, daemon=True).start()
+    try:
+        yield address, answered
+    finally:
+        stop.set()
+        transport.close_server(server)
+
+
+def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, caplog):
+    """Publishing step N overwrites the slot of N - 2, so it first waits until the ring
+    buddy holds N - 1 (a peer one step behind at a failure agrees on N - 1, which then
+    only the buddy may have): with a buddy that takes 0.5 s per replica, each publish
+    returns only after the buddy has answered for the one before. A buddy that cannot be
+    reached does not block the publish: it is counted and said once."""
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed import wire
+
     fake, agents = two_agents
     session = _session(agents[0].address)
     assert session.agent is not None
     try:
-        fake.command(0, wire.SetBuddy(buddy=address))
-        wait_until(lambda: agents[0].replicator._buddy == address)
-        for step in (1, 2, 3):
-            assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
-                                   budget_bytes=1 << 20)
-            # N - 1 was answered for before N was written (N itself may follow any time)
-            assert answered[:step - 1] == list(range(1, step))
-        assert session.replication_lags == 0
+        with _slow_buddy() as (address, answered):
+            fake.command(0, wire.SetBuddy(buddy=address))
+            wait_until(lambda: agents[0].replicator._buddy == address)
+            for step in (1, 2, 3):
+                assert session.publish(step, [jnp.full((256,), step, jnp.float32)],
+                                       budget_bytes=1 << 20)
+                # N - 1 was answered for before N was written (N may follow any time)
+                assert answered[:step - 1] == list(range(1, step))
+            assert session.replication_lags == 0
         fake.command(0, wire.SetBuddy(buddy="127.0.0.1:1"))  # nobody listens there
         wait_until(lambda: agents[0].replicator._buddy == "127.0.0.1:1")
         for step in (4, 5, 6):
@@ -141,8 +156,34 @@ def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, cap
         assert caplog.text.count("has not reached its ring buddy") == 1
         assert held(agents[0].address)[0] == {"0": [5, 6]}
     finally:
-        stop.set()
-        transport.close_server(server)
+        session.agent.close()
+
+
+def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
+    """`SnapshotOptions.replicate_in_series`: publishing N returns only after the buddy
+    has answered for N itself, so the next step starts after it (the default returns
+    before: N's answer comes 0.5 s later). Not combinable with a background copy."""
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed import wire
+
+    fake, agents = two_agents
+    session = _session(agents[0].address)
+    assert session.agent is not None
+    leaves = [jnp.ones((256,), jnp.float32)]
+    try:
+        with _slow_buddy() as (address, answered):
+            fake.command(0, wire.SetBuddy(buddy=address))
+            wait_until(lambda: agents[0].replicator._buddy == address)
+            assert session.publish(1, leaves, budget_bytes=1 << 20)
+            assert answered == []  # the default: N's copy overlaps what follows
+            for step in (2, 3):
+                assert session.publish(step, leaves, budget_bytes=1 << 20, in_series=True)
+                assert answered[-1] == step
+            assert session.replication_lags == 0
+            with pytest.raises(ValueError, match="background"):
+                session.publish(4, leaves, in_series=True, background=True)
+    finally:
         session.agent.close()
 
 

@@ -5,16 +5,18 @@
 
 Runs a resilient MLP (512 -> hidden -> 512, Adam; ~25 MB of state at the default width)
 under `mnemojax.testing.run_scenario`: 2 processes x 2 CPU devices, a (2, 2) data x model
-mesh, so worker 0 owns every snapshot shard and publishes the whole state after every
-step. Four modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing
-is published), ``nowait`` (the copy into the agent's shared memory done before the step
+mesh, so worker 0 owns every snapshot shard and publishes the whole state after every step.
+Five modes, interleaved ``--repeats`` times: ``off`` (a budget of one byte: nothing is
+published), ``nowait`` (the copy into the agent's shared memory done before the step
 returns, without waiting for the buddy to hold the last snapshot: session 8's synchronous
 publish), ``sync`` (the default since session 9: the same, after the agent says its buddy
-holds the last snapshot) and ``background`` (`SnapshotOptions.overlap_publish`: the copy
-runs while the next step does). Prints worker 0's median step time per mode (steps after
-the first 10), the ratios to ``off``, the median time of its copy into the agent's shared
-memory (the CRC32C included) and of its wait for the buddy; the rest of the cost is the
-agents' replication to the ring buddy, on the same cores here). Every process ends with the launcher (bounded by
+holds the last snapshot), ``series`` (`SnapshotOptions.replicate_in_series`: the step
+returns once the buddy holds the snapshot just published) and ``background``
+(`SnapshotOptions.overlap_publish`: the copy runs while the next step does). Prints worker
+0's median step time per mode (steps after the first 10), the ratios to ``off``, the median
+time of its copy into the agent's shared memory (the CRC32C included) and the mean time per
+publish it waited for the buddy; the rest of the cost is the agents' replication to the ring
+buddy, on the same cores here. Every process ends with the launcher (bounded by
 ``--timeout-s``).
 """
 
@@ -27,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("off", "nowait", "sync", "background")
+MODES = ("off", "nowait", "sync", "series", "background")
 WARMUP = 10  # steps left out: the compile, the first executions
 
 
@@ -77,7 +79,8 @@ def worker(args: argparse.Namespace) -> None:
         run_name=f"{args.mode}-w{me}",
         compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
         snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=budget,
-                                          overlap_publish=args.mode == "background")))
+                                          overlap_publish=args.mode == "background",
+                                          replicate_in_series=args.mode == "series")))
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(64, 512)).astype(np.float32),
              "y": rng.integers(0, 512, size=(64,)).astype(np.int32)}
@@ -133,16 +136,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode}: the job failed (exit {report['rc']}); output in {out}")
                 return 1
             medians[mode].append(median_step_s(out / f"events-{mode}-w0.jsonl"))
-            copied = json.loads((out / "copies-w0.json").read_text())[WARMUP:]
+            copied = json.loads((out / "copies-w0.json").read_text())
+            waited = json.loads((out / "waits-w0.json").read_text())
+            per_publish = len(waited) // max(1, len(copied))  # 2 in series: before, after
+            copied, waited = copied[WARMUP:], waited[WARMUP * per_publish:]
             copy_ms[mode].append(statistics.median(copied) * 1e3 if copied else 0.0)
-            waited = json.loads((out / "waits-w0.json").read_text())[WARMUP:]
-            wait_ms[mode].append(statistics.median(waited) * 1e3 if waited else 0.0)
+            wait_ms[mode].append(sum(waited) / len(copied) * 1e3 if copied else 0.0)
             print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms, "
                   f"copy into the agent {copy_ms[mode][-1]:.1f} ms, wait for the buddy "
-                  f"{wait_ms[mode][-1]:.2f} ms")
+                  f"{wait_ms[mode][-1]:.2f} ms per publish (mean)")
     off = statistics.median(medians["off"])
     print(f"\n| mode | worker 0's median step (ms, median of {args.repeats}) | x off | "
-          "its copy into the agent (ms) | its wait for the buddy (ms) |")
+          "its copy into the agent (ms) | its waits for the buddy per publish (ms) |")
     print("|---|---:|---:|---:|---:|")
     for mode in MODES:
         m = statistics.median(medians[mode])

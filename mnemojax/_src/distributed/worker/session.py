@@ -153,11 +153,14 @@ class DistributedSession:
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
-                budget_bytes: int | None = None, background: bool = False) -> bool:
+                budget_bytes: int | None = None, background: bool = False,
+                in_series: bool = False) -> bool:
         """Hands this worker's shards of the state after `step` to its agent.
 
         The copy first waits until the agent's ring buddy holds the last snapshot
         (`_await_replicated`: the slot it overwrites may be the step a failure agrees on).
+        With ``in_series`` it also waits, after the copy, until the buddy holds this one
+        (`SnapshotOptions.replicate_in_series`), and ``background`` is not allowed.
         With ``background`` the copy into the agent's shared memory (and its CRC32C) runs
         on a thread while the caller goes on (the next step), one publish in flight: this
         call first waits for the one before (`settle`). The caller must keep ``leaves``
@@ -176,6 +179,8 @@ class DistributedSession:
             Whether the snapshot is published (with ``background``: its copy started; an
             error of that copy is raised by the next `settle`).
         """
+        if in_series and background:
+            raise ValueError("publish(in_series=True) cannot run in the background")
         if self.agent is None or self.publish_refused:
             return False
         self.settle()
@@ -205,6 +210,8 @@ class DistributedSession:
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
             agent.publish(step, parts, budget_bytes=budget_bytes)
             self._published, self._published_nbytes = (step, generation), nbytes
+            if in_series:  # the next step starts once the buddy holds this one
+                self._await_replicated(agent, step, then="going on")
 
         if not background:
             copy()
@@ -221,7 +228,8 @@ class DistributedSession:
         self._publishing.start()
         return True
 
-    def _await_replicated(self, agent: AgentClient, step: int) -> None:
+    def _await_replicated(self, agent: AgentClient, step: int, *,
+                          then: str = "publishing anyway") -> None:
         """Waits until the agent's ring buddy holds this worker's last snapshot.
 
         Why: the agent keeps two slots, so publishing ``step`` overwrites the one before
@@ -246,9 +254,9 @@ class DistributedSession:
         if not self._replication_lagging:
             self._replication_lagging = True
             log.warning("mnemojax: step %d: this worker's last snapshot has not reached "
-                        "its ring buddy (%s); publishing anyway, so a host lost now may "
-                        "find no step every worker holds (then the persistent tier). Fewer "
-                        "snapshots (`SnapshotOptions`) give each copy more time", step, lag)
+                        "its ring buddy (%s); %s, so a host lost now may find no step "
+                        "every worker holds (then the persistent tier). Fewer snapshots "
+                        "(`SnapshotOptions`) give each copy more time", step, lag, then)
 
     def publish_idle(self, timeout_s: float | None = None) -> bool:
         """Waits up to ``timeout_s`` for the publish in flight; whether none is left (its
