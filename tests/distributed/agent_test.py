@@ -88,6 +88,36 @@ def test_a_replayed_step_and_a_new_buddy_each_get_the_newest_copy():
             client.close()
 
 
+def test_a_new_buddy_after_a_rollback_gets_the_step_the_world_resumed_from(two_agents):
+    """A worker ahead at a failure holds the step the new world resumed from (4) and the
+    old world's abandoned next one (5, its newest). A new buddy gets 4 (the launcher
+    names it in `wire.SetBuddy`), so a host lost before the first publish of the new world
+    still has its copy of 4 at its buddy; after a publish the newest goes again."""
+    w = np.arange(8, dtype=np.float32)
+
+    def payload(step, generation):
+        return pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)], num_leaves=1,
+                    generation=generation)
+
+    fake, agents = two_agents
+    client = AgentClient(agents[0].address, secret=SECRET)
+    try:
+        for step in (4, 5):
+            client.publish(step, payload(step, 0))
+        wait_until(lambda: [e.step for e in fake.events if isinstance(e, wire.Progress)]
+                   == [4, 5])  # both publishes reached the agent before the new world
+        fake.command(0, wire.SetBuddy(buddy=fake.addresses[1], resume_step=4))
+        wait_until(lambda: held(agents[1].address)[0] == {"0": [4]})
+        data = fetch_snapshot([agents[1].address], 0, 4, secret=SECRET)[0]
+        np.testing.assert_array_equal(_only_shard(data), w + 4)
+        client.publish(5, payload(5, 1))  # the new world replays step 5
+        wait_until(lambda: held(agents[1].address)[0] == {"0": [4, 5]})
+        assert read_meta(fetch_snapshot([agents[1].address], 0, 5,
+                                        secret=SECRET)[0])["generation"] == 1
+    finally:
+        client.close()
+
+
 def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
     """Agent 1 keeps worker 0's replicas only within its own worker's budget (its slots
     count too): over it the replica is refused and reported, never held."""

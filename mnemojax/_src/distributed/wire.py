@@ -283,10 +283,15 @@ class Start(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SetBuddy(Message):
-    """Replicate to this agent from now on (None: no ring, a world of one)."""
+    """Replicate to this agent from now on (None: no ring, a world of one).
+
+    ``resume_step``: the step a new world resumed from, if any: a new buddy gets that copy
+    first, not the newest (which may be an abandoned step of the old world).
+    """
 
     OP: ClassVar[str] = "set_buddy"
     buddy: str | None
+    resume_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

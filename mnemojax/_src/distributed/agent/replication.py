@@ -48,18 +48,25 @@ class Replicator:
         self._sent = 0  # the version `run` last sent (or found nothing to send at)
         self._failing: str | None = None  # why the last send failed, until one succeeds
         self._refused: str | None = None  # why the buddy refused the last copy sent
+        # The step a new world resumed from, until the worker publishes in it: the copy a
+        # new buddy needs (the newest may be the old world's abandoned next step).
+        self._resume: int | None = None
 
     def published(self, step: int) -> None:
         """The worker published ``step``: send it (or a newer one) next."""
         with self._cv:
             self._any_published = True
+            self._resume = None
             self._version += 1
             self._cv.notify()
 
-    def set_buddy(self, buddy: str | None) -> None:
-        """Replicate to ``buddy`` from now on (None: nobody); a new buddy gets the newest
-        copy held, without waiting for the next publish."""
+    def set_buddy(self, buddy: str | None, *, resume_step: int | None = None) -> None:
+        """Replicate to ``buddy`` from now on (None: nobody); a new buddy gets a copy at
+        once, without waiting for the next publish: of ``resume_step`` (the step a new
+        world resumed from) when held, else the newest."""
         with self._cv:
+            if resume_step is not None:
+                self._resume = resume_step
             if buddy != self._buddy:
                 self._buddy, self._failing = buddy, None
                 self._version += 1
@@ -102,6 +109,7 @@ class Replicator:
                 self._cv.wait_for(lambda: self._version != self._sent or self._stop.is_set(),
                                   timeout=0.5)
                 version, buddy, any_published = self._version, self._buddy, self._any_published
+                resume = self._resume
             if version == self._sent:
                 continue
             if buddy is None or not any_published:
@@ -109,7 +117,7 @@ class Replicator:
                 continue
             try:
                 # Not checked here: the buddy checks every replica it receives.
-                step, data, crc = self._holder.newest(verify=False)
+                step, data, crc = self._holder.newest(verify=False, prefer=resume)
                 if sock is None or target != buddy:
                     if sock is not None:
                         sock.close()

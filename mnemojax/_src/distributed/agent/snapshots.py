@@ -119,22 +119,25 @@ class SnapshotHolder:
             self.held = (hold.step, payload, hold.crc)
         return wire.Ok()
 
-    def newest(self, *, verify: bool = True) -> tuple[int, bytes, int]:
+    def newest(self, *, verify: bool = True,
+               prefer: int | None = None) -> tuple[int, bytes, int]:
         """Its own worker's newest complete snapshot: (step, payload, crc32).
 
         Args:
             verify: check its CRC32C here (the replicator leaves it to the buddy).
+            prefer: return this step's snapshot instead when one is held.
 
         Raises:
             KeyError: none yet. SnapshotCorruptError: it fails its check, or its slot was
                 rewritten while it was read.
         """
         with self._lock:
-            for buffer in self._buffers():
-                try:
-                    return buffer.read(verify=verify)
-                except KeyError:  # a new segment nothing was published into yet
-                    continue
+            for step in ([prefer] if prefer is not None else []) + [None]:
+                for buffer in self._buffers():
+                    try:
+                        return buffer.read(step, verify=verify)
+                    except KeyError:  # not there (or nothing published into it yet)
+                        continue
             raise KeyError("no complete snapshot yet")
 
     def published(self) -> None:

@@ -128,7 +128,10 @@ class NodeLauncher(Launcher):
                         "node %s", g, record.get("members"), record.get("host_node"))
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
-            self._set_buddies(view, view.worlds()[g])
+            members = view.worlds()[g]
+            first = agreement_of(record, members[0]) if members else None
+            self._set_buddies(view, members, None if first is None or first.resume_step < 0
+                              else first.resume_step)
             for w in o.spare_ids:  # this node's spares the world takes in
                 agreement = agreement_of(record, w)
                 if agreement is not None and w in self._idle:
@@ -185,14 +188,16 @@ class NodeLauncher(Launcher):
                     self._worker_error = (-1 if worker is None else int(worker),
                                           int(end["code"]), time.monotonic())
 
-    def _set_buddies(self, view: JobView, members: Sequence[int]) -> None:
-        """Tells this node's agents their buddies in the ring over ``members``' agents."""
+    def _set_buddies(self, view: JobView, members: Sequence[int],
+                     resume_step: int | None) -> None:
+        """Tells this node's agents their buddies in the ring over ``members``' agents,
+        and the step the world resumed from (what a new buddy gets first)."""
         agents = view.agents()
         order = ring([m for m in members if m in agents], self.options.nproc, view.homes())
         for i, m in enumerate(order):
             if m in self.roster.links:
                 buddy = agents[order[(i + 1) % len(order)]] if len(order) > 1 else None
-                self.roster.command(m, wire.SetBuddy(buddy=buddy))
+                self.roster.command(m, wire.SetBuddy(buddy=buddy, resume_step=resume_step))
 
     def _on_lease_lost(self) -> None:
         with self.roster.cv:
