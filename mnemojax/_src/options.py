@@ -137,11 +137,15 @@ class SnapshotOptions:
             its own buddy, leaves no step every worker holds (then the persistent tier).
             In series, every worker's step N+1 starts after its buddy holds N, and no
             worker can finish step N+2 (and overwrite N) before every peer has started it,
-            so at every moment some step is held both by each worker's agent and by its
-            buddy. The wait is bounded as the one before a publish is (5 s, half the
-            agent's hang floor); past it the step goes on and says so. Costs the
-            replication's latency per snapshot (`tests.jobs.publish_overhead`). Not with
-            ``overlap_publish``.
+            so in steady training some step is held both by each worker's agent and by
+            its buddy. That needs a collective across processes in every step (true of
+            any step that shares gradients or state), and each wait to succeed: it is
+            bounded as the one before a publish is (min(5 s, half the agent's hang floor):
+            2.5 s by default), returns at once when the buddy refuses the copy or cannot
+            be reached, and is logged when it gives up. Right after a recovery the
+            guarantee starts again with the first publish of the new world (a spare holds
+            no copy before it). Costs the replication's latency per snapshot
+            (`tests.jobs.publish_overhead`). Not with ``overlap_publish``.
     """
 
     every_steps: int = 20

@@ -177,9 +177,15 @@ def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
             wait_until(lambda: agents[0].replicator._buddy == address)
             assert session.publish(1, leaves, budget_bytes=1 << 20)
             assert answered == []  # the default: N's copy overlaps what follows
+            waits = []
+            await_replicated = session.agent.await_replicated
+            session.agent.await_replicated = lambda t: waits.append(t) or await_replicated(t)
             for step in (2, 3):
                 assert session.publish(step, leaves, budget_bytes=1 << 20, in_series=True)
                 assert answered[-1] == step
+            # Before and after 2's copy; only after 3's (its wait before would be a second
+            # one between two progress signals: the agent's hang floor bounds one).
+            assert len(waits) == 3
             assert session.replication_lags == 0
             with pytest.raises(ValueError, match="background"):
                 session.publish(4, leaves, in_series=True, background=True)

@@ -61,12 +61,12 @@ class Replicator:
             self._cv.notify()
 
     def set_buddy(self, buddy: str | None, *, resume_step: int | None = None) -> None:
-        """Replicate to ``buddy`` from now on (None: nobody); a new buddy gets a copy at
+        """Replicate to ``buddy`` from now on (None: nobody); a new buddy gets copies at
         once, without waiting for the next publish: of ``resume_step`` (the step a new
-        world resumed from) when held, else the newest."""
+        world resumed from) when held, then the newest if it is another step (a publish
+        of the new world may have come first; the buddy keeps two)."""
         with self._cv:
-            if resume_step is not None:
-                self._resume = resume_step
+            self._resume = resume_step
             if buddy != self._buddy:
                 self._buddy, self._failing = buddy, None
                 self._version += 1
@@ -101,6 +101,22 @@ class Replicator:
             self._failing = failing
             self._cv.notify_all()
 
+    def _send(self, sock: socket.socket, want: int | None, *,
+              skip: int | None) -> tuple[str | None, int] | None:
+        """Sends its worker's copy of step ``want`` (None, or not held: the newest) unless
+        it is of step ``skip`` (just sent); returns (the buddy's refusal or None, the step
+        sent), or None when nothing was sent."""
+        # Not checked here: the buddy checks every replica it receives.
+        step, data, crc = self._holder.newest(verify=False, prefer=want)
+        if step == skip:
+            return None
+        # The timeout covers the whole send: at least 10 s, more for a large copy.
+        sock.settimeout(SEND_TIMEOUT_S + len(data) / SEND_FLOOR_BYTES_PER_S)
+        transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc), data)
+        del data  # the copy read out of the slot: not kept while waiting for the answer
+        reply, _ = transport.recv(sock)
+        return (reply.message if isinstance(reply, wire.ErrorReply) else None), step
+
     def run(self) -> None:
         sock: socket.socket | None = None
         target: str | None = None
@@ -116,22 +132,18 @@ class Replicator:
                 self._done(version)
                 continue
             try:
-                # Not checked here: the buddy checks every replica it receives.
-                step, data, crc = self._holder.newest(verify=False, prefer=resume)
                 if sock is None or target != buddy:
                     if sock is not None:
                         sock.close()
                     sock, target = transport.connect(buddy, secret=self._secret), buddy
-                # The timeout covers the whole send: at least 10 s, more for a large copy.
-                sock.settimeout(SEND_TIMEOUT_S + len(data) / SEND_FLOOR_BYTES_PER_S)
-                transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc),
-                               data)
-                del data  # the copy read out of the slot: not kept while waiting for the next
-                reply, _ = transport.recv(sock)
+                refused, sent = None, None
+                for want in ([resume] if resume is not None else []) + [None]:
+                    result = self._send(sock, want, skip=sent)
+                    if result is not None:
+                        refused, sent = result
                 # A refusal (budget, check) is the buddy's to report to the launcher; the
                 # worker's wait hears of it.
-                self._done(version, refused=reply.message
-                           if isinstance(reply, wire.ErrorReply) else None)
+                self._done(version, refused=refused)
             except (OSError, ConnectionError, ProtocolError, KeyError,
                     SnapshotCorruptError) as e:
                 logger.warning("agent %d: replication to %s failed: %s", self.worker_id,

@@ -81,9 +81,10 @@ class AgentServer:
             return self._holder.allocate(message.nbytes, message.budget_bytes), b""
         if isinstance(message, wire.Published):
             self._watchdog.progress(message.step, now)
-            self._report(wire.Progress(worker_id=self.worker_id, step=message.step))
             self._holder.published()  # the slots a bigger segment replaced may go now
             self._replicator.published(message.step)
+            # Last: once the launcher hears of it, the replicator knows of it too.
+            self._report(wire.Progress(worker_id=self.worker_id, step=message.step))
             return None
         if isinstance(message, wire.AwaitReplicated):
             # At most half the hang floor: the wait sits between two progress signals.

@@ -115,6 +115,10 @@ class DistributedSession:
         self._published_nbytes = 0  # its payload
         self.replication_lags = 0  # publishes that overwrote a slot the buddy lacked
         self._replication_lagging = False
+        # The world whose last publish waited in series for the buddy (then the next one
+        # need not wait before its copy: two waits between progress signals could add up
+        # past the agent's hang floor).
+        self._waited_in_series: int | None = None
 
     @property
     def can_recover(self) -> bool:
@@ -205,13 +209,16 @@ class DistributedSession:
 
         def copy() -> None:
             # The slot this copy overwrites usually holds the step before the last one:
-            # it goes only once the buddy has the last one (`_await_replicated`).
-            self._await_replicated(agent, step)
+            # it goes only once the buddy has the last one (`_await_replicated`), which
+            # the last publish in series of this world already waited for.
+            if not (in_series and self._waited_in_series == generation):
+                self._await_replicated(agent, step)
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
             agent.publish(step, parts, budget_bytes=budget_bytes)
             self._published, self._published_nbytes = (step, generation), nbytes
             if in_series:  # the next step starts once the buddy holds this one
                 self._await_replicated(agent, step, then="going on")
+                self._waited_in_series = generation
 
         if not background:
             copy()
@@ -255,8 +262,9 @@ class DistributedSession:
             self._replication_lagging = True
             log.warning("mnemojax: step %d: this worker's last snapshot has not reached "
                         "its ring buddy (%s); %s, so a host lost now may find no step "
-                        "every worker holds (then the persistent tier). Fewer snapshots "
-                        "(`SnapshotOptions`) give each copy more time", step, lag, then)
+                        "every worker holds (then the persistent tier). The copies need "
+                        "a faster link between hosts, or smaller shares per worker",
+                        step, lag, then)
 
     def publish_idle(self, timeout_s: float | None = None) -> bool:
         """Waits up to ``timeout_s`` for the publish in flight; whether none is left (its
