@@ -22,7 +22,9 @@ TIMED = {
     "mnemojax._src.recovery": ["compile_for_world", "ProcessRecovery.recover"],
     "mnemojax._src.distributed.worker.session": [
         "DistributedSession.compiled", "DistributedSession.restore",
-        "DistributedSession.recover"],
+        "DistributedSession.recover", "DistributedSession.publish"],
+    "mnemojax._src.distributed.worker.agent_client": [
+        "AgentClient.await_replicated", "AgentClient.publish"],
     "mnemojax._src.runtime": ["RuntimeBuilder.build"],
     "mnemojax._src.distributed.worker.coordination": ["attach_worker", "detach_worker"],
 }
