@@ -23,7 +23,14 @@
    same step made earlier (an `Exported` holds the module and its shardings, no device
    or client), and that both compute the same step.
 
-Tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
+6. A host copy made by the compiled step itself (issue 13, item 6's XLA host offload): a
+   plain jitted step, the same with the snapshot store's copy thread after each step (what
+   the resilient step does), and a step that also returns its new state with
+   ``memory_kind="pinned_host"`` shardings (XLA copies it; the last two kept, as the
+   store's two slots). Not used by the runtime yet: a route, measured. The bench's tiny
+   GPT (``configs/bench_tiny.toml``), where the step is short.
+
+Sections 1-5: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
 
 from __future__ import annotations
@@ -256,6 +263,89 @@ def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> 
     return lines
 
 
+def _host_outputs(mesh, *, rounds: int, block_steps: int) -> list[str]:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mnemojax._src.bench.config import load_preset
+    from mnemojax._src.device_layer import JaxDeviceLayer
+    from mnemojax._src.snapshot import SnapshotStore
+    from mnemojax._src.timing import interleaved_block_means
+    from mnemojax.models.data import BigramCorpus
+    from mnemojax.models.gpt import GPTConfig
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
+    # The bench's tiny GPT: a short step, where bench (b)/(a) shows the snapshot's cost.
+    preset = load_preset("tiny")
+    cfg = GPTConfig(**preset.model)
+    corpus = BigramCorpus(cfg.vocab_size, cfg.seq_len)
+    batches = [corpus.batch(i, preset.batch_size) for i in range(42)]
+    model, optimizer = build_gpt(cfg)
+    graphdef, state = nnx.split((model, optimizer))
+    state = jax.tree.map(np.asarray, state)  # host values: every placement is a copy
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+    on_host = replicated.with_memory_kind("pinned_host")
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    placed = [jax.device_put(b, batch_sharding) for b in batches]
+
+    def step(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        metrics = lm_train_step(m, o, batch)
+        return nnx.state((m, o)), metrics
+
+    def step_and_copy(state, batch):
+        new, metrics = step(state, batch)
+        return new, metrics, new
+
+    start = jax.device_put(state, replicated)
+    states = jax.tree.map(lambda _: replicated, start)
+    # No donation (the resilient step's default): the store's copy thread reads the
+    # outputs while the next step runs.
+    plain = jax.jit(step).lower(start, placed[0]).compile()
+    copying = jax.jit(step_and_copy, out_shardings=(
+        states, None, jax.tree.map(lambda _: on_host, start))).lower(start, placed[0]).compile()
+    store = SnapshotStore(JaxDeviceLayer(), ["state"] * len(jax.tree.leaves(start)),
+                          budget_bytes=1 << 40)
+    live = {name: jax.device_put(state, replicated) for name in ("plain", "store", "host")}
+    kept: list = []  # the host copies of the last two steps (two slots, as the store)
+
+    def run_block(name: str, r: int) -> int:
+        for i in range(block_steps):
+            batch = placed[1 + (r * block_steps + i) % (len(placed) - 1)]
+            if name == "host":
+                live[name], metrics, copy = copying(live[name], batch)
+                kept[:] = [*kept[-1:], copy]
+            else:
+                live[name], metrics = plain(live[name], batch)
+                if name == "store":
+                    store.submit(r * block_steps + i, jax.tree.leaves(live[name]))
+            float(metrics["loss"])
+        store.wait_idle()
+        return block_steps
+
+    means = interleaved_block_means(["plain", "store", "host"], rounds, run_block)
+    store.close()
+    # The host copy is the state of its step, in host memory.
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(kept[-1]), jax.tree.leaves(live["host"]), strict=True))
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(kept[-1])}
+    base = statistics.median(means["plain"])
+    labels = {"plain": "jitted step, no snapshot",
+              "store": "+ SnapshotStore copy (used)",
+              "host": "+ pinned_host outputs (XLA)"}
+    lines = [f"6. every-step host copy made by the compiled step (pinned_host outputs) "
+             f"against the snapshot store's copy thread (median of {rounds} alternating "
+             f"blocks of {block_steps} steps; a plain jitted step, no resilient wrapper)"]
+    for name, ms in means.items():
+        med = statistics.median(ms)
+        lines.append(f"   {labels[name]:<32} {1e3 * med:8.2f} ms   x{med / base:.3f}   blocks "
+                     + ", ".join(f"{1e3 * x:.1f}" for x in ms))
+    lines.append(f"   host copies: memory kind {sorted(kinds)}, equal to the live state: "
+                 f"{same}")
+    return lines
+
+
 def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
     import jax
     import numpy as np
@@ -315,14 +405,14 @@ def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5],
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
-                        help="section 4: rounds of alternating blocks (default 15)")
+                        help="sections 4 and 6: rounds of alternating blocks (default 15)")
     parser.add_argument("--block-steps", type=int, default=10,
-                        help="section 4: steps per block (default 10)")
+                        help="sections 4 and 6: steps per block (default 10)")
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4, 5]
+    sections = args.sections or [1, 2, 3, 4, 5, 6]
 
     import jax
 
@@ -339,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
            3: lambda: _recovery_call(cfg, mesh, batches),
            4: lambda: _snapshot_overhead(cfg, mesh, batches, rounds=args.rounds,
                                          block_steps=args.block_steps),
-           5: lambda: _lowering(cfg, mesh, batches)}
+           5: lambda: _lowering(cfg, mesh, batches),
+           6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps)}
     for section in sorted(set(sections)):
         print("\n".join(run[section]()), flush=True)
 
