@@ -257,6 +257,36 @@ def test_precompiled_executable_is_used_on_recovery():
     step.close()
 
 
+def test_warmed_fallbacks_serve_the_recovery_and_leave_the_math_alone():
+    """`CompileOptions.warm_fallbacks`: each call after the ahead compiles runs one cold
+    fallback executable once on zeros (on the training thread); after four calls the
+    four candidates are warm, the recovery runs on one of them, and the warm-ups (other
+    buffers) changed nothing: the final state is the failure-free run's."""
+    opts = mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
+        cache_dir=None, warm_fallbacks=True))
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts,
+                              fault_injector=FaultInjector().lose_devices(6, [6]))
+    batches = h.make_batches(7)
+    try:
+        step(model, optimizer, batches[0])
+        assert step.wait_precompiled(timeout_s=120)
+        compiler = step._require_built().runtime.compiler
+        warmed = []
+        for b in batches[1:5]:
+            step(model, optimizer, b)
+            warmed.append(compiler.warmed)
+        assert warmed == [1, 2, 3, 4]  # one per call, each candidate once
+        for b in batches[5:]:
+            step(model, optimizer, b)
+        [rec] = step.statistics.recoveries
+        assert rec.step == 6 and rec.precompiled and rec.executable == "ready"
+        h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                          h.Run([], h.reference_run(batches).state))
+    finally:
+        step.close()
+
+
 def test_statistics_report_mesh_and_snapshot_bytes():
     every_step = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1))
     got, step = h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)), settle=True,
