@@ -287,6 +287,29 @@ def test_warmed_fallbacks_serve_the_recovery_and_leave_the_math_alone():
         step.close()
 
 
+def test_the_planners_model_shrink_bound_comes_from_the_option_and_the_devices_memory(
+        monkeypatch):
+    """`RecoveryOptions.model_shrink_headroom` bounds how far a model axis may narrow;
+    in one process so does the devices' memory (limit over peak use, where they report
+    it: CPU devices do not, so it is faked here), the least of them, dead devices aside."""
+    from mnemojax._src import api
+
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
+        recovery=mnemojax.RecoveryOptions(model_shrink_headroom=3.0)))
+    try:
+        step(model, optimizer, h.make_batches(1)[0])
+        assert step._rules().max_model_shrink == 3.0  # CPU devices report no memory
+        monkeypatch.setattr(api, "memory_headroom", lambda d: 1.5 + d.id / 10)
+        assert step._rules().max_model_shrink == 1.5
+        step._require_built().runtime.proxy.dead.add(0)  # a dead device is not asked
+        assert step._rules().max_model_shrink == pytest.approx(1.6)
+        monkeypatch.setattr(api, "memory_headroom", lambda d: 9.0)
+        assert step._rules().max_model_shrink == 3.0
+    finally:
+        step.close()
+
+
 def test_statistics_report_mesh_and_snapshot_bytes():
     every_step = h.no_precompile(snapshot=mnemojax.SnapshotOptions(every_steps=1))
     got, step = h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)), settle=True,

@@ -53,6 +53,12 @@ def test_donated_state_cannot_skip_batches():
                                    compile=mnemojax.CompileOptions(donate_state=True))
 
 
+def test_model_shrink_headroom_is_at_least_one():
+    with pytest.raises(InvalidOptionError, match="model_shrink_headroom=0.5"):
+        mnemojax.RecoveryOptions(model_shrink_headroom=0.5)
+    assert mnemojax.RecoveryOptions(model_shrink_headroom=1.0).model_shrink_headroom == 1.0
+
+
 def test_a_copy_in_series_cannot_overlap_the_step():
     with pytest.raises(InvalidOptionError, match="replicate_in_series=True.*overlap_publish"):
         mnemojax.SnapshotOptions(replicate_in_series=True, overlap_publish=True)

@@ -277,6 +277,26 @@ def test_process_loss_shrinks_the_model_axis_when_no_whole_replica_survives():
         plan_after_process_loss(grid(1, 8), AXES, renumbering, at_least_6)
 
 
+def test_a_model_axis_narrows_only_within_the_memory_headroom():
+    """``max_model_shrink``: shrinking the model axis 4 -> 3 puts 4/3 of a share on each
+    device; under a bound of 1.2 the planner drops a replica instead (4 devices, each
+    with its old share), and where nothing else fits (no whole replica left) it is a
+    typed error naming the bound."""
+    dims = {"model": {48}}
+    loose = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8, sharded_dims=dims,
+                              max_model_shrink=4 / 3)
+    assert loose.kind == "shrink_model" and loose.shape == {"data": 2, "model": 3}
+    tight = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8, sharded_dims=dims,
+                              max_model_shrink=1.2)
+    assert tight.kind == "drop_replicas" and tight.shape == {"data": 1, "model": 4}
+    with pytest.raises(MeshTooSmallError, match=r"'model' 8 -> 4 \(x2 per device\).*"
+                                                r"max_model_shrink=1.5"):
+        plan_reduced_mesh(grid(1, 8), AXES, {3}, batch_size=8,
+                          sharded_dims={"model": {64}}, max_model_shrink=1.5)
+    assert plan_reduced_mesh(grid(1, 8), AXES, {3}, batch_size=8, sharded_dims={
+        "model": {64}}, max_model_shrink=2).shape == {"data": 1, "model": 4}
+
+
 def test_process_loss_applies_min_devices():
     renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 1, 2),
                                    new_world_devices(3, 2))

@@ -46,7 +46,13 @@ from mnemojax._src.errors import (
 )
 from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
-from mnemojax._src.proxy import Verdict, host_batch, looks_local, looks_transient
+from mnemojax._src.proxy import (
+    Verdict,
+    host_batch,
+    looks_local,
+    looks_transient,
+    memory_headroom,
+)
 from mnemojax._src.recovery import (
     DeviceRecovery,
     ProcessRecovery,
@@ -706,7 +712,20 @@ class ResilientStep(Generic[P, R]):
         rec = self.options.recovery
         return ShapeRules(data_axis=self.options.data_axis, sharded_dims=b.sharded_dims,
                           batch_size=b.batch_size, batch_policy=rec.batch_policy,
-                          min_devices=rec.min_devices)
+                          min_devices=rec.min_devices,
+                          max_model_shrink=self._max_model_shrink())
+
+    def _max_model_shrink(self) -> float | None:
+        """`RecoveryOptions.model_shrink_headroom`, and in one process also the least
+        (memory limit / peak use) of the live mesh devices that report their memory."""
+        b = self._require_built()
+        bound = self.options.recovery.model_shrink_headroom
+        if b.session is not None:  # every process must plan alike: the option only
+            return bound
+        proxy = b.runtime.proxy
+        room = [fits for d in b.runtime.mesh.devices.flat if d.id not in proxy.dead
+                if (fits := memory_headroom(d)) is not None]
+        return min([x for x in (bound, *room) if x is not None], default=None)
 
     def _hang_timeout_s(self) -> float:
         rec = self.options.recovery

@@ -192,6 +192,14 @@ class RecoveryOptions:
         retry_stop: when to stop retrying a transient error in place.
         retry_backoff: seconds to wait before retry n (``exponential_backoff(...)``).
         min_devices: never continue on fewer devices than this (`MeshTooSmallError`).
+        model_shrink_headroom: how much more of the state each device may hold after a
+            non-batch axis (a model axis) shrinks: a plan that narrows such an axis from
+            width W to w needs W / w <= this; otherwise replicas are dropped, or
+            `MeshTooSmallError`. None: no bound from this option. In one process, where
+            the devices report their memory (``Device.memory_stats()``: GPU, TPU, not
+            CPU), the planner also bounds the factor by each device's limit over its peak
+            use so far (everything on a device taken to grow with the factor); across
+            processes only this option bounds it, since every process must plan alike.
         probe_timeout_s: a device that does not answer a health probe in this time is dead.
         hang_timeout_s: a step whose results are not ready after this long is treated as
             a failure (its devices are probed). None: ``hang_factor`` x the median step
@@ -212,6 +220,7 @@ class RecoveryOptions:
     retry_backoff: Callable[[int], float] = dataclasses.field(
         default_factory=retry.exponential_backoff)
     min_devices: int = 1
+    model_shrink_headroom: float | None = None
     probe_timeout_s: float = 10.0
     hang_timeout_s: float | None = None
     hang_factor: float = 50.0
@@ -229,6 +238,8 @@ class RecoveryOptions:
         _check(callable(self.retry_backoff), "retry_backoff", self.retry_backoff,
                "a callable attempt -> seconds (mnemojax.retry.exponential_backoff)")
         _check(self.min_devices >= 1, "min_devices", self.min_devices, ">= 1")
+        _check(self.model_shrink_headroom is None or self.model_shrink_headroom >= 1,
+               "model_shrink_headroom", self.model_shrink_headroom, ">= 1 or None")
         _check(self.probe_timeout_s > 0, "probe_timeout_s", self.probe_timeout_s, "> 0")
         _check(self.hang_timeout_s is None or self.hang_timeout_s > 0, "hang_timeout_s",
                self.hang_timeout_s, "> 0 or None")

@@ -81,6 +81,9 @@ class ShapeRules:
         batch_size: examples in the global batch (None: not known yet).
         batch_policy: `RecoveryOptions.batch_policy`.
         min_devices: `RecoveryOptions.min_devices`.
+        max_model_shrink: the most a non-batch axis may narrow (old width / new width;
+            None: no bound), from `RecoveryOptions.model_shrink_headroom` and, in one
+            process, the devices' memory.
     """
 
     data_axis: str | tuple[str, ...] | None
@@ -88,6 +91,7 @@ class ShapeRules:
     batch_size: int | None
     batch_policy: str
     min_devices: int
+    max_model_shrink: float | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The rules as keyword arguments of `plan_reduced_mesh`."""
@@ -135,6 +139,7 @@ def plan_reduced_mesh(
     batch_size: int | None = None,
     batch_policy: str = "keep_math",
     min_devices: int = 1,
+    max_model_shrink: float | None = None,
 ) -> MeshPlan:
     """Plans the mesh to continue on after `failed` devices died.
 
@@ -165,6 +170,9 @@ def plan_reduced_mesh(
         batch_size: examples in the global batch (split along the batch axes).
         batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
         min_devices: the plan must keep at least this many devices.
+        max_model_shrink: a non-batch axis may narrow from width W to w only where
+            W / w is at most this (each device then holds W / w times its share of what
+            is sharded along it); None: no bound.
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -229,18 +237,28 @@ def plan_reduced_mesh(
         return finish(swapped, "spare_swap")
 
     order = list(batch_axes) + [a for a in axis_names if a not in batch_axes]
-    best = None
+    best, too_full = None, []
     for axis in order:
         plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
                             sharded_dims, batch_size, batch_policy)
+        if plan is not None and axis not in batch_axes and max_model_shrink is not None:
+            d = axis_names.index(axis)
+            factor = device_ids.shape[d] / plan[0].shape[d]
+            if factor > max_model_shrink * (1 + 1e-9):
+                too_full.append(f"{axis!r} {device_ids.shape[d]} -> {plan[0].shape[d]} "
+                                f"(x{factor:.3g} per device)")
+                continue
         if plan is not None and (best is None or plan[0].size > best[1].size):
             best = (axis, *plan)
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
     if best is None:
+        over = (f"; {', '.join(too_full)} would exceed max_model_shrink={max_model_shrink:g} "
+                "(RecoveryOptions.model_shrink_headroom, or the devices' memory)"
+                if too_full else "")
         raise MeshTooSmallError(
             f"no axis of the mesh {dict(zip(axis_names, device_ids.shape, strict=True))} can "
             f"shrink onto the {healthy} healthy devices (each width must divide the array "
-            "dimensions sharded along it and, for a batch axis, the global batch)",
+            f"dimensions sharded along it and, for a batch axis, the global batch){over}",
             healthy_devices=healthy, required=math.prod(device_ids.shape))
     axis, new_ids, examples, math_changed = best
     return finish(new_ids, "drop_replicas" if axis in batch_axes else "shrink_model",
