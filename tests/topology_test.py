@@ -297,6 +297,19 @@ def test_a_model_axis_narrows_only_within_the_memory_headroom():
         "model": {64}}, max_model_shrink=2).shape == {"data": 1, "model": 4}
 
 
+def test_the_shrink_bound_holds_for_any_axis_the_state_is_sharded_along():
+    """An FSDP axis is a batch axis, and narrowing it puts more state on each device
+    too: it is bounded like a model axis. An axis nothing is sharded along (plain data
+    parallelism) is not."""
+    fsdp = {"data_axis": ("data", "fsdp"), "batch_size": 8, "sharded_dims": {"fsdp": {64}}}
+    axes = ("data", "fsdp")
+    assert plan_reduced_mesh(grid(1, 8), axes, {3}, **fsdp).shape == {"data": 1, "fsdp": 4}
+    with pytest.raises(MeshTooSmallError, match=r"'fsdp' 8 -> 4 \(x2 per device\)"):
+        plan_reduced_mesh(grid(1, 8), axes, {3}, max_model_shrink=1.5, **fsdp)
+    plain = plan_reduced_mesh(grid(4, 2), AXES, {1}, batch_size=8, max_model_shrink=1.0)
+    assert plain.kind == "drop_replicas" and plain.shape == {"data": 2, "model": 2}
+
+
 def test_process_loss_applies_min_devices():
     renumbering = renumber_devices(world(4, 2), (0, 1, 2, 3), (0, 1, 2),
                                    new_world_devices(3, 2))

@@ -694,6 +694,7 @@ class ResilientStep(Generic[P, R]):
         b.runtime = resumed.runtime
         b.durability.layer = resumed.runtime.layer
         b.snapshot_every = None  # re-chosen for the new mesh at the next commit
+        b.memory_room = None  # and the devices' memory headroom at its first plan
         b.examples = resumed.record.examples_per_step
         b.last_written = None
         if resumed.publish_replayed:  # the agents hold this step now; replays publish on
@@ -717,15 +718,19 @@ class ResilientStep(Generic[P, R]):
 
     def _max_model_shrink(self) -> float | None:
         """`RecoveryOptions.model_shrink_headroom`, and in one process also the least
-        (memory limit / peak use) of the live mesh devices that report their memory."""
+        (memory limit / peak use) of the live mesh devices that report their memory,
+        taken once per mesh (the first plan for it: before the fallbacks' warm-ups, whose
+        zero states would raise the peak, and the same for the plans compiled ahead and
+        the recovery that uses them)."""
         b = self._require_built()
         bound = self.options.recovery.model_shrink_headroom
-        if b.session is not None:  # every process must plan alike: the option only
-            return bound
-        proxy = b.runtime.proxy
-        room = [fits for d in b.runtime.mesh.devices.flat if d.id not in proxy.dead
-                if (fits := memory_headroom(d)) is not None]
-        return min([x for x in (bound, *room) if x is not None], default=None)
+        if b.session is not None or jax.process_count() > 1:
+            return bound  # every process must plan alike: the option only
+        if b.memory_room is None:
+            proxy = b.runtime.proxy
+            b.memory_room = [fits for d in b.runtime.mesh.devices.flat if d.id not in proxy.dead
+                             if (fits := memory_headroom(d)) is not None]
+        return min([x for x in (bound, *b.memory_room) if x is not None], default=None)
 
     def _hang_timeout_s(self) -> float:
         rec = self.options.recovery
@@ -994,6 +999,7 @@ class _Built:
     snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
     precompile_due: bool = False
     meshes: list[Mesh] = dataclasses.field(default_factory=list)  # every mesh run on
+    memory_room: list[float] | None = None  # this mesh's devices' (`_max_model_shrink`)
 
 
 def _all_true(flags: Any) -> bool:

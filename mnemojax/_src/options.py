@@ -192,14 +192,17 @@ class RecoveryOptions:
         retry_stop: when to stop retrying a transient error in place.
         retry_backoff: seconds to wait before retry n (``exponential_backoff(...)``).
         min_devices: never continue on fewer devices than this (`MeshTooSmallError`).
-        model_shrink_headroom: how much more of the state each device may hold after a
-            non-batch axis (a model axis) shrinks: a plan that narrows such an axis from
-            width W to w needs W / w <= this; otherwise replicas are dropped, or
-            `MeshTooSmallError`. None: no bound from this option. In one process, where
-            the devices report their memory (``Device.memory_stats()``: GPU, TPU, not
-            CPU), the planner also bounds the factor by each device's limit over its peak
-            use so far (everything on a device taken to grow with the factor); across
-            processes only this option bounds it, since every process must plan alike.
+        model_shrink_headroom: how much more of the state each device may take on in one
+            recovery when an axis the state is sharded along (a model axis, an FSDP
+            axis) shrinks: a plan that narrows such an axis from width W to w needs
+            W / w <= this; otherwise another axis shrinks (replicas are dropped), or
+            `MeshTooSmallError`. Per recovery: two in a row compound. None: no bound from
+            this option. In one process, where the devices report their memory
+            (``Device.memory_stats()``: GPU, TPU, not CPU), the planner also bounds the
+            factor by each device's limit over its peak use so far, taken once per mesh
+            before the fallback warm-ups (everything on a device is taken to grow with
+            the factor); across processes only this option bounds it, since every
+            process must plan alike.
         probe_timeout_s: a device that does not answer a health probe in this time is dead.
         hang_timeout_s: a step whose results are not ready after this long is treated as
             a failure (its devices are probed). None: ``hang_factor`` x the median step

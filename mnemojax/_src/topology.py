@@ -81,9 +81,10 @@ class ShapeRules:
         batch_size: examples in the global batch (None: not known yet).
         batch_policy: `RecoveryOptions.batch_policy`.
         min_devices: `RecoveryOptions.min_devices`.
-        max_model_shrink: the most a non-batch axis may narrow (old width / new width;
-            None: no bound), from `RecoveryOptions.model_shrink_headroom` and, in one
-            process, the devices' memory.
+        max_model_shrink: the most an axis the state is sharded along may narrow in one
+            plan (old width / new width; None: no bound), from
+            `RecoveryOptions.model_shrink_headroom` and, in one process, the devices'
+            memory.
     """
 
     data_axis: str | tuple[str, ...] | None
@@ -170,9 +171,10 @@ def plan_reduced_mesh(
         batch_size: examples in the global batch (split along the batch axes).
         batch_policy: ``"keep_math"`` or ``"truncate_batch"`` (see `RecoveryOptions`).
         min_devices: the plan must keep at least this many devices.
-        max_model_shrink: a non-batch axis may narrow from width W to w only where
-            W / w is at most this (each device then holds W / w times its share of what
-            is sharded along it); None: no bound.
+        max_model_shrink: an axis that some array dimension is sharded along (a model
+            axis, an FSDP axis) may narrow from width W to w only where W / w is at most
+            this (each device then holds W / w times its share of what is sharded along
+            it); None: no bound. Relative to this mesh: repeated recoveries compound.
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -241,7 +243,7 @@ def plan_reduced_mesh(
     for axis in order:
         plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
                             sharded_dims, batch_size, batch_policy)
-        if plan is not None and axis not in batch_axes and max_model_shrink is not None:
+        if plan is not None and sharded_dims.get(axis) and max_model_shrink is not None:
             d = axis_names.index(axis)
             factor = device_ids.shape[d] / plan[0].shape[d]
             if factor > max_model_shrink * (1 + 1e-9):
@@ -252,13 +254,18 @@ def plan_reduced_mesh(
             best = (axis, *plan)
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
     if best is None:
-        over = (f"; {', '.join(too_full)} would exceed max_model_shrink={max_model_shrink:g} "
-                "(RecoveryOptions.model_shrink_headroom, or the devices' memory)"
-                if too_full else "")
+        mesh = dict(zip(axis_names, device_ids.shape, strict=True))
+        if too_full:
+            raise MeshTooSmallError(
+                f"no axis of the mesh {mesh} can shrink onto the {healthy} healthy devices: "
+                f"{', '.join(too_full)} would exceed max_model_shrink={max_model_shrink:g} "
+                "(RecoveryOptions.model_shrink_headroom, or in one process the devices' "
+                "memory), and no other axis fits",
+                healthy_devices=healthy, required=math.prod(device_ids.shape))
         raise MeshTooSmallError(
-            f"no axis of the mesh {dict(zip(axis_names, device_ids.shape, strict=True))} can "
-            f"shrink onto the {healthy} healthy devices (each width must divide the array "
-            f"dimensions sharded along it and, for a batch axis, the global batch){over}",
+            f"no axis of the mesh {mesh} can shrink onto the {healthy} healthy devices (each "
+            "width must divide the array dimensions sharded along it and, for a batch "
+            "axis, the global batch)",
             healthy_devices=healthy, required=math.prod(device_ids.shape))
     axis, new_ids, examples, math_changed = best
     return finish(new_ids, "drop_replicas" if axis in batch_axes else "shrink_model",
