@@ -88,18 +88,20 @@ def test_a_replayed_step_and_a_new_buddy_each_get_the_newest_copy():
             client.close()
 
 
+def _worker0_copy(step: int, generation: int) -> list:
+    """Worker 0's snapshot of ``step`` in world ``generation`` (one leaf of 8)."""
+    w = np.arange(8, dtype=np.float32)
+    return pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)], num_leaves=1,
+                generation=generation)
+
+
 def test_a_new_buddy_after_a_rollback_gets_the_step_the_world_resumed_from(two_agents):
     """A worker ahead at a failure holds the step the new world resumed from (4) and the
     old world's abandoned next one (5, its newest). A new buddy gets 4 (the launcher
     names it in `wire.SetBuddy`), so a host lost before the first publish of the new world
     still has its copy of 4 at its buddy (it got only 5 before); the newest follows
     (harmless here; see the next test for why), and the new world's 5 replaces it."""
-    w = np.arange(8, dtype=np.float32)
-
-    def payload(step, generation):
-        return pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)], num_leaves=1,
-                    generation=generation)
-
+    payload, w = _worker0_copy, np.arange(8, dtype=np.float32)
     fake, agents = two_agents
     client = AgentClient(agents[0].address, secret=SECRET)
     try:
@@ -124,12 +126,7 @@ def test_a_new_worlds_publish_before_the_new_buddy_still_leaves_it_the_resumed_s
     """The new world's first publish (step 5 again, world 1) may reach the agent before
     the launcher's `wire.SetBuddy`: the new buddy then gets the resumed step 4 and that
     publish (it keeps two), not only one of them."""
-    w = np.arange(8, dtype=np.float32)
-
-    def payload(step, generation):
-        return pack(step, 0, [ShardEntry(0, (8,), ((0, 8),), w + step)], num_leaves=1,
-                    generation=generation)
-
+    payload = _worker0_copy
     fake, agents = two_agents
     client = AgentClient(agents[0].address, secret=SECRET)
     try:
