@@ -47,6 +47,10 @@ class FakeLauncher:
 
     def close(self) -> None:
         for c in self.links.values():
+            # A plain close from this thread wakes neither this side's reader nor the
+            # agent's link reader, both blocked in recv: shut the connection down first.
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
             c.close()
         transport.close_server(self.server)
 
