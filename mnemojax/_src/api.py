@@ -719,9 +719,11 @@ class ResilientStep(Generic[P, R]):
     def _max_model_shrink(self) -> float | None:
         """`RecoveryOptions.model_shrink_headroom`, and in one process also the least
         (memory limit / peak use) of the live mesh devices that report their memory,
-        taken once per mesh (the first plan for it: before the fallbacks' warm-ups, whose
-        zero states would raise the peak, and the same for the plans compiled ahead and
-        the recovery that uses them)."""
+        taken once per mesh at its first plan, so the plans compiled ahead and the
+        recovery that uses them agree, and the fallbacks' warm-ups on this mesh do not
+        move it. The peak is the process's since it started: after a recovery it also
+        holds the old mesh's warm-ups and the recovery's own, a tighter bound than the
+        state alone needs."""
         b = self._require_built()
         bound = self.options.recovery.model_shrink_headroom
         if b.session is not None or jax.process_count() > 1:

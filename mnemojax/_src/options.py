@@ -199,10 +199,10 @@ class RecoveryOptions:
             `MeshTooSmallError`. Per recovery: two in a row compound. None: no bound from
             this option. In one process, where the devices report their memory
             (``Device.memory_stats()``: GPU, TPU, not CPU), the planner also bounds the
-            factor by each device's limit over its peak use so far, taken once per mesh
-            before the fallback warm-ups (everything on a device is taken to grow with
-            the factor); across processes only this option bounds it, since every
-            process must plan alike.
+            factor by each device's limit over its peak use since the process started,
+            taken once per mesh at its first plan (everything on a device is taken to
+            grow with the factor); across processes only this option bounds it, since
+            every process must plan alike.
         probe_timeout_s: a device that does not answer a health probe in this time is dead.
         hang_timeout_s: a step whose results are not ready after this long is treated as
             a failure (its devices are probed). None: ``hang_factor`` x the median step

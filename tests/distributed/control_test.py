@@ -74,7 +74,7 @@ def test_a_wrong_secret_is_refused_and_the_right_one_served(control):
 
 def test_an_authenticated_agent_link_is_kept(control):
     server, handler, _ = control
-    before = threading.active_count()  # (other tests' daemon threads may still be ending)
+    before = set(threading.enumerate())
     link = transport.connect(server.address, secret=SECRET)
     try:
         transport.send(link, FORGED[0])
@@ -84,7 +84,7 @@ def test_an_authenticated_agent_link_is_kept(control):
     finally:
         link.close()
     wait_until(lambda: ("lost", 0) in handler.calls)
-    wait_until(lambda: threading.active_count() <= before)  # its handler thread ended
+    wait_until(lambda: set(threading.enumerate()) <= before)  # its handler thread ended
 
 
 def test_closing_the_server_ends_its_accept_thread():

@@ -23,7 +23,7 @@ def buffer():
 def test_publish_flips_and_keeps_previous_step(buffer):
     writer = SnapshotBuffer.attach(buffer.name)  # the worker's side
     try:
-        assert buffer.holdings() == {}
+        assert buffer.holdings() == {} and buffer.newest_step() is None
         crc = None
         for step in (1, 2, 3):
             crc = writer.publish(step, [b"step-", str(step).encode()])
@@ -54,6 +54,7 @@ def test_a_replayed_step_overwrites_the_abandoned_copy_not_the_resumed_one(buffe
         assert buffer.read(5)[1] == b"world-0 step-5"
         writer.publish(4, [b"world-2 step-4"])  # resumed from 3 (from a buddy), replays 4
         assert buffer.read()[:2] == (4, b"world-2 step-4")
+        assert buffer.newest_step() == 4  # the newest written, not the highest step
         assert sorted(buffer.holdings()) == [4, 6]  # the later of the two ahead goes next
         writer.publish(5, [b"world-2 step-5"])
         assert sorted(buffer.holdings()) == [4, 5]

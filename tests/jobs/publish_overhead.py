@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode}: the job failed (exit {report['rc']}); output in {out}")
                 return 1
             medians[mode].append(median_step_s(out / f"events-{mode}-w0.jsonl"))
-            copied = json.loads((out / "copies-w0.json").read_text())
-            waited = json.loads((out / "waits-w0.json").read_text())
-            per_publish = len(waited) // max(1, len(copied))  # 2 in series: before, after
-            copied, waited = copied[WARMUP:], waited[WARMUP * per_publish:]
+            copied = json.loads((out / "copies-w0.json").read_text())[WARMUP:]
+            # One wait per publish; in series the world's first publish also waits before
+            # its copy, so the last waits are those of the publishes counted.
+            waited = json.loads((out / "waits-w0.json").read_text())[-len(copied) or None:]
             copy_ms[mode].append(statistics.median(copied) * 1e3 if copied else 0.0)
             wait_ms[mode].append(sum(waited) / len(copied) * 1e3 if copied else 0.0)
             print(f"  run {r + 1} {mode:>10}: median step {medians[mode][-1] * 1e3:.1f} ms, "

@@ -106,6 +106,8 @@ class Replicator:
         """Sends its worker's copy of step ``want`` (None, or not held: the newest) unless
         it is of step ``skip`` (just sent); returns (the buddy's refusal or None, the step
         sent), or None when nothing was sent."""
+        if want is None and skip is not None and self._holder.newest_step() == skip:
+            return None  # (found without copying the snapshot out)
         # Not checked here: the buddy checks every replica it receives.
         step, data, crc = self._holder.newest(verify=False, prefer=want)
         if step == skip:
@@ -137,12 +139,12 @@ class Replicator:
                         sock.close()
                     sock, target = transport.connect(buddy, secret=self._secret), buddy
                 refused, sent = None, None
-                for want in ([resume] if resume is not None else []) + [None]:
+                for want in (resume, None):
                     result = self._send(sock, want, skip=sent)
                     if result is not None:
-                        refused, sent = result
-                # A refusal (budget, check) is the buddy's to report to the launcher; the
-                # worker's wait hears of it.
+                        refused, sent = refused or result[0], result[1]
+                # A refusal (budget, check) of either copy is the buddy's to report to the
+                # launcher; the worker's wait hears of it.
                 self._done(version, refused=refused)
             except (OSError, ConnectionError, ProtocolError, KeyError,
                     SnapshotCorruptError) as e:

@@ -132,13 +132,22 @@ class SnapshotHolder:
                 rewritten while it was read.
         """
         with self._lock:
-            for step in ([prefer] if prefer is not None else []) + [None]:
+            for step in (prefer, None):
                 for buffer in self._buffers():
                     try:
                         return buffer.read(step, verify=verify)
                     except KeyError:  # not there (or nothing published into it yet)
                         continue
             raise KeyError("no complete snapshot yet")
+
+    def newest_step(self) -> int | None:
+        """The step `newest` returns, without copying it (None: no snapshot yet)."""
+        with self._lock:
+            for buffer in self._buffers():
+                step = buffer.newest_step()
+                if step is not None:
+                    return step
+            return None
 
     def published(self) -> None:
         """Its worker published into the current slots: the retired segment goes, and the

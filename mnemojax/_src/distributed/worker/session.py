@@ -163,8 +163,11 @@ class DistributedSession:
 
         The copy first waits until the agent's ring buddy holds the last snapshot
         (`_await_replicated`: the slot it overwrites may be the step a failure agrees on).
-        With ``in_series`` it also waits, after the copy, until the buddy holds this one
-        (`SnapshotOptions.replicate_in_series`), and ``background`` is not allowed.
+        With ``in_series`` it waits after the copy instead, until the buddy holds this one
+        (`SnapshotOptions.replicate_in_series`); only the first publish of a world waits
+        before its copy too. Once that wait after the copy gave up (logged), the next copy
+        does not wait again: two waits between progress signals could add up past the
+        agent's hang floor. ``background`` is not allowed with it.
         With ``background`` the copy into the agent's shared memory (and its CRC32C) runs
         on a thread while the caller goes on (the next step), one publish in flight: this
         call first waits for the one before (`settle`). The caller must keep ``leaves``
