@@ -142,6 +142,21 @@ def test_a_lost_host_s_state_comes_from_its_buddy_which_an_outsider_could_not_ha
     assert rec["fetched_from"] == {"0": report["agents"][1]}  # 0's ring buddy
 
 
+@pytest.mark.slow  # ~25 s; the default host-loss test above covers the overlapped copy
+def test_a_lost_host_with_replication_in_series_resumes_exact_from_its_buddy(
+        tmp_path, reference):
+    """`SnapshotOptions.replicate_in_series`: every step returns once the buddy holds its
+    snapshot. Host 0 is lost (worker and agent) at step 4: its state comes from its ring
+    buddy's copy, the new world's publishes go on in series (their first waits before its
+    copy again), and the run ends exact with no step lost beyond the one being run."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 4)],
+                  extra=("--no-held-replicas", "--in-series"))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["failed_processes"] == [0]
+    assert rec["fetched_from"] == {"0": report["agents"][1]}  # 0's ring buddy
+    assert rec["steps_lost"] <= 1
+
+
 @pytest.mark.slow  # ~40 s; hangs in one process: fault_matrix_test, distributed/watchdog_test
 def test_hung_worker_is_treated_as_failed(tmp_path, reference):
     report = _run(tmp_path, [ProcessFault("hang", 1, 4)])

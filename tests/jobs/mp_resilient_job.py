@@ -3,7 +3,7 @@
 python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
-    [--transient-worker W --transient-at-step K] [--host-data] [--restore]
+    [--transient-worker W --transient-at-step K] [--host-data] [--restore] [--in-series]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--no-held-replicas", action="store_true",
                         help="SnapshotOptions(hold_live_replicas=False): a lost state comes "
                              "from the snapshots alone")
+    parser.add_argument("--in-series", action="store_true",
+                        help="SnapshotOptions(replicate_in_series=True): each step returns "
+                             "once the buddy holds its snapshot")
     parser.add_argument("--min-devices", type=int, default=1, metavar="N",
                         help="RecoveryOptions(min_devices=N)")
     parser.add_argument("--run-recoveries", type=int, default=None, metavar="N",
@@ -76,8 +79,9 @@ def main() -> None:
     if args.run_recoveries is not None:
         recovery["run_stop"] = mnemojax.retry.stop_after_attempt(args.run_recoveries)
     extra_opts["recovery"] = mnemojax.RecoveryOptions(**recovery)
-    if args.no_held_replicas:
-        extra_opts["snapshot"] = mnemojax.SnapshotOptions(hold_live_replicas=False)
+    if args.no_held_replicas or args.in_series:
+        extra_opts["snapshot"] = mnemojax.SnapshotOptions(
+            hold_live_replicas=not args.no_held_replicas, replicate_in_series=args.in_series)
     step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
