@@ -294,22 +294,20 @@ def test_the_planners_model_shrink_bound_comes_from_the_option_and_the_devices_m
     it: CPU devices do not, so it is faked here), the least of them, dead devices aside,
     taken once per mesh (the warm-ups' zero states must not move it between the plans
     compiled ahead and the recovery). Under a session, the option only."""
-    from mnemojax._src import api
-
     model, optimizer = h.make_mlp()
     step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
         recovery=mnemojax.RecoveryOptions(model_shrink_headroom=3.0)))
     try:
         step(model, optimizer, h.make_batches(1)[0])
         b = step._require_built()
-        monkeypatch.setattr(api, "memory_headroom", lambda d: 1.5 + d.id / 10)
+        monkeypatch.setattr(b.runtime.layer, "memory_headroom", lambda d: 1.5 + d.id / 10)
         assert step._rules().max_model_shrink == 1.5
-        monkeypatch.setattr(api, "memory_headroom", lambda d: 9.0)
+        monkeypatch.setattr(b.runtime.layer, "memory_headroom", lambda d: 9.0)
         assert step._rules().max_model_shrink == 1.5  # taken once for this mesh
         b.memory_room = None  # a new mesh (`_adopt`)
         assert step._rules().max_model_shrink == 3.0
         b.memory_room = None
-        monkeypatch.setattr(api, "memory_headroom", lambda d: 1.5 + d.id / 10)
+        monkeypatch.setattr(b.runtime.layer, "memory_headroom", lambda d: 1.5 + d.id / 10)
         b.runtime.proxy.dead.add(0)  # a dead device is not asked
         assert step._rules().max_model_shrink == pytest.approx(1.6)
         b.memory_room, session = None, b.session

@@ -324,22 +324,3 @@ def test_host_batch_turns_leaves_into_numpy():
     assert isinstance(got["x"], np.ndarray) and got["x"].shape == (1, 2)
     assert isinstance(got["y"], np.ndarray) and got["y"] == 3
 
-
-def test_memory_headroom_is_the_limit_over_the_peak_where_a_device_says():
-    from mnemojax._src.proxy import memory_headroom
-
-    class Device:
-        def __init__(self, stats):
-            self.stats = stats
-
-        def memory_stats(self):
-            if isinstance(self.stats, Exception):
-                raise self.stats
-            return self.stats
-
-    assert memory_headroom(Device({"bytes_limit": 80, "peak_bytes_in_use": 40,
-                                   "bytes_in_use": 10})) == 2.0
-    assert memory_headroom(Device({"bytes_limit": 80, "bytes_in_use": 20})) == 4.0
-    assert memory_headroom(Device(None)) is None  # CPU
-    assert memory_headroom(Device({"bytes_limit": 80})) is None
-    assert memory_headroom(Device(RuntimeError("device lost"))) is None

@@ -46,13 +46,7 @@ from mnemojax._src.errors import (
 )
 from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
-from mnemojax._src.proxy import (
-    Verdict,
-    host_batch,
-    looks_local,
-    looks_transient,
-    memory_headroom,
-)
+from mnemojax._src.proxy import Verdict, host_batch, looks_local, looks_transient
 from mnemojax._src.recovery import (
     DeviceRecovery,
     ProcessRecovery,
@@ -729,9 +723,9 @@ class ResilientStep(Generic[P, R]):
         if b.session is not None or jax.process_count() > 1:
             return bound  # every process must plan alike: the option only
         if b.memory_room is None:
-            proxy = b.runtime.proxy
-            b.memory_room = [fits for d in b.runtime.mesh.devices.flat if d.id not in proxy.dead
-                             if (fits := memory_headroom(d)) is not None]
+            rt = b.runtime
+            b.memory_room = [fits for d in rt.mesh.devices.flat if d.id not in rt.proxy.dead
+                             if (fits := rt.layer.memory_headroom(d)) is not None]
         return min([x for x in (bound, *b.memory_room) if x is not None], default=None)
 
     def _hang_timeout_s(self) -> float:

@@ -59,6 +59,11 @@ class DeviceLayer(Protocol):
         """Memory in use over its limit: ``{"host": f, "device:<id>": f, ...}``."""
         ...
 
+    def memory_headroom(self, device: Device) -> float | None:
+        """How many times its peak use so far the device's memory could hold, or None
+        where it does not say (CPU) or cannot be asked (a dead device)."""
+        ...
+
 
 def _from_callback(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``value``'s pieces on this process's devices of ``sharding``. A process with no
@@ -119,6 +124,17 @@ class JaxDeviceLayer:
             if stats and stats.get("bytes_limit"):
                 out[f"device:{d.id}"] = stats["bytes_in_use"] / stats["bytes_limit"]
         return out
+
+    def memory_headroom(self, device: Device) -> float | None:
+        try:
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        except Exception:  # noqa: BLE001 - a device that cannot answer says nothing here
+            return None
+        if not stats:
+            return None
+        limit = stats.get("bytes_limit")
+        used = stats.get("peak_bytes_in_use") or stats.get("bytes_in_use")
+        return limit / used if limit and used else None
 
     def probe(self, device: Device, timeout_s: float) -> bool:
         def round_trip() -> float:

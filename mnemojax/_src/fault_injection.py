@@ -291,6 +291,9 @@ class _InterposedLayer:
             out["host"] = forced
         return out
 
+    def memory_headroom(self, device: Device) -> float | None:
+        return self._inner.memory_headroom(device)
+
     def probe(self, device: Device, timeout_s: float) -> bool:
         if device.id in self._inj._dead:
             return False

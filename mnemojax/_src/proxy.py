@@ -23,7 +23,7 @@ import re
 import threading
 import time
 from collections.abc import Collection, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import numpy as np
@@ -225,21 +225,6 @@ class _Waiter:
 # Statuses that no peer's death causes: this process's own error (out of memory, a bad
 # argument), raised as it is under a session too, never taken for a peer failure.
 _LOCAL = re.compile(r"^\s*(RESOURCE_EXHAUSTED|INVALID_ARGUMENT|UNIMPLEMENTED)\b")
-
-
-def memory_headroom(device: Any) -> float | None:
-    """How many times its peak use so far the device's memory could hold (its
-    ``memory_stats()`` limit over its peak bytes in use), or None where it does not say
-    (CPU) or cannot be asked (a dead device)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a device that cannot answer says nothing here
-        return None
-    if not stats:
-        return None
-    limit = stats.get("bytes_limit")
-    used = stats.get("peak_bytes_in_use") or stats.get("bytes_in_use")
-    return limit / used if limit and used else None
 
 
 def looks_local(exc: BaseException) -> bool:

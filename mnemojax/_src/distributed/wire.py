@@ -285,8 +285,9 @@ class Start(Message):
 class SetBuddy(Message):
     """Replicate to this agent from now on (None: no ring, a world of one).
 
-    ``resume_step``: the step a new world resumed from, if any: a new buddy gets that copy
-    first, not the newest (which may be an abandoned step of the old world).
+    ``resume_step``: the step a new world resumed from, if any (-1: from the persistent
+    tier, as `Agreement.resume_step`): a new buddy gets that copy first, not the newest
+    (which may be an abandoned step of the old world).
     """
 
     OP: ClassVar[str] = "set_buddy"

@@ -66,7 +66,8 @@ class Replicator:
         world resumed from) when held, then the newest if it is another step (a publish
         of the new world may have come first; the buddy keeps two)."""
         with self._cv:
-            self._resume = resume_step
+            # (-1: resumed from the persistent tier, of which the agent holds no copy)
+            self._resume = resume_step if resume_step is not None and resume_step >= 0 else None
             if buddy != self._buddy:
                 self._buddy, self._failing = buddy, None
                 self._version += 1

@@ -227,9 +227,8 @@ class Arbiter:
         if self._services.stop(book.generation):  # service last: every survivor detached
             self._record({"op": "old_service_stopped", "generation": book.generation})
         live = [m for m in survivors if m in self._roster.links]
-        resume = first.resume_step if first.resume_step >= 0 else None
         for i, m in enumerate(live):  # the new ring over the survivors' agents
             buddy = self._roster.addresses[live[(i + 1) % len(live)]] if len(live) > 1 else None
-            self._roster.command(m, wire.SetBuddy(buddy=buddy, resume_step=resume))
+            self._roster.command(m, wire.SetBuddy(buddy=buddy, resume_step=first.resume_step))
         self._roster.cv.notify_all()
         return decision

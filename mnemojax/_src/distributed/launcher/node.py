@@ -130,8 +130,7 @@ class NodeLauncher(Launcher):
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             members = view.worlds()[g]
             first = agreement_of(record, members[0]) if members else None
-            self._set_buddies(view, members, None if first is None or first.resume_step < 0
-                              else first.resume_step)
+            self._set_buddies(view, members, first.resume_step if first else None)
             for w in o.spare_ids:  # this node's spares the world takes in
                 agreement = agreement_of(record, w)
                 if agreement is not None and w in self._idle:
