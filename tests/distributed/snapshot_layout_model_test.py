@@ -1,0 +1,58 @@
+"""The snapshot-layout model (`tests.jobs.snapshot_layout_model`) against the layout the
+agents run today, and the layouts WORKSPACE_NOTES weighs for issue 12's memory target."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnemojax._src.distributed import shm
+from mnemojax._src.distributed.agent.replica_store import ReplicaStore
+from tests.jobs.snapshot_layout_model import Protocol, State, check, describe
+
+TODAY = dict(own_slots=shm.NUM_SLOTS, keep=ReplicaStore().keep)
+
+
+def test_todays_layout_in_series_survives_any_host_loss_at_its_measured_memory():
+    result = check(Protocol("series", **TODAY))
+    assert result.safe, describe(result.unrecoverable[0])
+    assert result.max_steps_lost == 1
+    # The agent's own accounting of its peak (`shm.agent_peak_bytes`, margins aside) and
+    # the 4x at rest measured by `tests.jobs.agent_memory`.
+    assert result.peak_units == round(shm.agent_peak_bytes(1 << 30, 1 << 30) / (1 << 30))
+    assert result.rest_units == 4
+
+
+def test_todays_default_order_has_the_window_the_notes_name():
+    """A publish without the wait in series: a lost host's last copy still on the wire
+    while a peer whose buddy it was overwrites the step everyone else must go back to."""
+    result = check(Protocol("sync", **TODAY))
+    assert not result.safe
+    s: State = result.unrecoverable[0]
+    assert s.dead is not None
+    assert any(w.done > min(v.done for i, v in enumerate(s.workers) if i != s.dead)
+               for w in s.workers)
+
+
+@pytest.mark.parametrize("protocol", [
+    Protocol("lag", 1, 1),  # session 10's design as written
+    Protocol("lag", 1, 1, live_source=True),
+    Protocol("series", 2, 1),
+    Protocol("series", 1, 2, live_source=True),
+], ids=str)
+def test_layouts_under_4x_lose_a_step_when_survivors_abandon_their_step(protocol):
+    """The lost worker completed a step whose copy replaced its older one at its buddy,
+    while the survivors abandoned that step: nothing holds the older one anymore."""
+    result = check(protocol)
+    assert not result.safe
+    assert result.rest_units < 4
+
+
+@pytest.mark.parametrize("protocol, rest, peak", [
+    (Protocol("lag", 1, 2, live_source=True), 3, 4),
+    (Protocol("series", 2, 1, finish_inflight=True), 3, 5),
+    (Protocol("lag", 1, 1, live_source=True, finish_inflight=True), 2, 3),
+], ids=str)
+def test_the_layouts_under_4x_that_survive_and_what_they_assume(protocol, rest, peak):
+    result = check(protocol)
+    assert result.safe, describe(result.unrecoverable[0])
+    assert (result.rest_units, result.peak_units) == (rest, peak)
