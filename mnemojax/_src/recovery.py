@@ -120,21 +120,6 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
     return exe
 
 
-def compile_with_barrier(session: DistributedSession, runtime: Runtime, batch: Any,
-                         examples: int | None) -> Executable:
-    """Multi-process: compiles the step for `runtime`'s mesh, then waits at a barrier until
-    every process has (so no peer enters a collective while another still compiles:
-    DESIGN §4).
-
-    Raises:
-        jax.errors.JaxRuntimeError: a peer died before every process had compiled (the
-            barrier fails at once: `DistributedSession.compiled`); a peer failure.
-    """
-    exe = compile_for_world(session, runtime, batch, examples)
-    session.compiled()
-    return exe
-
-
 def _groups_of(plan: MeshPlan) -> dict[str, dict[str, list]]:
     return {a: {"kept": list(c.kept), "added": list(c.added), "removed": list(c.removed)}
             for a, c in plan.groups.items()}
@@ -375,20 +360,30 @@ class ProcessRecovery:
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
-        exe = compile_with_barrier(session, runtime, self._batches.last,
-                                   plan.examples_per_step)
-        phases["compile"] = time.perf_counter() - t
+        exe = compile_for_world(session, runtime, self._batches.last,
+                                plan.examples_per_step)
+        compile_s = time.perf_counter() - t
         t = time.perf_counter()
         shardings = exe.state_shardings
         if agreement.resume_step < 0:
+            session.compiled()
+            compile_s += time.perf_counter() - t
+            t = time.perf_counter()
             resume, leaves = self._from_persistent(step, agreement.why, runtime, shardings)
             source = "persistent"
+            restore_s = time.perf_counter() - t
         else:  # the agreement chose a step every survivor can replay from
+            # Fetched and placed before the barrier: no collective runs in either, so
+            # while the slowest peer still compiles, the others restore.
             resume = agreement.resume_step
             leaves = session.restore(rec, shardings, put=runtime.layer.put)
             source = "agent_snapshots"
-        phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + (
-            time.perf_counter() - t)
+            restore_s = time.perf_counter() - t
+            t = time.perf_counter()
+            session.compiled()
+            compile_s += time.perf_counter() - t  # (the barrier's wait)
+        phases["compile"] = compile_s
+        phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + restore_s
         phases["replay"] = 0.0
         dead = tuple(sorted(set(rec.members) - set(agreement.survivors) - set(left)))
         record = RecoveryRecord(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,29 @@ def test_a_new_worlds_publish_before_the_new_buddy_still_leaves_it_the_resumed_s
         wait_until(lambda: held(agents[1].address)[0] == {"0": [4, 5]})
         assert read_meta(fetch_snapshot([agents[1].address], 0, 5,
                                         secret=SECRET)[0])["generation"] == 1
+    finally:
+        client.close()
+
+
+def test_a_new_buddy_after_a_restore_from_disk_gets_the_newest_copy_only(two_agents):
+    """A world that resumed from the persistent tier (``resume_step`` -1, as the
+    launchers pass the agreement's) names no step held here: the new buddy gets the newest
+    copy, as after a failure with no rollback, and nothing is sent for step -1."""
+    payload, w = _worker0_copy, np.arange(8, dtype=np.float32)
+    fake, agents = two_agents
+    client = AgentClient(agents[0].address, secret=SECRET)
+    try:
+        for step in (4, 5):
+            client.publish(step, payload(step, 0))
+        wait_until(lambda: [e.step for e in fake.events if isinstance(e, wire.Progress)]
+                   == [4, 5])
+        fake.command(0, wire.SetBuddy(buddy=fake.addresses[1], resume_step=-1))
+        wait_until(lambda: held(agents[1].address)[0] == {"0": [5]})
+        data = fetch_snapshot([agents[1].address], 0, 5, secret=SECRET)[0]
+        np.testing.assert_array_equal(_only_shard(data), w + 5)
+        time.sleep(0.3)  # no second copy follows
+        assert held(agents[1].address)[0] == {"0": [5]}
+        assert not any(isinstance(e, wire.ReplicaRefused) for e in fake.events)
     finally:
         client.close()
 

@@ -55,6 +55,10 @@ class Protocol:
             complete a step the lost worker had dispatched, or abandon it, either way (a
             lost host's last sends of a collective can be lost with it, so a worker
             that completed a step does not prove its peers can).
+        zero_copy: whether the replicator sends straight from the slot (today it reads
+            the copy out first: one more share on the sender while it is on the wire).
+        make_room: whether the buddy drops its oldest copy of the origin when a new one
+            starts to arrive (today: once it has arrived whole and checked).
     """
 
     kind: str
@@ -62,11 +66,15 @@ class Protocol:
     keep: int
     live_source: bool = False
     finish_inflight: bool = False
+    zero_copy: bool = False
+    make_room: bool = False
 
     def __str__(self) -> str:
-        live = ", live arrays" if self.live_source else ""
-        finish = ", in-flight step finished" if self.finish_inflight else ""
-        return f"{self.kind}: {self.own_slots} own + {self.keep} kept{live}{finish}"
+        extras = [name for name, on in (
+            ("live arrays", self.live_source), ("in-flight step finished", self.finish_inflight),
+            ("sent from the slot", self.zero_copy), ("room made first", self.make_room)) if on]
+        return f"{self.kind}: {self.own_slots} own + {self.keep} kept" + "".join(
+            f", {e}" for e in extras)
 
 
 class Worker(NamedTuple):
@@ -181,10 +189,7 @@ def _successors(s: State, p: Protocol, n: int, max_step: int):
         elif wk.phase == "send":
             a = agents[w]
             if a.sending is None and a.sent < wk.done and b != s.dead:
-                ags = list(agents)
-                ags[w] = a._replace(sent=wk.done, sending=wk.done)
-                ags[b] = agents[b]._replace(receiving=wk.done)
-                yield s._replace(agents=tuple(ags))
+                yield _start_send(s, p, w, wk.done, n)
             if buddy_holds(w, wk.done, s):
                 yield with_worker(w, phase="run")
     # The agents' replication of published slots (sync, series): the newest one not sent.
@@ -194,10 +199,7 @@ def _successors(s: State, p: Protocol, n: int, max_step: int):
         a, b = agents[w], (w + 1) % n
         newest = max(_whole(workers[w].own), default=-1)
         if a.sending is None and newest > a.sent and b != s.dead:
-            ags = list(agents)
-            ags[w] = a._replace(sent=newest, sending=newest)
-            ags[b] = agents[b]._replace(receiving=newest)
-            yield s._replace(agents=tuple(ags))
+            yield _start_send(s, p, w, newest, n)
     # A copy on the wire lands whole (the buddy keeps the newest ``keep``), unless the
     # buddy is lost; it is dropped when the sender is.
     for w in range(n):
@@ -211,6 +213,17 @@ def _successors(s: State, p: Protocol, n: int, max_step: int):
         ags[b] = agents[b]._replace(store=_put(agents[b].store, a.sending, p.keep),
                                     receiving=None)
         yield s._replace(agents=tuple(ags))
+
+
+def _start_send(s: State, p: Protocol, w: int, step: int, n: int) -> State:
+    b = (w + 1) % n
+    ags = list(s.agents)
+    ags[w] = ags[w]._replace(sent=step, sending=step)
+    store = ags[b].store
+    if p.make_room:
+        store = frozenset(sorted(store)[-(p.keep - 1):]) if p.keep > 1 else frozenset()
+    ags[b] = ags[b]._replace(store=store, receiving=step)
+    return s._replace(agents=tuple(ags))
 
 
 def _resume_step(s: State, p: Protocol, n: int) -> int | None:
@@ -244,7 +257,7 @@ def _units(s: State, p: Protocol, n: int) -> tuple[int, bool]:
         wk, a = s.workers[w], s.agents[w]
         units = sum(x is not None for x in wk.own) + len(a.store)
         units += a.receiving is not None
-        if p.kind != "lag":  # the replicator reads the copy out of its slot
+        if p.kind != "lag" and not p.zero_copy:  # the replicator reads the slot out
             units += a.sending is not None
         quiet &= a.sending is None and a.receiving is None and TORN not in wk.own
         most = max(most, units)
@@ -295,6 +308,10 @@ PROTOCOLS = (
     Protocol("lag", 1, 1, live_source=True),
     Protocol("lag", 1, 2),
     Protocol("lag", 1, 2, live_source=True),
+    Protocol("series", 2, 2, zero_copy=True, make_room=True),
+    Protocol("sync", 2, 2, zero_copy=True),
+    Protocol("sync", 2, 2, zero_copy=True, make_room=True),
+    Protocol("lag", 1, 2, live_source=True, make_room=True),
     Protocol("series", 2, 1, finish_inflight=True),
     Protocol("lag", 1, 1, finish_inflight=True),
     Protocol("lag", 1, 1, live_source=True, finish_inflight=True),
