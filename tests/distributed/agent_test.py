@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
 from mnemojax._src.distributed.snapshot_codec import ShardEntry, pack, read_meta, unpack
 from mnemojax._src.distributed.worker.agent_client import AgentClient, fetch_snapshot
 from mnemojax._src.errors import StateUnavailableError
@@ -167,6 +168,49 @@ def test_a_new_buddy_after_a_restore_from_disk_gets_the_newest_copy_only(two_age
         client.close()
 
 
+def test_a_copy_in_series_makes_room_at_the_buddy_before_its_payload_arrives(two_agents):
+    """A worker that publishes in series marks its copies (`wire.Replica.make_room`): its
+    buddy drops the oldest of its two copies as soon as the next one's header arrives,
+    before the payload is read, so it never holds three. Sent straight from the slot."""
+    import json
+    import struct
+
+    from mnemojax._src.checksum import checksum
+    from mnemojax._src.distributed import transport
+
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address, secret=SECRET)
+    sent: list[wire.Replica] = []
+    real_send = transport.send
+
+    def spy(sock, message, payload=b""):
+        if isinstance(message, wire.Replica):
+            sent.append(message)
+        return real_send(sock, message, payload)
+
+    try:
+        transport.send = spy
+        for step in (4, 5):
+            client.publish(step, _worker0_copy(step, 0), in_series=True)
+            assert client.await_replicated(5.0) is None
+        assert held(agents[1].address)[0] == {"0": [4, 5]}
+        assert [(m.step, m.make_room) for m in sent] == [(4, True), (5, True)]
+        # Step 6's copy by hand: its header, then (later) its payload.
+        data = b"".join(bytes(p) for p in _worker0_copy(6, 0))
+        head = json.dumps(wire.Replica(origin=0, step=6, crc=checksum(data),
+                                       make_room=True).to_wire()).encode()
+        with transport.connect(fake.addresses[1], secret=SECRET) as sock:
+            sock.sendall(struct.pack("!II", len(head), len(data)) + head)
+            wait_until(lambda: agents[1].snapshots.replicas.steps(0) == [5])
+            sock.sendall(data)
+            assert isinstance(transport.recv(sock)[0], wire.Ok)
+        assert agents[1].snapshots.replicas.steps(0) == [5, 6]
+    finally:
+        transport.send = real_send
+        client.close()
+
+
 def test_agent_refuses_replicas_over_its_hosts_budget(two_agents):
     """Agent 1 keeps worker 0's replicas only within its own worker's budget (its slots
     count too): over it the replica is refused and reported, never held."""
@@ -321,10 +365,12 @@ def test_a_budget_the_worker_publishes_under_is_one_the_buddy_keeps_replicas_und
             c.close()
 
 
+@pytest.mark.parametrize("in_series", [False, True], ids=["default", "in-series"])
 @pytest.mark.parametrize("slack", [0, -1])
-def test_the_agents_replica_check_is_the_workers_peak(slack):
+def test_the_agents_replica_check_is_the_workers_peak(slack, in_series):
     """At a budget of exactly `agent_peak_bytes(n, n)` the agent keeps a third replica of
-    n bytes (two held, one arriving); one byte less, it refuses it and says so once."""
+    n bytes (two held, one arriving; in series, one held after the room made for it);
+    one byte less, it refuses the copy that would make that peak and says so once."""
     import os
 
     from mnemojax._src.checksum import checksum
@@ -338,13 +384,20 @@ def test_the_agents_replica_check_is_the_workers_peak(slack):
     holder = SnapshotHolder(1, shm_prefix=f"mnjxtest{os.getpid()}_{slack + 1}_",
                             report=events.append)
     try:
-        holder.allocate(n + SLOT_MARGIN, budget_bytes=agent_peak_bytes(n, n) + slack)
+        holder.allocate(n + SLOT_MARGIN, budget_bytes=agent_peak_bytes(
+            n, n, in_series=in_series) + slack)
         replies = []
         for step, frame in frames.items():
+            if in_series:  # what the agent's server does before the payload arrives
+                holder.replicas.make_room(0, step)
             replies.append(holder.accept_replica(
-                wire.Replica(origin=0, step=step, crc=checksum(frame)), frame))
+                wire.Replica(origin=0, step=step, crc=checksum(frame),
+                             make_room=in_series), frame))
         kept = [isinstance(r, wire.Ok) for r in replies]
-        assert kept == ([True] * 3 if slack == 0 else [True, True, False])
+        # One byte under it, the copy that would make the peak is refused: the third
+        # (two held and one arriving), in series the second (one held and one arriving).
+        assert kept == ([True] * 3 if slack == 0 else
+                        [True, False, False] if in_series else [True, True, False])
         assert len([e for e in events if isinstance(e, wire.ReplicaRefused)]) == (slack < 0)
     finally:
         holder.close()
@@ -436,5 +489,37 @@ def test_an_agent_refuses_a_held_copy_that_fails_its_check():
         reply = holder.accept_held(wire.Hold(step=2, crc=1), frame)
         assert isinstance(reply, wire.ErrorReply) and "fails its" in reply.message
         assert holder.held is None and holder.verified_copies().copies == ()
+    finally:
+        holder.close()
+
+
+def test_a_segment_a_send_reads_from_stays_mapped_until_the_send_is_done():
+    """The replicator sends straight from a slot (`SnapshotHolder.lend`): when a bigger
+    segment replaces that one and the worker publishes into it meanwhile, the old one is
+    closed only once the view is back, and the copy read through it is intact."""
+    import os
+
+    from mnemojax._src.distributed.shm import SnapshotBuffer
+
+    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_lend_", report=lambda e: None)
+    try:
+        holder.allocate(1000, budget_bytes=None)
+        old = holder.buffer
+        assert old is not None
+        old.publish(1, [b"x" * 900])
+        with holder.lend() as lent:
+            assert (lent.step, bytes(lent.data)) == (1, b"x" * 900)
+            holder.allocate(5000, budget_bytes=None)
+            new = holder.buffer
+            assert new is not None and new is not old
+            new.publish(2, [b"y" * 4000])
+            holder.published()  # the retired segment would go now: its view is out
+            assert bytes(lent.data[:3]) == b"xxx" and lent.intact()
+            assert os.path.exists(f"/dev/shm/{old.name}")
+        assert not os.path.exists(f"/dev/shm/{old.name}")  # closed on the way out
+        with holder.lend() as lent:
+            assert lent.step == 2
+        with pytest.raises(FileNotFoundError):
+            SnapshotBuffer.attach(old.name)
     finally:
         holder.close()

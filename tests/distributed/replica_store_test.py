@@ -84,3 +84,33 @@ def test_a_new_worlds_copies_outrank_the_old_worlds_later_steps():
     assert store.steps(1) == [9, 10] and store.get(1, 10)[0] == b"s10g1"
     put(10, 0)  # a late copy of the old world
     assert store.get(1, 10)[0] == b"s10g1"
+
+
+def test_making_room_drops_what_a_copy_in_series_outdates_before_it_arrives():
+    """A newer step from a worker in series: the oldest copy goes first, so the origin
+    never has three copies at once; the same step (a replay of an abandoned one): that
+    copy goes; an older step (a new buddy's copy of a resumed step), or room to spare:
+    nothing goes."""
+    store = ReplicaStore(keep=2)
+
+    def put(step, generation=0):
+        data = f"s{step}g{generation}".encode()
+        store.put(1, step, data, checksum(data), generation=generation)
+
+    store.make_room(1, 1)  # nothing held yet
+    put(1)
+    store.make_room(1, 2)  # one held: room to spare
+    assert store.steps(1) == [1]
+    put(2)
+    store.make_room(1, 0)  # older than every copy: received first, then ranked
+    assert store.steps(1) == [1, 2]
+    store.make_room(1, 3)
+    assert store.steps(1) == [2]
+    put(3)
+    store.make_room(1, 3)  # the new world replays step 3
+    assert store.steps(1) == [2]
+    put(3, generation=1)
+    assert store.steps(1) == [2, 3] and store.get(1, 3)[0] == b"s3g1"
+    store.make_room(2, 5)  # another origin's copies are not touched
+    store.make_room(1, 4)  # the oldest by (world, step): step 2 of world 0
+    assert store.steps(1) == [3]

@@ -96,11 +96,12 @@ def test_a_held_copy_goes_to_the_agent_only_for_a_step_published_in_this_world(
 
 @contextlib.contextmanager
 def _slow_buddy(delay_s: float = 0.5):
-    """A buddy that answers each replica after ``delay_s``: yields its address and the
-    steps it has answered for, in order."""
+    """A buddy that answers each replica after ``delay_s``: yields its address, the steps
+    it has answered for, in order, and the replica messages received."""
     from mnemojax._src.distributed import transport, wire
 
     answered: list[int] = []
+    received: list = []
     stop = threading.Event()
 
     def serve(conn):
@@ -110,6 +111,7 @@ def _slow_buddy(delay_s: float = 0.5):
                     message, _ = transport.recv(conn)
                 except (OSError, ConnectionError):
                     return
+                received.append(message)
                 time.sleep(delay_s)
                 answered.append(message.step)
                 transport.send(conn, wire.Ok())
@@ -118,7 +120,7 @@ def _slow_buddy(delay_s: float = 0.5):
     threading.Thread(target=transport.accept_loop, args=(server, serve),
                      kwargs={"secret": SECRET, "stop": stop}, daemon=True).start()
     try:
-        yield address, answered
+        yield address, answered, received
     finally:
         stop.set()
         transport.close_server(server)
@@ -138,7 +140,7 @@ def test_a_publish_waits_until_the_buddy_holds_the_last_snapshot(two_agents, cap
     session = _session(agents[0].address)
     assert session.agent is not None
     try:
-        with _slow_buddy() as (address, answered):
+        with _slow_buddy() as (address, answered, _):
             fake.command(0, wire.SetBuddy(buddy=address))
             wait_until(lambda: agents[0].replicator._buddy == address)
             for step in (1, 2, 3):
@@ -172,7 +174,7 @@ def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
     assert session.agent is not None
     leaves = [jnp.ones((256,), jnp.float32)]
     try:
-        with _slow_buddy() as (address, answered):
+        with _slow_buddy() as (address, answered, received):
             fake.command(0, wire.SetBuddy(buddy=address))
             wait_until(lambda: agents[0].replicator._buddy == address)
             assert session.publish(1, leaves, budget_bytes=1 << 20)
@@ -187,6 +189,9 @@ def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
             # one between two progress signals: the agent's hang floor bounds one).
             assert len(waits) == 3
             assert session.replication_lags == 0
+            # Only the copies published in series let the buddy make room for them first.
+            assert [(m.step, m.make_room) for m in received] == [
+                (1, False), (2, True), (3, True)]
             with pytest.raises(ValueError, match="background"):
                 session.publish(4, leaves, in_series=True, background=True)
     finally:
@@ -194,7 +199,7 @@ def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
 
 
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
-    """The agent would hold ~6 x the payload at its peak (`shm.agent_peak_bytes`): over
+    """The agent would hold ~5 x the payload at its peak (`shm.agent_peak_bytes`): over
     the budget the worker stops publishing, says so once, and writes nothing."""
     import jax.numpy as jnp
 

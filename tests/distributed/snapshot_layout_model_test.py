@@ -9,17 +9,32 @@ from mnemojax._src.distributed import shm
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
 from tests.jobs.snapshot_layout_model import Protocol, State, check, describe
 
-TODAY = dict(own_slots=shm.NUM_SLOTS, keep=ReplicaStore().keep)
+# The agents' layout: two own slots, two replicas kept, the copy sent straight from its
+# slot; in series the buddy makes room before a copy arrives.
+TODAY = dict(own_slots=shm.NUM_SLOTS, keep=ReplicaStore().keep, zero_copy=True)
 
 
-def test_todays_layout_in_series_survives_any_host_loss_at_its_measured_memory():
-    result = check(Protocol("series", **TODAY))
+def _shares(nbytes: int) -> int:
+    return round(nbytes / (1 << 30))
+
+
+def test_todays_layout_in_series_survives_any_host_loss_at_its_counted_memory():
+    result = check(Protocol("series", make_room=True, **TODAY))
     assert result.safe, describe(result.unrecoverable[0])
     assert result.max_steps_lost == 1
     # The agent's own accounting of its peak (`shm.agent_peak_bytes`, margins aside) and
     # the 4x at rest measured by `tests.jobs.agent_memory`.
-    assert result.peak_units == round(shm.agent_peak_bytes(1 << 30, 1 << 30) / (1 << 30))
-    assert result.rest_units == 4
+    assert result.peak_units == _shares(shm.agent_peak_bytes(1 << 30, 1 << 30, in_series=True))
+    assert result.rest_units == 4 == result.peak_units
+
+
+def test_making_room_is_what_needs_the_publish_in_series():
+    """The same layout without the wait in series loses a step, with or without room made
+    first; its peak is the default `agent_peak_bytes` when no room is made."""
+    result = check(Protocol("sync", **TODAY))
+    assert not result.safe
+    assert result.peak_units == _shares(shm.agent_peak_bytes(1 << 30, 1 << 30)) == 5
+    assert not check(Protocol("sync", make_room=True, **TODAY)).safe
 
 
 def test_todays_default_order_has_the_window_the_notes_name():
@@ -51,6 +66,7 @@ def test_layouts_under_4x_lose_a_step_when_survivors_abandon_their_step(protocol
     (Protocol("lag", 1, 2, live_source=True), 3, 4),
     (Protocol("series", 2, 1, finish_inflight=True), 3, 5),
     (Protocol("lag", 1, 1, live_source=True, finish_inflight=True), 2, 3),
+    (Protocol("lag", 1, 2, live_source=True, make_room=True), 3, 3),
 ], ids=str)
 def test_the_layouts_under_4x_that_survive_and_what_they_assume(protocol, rest, peak):
     result = check(protocol)

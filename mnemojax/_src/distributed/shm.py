@@ -14,6 +14,7 @@ the header (seqlock) and check the CRC, so a torn read is detected.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import struct
 from collections.abc import Sequence
@@ -35,13 +36,16 @@ NUM_SLOTS = 2
 SLOT_MARGIN = 4096  # a slot's bytes beyond one copy: the metadata's step and world numbers
 
 
-def agent_peak_bytes(own: int, replica: int) -> int:
+def agent_peak_bytes(own: int, replica: int, *, in_series: bool = False) -> int:
     """An agent's snapshot memory at its peak, for its worker's copies of ``own`` bytes and
-    its ring predecessor's of ``replica``: two slots (each one copy plus `SLOT_MARGIN`),
-    the copy of the newest being sent to the buddy (read out of a slot), the two replicas
-    kept and the one being received. The worker refuses to publish over its budget by
-    this figure, and the agent refuses a replica by the same one."""
-    return (NUM_SLOTS + 1) * (own + SLOT_MARGIN) + 3 * replica
+    its ring predecessor's of ``replica``: two slots (each one copy plus `SLOT_MARGIN`; the
+    newest is sent to the buddy straight from its slot, `SnapshotBuffer.lend`), the two
+    replicas kept and the one being received; ``in_series`` (the predecessor publishes
+    with `SnapshotOptions.replicate_in_series`), two replicas: the agent drops the older
+    when a newer one starts to arrive (`ReplicaStore.make_room`). The worker refuses to
+    publish over its budget by this figure, and the agent refuses a replica by the
+    copies it actually holds."""
+    return NUM_SLOTS * (own + SLOT_MARGIN) + (2 if in_series else 3) * replica
 
 
 def shm_unlink(name: str) -> None:
@@ -80,6 +84,27 @@ def _untrack(shm: shared_memory.SharedMemory) -> memoryview:
 def nbytes_of(parts: Sequence[bytes | memoryview]) -> int:
     """Bytes of a payload given as parts to concatenate (`snapshot_codec.pack`)."""
     return sum(len(memoryview(p).cast("B")) for p in parts)
+
+
+@dataclasses.dataclass
+class SlotView:
+    """A complete snapshot lent out of its slot without a copy (`SnapshotBuffer.lend`):
+    ``data`` is a view of the shared memory, valid until `release`."""
+
+    step: int
+    data: memoryview
+    crc: int
+    _buffer: SnapshotBuffer
+    _slot: int
+    _header: tuple[int, int, int, int, int]
+
+    def intact(self) -> bool:
+        """Whether the slot still holds this snapshot (not rewritten since it was lent:
+        the seqlock check of `SnapshotBuffer.read`)."""
+        return self._buffer._header(self._slot) == self._header  # noqa: SLF001
+
+    def release(self) -> None:
+        self.data.release()
 
 
 class SnapshotBuffer:
@@ -211,6 +236,23 @@ class SnapshotBuffer:
         if verify and checksums.checksum(data) != crc:
             raise SnapshotCorruptError(f"snapshot of step {s} fails its {checksums.NAME} check")
         return s, data, crc
+
+    def lend(self, step: int | None = None) -> SlotView:
+        """The newest complete snapshot, or the one of ``step``, as a view of its slot (no
+        copy, no check): for a reader that checks `SlotView.intact` after using it, or
+        whose receiver checks the CRC32C (the replicator: its buddy checks every copy).
+        The caller must `SlotView.release` it before this buffer is closed.
+
+        Raises:
+            KeyError: no complete snapshot (of that step).
+        """
+        headers = [(i, self._header(i)) for i in range(NUM_SLOTS)]
+        done = [(i, h) for i, h in headers if h[4] and (step is None or h[1] == step)]
+        if not done:
+            raise KeyError(step)
+        i, header = max(done, key=lambda ih: ih[1][0])
+        at = DATA_AT + i * self.slot_bytes
+        return SlotView(header[1], self._buf[at:at + header[2]], header[3], self, i, header)
 
     def flip_bit(self, step: int | None = None) -> list[int]:
         """Flips one bit in the middle of every complete snapshot (or only ``step``'s),

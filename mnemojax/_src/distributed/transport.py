@@ -70,8 +70,10 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b
 
 
 def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,
-               max_payload: int | None = None) -> tuple[Any, bytearray]:
+               max_payload: int | None = None,
+               on_header: Callable[[Any], None] | None = None) -> tuple[Any, bytearray]:
     """Receives one frame: its decoded JSON header (not checked) and its payload.
+    ``on_header`` is called with the header before the payload is read (and allocated).
 
     Raises:
         ConnectionError: the peer closed the connection.
@@ -86,6 +88,8 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,
         header = json.loads(_recv_exact(sock, head_len))
     except ValueError as e:
         raise ProtocolError(f"header is not JSON: {e}") from None
+    if on_header is not None:
+        on_header(header)
     payload = _recv_exact(sock, payload_len) if payload_len else bytearray()
     return header, payload
 
@@ -95,15 +99,24 @@ def send(sock: socket.socket, message: wire.Message, payload: Payload = b"") -> 
     send_frame(sock, message.to_wire(), payload)
 
 
-def recv(sock: socket.socket) -> tuple[wire.Message, bytearray]:
-    """Receives one message and its payload.
+def recv(sock: socket.socket, *, before_payload: Callable[[wire.Message], None] | None = None
+         ) -> tuple[wire.Message, bytearray]:
+    """Receives one message and its payload; ``before_payload`` is called with the
+    message before its payload is read (to make room for it).
 
     Raises:
         ConnectionError: the peer closed the connection.
         ProtocolError: the frame or the message is malformed (`wire.decode`).
     """
-    header, payload = recv_frame(sock)
-    return wire.decode(header), payload
+    decoded: list[wire.Message] = []
+
+    def on_header(header: Any) -> None:
+        decoded.append(wire.decode(header))
+        if before_payload is not None:
+            before_payload(decoded[0])
+
+    _, payload = recv_frame(sock, on_header=on_header)
+    return decoded[0], payload
 
 
 def expect(message: wire.Message, kind: type[M]) -> M:

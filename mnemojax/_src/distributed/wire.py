@@ -536,10 +536,12 @@ class Allocated(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Published(Message):
-    """The snapshot of ``step`` is complete in shared memory (also the progress signal)."""
+    """The snapshot of ``step`` is complete in shared memory (also the progress signal);
+    ``in_series``: published with `SnapshotOptions.replicate_in_series`."""
 
     OP: ClassVar[str] = "published"
     step: int
+    in_series: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -589,12 +591,15 @@ class Phase(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Replica(Message):
     """A copy of worker ``origin``'s snapshot of ``step`` (the payload), for its buddy;
-    ``crc`` is the payload's CRC32C (`checksum`), as the worker published it."""
+    ``crc`` is the payload's CRC32C (`checksum`), as the worker published it.
+    ``make_room``: the buddy may drop its oldest copy of ``origin`` before the payload
+    arrives (`ReplicaStore.make_room`; the worker publishes in series)."""
 
     OP: ClassVar[str] = "replica"
     origin: int
     step: int
     crc: int
+    make_room: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

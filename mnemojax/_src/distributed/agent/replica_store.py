@@ -43,6 +43,28 @@ class ReplicaStore:
             if step in kept:  # (a copy older than every one held is not kept)
                 held[step] = (payload, crc, generation)
 
+    def make_room(self, origin: int, step: int) -> None:
+        """Before ``origin``'s copy of ``step`` arrives, from a worker that publishes in
+        series: drops the copy it will replace (the same step, an abandoned one of an older
+        world), else, when ``step`` is newer than every step held and ``keep`` copies are
+        held, the oldest, so the host never holds ``keep + 1`` copies of ``origin``.
+
+        Why that is safe: the worker published ``step`` after its buddy held its step
+        before, and it finished ``step`` only once every worker had finished that step
+        before and (in series) its buddy held it: a failure from now on resumes from that
+        step or a newer one. A copy that then fails its check leaves that step. An older
+        step (a copy a new buddy gets of the step its world resumed from) drops nothing.
+        """
+        with self._lock:
+            held = self._by_origin.get(origin)
+            if not held:
+                return
+            if step in held:
+                del held[step]
+            elif step > max(held):
+                while len(held) >= self.keep:
+                    del held[min(held, key=lambda s: (held[s][2], s))]
+
     def steps(self, origin: int) -> list[int]:
         """The steps of ``origin`` held, oldest first (unchecked; `verify` checks)."""
         with self._lock:

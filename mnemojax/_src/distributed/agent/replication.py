@@ -102,21 +102,34 @@ class Replicator:
             self._failing = failing
             self._cv.notify_all()
 
-    def _send(self, sock: socket.socket, want: int | None, *,
-              skip: int | None) -> tuple[str | None, int] | None:
+    def _send(self, sock: socket.socket, want: int | None, *, skip: int | None,
+              resuming: bool) -> tuple[str | None, int] | None:
         """Sends its worker's copy of step ``want`` (None, or not held: the newest) unless
         it is of step ``skip`` (just sent); returns (the buddy's refusal or None, the step
-        sent), or None when nothing was sent."""
+        sent), or None when nothing was sent. ``resuming``: a new world's resumed step is
+        still to reach the buddy (no publish in it yet)."""
         if want is None and skip is not None and self._holder.newest_step() == skip:
-            return None  # (found without copying the snapshot out)
-        # Not checked here: the buddy checks every replica it receives.
-        step, data, crc = self._holder.newest(verify=False, prefer=want)
-        if step == skip:
             return None
-        # The timeout covers the whole send: at least 10 s, more for a large copy.
-        sock.settimeout(SEND_TIMEOUT_S + len(data) / SEND_FLOOR_BYTES_PER_S)
-        transport.send(sock, wire.Replica(origin=self.worker_id, step=step, crc=crc), data)
-        del data  # the copy read out of the slot: not kept while waiting for the answer
+        # Sent straight from its slot, unchecked: the buddy checks every replica it
+        # receives, so a slot rewritten meanwhile (a worker that did not wait for this
+        # copy) is refused there, not kept.
+        with self._holder.lend(prefer=want) as lent:
+            if lent.step == skip:
+                return None
+            # In series, the newest copy of a worker that published it means the step
+            # before is held by every buddy and every worker finished it (lockstep): its
+            # buddy may drop its oldest copy of this worker before this one arrives
+            # (`ReplicaStore.make_room`). Not until the worker published in a new world.
+            make_room = self._holder.in_series and want is None and not resuming
+            # The timeout covers the whole send: at least 10 s, more for a large copy.
+            sock.settimeout(SEND_TIMEOUT_S + len(lent.data) / SEND_FLOOR_BYTES_PER_S)
+            transport.send(sock, wire.Replica(origin=self.worker_id, step=lent.step,
+                                              crc=lent.crc, make_room=make_room), lent.data)
+            step, intact = lent.step, lent.intact()
+        if not intact:
+            logger.warning("agent %d: worker %d's snapshot of step %d was rewritten while it "
+                           "was sent; its buddy refuses that copy", self.worker_id,
+                           self.worker_id, step)
         reply, _ = transport.recv(sock)
         return (reply.message if isinstance(reply, wire.ErrorReply) else None), step
 
@@ -141,7 +154,7 @@ class Replicator:
                     sock, target = transport.connect(buddy, secret=self._secret), buddy
                 refused, sent = None, None
                 for want in (resume, None):
-                    result = self._send(sock, want, skip=sent)
+                    result = self._send(sock, want, skip=sent, resuming=resume is not None)
                     if result is not None:
                         refused, sent = refused or result[0], result[1]
                 # A refusal (budget, check) of either copy is the buddy's to report to the

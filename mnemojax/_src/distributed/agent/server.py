@@ -64,7 +64,8 @@ class AgentServer:
             try:
                 while True:
                     try:
-                        message, payload = transport.recv(conn)
+                        message, payload = transport.recv(
+                            conn, before_payload=self._before_payload)
                     except ProtocolError as e:  # answer, then drop the connection
                         transport.send(conn, wire.ErrorReply(message=str(e)))
                         return
@@ -74,6 +75,10 @@ class AgentServer:
             except (OSError, ConnectionError):
                 return
 
+    def _before_payload(self, message: wire.Message) -> None:
+        if isinstance(message, wire.Replica) and message.make_room:
+            self._holder.replicas.make_room(message.origin, message.step)
+
     def _dispatch(self, message: wire.Message,
                   payload: bytearray) -> tuple[wire.Message, bytes | bytearray] | None:
         now = time.monotonic()
@@ -81,7 +86,8 @@ class AgentServer:
             return self._holder.allocate(message.nbytes, message.budget_bytes), b""
         if isinstance(message, wire.Published):
             self._watchdog.progress(message.step, now)
-            self._holder.published()  # the slots a bigger segment replaced may go now
+            # The slots a bigger segment replaced may go now.
+            self._holder.published(in_series=message.in_series)
             self._replicator.published(message.step)
             # Last: once the launcher hears of it, the replicator knows of it too.
             self._report(wire.Progress(worker_id=self.worker_id, step=message.step))

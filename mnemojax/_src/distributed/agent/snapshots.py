@@ -12,15 +12,17 @@ and the first refused replica is reported to the launcher. No JAX here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
 from mnemojax._src.distributed.agreement import CopyInfo, held_origin
-from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer, agent_peak_bytes
+from mnemojax._src.distributed.shm import (SLOT_MARGIN, SlotView, SnapshotBuffer,
+                                           agent_peak_bytes)
 from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.errors import SnapshotCorruptError
 
@@ -48,7 +50,14 @@ class SnapshotHolder:
         self.budget_bytes: int | None = None  # host memory for snapshots (from the worker)
         self._segments = 0
         self._refused_replicas = False
+        # Whether its worker publishes in series (`wire.Published.in_series`): its copies
+        # then make room at the buddy before they arrive.
+        self.in_series = False
         self._lock = threading.Lock()  # the buffer: replaced on alloc, read by other threads
+        # Views lent out of each segment (`lend`), and the segments to close once theirs
+        # are back (a mapping with views out cannot be closed).
+        self._lent: dict[int, int] = {}
+        self._closing: list[SnapshotBuffer] = []
 
     def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
         """Slots of at least ``nbytes``: a new segment replaces one too small or more than
@@ -59,7 +68,7 @@ class SnapshotHolder:
             self.budget_bytes = budget_bytes
             if self.buffer is None or not nbytes <= self.buffer.slot_bytes <= 2 * nbytes:
                 if self._retired is not None:
-                    self._retired.close()
+                    self._close(self._retired)
                 self._retired = self.buffer
                 self._segments += 1
                 self.buffer = SnapshotBuffer.create(
@@ -140,6 +149,51 @@ class SnapshotHolder:
                         continue
             raise KeyError("no complete snapshot yet")
 
+    @contextlib.contextmanager
+    def lend(self, *, prefer: int | None = None) -> Iterator[SlotView]:
+        """Its own worker's newest complete snapshot (or ``prefer``'s, when held) as a view
+        of its slot, unchecked and uncopied, for the duration of the ``with``: what the
+        replicator sends (its buddy checks the CRC32C, and the sender `SlotView.intact`).
+        The segment stays mapped meanwhile, even if a bigger one replaces it.
+
+        Raises:
+            KeyError: none yet.
+        """
+        with self._lock:
+            view = None
+            for step in (prefer, None):
+                for buffer in self._buffers():
+                    try:
+                        view = buffer.lend(step)
+                        break
+                    except KeyError:
+                        continue
+                if view is not None:
+                    break
+            if view is None:
+                raise KeyError("no complete snapshot yet")
+            lent = view._buffer  # noqa: SLF001
+            self._lent[id(lent)] = self._lent.get(id(lent), 0) + 1
+        try:
+            yield view
+        finally:
+            view.release()
+            with self._lock:
+                self._lent[id(lent)] -= 1
+                if not self._lent[id(lent)]:
+                    del self._lent[id(lent)]
+                    if lent in self._closing:
+                        self._closing.remove(lent)
+                        lent.close()
+
+    def _close(self, buffer: SnapshotBuffer) -> None:
+        """Closes a segment now, or once the views lent out of it are back (call with
+        the lock held)."""
+        if self._lent.get(id(buffer)):
+            self._closing.append(buffer)
+        else:
+            buffer.close()
+
     def newest_step(self) -> int | None:
         """The step `newest` returns, without copying it (None: no snapshot yet)."""
         with self._lock:
@@ -149,13 +203,15 @@ class SnapshotHolder:
                     return step
             return None
 
-    def published(self) -> None:
-        """Its worker published into the current slots: the retired segment goes, and the
-        held copy (its snapshots cover a newer step now)."""
+    def published(self, *, in_series: bool = False) -> None:
+        """Its worker published into the current slots (``in_series``: with
+        `SnapshotOptions.replicate_in_series`): the retired segment goes, and the held copy
+        (its snapshots cover a newer step now)."""
         with self._lock:
             self.held = None
+            self.in_series = in_series
             if self._retired is not None:
-                self._retired.close()
+                self._close(self._retired)
                 self._retired = None
 
     def _buffers(self) -> list[SnapshotBuffer]:
@@ -232,5 +288,5 @@ class SnapshotHolder:
         """Unmaps and removes its own slots."""
         with self._lock:
             for buffer in self._buffers():
-                buffer.close()
+                self._close(buffer)
             self._retired = None

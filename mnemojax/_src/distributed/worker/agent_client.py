@@ -52,12 +52,15 @@ class AgentClient:
         return self.buffer
 
     def publish(self, step: int, parts: Sequence[bytes | memoryview], *,
-                budget_bytes: int | None = None) -> int:
+                budget_bytes: int | None = None, in_series: bool = False) -> int:
         """Writes the snapshot of ``step`` into shared memory and tells the agent.
 
         Args:
             budget_bytes: host memory the agent may use for snapshots (its slots and the
                 replicas it keeps for its ring neighbour); passed on when it allocates.
+            in_series: the worker waits for this copy to reach the buddy before its next
+                step (`SnapshotOptions.replicate_in_series`), so the buddy may make room
+                for it (`wire.Replica.make_room`).
 
         Returns:
             The payload's checksum (CRC32C, `checksum.checksum`).
@@ -65,7 +68,7 @@ class AgentClient:
         nbytes = nbytes_of(parts)
         crc = self._ensure_capacity(nbytes, budget_bytes).publish(step, parts)
         with self._lock:
-            transport.send(self._sock, wire.Published(step=step))
+            transport.send(self._sock, wire.Published(step=step, in_series=in_series))
         return crc
 
     def await_replicated(self, timeout_s: float) -> str | None:

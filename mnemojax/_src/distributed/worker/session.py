@@ -176,9 +176,10 @@ class DistributedSession:
         (`recover`, `hold`, `leave`, `finish`). Without it the copy is done on return.
 
         The agent keeps two slots of this worker's snapshot and two of its ring
-        predecessor's, so 4 x the payload of host memory at rest, and 6 x at its peak
-        (a copy being sent, one being received: `shm.agent_peak_bytes`, with equal
-        shares). Over ``budget_bytes`` at that peak,
+        predecessor's, so 4 x the payload of host memory at rest, and 5 x at its peak
+        (one more copy being received; the copy sent to the buddy is read from its slot),
+        or 4 x in series (the buddy drops its oldest copy before a new one arrives):
+        `shm.agent_peak_bytes`, with equal shares. Over ``budget_bytes`` at that peak,
         publishing stops for good with a `SnapshotBudgetWarning` (never an OOM of the host):
         a later loss of this worker's shards then falls back to the persistent tier.
 
@@ -198,13 +199,14 @@ class DistributedSession:
                                         num_leaves=len(leaves),
                                         generation=self.world.generation)
         nbytes = len(head) + sum(int(e.data.nbytes) for e in shards)
-        peak = agent_peak_bytes(nbytes, nbytes)  # its ring neighbour's share: as large
+        # Its ring neighbour's share: as large; it publishes as this worker does.
+        peak = agent_peak_bytes(nbytes, nbytes, in_series=in_series)
         if budget_bytes is not None and peak > budget_bytes:
             self.publish_refused = True
             warnings.warn(
                 f"mnemojax: this worker's snapshots of {nbytes} bytes need {peak} bytes of "
-                f"its host's memory at the peak (two slots of its own and the copy being "
-                f"sent, two of its ring neighbour's and the one being received), over "
+                f"its host's memory at the peak (two slots of its own, two of its ring "
+                f"neighbour's{'' if in_series else ' and the one being received'}), over "
                 f"host_memory_budget_bytes={budget_bytes}; they are no longer published",
                 SnapshotBudgetWarning, stacklevel=3)
             return False
@@ -217,7 +219,7 @@ class DistributedSession:
             if not (in_series and self._waited_in_series == generation):
                 self._await_replicated(agent, step)
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
-            agent.publish(step, parts, budget_bytes=budget_bytes)
+            agent.publish(step, parts, budget_bytes=budget_bytes, in_series=in_series)
             self._published, self._published_nbytes = (step, generation), nbytes
             if in_series:  # the next step starts once the buddy holds this one
                 self._await_replicated(agent, step, then="going on")
