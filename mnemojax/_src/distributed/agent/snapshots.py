@@ -21,8 +21,7 @@ from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agent.replica_store import ReplicaStore
 from mnemojax._src.distributed.agreement import CopyInfo, held_origin
-from mnemojax._src.distributed.shm import (SLOT_MARGIN, SlotView, SnapshotBuffer,
-                                           agent_peak_bytes)
+from mnemojax._src.distributed.shm import SLOT_MARGIN, SlotView, SnapshotBuffer, agent_peak_bytes
 from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.errors import SnapshotCorruptError
 
