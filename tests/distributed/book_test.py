@@ -71,7 +71,9 @@ def test_book_says_which_workers_state_is_lost():
     holdings = {"a2": [copy(2, 4, [(3, 6)]), copy(1, 3, [(0, 3)])],
                 "a3": [copy(3, 3, []), copy(3, 4, [])]}
     decision = book.decide(coordinator="c", holdings=holdings)
-    assert decision[2].resume_step == -1 and decision[3].lost == (0, 1)
+    # Worker 1's step 3 survives (its step 4 does not): worker 0 alone has no copy at all.
+    assert decision[2].resume_step == -1 and decision[3].lost == (0,)
+    assert "workers [0]" in decision[3].why
     # Worker 3 holds no shards in world 0: missing its step-4 copy would lose nothing.
     del holdings["a3"][1]
     again = AgreementBook(0, [0, 1, 2, 3])
@@ -79,7 +81,7 @@ def test_book_says_which_workers_state_is_lost():
         again.arrive(w, 0, last_step=4)
     again.mark_dead(0)
     again.mark_dead(1)
-    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0, 1)
+    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0,)
     assert decision[2].sources == {} and decision[2].survivors == (2, 3)
     # A second round over a world that never formed ({2, 3}): the newest copies are of
     # world 0, so its members are the ones named.
@@ -88,7 +90,15 @@ def test_book_says_which_workers_state_is_lost():
         again.arrive(w, 1, last_step=4)
     decision = again.decide(coordinator="c", holdings=holdings,
                             members_of={0: (0, 1, 2, 3), 1: (2, 3)})
-    assert decision[2].lost == (0, 1)
+    assert decision[2].lost == (0,)
+    # Every worker has some copy, but none of worker 1 at the newest step: it is named.
+    holdings["a2"].append(copy(0, 3, [(0, 3)]))
+    again = AgreementBook(0, [0, 1, 2, 3])
+    for w in (2, 3):
+        again.arrive(w, 0, last_step=4)
+    again.mark_dead(0)
+    again.mark_dead(1)
+    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0, 1)
 
 
 def test_book_rejects_wrong_generation_and_evicted():

@@ -119,12 +119,17 @@ class AgreementBook:
             newest = max(((c.step, c.generation) for c in every), default=None)
             members = (members_of or {}).get(newest[1], self.members) if newest \
                 else self.members
-            present = {c.origin for c in every if (c.step, c.generation) == newest}
             # A worker that holds no shards in that world (all its shards are replicas of
             # others') loses nothing; its layout is the same at every step of a world.
             empty = {c.origin for c in every if newest and c.generation == newest[1]
                      and not c.shards}
-            lost = tuple(m for m in members if m not in present and m not in empty)
+            # Named: the members with no copy of any step of that world; when each has
+            # some, those missing the newest step (then no step has them all).
+            anywhere = {c.origin for c in every if newest and c.generation == newest[1]}
+            lost = tuple(m for m in members if m not in anywhere and m not in empty)
+            if not lost:
+                present = {c.origin for c in every if (c.step, c.generation) == newest}
+                lost = tuple(m for m in members if m not in present and m not in empty)
             why = (f"no live agent holds a verified copy of the shards of workers "
                    f"{list(lost)} (their agents and ring buddies are gone, or the copies "
                    "fail CRC32C, and no survivor held a replica of them)") if lost else (
