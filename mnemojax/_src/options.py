@@ -145,7 +145,10 @@ class SnapshotOptions:
             be reached, and is logged when it gives up. Right after a recovery the
             guarantee starts again with the first publish of the new world (a spare holds
             no copy before it). Costs the replication's latency per snapshot
-            (`tests.jobs.publish_overhead`). Not with ``overlap_publish``.
+            (`tests.jobs.publish_overhead`). Lowers the host's snapshot memory at the
+            peak from 5x to 4x its own share: the buddy drops the copy a new one outdates
+            as soon as the new one starts to arrive, which is safe only in series
+            (`tests.jobs.snapshot_layout_model`). Not with ``overlap_publish``.
     """
 
     every_steps: int = 20
