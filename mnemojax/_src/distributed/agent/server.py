@@ -115,6 +115,8 @@ class AgentServer:
         """A copy (`wire.Get`): whole, as its holder checked it; or its header or the parts
         inside the asked boxes, cut from the copy once it checks, with their own checksum."""
         what = f"worker {get.origin} step {get.step}"
+        if get.origin == self.worker_id and (get.header_only or get.boxes is not None):
+            return self._serve_from_slot(get, what)
         try:
             data, crc = self._holder.get(get.origin, get.step)
         except (KeyError, SnapshotCorruptError) as e:
@@ -129,3 +131,23 @@ class AgentServer:
                 return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
             crc = checksum(data)
         return wire.Snapshot(origin=get.origin, step=get.step, crc=crc), data
+
+    def _serve_from_slot(self, get: wire.Get,
+                         what: str) -> tuple[wire.Message, bytes | bytearray]:
+        """Its own worker's copy's header or regions, checked and cut in its slot (the
+        slot is not copied out first: a recovery's fetches add only what they send)."""
+        try:
+            with self._holder.lend(step=get.step) as view:
+                if checksum(view.data) != view.crc:
+                    return wire.ErrorReply(message=f"the copy of {what} fails its check"), b""
+                try:
+                    data = (snapshot_codec.header(view.data) if get.header_only else
+                            b"".join(snapshot_codec.select(view.data, get.boxes or ())))
+                except ValueError as e:
+                    return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
+                if not view.intact():
+                    return wire.ErrorReply(
+                        message=f"the copy of {what} was rewritten while it was read"), b""
+        except KeyError as e:
+            return wire.ErrorReply(message=f"no copy of {what}: {e}"), b""
+        return wire.Snapshot(origin=get.origin, step=get.step, crc=checksum(data)), data

@@ -149,21 +149,23 @@ class SnapshotHolder:
             raise KeyError("no complete snapshot yet")
 
     @contextlib.contextmanager
-    def lend(self, *, prefer: int | None = None) -> Iterator[SlotView]:
-        """Its own worker's newest complete snapshot (or ``prefer``'s, when held) as a view
-        of its slot, unchecked and uncopied, for the duration of the ``with``: what the
-        replicator sends (its buddy checks the CRC32C, and the sender `SlotView.intact`).
-        The segment stays mapped meanwhile, even if a bigger one replaces it.
+    def lend(self, *, prefer: int | None = None,
+             step: int | None = None) -> Iterator[SlotView]:
+        """Its own worker's newest complete snapshot (or ``prefer``'s, when held; or only
+        ``step``'s) as a view of its slot, unchecked and uncopied, for the duration of the
+        ``with``: what the replicator sends (its buddy checks the CRC32C, and the sender
+        `SlotView.intact`), and what the server cuts regions from. The segment stays
+        mapped meanwhile, even if a bigger one replaces it.
 
         Raises:
-            KeyError: none yet.
+            KeyError: none yet (or none of ``step``).
         """
         with self._lock:
             view = None
-            for step in (prefer, None):
+            for wanted in (step,) if step is not None else (prefer, None):
                 for buffer in self._buffers():
                     try:
-                        view = buffer.lend(step)
+                        view = buffer.lend(wanted)
                         break
                     except KeyError:
                         continue
@@ -246,16 +248,36 @@ class SnapshotHolder:
         never counted."""
         found: list[tuple[int, bytes | bytearray]] = []
         corrupt: list[wire.CorruptCopy] = []
+        copies: list[CopyInfo] = []
         with self._lock:
             seen: set[int] = set()
             for buffer in self._buffers():
                 for step in sorted(set(buffer.holdings()) - seen):
                     seen.add(step)
+                    # Checked in place, not copied out: an agreement adds no copy of the
+                    # slots to the host's memory.
                     try:
-                        found.append((self.worker_id, buffer.read(step)[1]))
-                    except (SnapshotCorruptError, KeyError) as e:
-                        corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
-                                                        error=str(e)))
+                        view = buffer.lend(step)
+                    except KeyError:  # rewritten since `holdings`
+                        continue
+                    try:
+                        error, info = None, None
+                        if checksums.checksum(view.data) != view.crc:
+                            error = f"snapshot of step {step} fails its {checksums.NAME} check"
+                        else:
+                            try:
+                                info = CopyInfo.from_meta(self.worker_id, read_meta(view.data))
+                            except (ValueError, KeyError, TypeError) as e:
+                                error = f"metadata: {e}"
+                        if not view.intact():
+                            error = f"step {step}'s slot was rewritten while it was checked"
+                        if error is None and info is not None:
+                            copies.append(info)
+                        else:
+                            corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
+                                                            error=error or "no metadata"))
+                    finally:
+                        view.release()
             held = self.held
         if held is not None:
             step, payload, crc = held
@@ -271,7 +293,6 @@ class SnapshotHolder:
         found += [(origin, payload) for origin, _, payload in good]
         corrupt += [wire.CorruptCopy(origin=o, step=s, error="replica fails its CRC32C check")
                     for o, s in bad]
-        copies = []
         for origin, payload in found:
             try:
                 copies.append(CopyInfo.from_meta(origin, read_meta(payload)))
