@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
+import numpy as np
 
 from mnemojax._src import monitoring
 from mnemojax._src.compiler import Executable
@@ -60,6 +62,11 @@ log = logging.getLogger("mnemojax")
 # How long the survivors wait for process 0 to checkpoint the agreed state when too few
 # survive (a missing member is evicted after this: keep it above the largest save).
 CHECKPOINT_BARRIER_S = 900.0
+# The compile barrier of a recovery (`DistributedSession.compiled`), which every process
+# reaches after restoring its regions: this, plus the whole state's bytes at this rate
+# (a process may fetch all of it, from another host), before a missing member is evicted.
+COMPILED_BARRIER_S = 300.0
+FETCH_FLOOR_BYTES_PER_S = 50e6
 
 
 @dataclasses.dataclass
@@ -118,6 +125,12 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
     session.phase("compile")
     exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, examples))
     return exe
+
+
+def _state_nbytes(builder: RuntimeBuilder) -> int:
+    """Bytes of the whole (global) state."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize
+               for shape, dtype in builder.leaf_structs)
 
 
 def _groups_of(plan: MeshPlan) -> dict[str, dict[str, list]]:
@@ -380,7 +393,10 @@ class ProcessRecovery:
             source = "agent_snapshots"
             restore_s = time.perf_counter() - t
             t = time.perf_counter()
-            session.compiled()
+            # The barrier evicts a member still missing this long after another arrived:
+            # room for a peer's fetch of the whole state at the replication's floor rate.
+            session.compiled(timeout_s=COMPILED_BARRIER_S
+                             + _state_nbytes(self._builder) / FETCH_FLOOR_BYTES_PER_S)
             compile_s += time.perf_counter() - t  # (the barrier's wait)
         phases["compile"] = compile_s
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + restore_s

@@ -523,3 +523,32 @@ def test_a_segment_a_send_reads_from_stays_mapped_until_the_send_is_done():
             SnapshotBuffer.attach(old.name)
     finally:
         holder.close()
+
+
+def test_a_segment_whose_view_outlived_its_loan_is_unlinked_and_closed_later():
+    """A view cut from a lent slot that outlives the loan (a failed send's traceback can
+    keep one): the segment cannot be unmapped yet, so its name goes at once and it is
+    closed at the next loan's end, without an error in the replicator's thread."""
+    import os
+
+    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_late_", report=lambda e: None)
+    try:
+        holder.allocate(1000, budget_bytes=None)
+        old = holder.buffer
+        assert old is not None
+        old.publish(1, [b"x" * 900])
+        with holder.lend() as lent:
+            leaked = lent.data.cast("B")  # what a pending traceback may hold
+            holder.allocate(5000, budget_bytes=None)
+            new = holder.buffer
+            assert new is not None
+            new.publish(2, [b"y" * 4000])
+            holder.published()
+        assert not os.path.exists(f"/dev/shm/{old.name}")  # unlinked, still mapped
+        assert bytes(leaked[:3]) == b"xxx"
+        leaked.release()
+        with holder.lend() as lent:
+            assert lent.step == 2
+        assert holder._closing == []  # closed at the end of that loan
+    finally:
+        holder.close()

@@ -98,7 +98,9 @@ def test_book_says_which_workers_state_is_lost():
         again.arrive(w, 0, last_step=4)
     again.mark_dead(0)
     again.mark_dead(1)
-    assert again.decide(coordinator="c", holdings=holdings)[2].lost == (0, 1)
+    decision = again.decide(coordinator="c", holdings=holdings)
+    assert decision[2].lost == (0, 1)
+    assert "each worker has copies, but none of step 4 of workers [0, 1]" in decision[2].why
 
 
 def test_book_rejects_wrong_generation_and_evicted():

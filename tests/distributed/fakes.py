@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import socket
 import threading
 import time
@@ -60,8 +62,10 @@ def running_agents(n: int = 2) -> Iterator[tuple[FakeLauncher, list[Agent]]]:
     """``n`` agents (threads of this process, no workers) linked to a fake launcher; shut
     down and joined on exit."""
     fake = FakeLauncher()
-    agents = [Agent(worker_id=i, launcher=fake.address, command=[], secret=SECRET)
-              for i in range(n)]
+    # Segment names of their own: two test runs at once must not take each other's.
+    prefix = f"mnjxtest{os.getpid()}_{secrets.token_hex(3)}_"
+    agents = [Agent(worker_id=i, launcher=fake.address, command=[], secret=SECRET,
+                    shm_prefix=prefix) for i in range(n)]
     threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
     for t in threads:
         t.start()

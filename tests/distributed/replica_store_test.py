@@ -87,10 +87,11 @@ def test_a_new_worlds_copies_outrank_the_old_worlds_later_steps():
 
 
 def test_making_room_drops_what_a_copy_in_series_outdates_before_it_arrives():
-    """A newer step from a worker in series: the oldest copy goes first, so the origin
-    never has three copies at once; the same step (a replay of an abandoned one): that
-    copy goes; an older step (a new buddy's copy of a resumed step), or room to spare:
-    nothing goes."""
+    """A copy that outranks every one held (by world, then step) from a worker in series:
+    the oldest goes first, so the origin never has three copies at once; the same step of
+    an older world (a replay of an abandoned one): that copy goes. A copy that does not
+    outrank them (a resend of a step held, an older step, a new buddy's copy of a resumed
+    step), or room to spare: nothing goes."""
     store = ReplicaStore(keep=2)
 
     def put(step, generation=0):
@@ -103,14 +104,31 @@ def test_making_room_drops_what_a_copy_in_series_outdates_before_it_arrives():
     assert store.steps(1) == [1]
     put(2)
     store.make_room(1, 0)  # older than every copy: received first, then ranked
+    store.make_room(1, 2)  # a resend of a step held (its reply was lost): kept
     assert store.steps(1) == [1, 2]
     store.make_room(1, 3)
     assert store.steps(1) == [2]
     put(3)
-    store.make_room(1, 3)  # the new world replays step 3
+    store.make_room(1, 3, generation=1)  # the new world replays step 3
     assert store.steps(1) == [2]
     put(3, generation=1)
     assert store.steps(1) == [2, 3] and store.get(1, 3)[0] == b"s3g1"
     store.make_room(2, 5)  # another origin's copies are not touched
-    store.make_room(1, 4)  # the oldest by (world, step): step 2 of world 0
+    store.make_room(1, 4, generation=1)  # the oldest by (world, step): step 2 of world 0
     assert store.steps(1) == [3]
+
+
+def test_making_room_after_a_resume_from_disk_drops_the_old_worlds_later_steps():
+    """A new world resumed from the persistent tier at step 10 while the buddy held steps
+    20 and 21 of the old world: its copies outrank those, so room is made for each and the
+    host never holds three (the peak `agent_peak_bytes(in_series=True)` counts)."""
+    store = ReplicaStore(keep=2)
+    for step in (20, 21):
+        data = f"s{step}".encode()
+        store.put(1, step, data, checksum(data), generation=0)
+    for step in (11, 12, 13):
+        store.make_room(1, step, generation=1)
+        assert len(store.steps(1)) == 1
+        data = f"s{step}g1".encode()
+        store.put(1, step, data, checksum(data), generation=1)
+    assert store.steps(1) == [12, 13]

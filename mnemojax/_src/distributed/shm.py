@@ -270,10 +270,15 @@ class SnapshotBuffer:
         return sorted(hit)
 
     def close(self) -> None:
-        """Unmaps the segment; the owner also unlinks it."""
+        """Unmaps the segment; the owner also unlinks it (also when unmapping fails: a
+        `BufferError` while a view of it is still out)."""
         try:
             self._shm.close()
         finally:
-            if self._owner:
-                with contextlib.suppress(FileNotFoundError):
-                    shm_unlink(self._shm.name)
+            self.unlink()
+
+    def unlink(self) -> None:
+        """The owner removes the segment's name (its memory goes with the last mapping)."""
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                shm_unlink(self._shm.name)

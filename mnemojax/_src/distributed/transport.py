@@ -63,10 +63,14 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b
     if size > MAX_PAYLOAD or len(head) > MAX_PAYLOAD:
         raise ProtocolError(f"a payload of {size} bytes is larger than one frame carries "
                             f"({MAX_PAYLOAD} bytes)")
-    sock.sendall(_PREFIX.pack(len(head), size) + head)
-    for part in parts:
-        if len(part):
-            sock.sendall(part)
+    try:
+        sock.sendall(_PREFIX.pack(len(head), size) + head)
+        for part in parts:
+            if len(part):
+                sock.sendall(part)
+    finally:  # no view of the caller's buffers outlives the call (even in a traceback)
+        for part in parts:
+            part.release()
 
 
 def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER,

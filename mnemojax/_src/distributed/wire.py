@@ -592,14 +592,16 @@ class Phase(Message):
 class Replica(Message):
     """A copy of worker ``origin``'s snapshot of ``step`` (the payload), for its buddy;
     ``crc`` is the payload's CRC32C (`checksum`), as the worker published it.
-    ``make_room``: the buddy may drop its oldest copy of ``origin`` before the payload
-    arrives (`ReplicaStore.make_room`; the worker publishes in series)."""
+    ``make_room``: the buddy may drop what this copy outdates before the payload arrives
+    (`ReplicaStore.make_room`; the worker publishes in series); ``generation``: the world
+    that produced it (what its metadata says)."""
 
     OP: ClassVar[str] = "replica"
     origin: int
     step: int
     crc: int
     make_room: bool = False
+    generation: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

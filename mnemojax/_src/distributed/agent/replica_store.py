@@ -43,27 +43,33 @@ class ReplicaStore:
             if step in kept:  # (a copy older than every one held is not kept)
                 held[step] = (payload, crc, generation)
 
-    def make_room(self, origin: int, step: int) -> None:
-        """Before ``origin``'s copy of ``step`` arrives, from a worker that publishes in
-        series: drops the copy it will replace (the same step, an abandoned one of an older
-        world), else, when ``step`` is newer than every step held and ``keep`` copies are
-        held, the oldest, so the host never holds ``keep + 1`` copies of ``origin``.
+    def make_room(self, origin: int, step: int, *, generation: int = 0) -> None:
+        """Before ``origin``'s copy of ``step`` from world ``generation`` arrives, from a
+        worker that publishes in series: when it outranks every copy held (by world, then
+        step, as `put` ranks them), drops a copy of the same step from an older world (an
+        abandoned step the new world replays) or, with ``keep`` copies held, the oldest,
+        so the host never holds ``keep + 1`` copies of ``origin``. A copy that does not
+        outrank them all (a resend of a step held, a new buddy's copy of a resumed step)
+        drops nothing: it is received first, then ranked.
 
         Why that is safe: the worker published ``step`` after its buddy held its step
         before, and it finished ``step`` only once every worker had finished that step
         before and (in series) its buddy held it: a failure from now on resumes from that
-        step or a newer one. A copy that then fails its check leaves that step. An older
-        step (a copy a new buddy gets of the step its world resumed from) drops nothing.
+        step or a newer one, in this world. A copy that then fails its check leaves that
+        step.
         """
         with self._lock:
             held = self._by_origin.get(origin)
             if not held:
                 return
-            if step in held:
+            rank = {s: (g, s) for s, (_, _, g) in held.items()}
+            if (generation, step) <= max(rank.values()):
+                return
+            if step in held:  # from an older world (outranked)
                 del held[step]
-            elif step > max(held):
-                while len(held) >= self.keep:
-                    del held[min(held, key=lambda s: (held[s][2], s))]
+                return
+            while len(held) >= self.keep:
+                del held[min(held, key=rank.__getitem__)]
 
     def steps(self, origin: int) -> list[int]:
         """The steps of ``origin`` held, oldest first (unchecked; `verify` checks)."""

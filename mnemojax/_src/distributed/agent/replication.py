@@ -16,6 +16,7 @@ import time
 
 from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.agent.snapshots import SnapshotHolder
+from mnemojax._src.distributed.snapshot_codec import read_meta
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError
 
 logger = logging.getLogger("mnemojax")
@@ -121,10 +122,15 @@ class Replicator:
             # buddy may drop its oldest copy of this worker before this one arrives
             # (`ReplicaStore.make_room`). Not until the worker published in a new world.
             make_room = self._holder.in_series and want is None and not resuming
+            try:
+                generation = int(read_meta(lent.data).get("generation", 0))
+            except (ValueError, TypeError):  # the buddy refuses it (not a snapshot)
+                generation, make_room = 0, False
             # The timeout covers the whole send: at least 10 s, more for a large copy.
             sock.settimeout(SEND_TIMEOUT_S + len(lent.data) / SEND_FLOOR_BYTES_PER_S)
             transport.send(sock, wire.Replica(origin=self.worker_id, step=lent.step,
-                                              crc=lent.crc, make_room=make_room), lent.data)
+                                              crc=lent.crc, make_room=make_room,
+                                              generation=generation), lent.data)
             step, intact = lent.step, lent.intact()
         if not intact:
             logger.warning("agent %d: worker %d's snapshot of step %d was rewritten while it "
@@ -160,10 +166,12 @@ class Replicator:
                 # A refusal (budget, check) of either copy is the buddy's to report to the
                 # launcher; the worker's wait hears of it.
                 self._done(version, refused=refused)
-            except (OSError, ConnectionError, ProtocolError, KeyError,
-                    SnapshotCorruptError) as e:
-                logger.warning("agent %d: replication to %s failed: %s", self.worker_id,
-                               buddy, e)
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one send
+                expected = isinstance(e, (OSError, ConnectionError, ProtocolError, KeyError,
+                                          SnapshotCorruptError))
+                logger.log(logging.WARNING if expected else logging.ERROR,
+                           "agent %d: replication to %s failed: %s", self.worker_id, buddy,
+                           e, exc_info=not expected)
                 self._done(version, failing=f"{type(e).__name__}: {e}")
                 if sock is not None:
                     sock.close()

@@ -77,7 +77,8 @@ class AgentServer:
 
     def _before_payload(self, message: wire.Message) -> None:
         if isinstance(message, wire.Replica) and message.make_room:
-            self._holder.replicas.make_room(message.origin, message.step)
+            self._holder.replicas.make_room(message.origin, message.step,
+                                            generation=message.generation)
 
     def _dispatch(self, message: wire.Message,
                   payload: bytearray) -> tuple[wire.Message, bytes | bytearray] | None:

@@ -57,6 +57,7 @@ class SnapshotHolder:
         # are back (a mapping with views out cannot be closed).
         self._lent: dict[int, int] = {}
         self._closing: list[SnapshotBuffer] = []
+        self._unreleased: list[SlotView] = []  # back from a loan, not yet released
 
     def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
         """Slots of at least ``nbytes``: a new segment replaces one too small or more than
@@ -178,22 +179,39 @@ class SnapshotHolder:
         try:
             yield view
         finally:
-            view.release()
             with self._lock:
+                self._unreleased.append(view)
                 self._lent[id(lent)] -= 1
                 if not self._lent[id(lent)]:
                     del self._lent[id(lent)]
-                    if lent in self._closing:
-                        self._closing.remove(lent)
-                        lent.close()
+                self._close_pending()
 
     def _close(self, buffer: SnapshotBuffer) -> None:
         """Closes a segment now, or once the views lent out of it are back (call with
         the lock held)."""
-        if self._lent.get(id(buffer)):
-            self._closing.append(buffer)
-        else:
-            buffer.close()
+        self._closing.append(buffer)
+        self._close_pending()
+
+    def _close_pending(self) -> None:
+        """Closes the segments waiting for their views (call with the lock held). One
+        that still cannot be unmapped (a view of it outlived its loan, e.g. in a pending
+        traceback) stays queued for the next call; its name is unlinked at once, so the
+        memory goes with the last view."""
+        for view in list(self._unreleased):
+            try:
+                view.release()
+            except BufferError:  # a view cut from it is still out: next time
+                continue
+            self._unreleased.remove(view)
+        for buffer in list(self._closing):
+            if self._lent.get(id(buffer)):
+                continue
+            try:
+                buffer.close()
+            except BufferError:
+                buffer.unlink()
+                continue
+            self._closing.remove(buffer)
 
     def newest_step(self) -> int | None:
         """The step `newest` returns, without copying it (None: no snapshot yet)."""

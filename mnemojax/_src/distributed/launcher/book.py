@@ -127,14 +127,17 @@ class AgreementBook:
             # some, those missing the newest step (then no step has them all).
             anywhere = {c.origin for c in every if newest and c.generation == newest[1]}
             lost = tuple(m for m in members if m not in anywhere and m not in empty)
+            why = (f"no live agent holds a verified copy of the shards of workers "
+                   f"{list(lost)} (their agents and ring buddies are gone, or the copies "
+                   "fail CRC32C, and no survivor held a replica of them)")
             if not lost:
                 present = {c.origin for c in every if (c.step, c.generation) == newest}
                 lost = tuple(m for m in members if m not in present and m not in empty)
-            why = (f"no live agent holds a verified copy of the shards of workers "
-                   f"{list(lost)} (their agents and ring buddies are gone, or the copies "
-                   "fail CRC32C, and no survivor held a replica of them)") if lost else (
-                f"the newest complete state in memory is older than step {floor}, the "
-                "oldest the survivors still keep the batches to replay from")
+                why = (f"no step is held whole: each worker has copies, but none of step "
+                       f"{newest[0] if newest else None} of workers {list(lost)} survives, "
+                       "and no older step has every worker's") if lost else (
+                    f"the newest complete state in memory is older than step {floor}, the "
+                    "oldest the survivors still keep the batches to replay from")
         home_of = dict(homes or {})
         ordered = {o: tuple(sorted(a, key=lambda addr, o=o: addr != home_of.get(o)))
                    for o, a in sorted(sources.items())}
