@@ -53,6 +53,7 @@ from mnemojax._src.recovery import (
     Resumed,
     check_budget,
     compile_for_world,
+    compiled_barrier_s,
     finish_recovery,
 )
 from mnemojax._src.replay import ReplayBuffer, batch_struct
@@ -485,7 +486,7 @@ class ResilientStep(Generic[P, R]):
                 try:
                     if barrier is not None:
                         barrier, session = None, barrier
-                        session.compiled()
+                        session.compiled(timeout_s=compiled_barrier_s(b.builder))
                     device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
                                                                b.examples)
                     t_run = time.perf_counter()

@@ -62,11 +62,14 @@ log = logging.getLogger("mnemojax")
 # How long the survivors wait for process 0 to checkpoint the agreed state when too few
 # survive (a missing member is evicted after this: keep it above the largest save).
 CHECKPOINT_BARRIER_S = 900.0
-# The compile barrier of a recovery (`DistributedSession.compiled`), which every process
-# reaches after restoring its regions: this, plus the whole state's bytes at this rate
-# (a process may fetch all of it, from another host), before a missing member is evicted.
+# The compile barrier of a world (`DistributedSession.compiled`), which a recovering
+# process reaches after restoring its regions and a joining one after `step.restore()`:
+# this, plus the whole state's bytes at this rate (a process may fetch all of it, from
+# another host), at most the cap, before a missing member is evicted. Every caller uses
+# `compiled_barrier_s`: the launcher's barrier evicts by the first arrival's timeout.
 COMPILED_BARRIER_S = 300.0
 FETCH_FLOOR_BYTES_PER_S = 50e6
+COMPILED_BARRIER_MAX_S = 1800.0
 
 
 @dataclasses.dataclass
@@ -127,10 +130,12 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
     return exe
 
 
-def _state_nbytes(builder: RuntimeBuilder) -> int:
-    """Bytes of the whole (global) state."""
-    return sum(math.prod(shape) * np.dtype(dtype).itemsize
-               for shape, dtype in builder.leaf_structs)
+def compiled_barrier_s(builder: RuntimeBuilder) -> float:
+    """The compile barrier's timeout for a world of ``builder``'s state (the constants
+    above): the same in every process."""
+    nbytes = sum(math.prod(shape) * np.dtype(dtype).itemsize
+                 for shape, dtype in builder.leaf_structs)
+    return min(COMPILED_BARRIER_S + nbytes / FETCH_FLOOR_BYTES_PER_S, COMPILED_BARRIER_MAX_S)
 
 
 def _groups_of(plan: MeshPlan) -> dict[str, dict[str, list]]:
@@ -379,7 +384,7 @@ class ProcessRecovery:
         t = time.perf_counter()
         shardings = exe.state_shardings
         if agreement.resume_step < 0:
-            session.compiled()
+            session.compiled(timeout_s=compiled_barrier_s(self._builder))
             compile_s += time.perf_counter() - t
             t = time.perf_counter()
             resume, leaves = self._from_persistent(step, agreement.why, runtime, shardings)
@@ -395,8 +400,7 @@ class ProcessRecovery:
             t = time.perf_counter()
             # The barrier evicts a member still missing this long after another arrived:
             # room for a peer's fetch of the whole state at the replication's floor rate.
-            session.compiled(timeout_s=COMPILED_BARRIER_S
-                             + _state_nbytes(self._builder) / FETCH_FLOOR_BYTES_PER_S)
+            session.compiled(timeout_s=compiled_barrier_s(self._builder))
             compile_s += time.perf_counter() - t  # (the barrier's wait)
         phases["compile"] = compile_s
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + restore_s

@@ -126,6 +126,14 @@ def test_resume_step_must_be_replayable_by_every_survivor():
     decision = book.decide(coordinator="c", holdings=holdings)[0]
     assert decision.resume_step == -1 and decision.lost == ()
     assert "older than step 5" in decision.why
+    # A newer step of one worker alone does not hide that: step 4 is whole, too old.
+    holdings["x"].append(copy(0, 6, [(0, 3)]))
+    again = AgreementBook(0, [0, 1])
+    again.arrive(0, 0, last_step=6, first_replayable=6)
+    again.arrive(1, 0, last_step=6, first_replayable=3)
+    decision = again.decide(coordinator="c", holdings=holdings)[0]
+    assert decision.resume_step == -1 and decision.lost == ()
+    assert "older than step 5" in decision.why
 
 
 def test_spares_take_the_ranks_of_the_dead_when_there_are_enough():

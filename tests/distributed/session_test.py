@@ -198,6 +198,31 @@ def test_a_publish_in_series_returns_once_the_buddy_holds_it(two_agents):
         session.agent.close()
 
 
+def test_after_a_wait_in_series_gave_up_the_buddy_makes_no_room_first(two_agents):
+    """A buddy slower than the wait's bound (half the agent's 5 s hang floor): the wait
+    after step 1's copy gives up, so step 2's copy no longer lets the buddy drop what it
+    outdates before it arrives (the guarantee that made it safe is gone)."""
+    import jax.numpy as jnp
+
+    from mnemojax._src.distributed import wire
+
+    fake, agents = two_agents
+    session = _session(agents[0].address)
+    assert session.agent is not None
+    leaves = [jnp.ones((256,), jnp.float32)]
+    try:
+        with _slow_buddy(delay_s=3.0) as (address, _, received):
+            fake.command(0, wire.SetBuddy(buddy=address))
+            wait_until(lambda: agents[0].replicator._buddy == address)
+            for step in (1, 2):
+                assert session.publish(step, leaves, budget_bytes=1 << 20, in_series=True)
+            assert session.replication_lags == 2  # each wait after a copy gave up
+            wait_until(lambda: len(received) == 2, timeout=15)
+            assert [(m.step, m.make_room) for m in received] == [(1, True), (2, False)]
+    finally:
+        session.agent.close()
+
+
 def test_publish_over_the_host_memory_budget_stops_with_a_warning(two_agents):
     """The agent would hold ~5 x the payload at its peak (`shm.agent_peak_bytes`): over
     the budget the worker stops publishing, says so once, and writes nothing."""

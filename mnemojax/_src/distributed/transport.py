@@ -59,11 +59,11 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [memoryview(payload).cast("B")] if isinstance(
         payload, bytes | bytearray | memoryview) else [memoryview(p).cast("B") for p in payload]
-    size = sum(len(p) for p in parts)
-    if size > MAX_PAYLOAD or len(head) > MAX_PAYLOAD:
-        raise ProtocolError(f"a payload of {size} bytes is larger than one frame carries "
-                            f"({MAX_PAYLOAD} bytes)")
     try:
+        size = sum(len(p) for p in parts)
+        if size > MAX_PAYLOAD or len(head) > MAX_PAYLOAD:
+            raise ProtocolError(f"a payload of {size} bytes is larger than one frame "
+                                f"carries ({MAX_PAYLOAD} bytes)")
         sock.sendall(_PREFIX.pack(len(head), size) + head)
         for part in parts:
             if len(part):

@@ -117,10 +117,12 @@ class Replicator:
         with self._holder.lend(prefer=want) as lent:
             if lent.step == skip:
                 return None
-            # In series, the newest copy of a worker that published it means the step
-            # before is held by every buddy and every worker finished it (lockstep): its
-            # buddy may drop its oldest copy of this worker before this one arrives
-            # (`ReplicaStore.make_room`). Not until the worker published in a new world.
+            # In series (and its last wait for the buddy did not give up: the worker
+            # says so with each publish), the newest copy of a worker that published it
+            # means the step before is held by every buddy and every worker finished it
+            # (lockstep): its buddy may drop what this copy outdates before it arrives
+            # (`ReplicaStore.make_room`). Not for the copies a new buddy gets of the step
+            # a world resumed from (`resuming`, until the worker publishes in it).
             make_room = self._holder.in_series and want is None and not resuming
             try:
                 generation = int(read_meta(lent.data).get("generation", 0))

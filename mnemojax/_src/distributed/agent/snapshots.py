@@ -57,7 +57,6 @@ class SnapshotHolder:
         # are back (a mapping with views out cannot be closed).
         self._lent: dict[int, int] = {}
         self._closing: list[SnapshotBuffer] = []
-        self._unreleased: list[SlotView] = []  # back from a loan, not yet released
 
     def allocate(self, nbytes: int, budget_bytes: int | None) -> wire.Allocated:
         """Slots of at least ``nbytes``: a new segment replaces one too small or more than
@@ -179,8 +178,10 @@ class SnapshotHolder:
         try:
             yield view
         finally:
+            # (Views cut from it are not exports of it: this succeeds even while one of
+            # them lives on, e.g. in a failed send's traceback; the unmap waits for them.)
+            view.release()
             with self._lock:
-                self._unreleased.append(view)
                 self._lent[id(lent)] -= 1
                 if not self._lent[id(lent)]:
                     del self._lent[id(lent)]
@@ -194,22 +195,15 @@ class SnapshotHolder:
 
     def _close_pending(self) -> None:
         """Closes the segments waiting for their views (call with the lock held). One
-        that still cannot be unmapped (a view of it outlived its loan, e.g. in a pending
-        traceback) stays queued for the next call; its name is unlinked at once, so the
-        memory goes with the last view."""
-        for view in list(self._unreleased):
-            try:
-                view.release()
-            except BufferError:  # a view cut from it is still out: next time
-                continue
-            self._unreleased.remove(view)
+        that still cannot be unmapped (a view cut from a loan outlived it, e.g. in a
+        pending traceback) stays queued for the next call; its name is unlinked at once
+        (`SnapshotBuffer.close`), so the memory goes with the last view."""
         for buffer in list(self._closing):
             if self._lent.get(id(buffer)):
                 continue
             try:
                 buffer.close()
             except BufferError:
-                buffer.unlink()
                 continue
             self._closing.remove(buffer)
 
@@ -326,5 +320,6 @@ class SnapshotHolder:
         """Unmaps and removes its own slots."""
         with self._lock:
             for buffer in self._buffers():
+                buffer.unlink()  # at once, even while a view of it is out
                 self._close(buffer)
-            self._retired = None
+            self.buffer = self._retired = None

@@ -92,8 +92,8 @@ class AgreementBook:
                                  generation=self.generation)
         floor = max((self.replayable_from[w] for w in self.arrived
                      if w in self.replayable_from), default=None)
-        chosen = choose_resume_step(holdings, max_step=min(self.arrived.values()),
-                                    min_step=floor)
+        max_step = min(self.arrived.values())
+        chosen = choose_resume_step(holdings, max_step=max_step, min_step=floor)
         survivors = tuple(m for m in self.members if m in self.arrived)
         dead = [m for m in self.members if m not in self.arrived]
         replaces: dict[int, int] = {}
@@ -130,14 +130,16 @@ class AgreementBook:
             why = (f"no live agent holds a verified copy of the shards of workers "
                    f"{list(lost)} (their agents and ring buddies are gone, or the copies "
                    "fail CRC32C, and no survivor held a replica of them)")
-            if not lost:
+            if not lost and choose_resume_step(holdings, max_step=max_step) is not None:
+                # Some step is whole, but older than the survivors can replay from.
+                why = (f"the newest complete state in memory is older than step {floor}, "
+                       "the oldest the survivors still keep the batches to replay from")
+            elif not lost:
                 present = {c.origin for c in every if (c.step, c.generation) == newest}
                 lost = tuple(m for m in members if m not in present and m not in empty)
                 why = (f"no step is held whole: each worker has copies, but none of step "
                        f"{newest[0] if newest else None} of workers {list(lost)} survives, "
-                       "and no older step has every worker's") if lost else (
-                    f"the newest complete state in memory is older than step {floor}, the "
-                    "oldest the survivors still keep the batches to replay from")
+                       "and no older step has every worker's")
         home_of = dict(homes or {})
         ordered = {o: tuple(sorted(a, key=lambda addr, o=o: addr != home_of.get(o)))
                    for o, a in sorted(sources.items())}

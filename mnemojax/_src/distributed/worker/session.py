@@ -219,7 +219,10 @@ class DistributedSession:
             if not (in_series and self._waited_in_series == generation):
                 self._await_replicated(agent, step)
             parts = [memoryview(head), *snapshot_codec.data_views(shards)]
-            agent.publish(step, parts, budget_bytes=budget_bytes, in_series=in_series)
+            # The buddy may make room for it only while the waits in series hold (the
+            # last one did not give up): `ReplicaStore.make_room`.
+            agent.publish(step, parts, budget_bytes=budget_bytes,
+                          in_series=in_series and not self._replication_lagging)
             self._published, self._published_nbytes = (step, generation), nbytes
             if in_series:  # the next step starts once the buddy holds this one
                 self._await_replicated(agent, step, then="going on")
