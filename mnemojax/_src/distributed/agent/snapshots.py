@@ -254,6 +254,28 @@ class SnapshotHolder:
                     continue
         raise KeyError(step)
 
+    def _check_slot(self, step: int) -> CopyInfo | wire.CorruptCopy | None:
+        """Its own worker's copy of ``step``, checked in its slot: what it covers, or why
+        it is not counted; None when the slot no longer holds it."""
+        try:
+            with self.lend(step=step) as view:
+                error, info = None, None
+                if checksums.checksum(view.data) != view.crc:
+                    error = f"snapshot of step {step} fails its {checksums.NAME} check"
+                else:
+                    try:
+                        info = CopyInfo.from_meta(self.worker_id, read_meta(view.data))
+                    except (ValueError, KeyError, TypeError) as e:
+                        error = f"metadata: {e}"
+                if not view.intact():
+                    error = f"step {step}'s slot was rewritten while it was checked"
+        except KeyError:  # rewritten since it was listed
+            return None
+        if error is not None or info is None:
+            return wire.CorruptCopy(origin=self.worker_id, step=step,
+                                    error=error or "no metadata")
+        return info
+
     def verified_copies(self) -> wire.Holdings:
         """Every copy held (own slots, buddies' replicas, the held copy), each checked
         against its CRC32C now, with what it covers; a corrupt copy is listed apart and
@@ -262,35 +284,17 @@ class SnapshotHolder:
         corrupt: list[wire.CorruptCopy] = []
         copies: list[CopyInfo] = []
         with self._lock:
-            seen: set[int] = set()
-            for buffer in self._buffers():
-                for step in sorted(set(buffer.holdings()) - seen):
-                    seen.add(step)
-                    # Checked in place, not copied out: an agreement adds no copy of the
-                    # slots to the host's memory.
-                    try:
-                        view = buffer.lend(step)
-                    except KeyError:  # rewritten since `holdings`
-                        continue
-                    try:
-                        error, info = None, None
-                        if checksums.checksum(view.data) != view.crc:
-                            error = f"snapshot of step {step} fails its {checksums.NAME} check"
-                        else:
-                            try:
-                                info = CopyInfo.from_meta(self.worker_id, read_meta(view.data))
-                            except (ValueError, KeyError, TypeError) as e:
-                                error = f"metadata: {e}"
-                        if not view.intact():
-                            error = f"step {step}'s slot was rewritten while it was checked"
-                        if error is None and info is not None:
-                            copies.append(info)
-                        else:
-                            corrupt.append(wire.CorruptCopy(origin=self.worker_id, step=step,
-                                                            error=error or "no metadata"))
-                    finally:
-                        view.release()
+            steps = sorted({step for buffer in self._buffers() for step in buffer.holdings()})
             held = self.held
+        # Checked in place, not copied out (an agreement adds no copy of the slots to the
+        # host's memory), and outside the lock (the worker's publishes and the
+        # replicator's loans go on meanwhile).
+        for step in steps:
+            checked = self._check_slot(step)
+            if isinstance(checked, CopyInfo):
+                copies.append(checked)
+            elif checked is not None:
+                corrupt.append(checked)
         if held is not None:
             step, payload, crc = held
             if checksums.checksum(payload) == crc:
