@@ -98,6 +98,16 @@ def _worker0_copy(step: int, generation: int) -> list:
                 generation=generation)
 
 
+def _steps_4_and_5_then_a_new_buddy(fake, client: AgentClient, *, resume_step: int) -> None:
+    """Worker 0 publishes steps 4 and 5 (world 0); once both reached its agent, the
+    launcher names agent 1 its buddy, with the step the new world resumed from."""
+    for step in (4, 5):
+        client.publish(step, _worker0_copy(step, 0))
+    wait_until(lambda: [e.step for e in fake.events if isinstance(e, wire.Progress)]
+               == [4, 5])
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1], resume_step=resume_step))
+
+
 def test_a_new_buddy_after_a_rollback_gets_the_step_the_world_resumed_from(two_agents):
     """A worker ahead at a failure holds the step the new world resumed from (4) and the
     old world's abandoned next one (5, its newest). A new buddy gets 4 (the launcher
@@ -108,11 +118,7 @@ def test_a_new_buddy_after_a_rollback_gets_the_step_the_world_resumed_from(two_a
     fake, agents = two_agents
     client = AgentClient(agents[0].address, secret=SECRET)
     try:
-        for step in (4, 5):
-            client.publish(step, payload(step, 0))
-        wait_until(lambda: [e.step for e in fake.events if isinstance(e, wire.Progress)]
-                   == [4, 5])  # both publishes reached the agent before the new world
-        fake.command(0, wire.SetBuddy(buddy=fake.addresses[1], resume_step=4))
+        _steps_4_and_5_then_a_new_buddy(fake, client, resume_step=4)
         wait_until(lambda: held(agents[1].address)[0] == {"0": [4, 5]})
         data = fetch_snapshot([agents[1].address], 0, 4, secret=SECRET)[0]
         np.testing.assert_array_equal(_only_shard(data), w + 4)
@@ -149,15 +155,11 @@ def test_a_new_buddy_after_a_restore_from_disk_gets_the_newest_copy_only(two_age
     """A world that resumed from the persistent tier (``resume_step`` -1, as the
     launchers pass the agreement's) names no step held here: the new buddy gets the newest
     copy, as after a failure with no rollback, and nothing is sent for step -1."""
-    payload, w = _worker0_copy, np.arange(8, dtype=np.float32)
+    w = np.arange(8, dtype=np.float32)
     fake, agents = two_agents
     client = AgentClient(agents[0].address, secret=SECRET)
     try:
-        for step in (4, 5):
-            client.publish(step, payload(step, 0))
-        wait_until(lambda: [e.step for e in fake.events if isinstance(e, wire.Progress)]
-                   == [4, 5])
-        fake.command(0, wire.SetBuddy(buddy=fake.addresses[1], resume_step=-1))
+        _steps_4_and_5_then_a_new_buddy(fake, client, resume_step=-1)
         wait_until(lambda: held(agents[1].address)[0] == {"0": [5]})
         data = fetch_snapshot([agents[1].address], 0, 5, secret=SECRET)[0]
         np.testing.assert_array_equal(_only_shard(data), w + 5)
@@ -493,6 +495,28 @@ def test_an_agent_refuses_a_held_copy_that_fails_its_check():
         holder.close()
 
 
+def _holder_with_step_1(tag: str):
+    """An agent's holder (no agent around it) whose slots hold step 1."""
+    import os
+
+    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_{tag}_", report=lambda e: None)
+    holder.allocate(1000, budget_bytes=None)
+    old = holder.buffer
+    assert old is not None
+    old.publish(1, [b"x" * 900])
+    return holder, old
+
+
+def _replace_segment(holder) -> None:
+    """A bigger segment replaces the current one and the worker publishes step 2 into
+    it: the retired one is due to close."""
+    holder.allocate(5000, budget_bytes=None)
+    new = holder.buffer
+    assert new is not None
+    new.publish(2, [b"y" * 4000])
+    holder.published()
+
+
 def test_a_segment_a_send_reads_from_stays_mapped_until_the_send_is_done():
     """The replicator sends straight from a slot (`SnapshotHolder.lend`): when a bigger
     segment replaces that one and the worker publishes into it meanwhile, the old one is
@@ -501,19 +525,11 @@ def test_a_segment_a_send_reads_from_stays_mapped_until_the_send_is_done():
 
     from mnemojax._src.distributed.shm import SnapshotBuffer
 
-    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_lend_", report=lambda e: None)
+    holder, old = _holder_with_step_1("lend")
     try:
-        holder.allocate(1000, budget_bytes=None)
-        old = holder.buffer
-        assert old is not None
-        old.publish(1, [b"x" * 900])
         with holder.lend() as lent:
             assert (lent.step, bytes(lent.data)) == (1, b"x" * 900)
-            holder.allocate(5000, budget_bytes=None)
-            new = holder.buffer
-            assert new is not None and new is not old
-            new.publish(2, [b"y" * 4000])
-            holder.published()  # the retired segment would go now: its view is out
+            _replace_segment(holder)  # its view is out: it stays
             assert bytes(lent.data[:3]) == b"xxx" and lent.intact()
             assert os.path.exists(f"/dev/shm/{old.name}")
         assert not os.path.exists(f"/dev/shm/{old.name}")  # closed on the way out
@@ -531,19 +547,11 @@ def test_a_segment_whose_view_outlived_its_loan_is_unlinked_and_closed_later():
     closed at the next loan's end, without an error in the replicator's thread."""
     import os
 
-    holder = SnapshotHolder(0, shm_prefix=f"mnjxtest{os.getpid()}_late_", report=lambda e: None)
+    holder, old = _holder_with_step_1("late")
     try:
-        holder.allocate(1000, budget_bytes=None)
-        old = holder.buffer
-        assert old is not None
-        old.publish(1, [b"x" * 900])
         with holder.lend() as lent:
             leaked = lent.data.cast("B")  # what a pending traceback may hold
-            holder.allocate(5000, budget_bytes=None)
-            new = holder.buffer
-            assert new is not None
-            new.publish(2, [b"y" * 4000])
-            holder.published()
+            _replace_segment(holder)
         assert not os.path.exists(f"/dev/shm/{old.name}")  # unlinked, still mapped
         assert bytes(leaked[:3]) == b"xxx"
         leaked.release()
