@@ -23,7 +23,9 @@ def buffer():
 def test_publish_flips_and_keeps_previous_step(buffer):
     writer = SnapshotBuffer.attach(buffer.name)  # the worker's side
     try:
-        assert buffer.holdings() == {} and buffer.newest_step() is None
+        assert buffer.holdings() == {}
+        with pytest.raises(KeyError):
+            buffer.lend()
         crc = None
         for step in (1, 2, 3):
             crc = writer.publish(step, [b"step-", str(step).encode()])
@@ -37,6 +39,23 @@ def test_publish_flips_and_keeps_previous_step(buffer):
     finally:
         writer.close()
     assert buffer.read()[0] == 3  # the worker detaching does not remove the agent's segment
+
+
+def test_a_lent_view_is_the_slot_itself_and_knows_when_it_was_rewritten(buffer):
+    """`SnapshotBuffer.lend`: no copy (the bytes are the slot's), and `SlotView.intact`
+    turns false once the slot is rewritten (by a publish that reuses it)."""
+    writer = SnapshotBuffer.attach(buffer.name)
+    try:
+        for step in (1, 2):
+            writer.publish(step, [b"step-", str(step).encode()])
+        view = buffer.lend(1)
+        assert (view.step, bytes(view.data), view.crc) == (1, b"step-1", checksum(b"step-1"))
+        assert view.intact()
+        writer.publish(3, [b"step-3"])  # reuses step 1's slot
+        assert not view.intact() and bytes(view.data[:6]) == b"step-3"
+        view.release()
+    finally:
+        writer.close()
 
 
 def test_a_replayed_step_overwrites_the_abandoned_copy_not_the_resumed_one(buffer):
@@ -54,7 +73,9 @@ def test_a_replayed_step_overwrites_the_abandoned_copy_not_the_resumed_one(buffe
         assert buffer.read(5)[1] == b"world-0 step-5"
         writer.publish(4, [b"world-2 step-4"])  # resumed from 3 (from a buddy), replays 4
         assert buffer.read()[:2] == (4, b"world-2 step-4")
-        assert buffer.newest_step() == 4  # the newest written, not the highest step
+        newest = buffer.lend()  # the newest written, not the highest step
+        assert newest.step == 4 and bytes(newest.data) == b"world-2 step-4"
+        newest.release()
         assert sorted(buffer.holdings()) == [4, 6]  # the later of the two ahead goes next
         writer.publish(5, [b"world-2 step-5"])
         assert sorted(buffer.holdings()) == [4, 5]

@@ -193,13 +193,6 @@ class SnapshotBuffer:
         self._set_header(target, seq, step, nbytes, crc, 1)  # the flip
         return crc
 
-    def newest_step(self) -> int | None:
-        """The step of the newest complete snapshot (what `read` returns), without copying
-        it; None if there is none."""
-        done = [self._header(i) for i in range(NUM_SLOTS)]
-        done = [h for h in done if h[4]]
-        return max(done, key=lambda h: h[0])[1] if done else None
-
     def holdings(self) -> dict[int, int]:
         """Complete snapshots held: ``{step: slot}``."""
         out = {}

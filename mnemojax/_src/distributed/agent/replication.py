@@ -109,8 +109,6 @@ class Replicator:
         it is of step ``skip`` (just sent); returns (the buddy's refusal or None, the step
         sent), or None when nothing was sent. ``resuming``: a new world's resumed step is
         still to reach the buddy (no publish in it yet)."""
-        if want is None and skip is not None and self._holder.newest_step() == skip:
-            return None
         # Sent straight from its slot, unchecked: the buddy checks every replica it
         # receives, so a slot rewritten meanwhile (a worker that did not wait for this
         # copy) is refused there, not kept.

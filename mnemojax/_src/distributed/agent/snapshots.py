@@ -127,27 +127,6 @@ class SnapshotHolder:
             self.held = (hold.step, payload, hold.crc)
         return wire.Ok()
 
-    def newest(self, *, verify: bool = True,
-               prefer: int | None = None) -> tuple[int, bytes, int]:
-        """Its own worker's newest complete snapshot: (step, payload, crc32).
-
-        Args:
-            verify: check its CRC32C here (the replicator leaves it to the buddy).
-            prefer: return this step's snapshot instead when one is held.
-
-        Raises:
-            KeyError: none yet. SnapshotCorruptError: it fails its check, or its slot was
-                rewritten while it was read.
-        """
-        with self._lock:
-            for step in (prefer, None):
-                for buffer in self._buffers():
-                    try:
-                        return buffer.read(step, verify=verify)
-                    except KeyError:  # not there (or nothing published into it yet)
-                        continue
-            raise KeyError("no complete snapshot yet")
-
     @contextlib.contextmanager
     def lend(self, *, prefer: int | None = None,
              step: int | None = None) -> Iterator[SlotView]:
@@ -206,15 +185,6 @@ class SnapshotHolder:
             except BufferError:
                 continue
             self._closing.remove(buffer)
-
-    def newest_step(self) -> int | None:
-        """The step `newest` returns, without copying it (None: no snapshot yet)."""
-        with self._lock:
-            for buffer in self._buffers():
-                step = buffer.newest_step()
-                if step is not None:
-                    return step
-            return None
 
     def published(self, *, in_series: bool = False) -> None:
         """Its worker published into the current slots (``in_series``: with
