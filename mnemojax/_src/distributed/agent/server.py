@@ -114,41 +114,36 @@ class AgentServer:
 
     def _serve(self, get: wire.Get) -> tuple[wire.Message, bytes | bytearray]:
         """A copy (`wire.Get`): whole, as its holder checked it; or its header or the parts
-        inside the asked boxes, cut from the copy once it checks, with their own checksum."""
+        inside the asked boxes, cut from the copy once it checks, with their own checksum
+        (its own worker's cut in its slot, not copied out first: a recovery's fetches add
+        only what they send)."""
         what = f"worker {get.origin} step {get.step}"
-        if get.origin == self.worker_id and (get.header_only or get.boxes is not None):
-            return self._serve_from_slot(get, what)
+        cut = get.header_only or get.boxes is not None
         try:
+            if cut and get.origin == self.worker_id:
+                with self._holder.lend(step=get.step) as view:
+                    reply = self._cut(get, what, view.data, view.crc)
+                    if not view.intact():
+                        reply = wire.ErrorReply(
+                            message=f"the copy of {what} was rewritten while it was read"), b""
+                return reply
             data, crc = self._holder.get(get.origin, get.step)
         except (KeyError, SnapshotCorruptError) as e:
             return wire.ErrorReply(message=f"no copy of {what}: {e}"), b""
-        if get.header_only or get.boxes is not None:
-            if checksum(data) != crc:  # never a fresh checksum over a bad copy
-                return wire.ErrorReply(message=f"the copy of {what} fails its check"), b""
-            try:
-                data = (snapshot_codec.header(data) if get.header_only else
-                        b"".join(snapshot_codec.select(data, get.boxes or ())))
-            except ValueError as e:
-                return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
-            crc = checksum(data)
+        if cut:
+            return self._cut(get, what, data, crc)
         return wire.Snapshot(origin=get.origin, step=get.step, crc=crc), data
 
-    def _serve_from_slot(self, get: wire.Get,
-                         what: str) -> tuple[wire.Message, bytes | bytearray]:
-        """Its own worker's copy's header or regions, checked and cut in its slot (the
-        slot is not copied out first: a recovery's fetches add only what they send)."""
+    @staticmethod
+    def _cut(get: wire.Get, what: str, data: bytes | bytearray | memoryview,
+             crc: int) -> tuple[wire.Message, bytes | bytearray]:
+        """The header or the boxes ``get`` asks for, cut from ``data`` once it checks
+        against ``crc`` (never a fresh checksum over a bad copy)."""
+        if checksum(data) != crc:
+            return wire.ErrorReply(message=f"the copy of {what} fails its check"), b""
         try:
-            with self._holder.lend(step=get.step) as view:
-                if checksum(view.data) != view.crc:
-                    return wire.ErrorReply(message=f"the copy of {what} fails its check"), b""
-                try:
-                    data = (snapshot_codec.header(view.data) if get.header_only else
-                            b"".join(snapshot_codec.select(view.data, get.boxes or ())))
-                except ValueError as e:
-                    return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
-                if not view.intact():
-                    return wire.ErrorReply(
-                        message=f"the copy of {what} was rewritten while it was read"), b""
-        except KeyError as e:
-            return wire.ErrorReply(message=f"no copy of {what}: {e}"), b""
-        return wire.Snapshot(origin=get.origin, step=get.step, crc=checksum(data)), data
+            out = (snapshot_codec.header(data) if get.header_only else
+                   b"".join(snapshot_codec.select(data, get.boxes or ())))
+        except ValueError as e:
+            return wire.ErrorReply(message=f"the copy of {what}: {e}"), b""
+        return wire.Snapshot(origin=get.origin, step=get.step, crc=checksum(out)), out
