@@ -10,10 +10,10 @@ memory is counted in units of one worker's share.
 
 Protocols (``Protocol.kind``):
 
-- ``sync``: today's default (`session.publish`): a publish of ``k`` waits until the buddy
-  holds ``k - 1``, writes the oldest of the own slots, returns; the agent's replicator
-  sends the newest published step (reading it out of its slot first: one share) while
-  the next step runs.
+- ``sync``: the default order (`session.publish`): a publish of ``k`` waits until the
+  buddy holds ``k - 1``, writes the oldest of the own slots, returns; the agent's
+  replicator sends the newest published step while the next step runs (out of a copy of
+  the slot before session 11, straight from the slot since: ``zero_copy``).
 - ``series``: `SnapshotOptions.replicate_in_series`: the publish writes its slot, then
   waits until the buddy holds ``k``.
 - ``lag``: the design in WORKSPACE_NOTES ("Design toward issue 12's memory target"):
@@ -21,8 +21,14 @@ Protocols (``Protocol.kind``):
   ``N`` straight from the step's outputs (streamed: no share on the sender) and wait for
   the buddy's ack; the buddy double-buffers the replica only while one arrives.
 
+The agents today: ``series`` or ``sync`` with 2 own slots, 2 kept, ``zero_copy``, and
+``make_room`` in series (`tests/distributed/snapshot_layout_model_test.py` builds them
+from the product's constants).
+
 What the model leaves out: wait timeouts (a wait that gives up is the documented residual
-window), corrupt copies, held copies of data-parallel replicas, the persistent tier.
+window; in series the worker then stops asking for room), corrupt copies, held copies of
+data-parallel replicas, the persistent tier, and everything after the first failure (a
+second world, its replays and new buddies, resends): one failure from steady training.
 
 ``PYTHONPATH=. python -m tests.jobs.snapshot_layout_model`` prints the table quoted in
 WORKSPACE_NOTES.md; ``tests/distributed/snapshot_layout_model_test.py`` checks it.
@@ -55,10 +61,12 @@ class Protocol:
             complete a step the lost worker had dispatched, or abandon it, either way (a
             lost host's last sends of a collective can be lost with it, so a worker
             that completed a step does not prove its peers can).
-        zero_copy: whether the replicator sends straight from the slot (today it reads
-            the copy out first: one more share on the sender while it is on the wire).
+        zero_copy: whether the replicator sends straight from the slot (the agents do
+            since session 11; before, they read the copy out first: one more share on the
+            sender while it is on the wire).
         make_room: whether the buddy drops its oldest copy of the origin when a new one
-            starts to arrive (today: once it has arrived whole and checked).
+            starts to arrive (the agents do for a worker in series since session 11;
+            otherwise once it has arrived whole and checked).
     """
 
     kind: str
