@@ -63,6 +63,23 @@ def _setup(spec, faults):
     return recovery, runtime, leaves, rules, stats, w
 
 
+def test_the_compile_barrier_allows_a_fetch_of_the_whole_state_within_a_cap():
+    """Every process waits at a world's compile barrier with the same timeout, from the
+    state alone: 300 s plus the global state's bytes at 50 MB/s, at most 1800 s."""
+    import types
+
+    from mnemojax._src.recovery import compiled_barrier_s
+
+    def builder(*structs):
+        return types.SimpleNamespace(leaf_structs=list(structs))
+
+    assert compiled_barrier_s(builder()) == 300.0
+    small = builder(((1000, 1000), np.float32), ((10,), jnp.bfloat16))  # 4 MB + 20 B
+    assert compiled_barrier_s(small) == pytest.approx(300.0 + 4_000_020 / 50e6)
+    huge = builder(((1 << 20, 1 << 20), np.float32))  # 4 TiB
+    assert compiled_barrier_s(huge) == 1800.0
+
+
 def test_device_recovery_hands_back_a_runtime_and_the_live_state():
     """Replicated over data: the state of step 0 is read just in time from live replicas;
     the new runtime is on a mesh without device 3 and keeps the compiler (same world)."""
