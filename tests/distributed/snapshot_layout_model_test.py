@@ -28,24 +28,19 @@ def test_todays_layout_in_series_survives_any_host_loss_at_its_counted_memory():
     assert result.rest_units == 4 == result.peak_units
 
 
-def test_making_room_is_what_needs_the_publish_in_series():
+def test_the_default_order_has_the_window_the_notes_name_and_making_room_needs_series():
     """The same layout without the wait in series loses a step, with or without room made
-    first; its peak is the default `agent_peak_bytes` when no room is made."""
-    result = check(Protocol("sync", **TODAY))
-    assert not result.safe
-    assert result.peak_units == _shares(shm.agent_peak_bytes(1 << 30, 1 << 30)) == 5
-    assert not check(Protocol("sync", make_room=True, **TODAY)).safe
-
-
-def test_todays_default_order_has_the_window_the_notes_name():
-    """A publish without the wait in series: a lost host's last copy still on the wire
-    while a peer whose buddy it was overwrites the step everyone else must go back to."""
+    first: a lost host's last copy still on the wire while a peer whose buddy it was
+    overwrites the step everyone else must go back to. Its peak is the default
+    `agent_peak_bytes` (no room made)."""
     result = check(Protocol("sync", **TODAY))
     assert not result.safe
     s: State = result.unrecoverable[0]
     assert s.dead is not None
     assert any(w.done > min(v.done for i, v in enumerate(s.workers) if i != s.dead)
                for w in s.workers)
+    assert result.peak_units == _shares(shm.agent_peak_bytes(1 << 30, 1 << 30)) == 5
+    assert not check(Protocol("sync", make_room=True, **TODAY)).safe
 
 
 @pytest.mark.parametrize("protocol", [
