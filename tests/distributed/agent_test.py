@@ -560,3 +560,69 @@ def test_a_segment_whose_view_outlived_its_loan_is_unlinked_and_closed_later():
         assert holder._closing == []  # closed at the end of that loan
     finally:
         holder.close()
+
+
+def test_a_new_world_from_newer_copies_drops_a_former_predecessors_replicas(two_agents):
+    """Agent 1 holds worker 0's copies of world 0. A world formed from world 0's copies
+    keeps them (they are what its survivors restore); the next one, formed from world 1's,
+    has the launcher tell agent 1 so (`wire.SetBuddy.keep_from`), and they go, though no
+    later copy of worker 0 would ever have replaced them."""
+    fake, agents = two_agents
+    fake.command(0, wire.SetBuddy(buddy=fake.addresses[1]))
+    client = AgentClient(agents[0].address, secret=SECRET)
+    try:
+        for step in (4, 5):
+            client.publish(step, _worker0_copy(step, 0))
+        wait_until(lambda: held(agents[1].address)[0].get("0", [])[-1:] == [5])
+        kept = held(agents[1].address)[0]
+        fake.command(1, wire.SetBuddy(buddy=None, resume_step=4, keep_from=0))
+        time.sleep(0.2)
+        assert held(agents[1].address)[0] == kept
+        fake.command(1, wire.SetBuddy(buddy=None, resume_step=9, keep_from=1))
+        wait_until(lambda: held(agents[1].address)[0] == {})
+        assert agents[1].snapshots.replicas.floor == 1
+    finally:
+        client.close()
+
+
+def test_over_the_budget_a_new_predecessors_copy_takes_a_former_ones_room():
+    """At the budget the worker counts (`agent_peak_bytes`: two replicas held, one
+    arriving), an agent holding its former predecessor's (worker 0) two copies of world 0
+    keeps its new predecessor's (worker 2) copies of world 1 in their place; a copy of
+    world 0 finds nothing it may drop and is refused, as before."""
+    import os
+
+    from mnemojax._src.checksum import checksum
+    from mnemojax._src.distributed.shm import SLOT_MARGIN, agent_peak_bytes
+
+    def frame(origin: int, step: int, generation: int) -> bytearray:
+        return bytearray(b"".join(bytes(p) for p in pack(
+            step, origin, [ShardEntry(0, (10_000,), ((0, 10_000),),
+                                      np.full(10_000, step, np.uint8))],
+            num_leaves=1, generation=generation)))
+
+    def offer(origin: int, step: int, generation: int):
+        f = frame(origin, step, generation)
+        return holder.accept_replica(
+            wire.Replica(origin=origin, step=step, crc=checksum(f)), f)
+
+    n, events = len(frame(0, 1, 0)), []
+    holder = SnapshotHolder(1, shm_prefix=f"mnjxtest{os.getpid()}_evict_",
+                            report=events.append)
+    try:
+        holder.allocate(n + SLOT_MARGIN, budget_bytes=agent_peak_bytes(n, n))
+        assert [isinstance(offer(0, s, 0), wire.Ok) for s in (1, 2)] == [True, True]
+        assert isinstance(offer(2, 3, 1), wire.Ok)  # the peak: two held, one arriving
+        assert (holder.replicas.steps(0), holder.replicas.steps(2)) == ([1, 2], [3])
+        assert isinstance(offer(2, 4, 1), wire.Ok)  # room: worker 0's oldest went
+        assert (holder.replicas.steps(0), holder.replicas.steps(2)) == ([2], [3, 4])
+        assert isinstance(offer(2, 5, 1), wire.Ok)
+        assert (holder.replicas.steps(0), holder.replicas.steps(2)) == ([], [4, 5])
+        assert not events
+        holder.replicas.put(0, 6, frame(0, 6, 0), checksum(frame(0, 6, 0)))
+        holder.replicas.put(0, 7, frame(0, 7, 0), checksum(frame(0, 7, 0)))
+        refused = offer(2, 6, 0)  # world 0, like worker 0's: nothing to drop for it
+        assert isinstance(refused, wire.ErrorReply) and "host_memory_budget" in refused.message
+        assert [type(e) for e in events] == [wire.ReplicaRefused]
+    finally:
+        holder.close()

@@ -221,3 +221,22 @@ def test_a_survivors_held_copy_covers_what_a_lost_host_and_its_buddy_took():
              "a3": [copy(3, 4, [])]}
     agreed = decide(newer)
     assert agreed.resume_step == -1 and agreed.lost == (0, 1), agreed
+
+
+def test_the_worlds_whose_copies_a_new_world_keeps():
+    """`Agreement.keep_from` (what the launchers send the agents): a world formed from
+    world 1's copies of step 7 keeps copies of world 1 on, not world 0's, though world 0
+    held a whole step 6 too (an older complete step: only a fall-back); a world formed
+    with no step held whole keeps only its own."""
+    book = AgreementBook(2, [0, 1])
+    for w in (0, 1):
+        book.arrive(w, 2, last_step=7)
+    holdings = {"x": [copy(0, 6, [(0, 6)], generation=0), copy(0, 7, [(0, 3)], generation=1),
+                      copy(1, 7, [(3, 6)], generation=1)]}
+    agreed = book.decide(coordinator="c", holdings=holdings)[0]
+    assert (agreed.resume_step, agreed.resume_generation, agreed.keep_from) == (7, 1, 1)
+    lost = AgreementBook(2, [0, 1])
+    for w in (0, 1):
+        lost.arrive(w, 2, last_step=7)
+    nothing = lost.decide(coordinator="c", holdings={"x": [copy(0, 7, [(0, 3)], 1)]})[1]
+    assert (nothing.resume_step, nothing.generation, nothing.keep_from) == (-1, 3, 3)

@@ -132,3 +132,47 @@ def test_making_room_after_a_resume_from_disk_drops_the_old_worlds_later_steps()
         data = f"s{step}g1".encode()
         store.put(1, step, data, checksum(data), generation=1)
     assert store.steps(1) == [12, 13]
+
+
+def _put(store: ReplicaStore, origin: int, step: int, generation: int, size: int = 10) -> None:
+    data = bytes([step % 256]) * size
+    store.put(origin, step, data, checksum(data), generation=generation)
+
+
+def test_a_new_world_drops_copies_of_older_worlds_and_refuses_late_ones():
+    """After a ring change the agent holds its former predecessor's copies (worker 0,
+    dead) beside the new one's (worker 2); no later copy of worker 0 ever replaces them.
+    A world formed from world 1's copies drops every copy of world 0, and a late send of
+    world 0 (a replication still in flight) is not kept; world 1's copies stay, those of
+    the resumed step included."""
+    store = ReplicaStore(keep=2)
+    for step in (7, 8):
+        _put(store, 0, step, generation=0)
+    _put(store, 2, 8, generation=0)
+    _put(store, 2, 9, generation=1)
+    assert store.forget_before(1) == 30
+    assert (store.steps(0), store.steps(2)) == ([], [9])
+    _put(store, 0, 9, generation=0)
+    store.make_room(2, 10, generation=0)  # a copy below the floor makes no room either
+    assert (store.steps(0), store.steps(2)) == ([], [9])
+    assert store.forget_before(0) == 0 and store.floor == 1  # never lowered
+    _put(store, 2, 10, generation=1)
+    assert store.steps(2) == [9, 10]
+
+
+def test_room_for_a_newer_worlds_copy_comes_from_former_predecessors_oldest_first():
+    """Under the budget, a copy from world 2 may take the room of other origins' copies
+    from older worlds, oldest (world, step) first; never of its own origin or of its own
+    world, and nothing at all when they cannot make the room asked for."""
+    store = ReplicaStore(keep=2)
+    _put(store, 0, 5, generation=0)
+    _put(store, 0, 6, generation=0)
+    _put(store, 1, 9, generation=1)
+    _put(store, 3, 9, generation=2)
+    _put(store, 3, 3, generation=1)  # its own origin: not droppable for it
+    assert store.evict_for(3, 2, 41) == 0  # only 30 bytes are droppable: none dropped
+    assert (store.steps(0), store.steps(1)) == ([5, 6], [9])
+    assert store.evict_for(3, 2, 15) == 20  # whole copies, oldest first
+    assert (store.steps(0), store.steps(1), store.steps(3)) == ([], [9], [3, 9])
+    assert store.evict_for(3, 1, 5) == 0  # world 1's copy cannot take world 1's room
+    assert store.evict_for(3, 2, 5) == 10 and store.steps(1) == []

@@ -31,6 +31,7 @@ EXAMPLES = [
     wire.Start(env={}, buddy=None),
     wire.SetBuddy(buddy="127.0.0.1:6"),
     wire.SetBuddy(buddy=None),
+    wire.SetBuddy(buddy="127.0.0.1:6", resume_step=4, keep_from=2),
     wire.PauseWatchdog(),
     wire.KillWorker(),
     wire.Shutdown(),

@@ -119,6 +119,12 @@ class Agreement:
     why: str = ""
     replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
+    @property
+    def keep_from(self) -> int:
+        """The oldest world whose snapshot copies a later agreement can still choose: the
+        resumed copies' world, or this world when none was complete (`wire.SetBuddy`)."""
+        return self.resume_generation if self.resume_step >= 0 else self.generation
+
 
 @dataclasses.dataclass(frozen=True)
 class CopyInfo:

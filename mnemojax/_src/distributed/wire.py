@@ -288,11 +288,17 @@ class SetBuddy(Message):
     ``resume_step``: the step a new world resumed from, if any (-1: from the persistent
     tier, as `Agreement.resume_step`): a new buddy gets that copy first, not the newest
     (which may be an abandoned step of the old world).
+
+    ``keep_from``: the oldest world whose copies can still serve an agreement (the world
+    the resumed copies came from; the new world itself after a resume from the
+    persistent tier): the agent drops its replicas from older worlds
+    (`ReplicaStore.forget_before`). None: keep them (a buddy set at start).
     """
 
     OP: ClassVar[str] = "set_buddy"
     buddy: str | None
     resume_step: int | None = None
+    keep_from: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,12 +16,19 @@ class ReplicaStore:
     Keeps the ``keep`` newest copies per origin, newest by (world, step): a new world's
     replayed steps are newer than the old world's later ones. So the previous step stays
     available while a newer copy is in flight or when the survivors resume one step back.
+
+    Copies of a former ring predecessor (a worker that died, or that the ring moved) are
+    outranked by no later copy of theirs: they go when a new world forms from a newer
+    world's copies (`forget_before`), or when a copy from a newer world needs their room
+    under the host's budget (`evict_for`).
     """
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._by_origin: dict[int, dict[int, tuple[bytes | bytearray, int, int]]] = {}
         self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
+        # Copies from worlds older than this are dropped and refused (`forget_before`).
+        self.floor = 0
 
     def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int, *,
             generation: int = 0) -> None:
@@ -33,6 +40,8 @@ class ReplicaStore:
             raise SnapshotCorruptError(
                 f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
+            if generation < self.floor:  # a late send of a world no agreement can choose
+                return
             held = self._by_origin.setdefault(origin, {})
             if step in held and held[step][2] > generation:
                 return
@@ -60,7 +69,7 @@ class ReplicaStore:
         """
         with self._lock:
             held = self._by_origin.get(origin)
-            if not held:
+            if not held or generation < self.floor:
                 return
             rank = {s: (g, s) for s, (_, _, g) in held.items()}
             if (generation, step) <= max(rank.values()):
@@ -70,6 +79,54 @@ class ReplicaStore:
                 return
             while len(held) >= self.keep:
                 del held[min(held, key=rank.__getitem__)]
+
+    def forget_before(self, generation: int) -> int:
+        """A new world formed from copies of world ``generation`` (or, resuming from the
+        persistent tier, no copy held was complete): drops every copy from an older world
+        and refuses any that arrives later. Returns the bytes freed.
+
+        Why that is safe: copies of a world are only ever moved after it ends (a late
+        replication), never made, so a step of an older world that the agreement did not
+        find complete never becomes complete. An older world's step that was complete
+        ranked below the one chosen; it served only a fallback should the chosen step's
+        copies be lost before the new world's first step is held whole.
+        """
+        with self._lock:
+            if generation <= self.floor:
+                return 0
+            self.floor = generation
+            freed = 0
+            for origin, held in list(self._by_origin.items()):
+                for step in [s for s, (_, _, g) in held.items() if g < generation]:
+                    freed += len(held.pop(step)[0])
+                if not held:
+                    del self._by_origin[origin]
+            return freed
+
+    def evict_for(self, origin: int, generation: int, nbytes: int) -> int:
+        """Makes up to ``nbytes`` of room for ``origin``'s copy from world ``generation``,
+        by dropping copies of *other* origins from older worlds, oldest (world, step)
+        first: a former ring predecessor's copies, which no later copy of theirs would
+        ever replace. Drops nothing when they cannot make that room. Returns the bytes
+        freed.
+
+        The trade: those copies cover a fall-back to the older world while the new one
+        holds no whole step yet; refusing the current predecessor's copies instead would
+        leave its shards with no copy off its host for the rest of the world.
+        """
+        with self._lock:
+            old = sorted(((g, s, o) for o, held in self._by_origin.items() if o != origin
+                          for s, (_, _, g) in held.items() if g < generation))
+            if sum(len(self._by_origin[o][s][0]) for _, s, o in old) < nbytes:
+                return 0
+            freed = 0
+            for _, s, o in old:
+                if freed >= nbytes:
+                    break
+                freed += len(self._by_origin[o].pop(s)[0])
+                if not self._by_origin[o]:
+                    del self._by_origin[o]
+            return freed
 
     def steps(self, origin: int) -> list[int]:
         """The steps of ``origin`` held, oldest first (unchecked; `verify` checks)."""

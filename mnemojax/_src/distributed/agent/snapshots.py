@@ -84,8 +84,24 @@ class SnapshotHolder:
             + self.replicas.nbytes() + held + nbytes
 
     def accept_replica(self, replica: wire.Replica, payload: bytearray) -> wire.Ok | wire.ErrorReply:
-        """Keeps a buddy's copy if it passes its CRC32C and fits the budget."""
+        """Keeps a buddy's copy if it passes its CRC32C and fits the budget; over the
+        budget, a former predecessor's copies from older worlds make room first
+        (`ReplicaStore.evict_for`)."""
+        try:  # its world: a new world's copies outrank an old world's later steps
+            generation = int(read_meta(payload).get("generation", 0))
+        except (ValueError, TypeError) as e:
+            return wire.ErrorReply(message=f"the replica of worker {replica.origin} step "
+                                           f"{replica.step} is not a snapshot: {e}")
         peak = self._peak_with(len(payload))
+        if self.budget_bytes is not None and peak > self.budget_bytes:
+            freed = self.replicas.evict_for(replica.origin, generation,
+                                            peak - self.budget_bytes)
+            if freed:
+                logger.info("mnemojax agent %d: dropped %d bytes of former predecessors' "
+                            "copies from worlds before %d to keep worker %d's step %d "
+                            "within host_memory_budget_bytes", self.worker_id, freed,
+                            generation, replica.origin, replica.step)
+                peak = self._peak_with(len(payload))
         if self.budget_bytes is not None and peak > self.budget_bytes:
             if not self._refused_replicas:
                 self._refused_replicas = True
@@ -94,11 +110,6 @@ class SnapshotHolder:
                     budget_bytes=self.budget_bytes))
             return wire.ErrorReply(message=f"a replica of {len(payload)} bytes would exceed "
                                            f"host_memory_budget_bytes={self.budget_bytes}")
-        try:  # its world: a new world's copies outrank an old world's later steps
-            generation = int(read_meta(payload).get("generation", 0))
-        except (ValueError, TypeError) as e:
-            return wire.ErrorReply(message=f"the replica of worker {replica.origin} step "
-                                           f"{replica.step} is not a snapshot: {e}")
         try:
             self.replicas.put(replica.origin, replica.step, payload, replica.crc,
                               generation=generation)
