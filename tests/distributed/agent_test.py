@@ -621,6 +621,11 @@ def test_over_the_budget_a_new_predecessors_copy_takes_a_former_ones_room():
         assert not events
         holder.replicas.put(0, 6, frame(0, 6, 0), checksum(frame(0, 6, 0)))
         holder.replicas.put(0, 7, frame(0, 7, 0), checksum(frame(0, 7, 0)))
+        bad = frame(2, 6, 1)  # fails its check: it takes no one's room
+        refused = holder.accept_replica(
+            wire.Replica(origin=2, step=6, crc=checksum(bad) ^ 1), bad)
+        assert isinstance(refused, wire.ErrorReply) and "CRC32C" in refused.message
+        assert (holder.replicas.steps(0), holder.replicas.steps(2)) == ([6, 7], [4, 5])
         refused = offer(2, 6, 0)  # world 0, like worker 0's: nothing to drop for it
         assert isinstance(refused, wire.ErrorReply) and "host_memory_budget" in refused.message
         assert [type(e) for e in events] == [wire.ReplicaRefused]

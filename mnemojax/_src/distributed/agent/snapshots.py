@@ -94,6 +94,10 @@ class SnapshotHolder:
                                            f"{replica.step} is not a snapshot: {e}")
         peak = self._peak_with(len(payload))
         if self.budget_bytes is not None and peak > self.budget_bytes:
+            if checksums.checksum(payload) != replica.crc:  # a bad copy takes no room
+                return wire.ErrorReply(message=f"replica of worker {replica.origin} step "
+                                               f"{replica.step} fails its {checksums.NAME} "
+                                               "check")
             freed = self.replicas.evict_for(replica.origin, generation,
                                             peak - self.budget_bytes)
             if freed:
