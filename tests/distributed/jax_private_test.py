@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 
@@ -67,3 +68,65 @@ def test_compiles_inside_the_context_write_their_cache_entry_whatever_jax_would(
         for n, v in before.items():
             jax.config.update(n, v)
         compilation_cache.reset_cache()
+
+
+def test_two_processes_share_one_cache_entry_and_either_loads_the_others(tmp_path):
+    """Two processes × 2 CPU devices (`tests.jobs.shared_cache_keys`). As JAX computes it,
+    the persistent-cache key of one program over all 4 devices differs between the
+    processes (one entry each); inside `cache_entries_from_this_process` it is the same.
+    An entry process 0 wrote is loaded by process 1, and the program (a reduction across
+    both) computes what numpy does. Entries are whole: no partial file is left."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mnemojax._src.distributed.transport import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    cache = tmp_path / "cache"
+    outs = [tmp_path / f"p{i}.json" for i in range(2)]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.jobs.shared_cache_keys", str(i),
+                               coordinator, str(cache), str(outs[i])], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], logs
+    p0, p1 = (json.loads(o.read_text()) for o in outs)
+    assert p0["plain_key"] != p1["plain_key"]  # JAX's own keys: one per process
+    assert p0["shared_key"] == p1["shared_key"] and p0["g_key"] == p1["g_key"]
+    assert (p0["g_hit"], p1["g_hit"]) == (False, True)  # process 1 loaded process 0's entry
+    assert max(p0["max_error"], p1["max_error"]) < 1e-5
+    names = sorted(os.listdir(cache))
+    assert not [n for n in names if n.endswith(".part")], names
+    assert len([n for n in names if n.startswith("jit_g-")]) == 1, names
+
+
+def test_cache_entries_are_renamed_into_place_whole(tmp_path, monkeypatch):
+    """`_install_atomic_put`: an entry is written to a file of its own, then renamed to
+    its name (never half-written under it); an entry already there is kept."""
+    from jax._src import lru_cache
+
+    jax_private._install_atomic_put()
+    renames = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        renames.append((os.path.basename(src), os.path.basename(dst)))
+        with open(src, "rb") as f:
+            assert not os.path.exists(dst) and f.read() == b"whole entry"
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    cache.put("k", b"whole entry")
+    cache.put("k", b"another")  # the first stays
+    assert cache.get("k") == b"whole entry"
+    assert sorted(os.listdir(tmp_path)) == ["k-cache"]
+    assert len(renames) == 1 and renames[0][1] == "k-cache" and renames[0][0].endswith(".part")

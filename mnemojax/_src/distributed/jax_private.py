@@ -8,8 +8,9 @@ needs ``jax._src.distributed.global_state`` and
 ``jax._src.lib._jax.get_distributed_runtime_{service,client}``, used only here, behind
 `check_jax_version` and `check_private_api` (a unit test calls the latter, so a JAX upgrade
 that changes these shapes fails loudly instead of misbehaving at the first failure). Also
-here: the persistent-cache writer of every process (`cache_entries_from_this_process`) and
-an export's private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
+here: the persistent-cache writer of every process (`cache_entries_from_this_process`, with
+cache keys made the same in every process and entries written atomically) and an export's
+private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
 
 Nothing happens on import: JAX itself is imported inside the functions.
 """
@@ -21,6 +22,7 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -47,6 +49,10 @@ PRIVATE_API = (
       "host_callbacks")),
     ("jax._src.compilation_cache", "put_executable_and_time",
      ("cache_key", "module_name", "executable", "backend", "compile_time")),
+    ("jax._src.cache_key", "_hash_accelerator_config", ("hash_obj", "accelerators")),
+    ("jax._src.lru_cache", "LRUCache.put", ("self", "key", "value")),
+    ("jax._src.lru_cache", "_CACHE_SUFFIX", ()),
+    ("jax._src.lru_cache", "_is_local_filesystem", ("path",)),
 )
 EXPORTED_VJP_FIELD = "_get_vjp"  # `export_without_vjp`
 CLIENT_METHODS = ("connect", "shutdown", "get_live_nodes", "wait_at_barrier")
@@ -184,20 +190,102 @@ def _install_cache_writer() -> None:
     compiler._cache_write = cache_write
 
 
+def shared_key_platform(devices: Any) -> bool:
+    """Whether `cache_entries_from_this_process` makes the cache key of a program over
+    ``devices`` the same in every process: CPU devices only."""
+    return all(getattr(d, "platform", None) == "cpu" for d in devices)
+
+
+def _install_shared_keys() -> None:
+    """Wraps JAX's cache-key part for the devices (once): inside
+    `cache_entries_from_this_process`, a program over CPU devices gets a key that every
+    process computes alike.
+
+    On jaxlib 0.10 CPU, the key of one multi-process program differs between processes in
+    that part alone (``get_topology_for_devices(...).fingerprint()`` depends on the
+    asking process; measured with two processes), though the executable is not
+    process-specific: one process's entry, loaded by another, computes the same (JAX's own
+    ``jax_share_binary_between_hosts`` hands one process's binary to all; the loader
+    deserializes it with its own compile options). Hashing the devices' ids, processes
+    and kinds instead (the ids give each process's devices their places) lets any
+    process's entry serve every process index: a survivor renumbered onto a lost
+    process's index finds the entry some other process wrote.
+    """
+    from jax._src import cache_key
+    original = cache_key._hash_accelerator_config
+    if getattr(original, "mnemojax_wrapped", False):
+        return
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if not getattr(_cache_writes, "on", False) or not shared_key_platform(devices):
+            return original(hash_obj, accelerators)
+        described = [(d.id, d.process_index, d.device_kind) for d in devices]
+        hash_obj.update(f"mnemojax-shared-key:{described!r}".encode())
+        return None
+
+    hash_accelerator_config.mnemojax_wrapped = True  # type: ignore[attr-defined]
+    cache_key._hash_accelerator_config = hash_accelerator_config
+
+
+def _install_atomic_put() -> None:
+    """Wraps JAX's file-cache write (once) so that an entry appears whole or not at all.
+
+    JAX writes an entry in place (``Path.write_bytes``) when the cache has no size limit.
+    With keys shared between processes (`_install_shared_keys`), two processes may write
+    the same entry at once, and a reader may read it while it is written; an interleaved
+    file would be a corrupt executable. So the entry is written to a file of this process
+    and thread, then renamed over the name (either writer's complete entry is valid).
+    A cache with a size limit (JAX locks its writes) or off the local file system is
+    left to JAX.
+    """
+    from jax._src import lru_cache
+    original = lru_cache.LRUCache.put
+    if getattr(original, "mnemojax_wrapped", False):
+        return
+
+    def put(self, key: str, value: bytes) -> None:
+        if self.eviction_enabled or not lru_cache._is_local_filesystem(str(self.path)):
+            return original(self, key, value)
+        if not key:
+            raise ValueError("key cannot be empty")
+        path = os.path.join(str(self.path), f"{key}{lru_cache._CACHE_SUFFIX}")
+        if os.path.exists(path):
+            return None
+        part = os.path.join(str(self.path),
+                            f".{key}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            with open(part, "wb") as f:
+                f.write(value)
+            os.replace(part, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+        return None
+
+    put.mnemojax_wrapped = True  # type: ignore[attr-defined]
+    lru_cache.LRUCache.put = put
+
+
 @contextlib.contextmanager
 def cache_entries_from_this_process() -> Iterator[None]:
     """Compiles in this block (this thread) write their persistent compilation cache entry
-    from this process, whatever its index and however fast they compiled.
+    from this process, whatever its index and however fast they compiled, under a key
+    every process computes alike for a program over CPU devices.
 
     JAX writes entries from process 0 only, and only for compiles slower than
-    ``jax_persistent_cache_min_compile_time_secs``. But a multi-process cache key holds
-    the compiling process's index (measured on jaxlib 0.10 CPU: one entry per process for
-    the same program), so process ``i`` of a later world finds its executable only if
-    some process ``i`` wrote it. With every process writing, a world formed after a loss
-    loads its executables from the cache instead of compiling them (`compiler`).
+    ``jax_persistent_cache_min_compile_time_secs``. And a multi-process cache key holds
+    the compiling process's view of the devices (measured on jaxlib 0.10 CPU: one entry
+    per process for the same program), so process ``i`` of a later world would find its
+    executable only if some process ``i`` wrote it. Here every process writes, the key of
+    a program over CPU devices is the same in every process (`_install_shared_keys`), and
+    entries are written whole (`_install_atomic_put`): a world formed after a loss loads
+    its executables from the cache, whichever process compiled them (`compiler`).
     Without a persistent cache directory nothing is written.
     """
     _install_cache_writer()
+    _install_shared_keys()
+    _install_atomic_put()
     was = getattr(_cache_writes, "on", False)
     _cache_writes.on = True
     try:
