@@ -170,9 +170,30 @@ def test_room_for_a_newer_worlds_copy_comes_from_former_predecessors_oldest_firs
     _put(store, 1, 9, generation=1)
     _put(store, 3, 9, generation=2)
     _put(store, 3, 3, generation=1)  # its own origin: not droppable for it
-    assert store.evict_for(3, 2, 41) == 0  # only 30 bytes are droppable: none dropped
+    assert store.evict_for(3, 10, 2, 41) == 0  # only 30 bytes are droppable: none dropped
     assert (store.steps(0), store.steps(1)) == ([5, 6], [9])
-    assert store.evict_for(3, 2, 15) == 20  # whole copies, oldest first
+    assert store.evict_for(3, 10, 2, 15) == 20  # whole copies, oldest first
     assert (store.steps(0), store.steps(1), store.steps(3)) == ([], [9], [3, 9])
-    assert store.evict_for(3, 1, 5) == 0  # world 1's copy cannot take world 1's room
-    assert store.evict_for(3, 2, 5) == 10 and store.steps(1) == []
+    assert store.evict_for(3, 10, 1, 5) == 0  # world 1's copy cannot take world 1's room
+    _put(store, 3, 10, generation=2)
+    assert store.evict_for(3, 8, 2, 5) == 0  # older than both held: `put` would drop it
+    assert store.evict_for(3, 11, 2, 5) == 10 and store.steps(1) == []
+
+
+def test_the_step_a_world_resumed_from_keeps_its_room_for_two_steps():
+    """World 1 resumed from step 2 of world 0, whose copy of worker 0 (dead) only this
+    agent holds. Until the new predecessor (worker 1) sends step 4, world 1 may hold no
+    step whole and a second failure falls back to step 2: its copy takes no room for
+    steps 3 (the other, step 1, may go). From step 4 on, the two steps kept per origin
+    have replaced worker 1's own copy of step 2 too, and worker 0's may go."""
+    store = ReplicaStore(keep=2)
+    _put(store, 0, 1, generation=0)
+    _put(store, 0, 2, generation=0)
+    _put(store, 1, 2, generation=0)
+    store.forget_before(0, resumed=2)
+    assert store.agreed == (0, 2)
+    assert store.evict_for(1, 3, 1, 20) == 0  # only step 1's 10 bytes may go: none does
+    assert store.evict_for(1, 3, 1, 10) == 10 and store.steps(0) == [2]
+    assert store.evict_for(1, 4, 1, 10) == 10 and store.steps(0) == []
+    store.forget_before(1, resumed=-1)  # a later world from the persistent tier
+    assert store.agreed is None and store.floor == 1

@@ -148,3 +148,21 @@ def test_malformed_agreement_names_the_nested_field():
     header["agreement"]["sources"] = {}
     with pytest.raises(ProtocolError, match="'agreement.survivors' is missing"):
         wire.decode(header)
+
+
+def test_a_new_worlds_buddy_command_carries_what_its_agreement_keeps():
+    """`SetBuddy.for_world`, what both launchers send every member's agent when a world
+    forms: the step it resumed from and the oldest world whose copies stay; world 0 sends
+    neither, an older world a launcher catches up on keeps everything."""
+    from mnemojax._src.distributed.agreement import Agreement
+
+    def agreed(step, generation):
+        return Agreement(generation=3, worker_id=0, process_id=0, num_processes=2,
+                         coordinator="c", resume_step=step, survivors=(0, 1),
+                         previous_members=(0, 1, 2), sources={}, resume_generation=generation)
+
+    assert wire.SetBuddy.for_world("b", None) == wire.SetBuddy(buddy="b")
+    assert wire.SetBuddy.for_world("b", agreed(7, 1)) == wire.SetBuddy(
+        buddy="b", resume_step=7, keep_from=1)
+    assert wire.SetBuddy.for_world(None, agreed(-1, 0)).keep_from == 3  # from disk
+    assert wire.SetBuddy.for_world("b", agreed(7, 1), newest=False).keep_from is None

@@ -300,6 +300,18 @@ class SetBuddy(Message):
     resume_step: int | None = None
     keep_from: int | None = None
 
+    @classmethod
+    def for_world(cls, buddy: str | None, agreement: Agreement | None, *,
+                  newest: bool = True) -> SetBuddy:
+        """What a member's agent is told when a world forms by ``agreement`` (None: world
+        0): its buddy, the step the world resumed from, and, for the ``newest`` world
+        only, the oldest world whose copies it keeps (`Agreement.keep_from`; a launcher
+        catching up on several worlds must not drop what the newest one resumed from)."""
+        if agreement is None:
+            return cls(buddy=buddy)
+        return cls(buddy=buddy, resume_step=agreement.resume_step,
+                   keep_from=agreement.keep_from if newest else None)
+
 
 @dataclasses.dataclass(frozen=True)
 class PauseWatchdog(Message):

@@ -120,7 +120,8 @@ class Agent:
             self.link.report(wire.WorkerStarted(worker_id=self.worker_id, pid=pid))
         elif isinstance(command, wire.SetBuddy):
             if command.keep_from is not None:
-                self.snapshots.replicas.forget_before(command.keep_from)
+                self.snapshots.replicas.forget_before(command.keep_from,
+                                                      resumed=command.resume_step)
             self.replicator.set_buddy(command.buddy, resume_step=command.resume_step)
         elif isinstance(command, wire.PauseWatchdog):  # a peer failed: we may block a while
             self.watchdog.set_phase("recover", time.monotonic())

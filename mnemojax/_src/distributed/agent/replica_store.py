@@ -29,6 +29,9 @@ class ReplicaStore:
         self._lock = threading.Lock()  # replication puts while a survivor asks or fetches
         # Copies from worlds older than this are dropped and refused (`forget_before`).
         self.floor = 0
+        # (world, step) of the copies the current world resumed from: what a second
+        # failure falls back to until the new world holds a step whole (`evict_for`).
+        self.agreed: tuple[int, int] | None = None
 
     def put(self, origin: int, step: int, payload: bytes | bytearray, crc: int, *,
             generation: int = 0) -> None:
@@ -41,7 +44,7 @@ class ReplicaStore:
                 f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
             if generation < self.floor:  # a late send of a world no agreement can choose
-                return
+                return  # (its sender hears Ok: its worker is in a newer world anyway)
             held = self._by_origin.setdefault(origin, {})
             if step in held and held[step][2] > generation:
                 return
@@ -80,18 +83,21 @@ class ReplicaStore:
             while len(held) >= self.keep:
                 del held[min(held, key=rank.__getitem__)]
 
-    def forget_before(self, generation: int) -> int:
-        """A new world formed from copies of world ``generation`` (or, resuming from the
-        persistent tier, no copy held was complete): drops every copy from an older world
-        and refuses any that arrives later. Returns the bytes freed.
+    def forget_before(self, generation: int, *, resumed: int | None = None) -> int:
+        """A new world formed from copies of world ``generation`` (its step ``resumed``;
+        or, resuming from the persistent tier, ``generation`` is the new world and no copy
+        held was complete): drops every copy from an older world and refuses any that
+        arrives later. Returns the bytes freed.
 
-        Why that is safe: copies of a world are only ever moved after it ends (a late
+        The trade: copies of a world are only ever moved after it ends (a late
         replication), never made, so a step of an older world that the agreement did not
-        find complete never becomes complete. An older world's step that was complete
-        ranked below the one chosen; it served only a fallback should the chosen step's
-        copies be lost before the new world's first step is held whole.
+        find complete never becomes complete; what goes is only an older world's step
+        that was complete but ranked below the one chosen, a fall-back should the chosen
+        step's copies be lost before the new world holds a step whole.
         """
         with self._lock:
+            if resumed is not None:
+                self.agreed = (generation, resumed) if resumed >= 0 else None
             if generation <= self.floor:
                 return 0
             self.floor = generation
@@ -103,20 +109,37 @@ class ReplicaStore:
                     del self._by_origin[origin]
             return freed
 
-    def evict_for(self, origin: int, generation: int, nbytes: int) -> int:
-        """Makes up to ``nbytes`` of room for ``origin``'s copy from world ``generation``,
-        by dropping copies of *other* origins from older worlds, oldest (world, step)
-        first: a former ring predecessor's copies, which no later copy of theirs would
-        ever replace. Drops nothing when they cannot make that room. Returns the bytes
-        freed.
+    def evict_for(self, origin: int, step: int, generation: int, nbytes: int) -> int:
+        """Makes up to ``nbytes`` of room for ``origin``'s copy of ``step`` from world
+        ``generation``, by dropping copies of *other* origins from older worlds, oldest
+        (world, step) first: a former ring predecessor's copies, which no later copy of
+        theirs would ever replace. Drops nothing when they cannot make that room, or when
+        `put` would not keep the copy anyway.
 
-        The trade: those copies cover a fall-back to the older world while the new one
-        holds no whole step yet; refusing the current predecessor's copies instead would
-        leave its shards with no copy off its host for the rest of the world.
+        Never dropped for a copy older than two steps past it: a copy of the step the
+        current world resumed from (`agreed`). Until then the new world may hold no step
+        whole, and a second failure falls back to it; from the sender's step ``s + 2``
+        on, `put` drops the sender's own copy of that step too, as the two steps kept
+        per origin allow. Other older-world copies are a fall-back the trade gives up:
+        refusing the current predecessor's copies instead would leave its shards with no
+        copy off its host for the rest of the world.
+
+        Returns:
+            The bytes freed.
         """
         with self._lock:
-            old = sorted(((g, s, o) for o, held in self._by_origin.items() if o != origin
-                          for s, (_, _, g) in held.items() if g < generation))
+            held = self._by_origin.get(origin, {})
+            order = {s: (g, s) for s, (_, _, g) in held.items()} | {step: (generation, step)}
+            if (generation < self.floor or (step in held and held[step][2] > generation)
+                    or step not in sorted(order, key=order.__getitem__)[-self.keep:]):
+                return 0  # `put` would not keep it
+
+            def protected(g: int, s: int) -> bool:
+                return (g, s) == self.agreed and step < s + 2
+
+            old = sorted(((g, s, o) for o, kept in self._by_origin.items() if o != origin
+                          for s, (_, _, g) in kept.items()
+                          if g < generation and not protected(g, s)))
             if sum(len(self._by_origin[o][s][0]) for _, s, o in old) < nbytes:
                 return 0
             freed = 0

@@ -98,7 +98,7 @@ class SnapshotHolder:
                 return wire.ErrorReply(message=f"replica of worker {replica.origin} step "
                                                f"{replica.step} fails its {checksums.NAME} "
                                                "check")
-            freed = self.replicas.evict_for(replica.origin, generation,
+            freed = self.replicas.evict_for(replica.origin, replica.step, generation,
                                             peak - self.budget_bytes)
             if freed:
                 logger.info("mnemojax agent %d: dropped %d bytes of former predecessors' "

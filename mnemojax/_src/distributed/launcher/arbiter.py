@@ -229,7 +229,6 @@ class Arbiter:
         live = [m for m in survivors if m in self._roster.links]
         for i, m in enumerate(live):  # the new ring over the survivors' agents
             buddy = self._roster.addresses[live[(i + 1) % len(live)]] if len(live) > 1 else None
-            self._roster.command(m, wire.SetBuddy(buddy=buddy, resume_step=first.resume_step,
-                                                  keep_from=first.keep_from))
+            self._roster.command(m, wire.SetBuddy.for_world(buddy, first))
         self._roster.cv.notify_all()
         return decision

@@ -130,7 +130,7 @@ class NodeLauncher(Launcher):
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             members = view.worlds()[g]
             first = agreement_of(record, members[0]) if members else None
-            self._set_buddies(view, members, first)
+            self._set_buddies(view, members, first, newest=g == view.latest())
             for w in o.spare_ids:  # this node's spares the world takes in
                 agreement = agreement_of(record, w)
                 if agreement is not None and w in self._idle:
@@ -188,18 +188,17 @@ class NodeLauncher(Launcher):
                                           int(end["code"]), time.monotonic())
 
     def _set_buddies(self, view: JobView, members: Sequence[int],
-                     agreement: Agreement | None) -> None:
+                     agreement: Agreement | None, *, newest: bool = True) -> None:
         """Tells this node's agents their buddies in the ring over ``members``' agents,
-        the step the world resumed from (what a new buddy gets first) and the oldest
-        world whose copies they keep (`Agreement.keep_from`)."""
+        the step the world resumed from (what a new buddy gets first) and, for the
+        ``newest`` world, the oldest world whose copies they keep (`wire.SetBuddy.for_world`)."""
         agents = view.agents()
         order = ring([m for m in members if m in agents], self.options.nproc, view.homes())
         for i, m in enumerate(order):
             if m in self.roster.links:
                 buddy = agents[order[(i + 1) % len(order)]] if len(order) > 1 else None
-                self.roster.command(m, wire.SetBuddy(
-                    buddy=buddy, resume_step=agreement.resume_step if agreement else None,
-                    keep_from=agreement.keep_from if agreement else None))
+                self.roster.command(m, wire.SetBuddy.for_world(buddy, agreement,
+                                                               newest=newest))
 
     def _on_lease_lost(self) -> None:
         with self.roster.cv:
