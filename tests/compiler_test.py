@@ -474,3 +474,32 @@ def test_exported_steps_keep_the_newest_entries():
         exports.put((k,), exported)
     assert len(exports) == 2 and exports.get(("b",)) is None
     assert exports.get(("a",)) is not None and exports.get(("c",)) is not None
+
+
+def test_a_process_that_only_exports_ahead_compiles_from_that_export_when_asked():
+    """`CompileOptions.ahead_compilers`: a process not among the compilers only exports
+    the candidate world's step in the background (one trace, nothing compiled, no
+    executable kept); when that world forms, `get` lowers the export (no second trace) and
+    compiles it, or loads what another process wrote under the shared key."""
+    step = _Counting()
+    exports = ExportedSteps()
+    compiler = _compiler(step, exports=exports)
+    try:
+        compiler.precompile([_plan((3, 2))], BATCH, export_only=True)
+        assert compiler.wait_precompiled(timeout_s=120) and compiler.pending() == 0
+        assert len(exports) == 1 and step.traces == 1
+        assert compiler.compiles == 0 and not compiler.warm_one()
+        assert compiler.precompile([_plan((3, 2))], BATCH, export_only=True) == []
+        exe, where = compiler.get(_plan((3, 2)), BATCH)
+        assert where in ("compiled", "cached") and exe.exported and step.traces == 1
+        assert compiler.compiles == 1 and compiler.compiled_ahead == 0
+    finally:
+        compiler.close()
+
+
+@pytest.mark.parametrize(("n", "k", "ranks"), [(4, 2, {0, 2}), (3, 2, {0, 2}), (8, 3, {0, 3, 5}),
+                                               (2, 2, {0, 1}), (3, 5, {0, 1, 2}), (5, 1, {0})])
+def test_the_ahead_compilers_are_spread_over_the_ranks(n, k, ranks):
+    from mnemojax._src.compiler import ahead_compiler_ranks
+
+    assert ahead_compiler_ranks(n, k) == ranks

@@ -25,8 +25,9 @@ from jax.sharding import Mesh
 
 from mnemojax._src import ownership
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import Executable, enable_persistent_cache
+from mnemojax._src.compiler import Executable, compiles_ahead_here, enable_persistent_cache
 from mnemojax._src.data import HostRows
+from mnemojax._src.distributed import env as dist_env
 from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
@@ -959,18 +960,23 @@ class ResilientStep(Generic[P, R]):
             return
         proxy = b.runtime.proxy
         rules = self._rules()
+        export_only = False
         if b.session is not None:
-            # The worlds one process's loss forms: compiled here, over this world's devices
-            # of the ids they will have; every process writes its persistent-cache entry,
-            # and the new world's compile loads it (`compiler`, `jax_private`).
+            # The worlds one process's loss forms: compiled over this world's devices of the
+            # ids they will have, by `ahead_compilers` of the processes (the others export
+            # the step); each writes its persistent-cache entry under a key every process
+            # shares, and the new world's compile loads it (`compiler`, `jax_private`).
             plans = process_loss_plans(proxy.plan.device_ids, proxy.plan.axis_names,
                                        proxy.device_places(), rules)
+            export_only = not compiles_ahead_here(copts.ahead_compilers,
+                                                  one_host=dist_env.one_host())
         else:
             plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
                                          spares=proxy.spares, **rules.as_kwargs())
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
-            b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step))
+            b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step),
+                                          export_only=export_only)
 
 
 _build_numbers = itertools.count()

@@ -205,6 +205,30 @@ def _world_reads_while(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
         sys.setprofile(before)
 
 
+def ahead_compiler_ranks(num_processes: int, compilers: int) -> set[int]:
+    """The ranks that compile each candidate world ahead when ``compilers`` of
+    ``num_processes`` do (`CompileOptions.ahead_compilers`): spread over the ranks (0,
+    n/k, ...), so a host that loses several neighbouring ranks keeps one elsewhere."""
+    if compilers >= num_processes:
+        return set(range(num_processes))
+    return {round(i * num_processes / compilers) for i in range(compilers)}
+
+
+def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
+    """Whether this process compiles the candidate worlds' step ahead, or only exports it
+    and loads what another process compiled (`CompileOptions.ahead_compilers`; None: 2 on
+    one host, else every process). Every process compiles unless the cache keys are
+    shared (CPU devices, `jax_private.shared_key_platform`) and a persistent compilation
+    cache is on."""
+    n = jax.process_count()
+    compilers = ahead_compilers if ahead_compilers is not None else (2 if one_host else n)
+    if compilers >= n or not jax_private.shared_key_platform(jax.devices()):
+        return True
+    if not (getattr(jax.config, _CACHE_ON_FLAG) and getattr(jax.config, _CACHE_FLAG)):
+        return True  # no persistent cache: nothing to load another process's compile from
+    return jax.process_index() in ahead_compiler_ranks(n, compilers)
+
+
 def _compile_lowered(lowered) -> Any:
     if jax.process_count() > 1:  # a later world's process of any index may need it
         with jax_private.cache_entries_from_this_process():
@@ -321,22 +345,27 @@ class StepCompiler:
             lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape))),
             batch_struct)
 
-    def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
-        mesh = shd.mesh_from_plan(plan, self._axis_types)
-        state_sh = shd.named(mesh, self._specs)
-        batch_sh = self.batch_shardings(mesh, batch_struct)
-
+    def _jit(self, state_sh, batch_sh) -> Callable[[Callable], Any]:
         def jit(fn):
             return jax.jit(fn, in_shardings=(state_sh, batch_sh),
                            out_shardings=(state_sh, None, None),
                            donate_argnums=(0,) if self._donate else ())
+        return jit
 
-        args = (
+    def _args(self, state_sh, batch_sh, batch_struct) -> tuple:
+        return (
             [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
              for (shape, dtype), s in zip(self.leaf_structs, state_sh, strict=True)],
             jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          batch_struct, batch_sh),
         )
+
+    def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
+        mesh = shd.mesh_from_plan(plan, self._axis_types)
+        state_sh = shd.named(mesh, self._specs)
+        batch_sh = self.batch_shardings(mesh, batch_struct)
+        jit = self._jit(state_sh, batch_sh)
+        args = self._args(state_sh, batch_sh, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
@@ -415,7 +444,10 @@ class StepCompiler:
         self.cancel_pending(keep=k)  # free the background worker for what is needed now
         if future is not None:
             if not future.cancel():  # already compiling: waiting beats starting over
-                return future.result(), "waited"
+                exe = future.result()
+                if exe is not None:
+                    return exe, "waited"
+                # (only exported here: compiled from the export below, or loaded)
             with self._lock:
                 self._futures.pop(k, None)
         exe = self._compile(plan, batch_struct, ahead=False)
@@ -423,26 +455,37 @@ class StepCompiler:
             self._ready[k] = exe
         return exe, "cached" if exe.from_cache else "compiled"
 
-    def precompile(self, plans: Sequence[MeshPlan], batch_struct) -> list[concurrent.futures.Future]:
-        """Compiles `plans` in the background, in order; already known ones are skipped."""
+    def precompile(self, plans: Sequence[MeshPlan], batch_struct, *,
+                   export_only: bool = False) -> list[concurrent.futures.Future]:
+        """Compiles `plans` in the background, in order; already known ones are skipped.
+
+        With ``export_only`` (multi-process, `CompileOptions.ahead_compilers`) each is only
+        exported (`ExportedSteps`): another process compiles it and writes the persistent
+        cache entry that this process's `get` loads, under a key every process shares.
+        """
         futures = []
         for plan in plans:
             k = self.key(plan, batch_struct)
             with self._lock:
                 if k in self._ready or k in self._futures:
                     continue
-                future = self._pool.submit(self._background, k, plan, batch_struct)
+                if export_only and (self._exports is None or self._exports.refused is not None
+                                    or self._exports.get(k) is not None):
+                    continue  # nothing to export (or done): `get` loads what others compile
+                future = self._pool.submit(self._background, k, plan, batch_struct,
+                                           export_only)
                 self._futures[k] = future
             futures.append(future)
         return futures
 
-    def _background(self, k, plan, batch_struct) -> Executable:
+    def _background(self, k, plan, batch_struct, export_only: bool = False) -> Executable | None:
         # `CompileOptions.background_switch_interval_s`: the training thread gets the GIL
         # back within this, not 5 ms, at each hand-off while this compile traces.
         if self._switch_interval_s is not None:
             _switch_interval.enter(self._switch_interval_s)
         try:
-            exe = self._compile(plan, batch_struct, ahead=True)
+            exe = self._export(plan, batch_struct) if export_only else \
+                self._compile(plan, batch_struct, ahead=True)
         except Exception:
             with self._lock:
                 self._futures.pop(k, None)
@@ -451,9 +494,24 @@ class StepCompiler:
             if self._switch_interval_s is not None:
                 _switch_interval.exit()
         with self._lock:
-            self._ready[k] = exe
+            if exe is not None:
+                self._ready[k] = exe
             self._futures.pop(k, None)
         return exe
+
+    def _export(self, plan: MeshPlan, batch_struct) -> None:
+        """Exports the step for `plan` (`_lower` ahead of time) without compiling it."""
+        mesh = shd.mesh_from_plan(plan, self._axis_types)
+        state_sh = shd.named(mesh, self._specs)
+        batch_sh = self.batch_shardings(mesh, batch_struct)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            _, exported = self._lower(self._jit(state_sh, batch_sh),
+                                      mesh, self._args(state_sh, batch_sh, batch_struct),
+                                      self.key(plan, batch_struct), True)
+        log.info("mnemojax: exported the step for mesh %s ahead of time in %.2fs%s (another "
+                 "process compiles it)", plan.shape, time.perf_counter() - t0,
+                 "" if exported else ", not exportable")
 
     def warm_one(self, *, dead: Collection[int] = (),
                  wait: Callable[[Any], Any] = jax.block_until_ready) -> bool:

@@ -292,6 +292,17 @@ class CompileOptions:
             steps after it were slow. Process-wide (data-loader threads see it too), and
             a value set meanwhile by the user is overwritten on restore. None: leave it
             alone.
+        ahead_compilers: under several processes, how many of them compile each candidate
+            world's step ahead (spread over the ranks: 0, n/k, ...); the others only
+            export it, and when that world forms they load the executable from the
+            persistent compilation cache, whose keys mnemojax makes the same in every
+            process for CPU devices (`jax_private.cache_entries_from_this_process`). Saves
+            the other processes' compile (CPU that training shares on a host); a world that
+            forms after every compiler of a candidate died compiles on the recovery path.
+            Every process must see the same cache directory (one host, or a shared file
+            system). None: 2 when the launcher runs the job on one host
+            (``MNEMOJAX_ONE_HOST``), otherwise every process. Other platforms than CPU,
+            or no persistent cache: every process compiles.
         warm_fallbacks: one process (ignored under ``mnemojax launch``): run each step
             compiled ahead once, on zeros, on the training thread between steps (one per
             call, bounded by the step's hang timeout), so a recovery does not pay its
@@ -310,11 +321,14 @@ class CompileOptions:
     donate_state: bool = False
     export_ahead: bool = True
     background_switch_interval_s: float | None = 0.0005
+    ahead_compilers: int | None = None
     warm_fallbacks: bool = False
 
     def __post_init__(self):
         _check_types(self)
         _check(self.max_precompiled >= 0, "max_precompiled", self.max_precompiled, ">= 0")
+        _check(self.ahead_compilers is None or self.ahead_compilers >= 1, "ahead_compilers",
+               self.ahead_compilers, "None or >= 1")
         _check(self.background_switch_interval_s is None
                or self.background_switch_interval_s > 0, "background_switch_interval_s",
                self.background_switch_interval_s, "None or > 0")

@@ -34,6 +34,9 @@ RESUME = "MNEMOJAX_RESUME"
 # "1": this process is a warm spare: `initialize` waits (`wire.AwaitJoin`) until a world
 # takes it in, then joins it as with RESUME.
 SPARE = "MNEMOJAX_SPARE"
+# "1": every process of the job runs on one host (the launcher's ``--nnodes 1``), so they
+# share one persistent compilation cache directory (`CompileOptions.ahead_compilers`).
+ONE_HOST = "MNEMOJAX_ONE_HOST"
 SLURM_DEFAULT_PORT = 8476
 
 
@@ -93,6 +96,11 @@ class WorldSpec:
         if (self.control or self.agent) and not self.secret:
             raise WorldConfigError(f"{auth.JOB_SECRET} is not set: the launcher's and the "
                                    "agents' connections need the job secret")
+
+
+def one_host(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher runs every process of the job on this one host (`ONE_HOST`)."""
+    return (os.environ if environ is None else environ).get(ONE_HOST) == "1"
 
 
 def split_address(address: str) -> tuple[str, int]:

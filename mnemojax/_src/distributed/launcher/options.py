@@ -149,4 +149,4 @@ def worker_env(options: LaunchOptions, worker_id: int, *, coordinator: str, cont
             # state agrees again at once, and the deadline of that next agreement must
             # not run out before the others' connect has timed out.
             env.ATTACH_TIMEOUT_S: str(max(1, round(o.agree_timeout_s / 2))),
-            "JAX_PLATFORMS": "cpu"}
+            env.ONE_HOST: "1" if o.nnodes == 1 else "0", "JAX_PLATFORMS": "cpu"}
