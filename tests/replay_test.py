@@ -38,8 +38,7 @@ def test_batch_struct_cuts_examples():
 
 def test_a_calls_inputs_are_kept_as_copies_with_their_statics():
     """A step's inputs (CallInputs: batch, numbers, statics in the tree structure): the
-    buffer holds its own copy of every input, and reuses a slot only for the same call
-    layout (another static value is another structure)."""
+    buffer holds its own copy of every input, in fresh arrays."""
     from mnemojax._src.proxy import host_batch
     from mnemojax._src.step_forms import Convention, form_for
 
@@ -56,9 +55,32 @@ def test_a_calls_inputs_are_kept_as_copies_with_their_statics():
         _, inputs = form.split_call((state, {"x": x}, 0.5 * step_no, pad))
         kept.append(buf.append(step_no, host_batch(inputs)))
         x[:] = step_no  # the loader refills its buffer in place
-    assert kept[2] is not kept[0]  # slot of step 1 not reused: other statics
+    assert kept[2] is not kept[0] and kept[2].leaves[0] is not kept[0].leaves[0]
     first = buf.batch(2)
     np.testing.assert_array_equal(first.leaves[0], np.ones((4, 3)))  # step 2's own copy
     assert float(first.leaves[1]) == 1.0 and first.layout.statics == ((3, 0),)
     assert buf.batch(3).layout.statics == ((3, 5),) and first.leaves[0] is not x
     assert batch_struct(buf.batch(3), 2).leaves[0].shape == (2, 3)
+
+
+@pytest.mark.needs8
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_every_kept_batch_reaches_the_devices_as_it_is_while_older_ones_are_placed(dtype):
+    """The buffer's copies are what the step places (`DeviceProxy.place_batch`), and the
+    device arrays of earlier steps may still be alive (a replay, a pending recovery). On
+    jaxlib 0.10.2 CPU, a second ``device_put`` of the same float64 array, refilled in
+    place, onto a multi-device sharding returns the first put's values while that result
+    lives: a buffer that reused its slots in place fed a recovered job a stale batch every
+    ``capacity`` steps. Each kept batch must place as itself."""
+    import jax
+
+    from mnemojax._src.device_layer import JaxDeviceLayer
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    layer, buf, alive = JaxDeviceLayer(), ReplayBuffer(3), []
+    for step in range(1, 13):
+        kept = buf.append(step, {"y": np.full((8, 1), step, dtype)})
+        placed = layer.put(kept["y"], sharding)
+        alive.append(placed)  # every placement stays alive
+        assert float(np.asarray(placed).sum()) == 8.0 * step, f"step {step}"

@@ -21,27 +21,27 @@ class ReplayBuffer:
     A recovery that restores an older state (a host snapshot, an agent's copy, an Orbax
     checkpoint) replays the steps since from here, with the same batches, so the math does
     not change. The buffer keeps its own copies (a loader may refill the caller's arrays in
-    place), in `capacity` slots whose arrays are reused when the next batch has the same
-    structure: no fresh memory per step.
+    place), each in fresh arrays that nothing writes again: the copy is what gets placed
+    on the devices, and JAX may keep using a host array it was given (on jaxlib 0.10.2
+    CPU, a second ``device_put`` of the same float64 array onto a multi-device sharding,
+    refilled in place, returns the first put's values while that result lives; measured,
+    `tests/replay_test.py`). Slots reused in place made a recovered multi-process run
+    silently train on a stale batch every ``capacity`` steps.
     """
 
     def __init__(self, capacity: int):
         self._batches: collections.deque[tuple[int, Any]] = collections.deque(maxlen=capacity)
-        self._spare: Any = None  # the arrays of a forgotten batch, to copy the next one into
 
     def append(self, step: int, batch: Any) -> Any:
         """Keeps a copy of `batch` (a pytree of numpy arrays) as the batch of `step`, and
-        returns the copy."""
-        if len(self._batches) == self._batches.maxlen:
-            self._spare = self._batches.popleft()[1]
-        kept = _copy_into(self._spare, batch)
-        self._spare = None
+        returns the copy (fresh arrays, never written again)."""
+        kept = _copy(batch)
         self._batches.append((step, kept))
         return kept
 
     def pop(self) -> None:
         """Forgets the newest batch (a skipped step, or a call that raised)."""
-        self._spare = self._batches.pop()[1]
+        self._batches.pop()
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         return iter(list(self._batches))
@@ -78,21 +78,11 @@ class ReplayBuffer:
                 f"{missing[0]}..{missing[-1]} are no longer kept for replay") from cause
 
 
-def _copy_into(spare: Any, batch: Any) -> Any:
-    """A copy of `batch`, written into `spare`'s arrays when they have the same structure,
-    shapes and dtypes."""
-    if any(isinstance(x, HostRows) for x in jax.tree.leaves(batch)):
-        # A per-host batch is read from its source on demand, again after a recovery: it
-        # is kept as it is (its rows never change), and its other leaves copied.
-        return jax.tree.map(lambda x: x if isinstance(x, HostRows) else np.array(x, copy=True),
-                            batch)
-    if spare is not None and jax.tree.structure(spare) == jax.tree.structure(batch):
-        pairs = list(zip(jax.tree.leaves(spare), jax.tree.leaves(batch), strict=True))
-        if all(s.shape == b.shape and s.dtype == b.dtype for s, b in pairs):
-            for s, b in pairs:
-                np.copyto(s, b)
-            return spare
-    return jax.tree.map(lambda x: np.array(x, copy=True), batch)
+def _copy(batch: Any) -> Any:
+    """A copy of `batch` in fresh arrays. A per-host batch's `HostRows` are read from their
+    source on demand, again after a recovery: kept as they are (their rows never change)."""
+    return jax.tree.map(lambda x: x if isinstance(x, HostRows) else np.array(x, copy=True),
+                        batch)
 
 
 def batch_struct(batch: Any, examples: int | None) -> Any:
