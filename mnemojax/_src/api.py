@@ -236,7 +236,9 @@ class ResilientStep(Generic[P, R]):
         return s
 
     def wait_precompiled(self, timeout_s: float | None = None) -> bool:
-        """Blocks until the fallback executables queued so far are compiled."""
+        """Blocks until the fallback executables queued so far are compiled; in a process
+        that only exports them (`CompileOptions.ahead_compilers`), until its exports are
+        done: the compiling processes may still be at work."""
         return self._built is None or self._built.runtime.compiler.wait_precompiled(timeout_s)
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:

@@ -230,7 +230,10 @@ def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
 
 
 def _compile_lowered(lowered) -> Any:
-    if jax.process_count() > 1:  # a later world's process of any index may need it
+    # Under `jax.distributed` (a world of one after losses too, which loads what a
+    # bigger world compiled ahead for it): a later world's process of any index may need
+    # the entry, under the key every process computes.
+    if jax.process_count() > 1 or jax_private.global_state().client is not None:
         with jax_private.cache_entries_from_this_process():
             return lowered.compile()
     return lowered.compile()

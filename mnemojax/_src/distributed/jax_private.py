@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
 import os
+import platform
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -221,11 +224,30 @@ def _install_shared_keys() -> None:
         if not getattr(_cache_writes, "on", False) or not shared_key_platform(devices):
             return original(hash_obj, accelerators)
         described = [(d.id, d.process_index, d.device_kind) for d in devices]
-        hash_obj.update(f"mnemojax-shared-key:{described!r}".encode())
+        # The host's CPU stands in for what the fingerprint held of it (XLA:CPU compiles
+        # for the host's instruction set): hosts of other CPUs sharing a cache directory
+        # never load each other's entries.
+        hash_obj.update(f"mnemojax-shared-key:{_host_cpu()}:{described!r}".encode())
         return None
 
     hash_accelerator_config.mnemojax_wrapped = True  # type: ignore[attr-defined]
     cache_key._hash_accelerator_config = hash_accelerator_config
+
+
+@functools.cache
+def _host_cpu() -> str:
+    """This host's CPU model and features (``/proc/cpuinfo``'s first processor; the
+    machine and processor names elsewhere): what an XLA:CPU executable is compiled for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return f"{platform.machine()}:{platform.processor()}"
+    fields = {k.strip(): v for k, v in (line.split(":", 1) for line in first.splitlines()
+                                        if ":" in line)}
+    return ":".join(" ".join(fields.get(k, "").split()) for k in
+                    ("vendor_id", "model name", "flags", "Features", "CPU implementer",
+                     "CPU part"))
 
 
 def _install_atomic_put() -> None:
@@ -252,10 +274,10 @@ def _install_atomic_put() -> None:
         path = os.path.join(str(self.path), f"{key}{lru_cache._CACHE_SUFFIX}")
         if os.path.exists(path):
             return None
-        part = os.path.join(str(self.path),
-                            f".{key}.{os.getpid()}.{threading.get_ident()}.part")
+        # A name no other writer (another thread, process or host) can have.
+        fd, part = tempfile.mkstemp(prefix=f".{key[:80]}.", suffix=".part", dir=str(self.path))
         try:
-            with open(part, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(value)
             os.replace(part, path)
         finally:
