@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
         module = importlib.import_module(_COMMANDS[argv[0]][0])
-        command_parser = argparse.ArgumentParser(prog=f"mnemojax {argv[0]}")
+        command_parser = argparse.ArgumentParser(
+            prog=f"mnemojax {argv[0]}", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(command_parser)
         args = command_parser.parse_args(argv[1:])
         return int(module.run(args) or 0)

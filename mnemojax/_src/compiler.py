@@ -87,7 +87,8 @@ def enable_persistent_cache(cache_dir: str | os.PathLike[str] | None) -> bool:
         path = os.fspath(cache_dir)
         jax.config.update(_CACHE_FLAG, path)
     log.warning("mnemojax: JAX's persistent compilation cache is on, in %s, for this "
-                "process (CompileOptions(cache_dir=None) leaves JAX's setting alone)", path)
+                "process (pass CompileOptions(cache_dir=None) to leave JAX's setting alone)",
+                path)
     return True
 
 

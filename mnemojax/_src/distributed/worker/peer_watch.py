@@ -198,7 +198,7 @@ def peer_died_error(generation: int, failed: tuple[int, ...], *, regrow: bool = 
         what = (f"workers {list(left)} of world {generation} left it for a new agreement "
                 "(they saw it fail)")
     fate = ("this step's collectives are abandoned" if started
-            else "the step is not started in it")
+            else "this step is not started in that world")
     error = jax.errors.JaxRuntimeError(f"UNKNOWN: mnemojax: {what} ({TOLD_BY_LAUNCHER}); {fate}")
     error.mnemojax_peer_watch = True  # type: ignore[attr-defined]
     error.mnemojax_regrow = regrow  # type: ignore[attr-defined]  # not charged to the budget
@@ -269,13 +269,13 @@ class PeerWatch:
         notice = Notice(generation, tuple(failed), time.time(), aborted, regrow, tuple(left))
         self.notices.append(notice)
         if regrow:
-            log.warning("mnemojax: world %d re-forms larger (%s); %d pending wait(s) "
-                        "failed", generation, TOLD_BY_LAUNCHER, aborted)
+            log.warning("mnemojax: world %d re-forms larger (%s); %d step(s) waiting on "
+                        "it stopped", generation, TOLD_BY_LAUNCHER, aborted)
         elif left and not failed:
             log.warning("mnemojax: workers %s left world %d for a new agreement (%s); %d "
-                        "pending wait(s) failed", list(left), generation, TOLD_BY_LAUNCHER,
-                        aborted)
+                        "step(s) waiting on them stopped", list(left), generation,
+                        TOLD_BY_LAUNCHER, aborted)
         else:
-            log.warning("mnemojax: workers %s of world %d died (%s); %d pending wait(s) "
-                        "failed", list(failed), generation, TOLD_BY_LAUNCHER, aborted)
+            log.warning("mnemojax: workers %s of world %d died (%s); %d step(s) waiting on "
+                        "them stopped", list(failed), generation, TOLD_BY_LAUNCHER, aborted)
         return notice
