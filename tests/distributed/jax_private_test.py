@@ -130,3 +130,35 @@ def test_cache_entries_are_renamed_into_place_whole(tmp_path, monkeypatch):
     assert cache.get("k") == b"whole entry"
     assert sorted(os.listdir(tmp_path)) == ["k-cache"]
     assert len(renames) == 1 and renames[0][1] == "k-cache" and renames[0][0].endswith(".part")
+
+
+def test_the_shared_key_holds_the_hosts_cpu(tmp_path, monkeypatch):
+    """XLA:CPU compiles for the host's instruction set: two hosts of other CPUs sharing a
+    cache directory must not share an entry, so the shared key hashes the host's CPU
+    (`_host_cpu`) where JAX's fingerprint held it."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src import compilation_cache, compiler
+
+    keys: list[str] = []
+    read = compiler._cache_read
+
+    def recording_read(module_name, cache_key, *args, **kwargs):
+        keys.append(cache_key)
+        return read(module_name, cache_key, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "_cache_read", recording_read)
+    before = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        compilation_cache.reset_cache()
+        for cpu in ("vendor:model:avx512f", "vendor:model:avx2", "vendor:model:avx512f"):
+            monkeypatch.setattr(jax_private, "_host_cpu", lambda cpu=cpu: cpu)
+            jax.clear_caches()
+            with jax_private.cache_entries_from_this_process():
+                jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+        mine = [k for k in keys if k.startswith("jit__lambda-")]
+        assert len(mine) == 3 and mine[0] != mine[1] and mine[0] == mine[2], mine
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
