@@ -220,6 +220,22 @@ def test_annotation_naming_unknown_axis_is_rejected():
         step(model, optimizer, h.make_batches(1)[0])
 
 
+def test_a_step_that_changes_a_state_leafs_type_is_a_typed_error_naming_it():
+    """`jax.jit` traces again when a step returns its state with another dtype (Linen
+    BatchNorm's statistics promoted by float64 inputs); a resilient step keeps the state's
+    types to snapshot and reshard it, so the first call says which leaf changed and how,
+    instead of the executable refusing the next step with a leaf index."""
+    def step(state, x):
+        return {"count": state["count"] + jnp.mean(x), "w": state["w"]}, {"loss": jnp.mean(x)}
+
+    resilient = mnemojax.resilient(step, mesh=h.mesh_of((8,), ("data",)),
+                                   options=h.no_precompile())
+    state = {"count": np.zeros((), np.int32), "w": np.ones((4,), np.float32)}
+    with pytest.raises(UnsupportedStateError,
+                       match=r"'count': int32\[\] -> float32\[\]\).*cast in the step"):
+        resilient(state, np.ones((8, 2), np.float32))
+
+
 def test_wrong_call_forms_are_typed_errors():
     model, optimizer = h.make_mlp()
     step = _step()

@@ -431,7 +431,7 @@ class ResilientStep(Generic[P, R]):
             opts, pure=form.pure, specs=form.specs,
             leaf_structs=[(s, np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype)
                           for s, v in zip(shapes, values, strict=True)],
-            leaf_entries=form.leaf_entries,
+            leaf_entries=form.leaf_entries, leaf_names=form.leaf_paths,
             wrap_layer=self._injector.wrap if self._injector is not None else None,
             axis_types=shd.axis_types_of(mesh),
             export_steps=session is not None and opts.compile.export_ahead,

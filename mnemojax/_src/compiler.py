@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
 from mnemojax._src.distributed import jax_private
+from mnemojax._src.errors import UnsupportedStateError
 from mnemojax._src.topology import MeshPlan
 
 log = logging.getLogger("mnemojax")
@@ -291,8 +292,10 @@ class StepCompiler:
                  *, batch_axes: Sequence[str], donate: bool, check_state: bool = True,
                  axis_types: shd.AxisTypes | None = None,
                  exports: ExportedSteps | None = None,
-                 switch_interval_s: float | None = None):
+                 switch_interval_s: float | None = None,
+                 leaf_names: Sequence[str] | None = None):
         self._pure = pure
+        self._leaf_names = list(leaf_names) if leaf_names is not None else None
         self._switch_interval_s = switch_interval_s
         self._exports = exports
         self._axis_types = dict(axis_types or {})
@@ -375,6 +378,7 @@ class StepCompiler:
             lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
                                             ahead)
         t1 = time.perf_counter()
+        self._check_state_types(lowered)
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
         try:
@@ -398,6 +402,35 @@ class StepCompiler:
                  ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1)
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
                           from_cache, exported)
+
+    def _check_state_types(self, lowered) -> None:
+        """The step must return each state leaf with the shape and dtype it was given: the
+        runtime snapshots, reshards and feeds back the state by those (``jax.jit`` would
+        trace again for the new types; the executable here would be refused at the next
+        step, naming only a leaf index).
+
+        Raises:
+            UnsupportedStateError: naming every leaf whose type the step changes.
+        """
+        out = lowered.out_info[0]
+        changed = [(i, struct, (tuple(o.shape), np.dtype(o.dtype)))
+                   for i, (struct, o) in enumerate(zip(self.leaf_structs, out, strict=True))
+                   if (tuple(struct[0]), np.dtype(struct[1])) != (tuple(o.shape), np.dtype(o.dtype))]
+        if not changed:
+            return
+
+        def name(i: int) -> str:
+            return repr(self._leaf_names[i]) if self._leaf_names else f"#{i}"
+
+        def typed(struct) -> str:
+            return f"{np.dtype(struct[1]).name}{list(struct[0])}"
+
+        listed = "; ".join(f"{name(i)}: {typed(a)} -> {typed(b)}" for i, a, b in changed[:4])
+        raise UnsupportedStateError(
+            f"the step changes the type of {len(changed)} state leaf(s) ({listed}): a "
+            "resilient step keeps the state's shapes and dtypes, to snapshot, reshard and "
+            "feed it back; cast in the step (e.g. a statistic promoted by float64 inputs), "
+            "or create the state with the type the step gives it")
 
     def _lower(self, jit, mesh: Mesh, args, key: tuple, ahead: bool) -> tuple[Any, bool]:
         """Lowers the step for `mesh`: from its export when one is kept for `key` (and,

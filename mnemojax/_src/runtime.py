@@ -81,6 +81,7 @@ class RuntimeBuilder:
         axis_types: the user's mesh's axis types by name, kept on every mesh built.
         export_steps: keep the step exported per plan compiled ahead (`ExportedSteps`),
             for the worlds that follow a process loss (multi-process jobs).
+        leaf_names: per state leaf, its path (for messages).
     """
 
     def __init__(self, options: ResilienceOptions, *, pure: Callable,
@@ -88,8 +89,10 @@ class RuntimeBuilder:
                  leaf_entries: Sequence[str],
                  wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
                  on_corrupt: Callable[[int], None] | None = None,
-                 axis_types: shd.AxisTypes | None = None, export_steps: bool = False):
+                 axis_types: shd.AxisTypes | None = None, export_steps: bool = False,
+                 leaf_names: Sequence[str] | None = None):
         self._options = options
+        self._leaf_names = list(leaf_names) if leaf_names is not None else None
         # The candidates of the last two precompiles (the world's and the one before).
         self.exports = ExportedSteps(max(1, 2 * options.compile.max_precompiled)) \
             if export_steps else None
@@ -128,7 +131,8 @@ class RuntimeBuilder:
                 donate=opts.compile.donate_state,
                 check_state=opts.check_state and opts.nonfinite != "ignore",
                 axis_types=self.axis_types, exports=self.exports,
-                switch_interval_s=opts.compile.background_switch_interval_s)
+                switch_interval_s=opts.compile.background_switch_interval_s,
+                leaf_names=self._leaf_names)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
