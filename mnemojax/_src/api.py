@@ -1062,7 +1062,7 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
       part of the global batch: all have its size as leading dimension, and they are
       split along the data axis (the size is fixed by the first call). 0-d arrays and
       Python numbers are replicated and traced (numbers weakly typed). Keep other arrays
-      (a raw PRNG key, a table) in the state, or close over them as constants.
+      (a PRNG key, typed or raw; a table) in the state, or close over them as constants.
     * The step returns what it returns (a dict of metrics, a scalar loss, any pytree);
       the NaN policy finds the loss with ``ResilienceOptions.loss_key``.
     * A step that mutates NNX objects it closes over, instead of taking them as

@@ -14,7 +14,7 @@ A resilient step takes its arguments the way ``nnx.jit`` (and ``jax.jit``) does:
 * **Inputs** are every other argument's leaves: arrays and Python numbers, on the host.
   Every input array with a leading dimension is part of the global batch: all of them
   have the global batch size as leading dimension, and they are split along the data
-  axis. 0-d arrays and Python numbers are replicated and traced (Python numbers weakly
+  axis. 0-d arrays (not typed PRNG keys) and Python numbers are replicated and traced (Python numbers weakly
   typed, as under jit). An array that is not per-example (a raw PRNG key, a table) belongs
   in the state, or is a constant the step closes over.
 * **Return values** come back as the function returns them; carried NNX objects it
