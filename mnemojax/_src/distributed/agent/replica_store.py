@@ -43,17 +43,26 @@ class ReplicaStore:
             raise SnapshotCorruptError(
                 f"replica of worker {origin} step {step} fails its {checksums.NAME} check")
         with self._lock:
-            if generation < self.floor:  # a late send of a world no agreement can choose
-                return  # (its sender hears Ok: its worker is in a newer world anyway)
-            held = self._by_origin.setdefault(origin, {})
-            if step in held and held[step][2] > generation:
+            kept = self._kept_with(origin, step, generation)
+            if kept is None:
                 return
-            order = {s: (g, s) for s, (_, _, g) in held.items()} | {step: (generation, step)}
-            kept = sorted(order, key=order.__getitem__)[-self.keep:]
+            held = self._by_origin.setdefault(origin, {})
             for old in [s for s in held if s not in kept]:
                 del held[old]
             if step in kept:  # (a copy older than every one held is not kept)
                 held[step] = (payload, crc, generation)
+
+    def _kept_with(self, origin: int, step: int, generation: int) -> list[int] | None:
+        """The steps of ``origin`` kept once its copy of ``step`` from world ``generation``
+        arrives, ranked by (world, step), or None when that copy is ignored: a late send
+        of a world below the floor (no agreement can choose it; its sender hears Ok, its
+        worker being in a newer world anyway), or a step held from a newer world. Call
+        with the lock held."""
+        held = self._by_origin.get(origin, {})
+        if generation < self.floor or (step in held and held[step][2] > generation):
+            return None
+        order = {s: (g, s) for s, (_, _, g) in held.items()} | {step: (generation, step)}
+        return sorted(order, key=order.__getitem__)[-self.keep:]
 
     def make_room(self, origin: int, step: int, *, generation: int = 0) -> None:
         """Before ``origin``'s copy of ``step`` from world ``generation`` arrives, from a
@@ -128,10 +137,8 @@ class ReplicaStore:
             The bytes freed.
         """
         with self._lock:
-            held = self._by_origin.get(origin, {})
-            order = {s: (g, s) for s, (_, _, g) in held.items()} | {step: (generation, step)}
-            if (generation < self.floor or (step in held and held[step][2] > generation)
-                    or step not in sorted(order, key=order.__getitem__)[-self.keep:]):
+            kept = self._kept_with(origin, step, generation)
+            if kept is None or step not in kept:
                 return 0  # `put` would not keep it
 
             def protected(g: int, s: int) -> bool:
