@@ -234,6 +234,14 @@ def test_a_step_that_changes_a_state_leafs_type_is_a_typed_error_naming_it():
     with pytest.raises(UnsupportedStateError,
                        match=r"'count': int32\[\] -> float32\[\]\).*cast in the step"):
         resilient(state, np.ones((8, 2), np.float32))
+    # numpy float64 / int64 state under JAX's default x64=False goes in and comes out as
+    # float32 / int32: not a change (the types compared are the traced ones).
+    same = mnemojax.resilient(lambda st, x: ({"w": st["w"] * 2, "n": st["n"] + 1},
+                                             {"loss": jnp.mean(x)}),
+                              mesh=h.mesh_of((8,), ("data",)), options=h.no_precompile())
+    got, _ = same({"w": np.ones(4), "n": np.zeros((), np.int64)}, np.ones((8, 2)))
+    assert (got["w"].dtype, got["n"].dtype) == (jnp.float32, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(got["w"]), 2.0)
 
 
 def test_wrong_call_forms_are_typed_errors():

@@ -30,6 +30,19 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 _TOOLS_EXTRA = frozenset({"matplotlib", "tqdm"})
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help where that says something: not for a
+    required option, a flag, an option without a default, or help that names its default
+    already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.required or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status.
 
@@ -51,8 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     try:
         module = importlib.import_module(_COMMANDS[argv[0]][0])
-        command_parser = argparse.ArgumentParser(
-            prog=f"mnemojax {argv[0]}", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        command_parser = argparse.ArgumentParser(prog=f"mnemojax {argv[0]}",
+                                                 formatter_class=DefaultsHelpFormatter)
         module.add_arguments(command_parser)
         args = command_parser.parse_args(argv[1:])
         return int(module.run(args) or 0)

@@ -352,27 +352,28 @@ class StepCompiler:
             lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape))),
             batch_struct)
 
-    def _jit(self, state_sh, batch_sh) -> Callable[[Callable], Any]:
+    def _setup(self, plan: MeshPlan, batch_struct) -> tuple:
+        """For `plan`: its mesh, the state's and the batch's shardings, ``jit`` (a function
+        jitted with them and the donation) and the abstract arguments to lower with."""
+        mesh = shd.mesh_from_plan(plan, self._axis_types)
+        state_sh = shd.named(mesh, self._specs)
+        batch_sh = self.batch_shardings(mesh, batch_struct)
+
         def jit(fn):
             return jax.jit(fn, in_shardings=(state_sh, batch_sh),
                            out_shardings=(state_sh, None, None),
                            donate_argnums=(0,) if self._donate else ())
-        return jit
 
-    def _args(self, state_sh, batch_sh, batch_struct) -> tuple:
-        return (
+        args = (
             [jax.ShapeDtypeStruct(shape, dtype, sharding=s)
              for (shape, dtype), s in zip(self.leaf_structs, state_sh, strict=True)],
             jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          batch_struct, batch_sh),
         )
+        return mesh, state_sh, batch_sh, jit, args
 
     def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
-        mesh = shd.mesh_from_plan(plan, self._axis_types)
-        state_sh = shd.named(mesh, self._specs)
-        batch_sh = self.batch_shardings(mesh, batch_struct)
-        jit = self._jit(state_sh, batch_sh)
-        args = self._args(state_sh, batch_sh, batch_struct)
+        mesh, state_sh, batch_sh, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
@@ -412,10 +413,11 @@ class StepCompiler:
         Raises:
             UnsupportedStateError: naming every leaf whose type the step changes.
         """
-        out = lowered.out_info[0]
-        changed = [(i, struct, (tuple(o.shape), np.dtype(o.dtype)))
-                   for i, (struct, o) in enumerate(zip(self.leaf_structs, out, strict=True))
-                   if (tuple(struct[0]), np.dtype(struct[1])) != (tuple(o.shape), np.dtype(o.dtype))]
+        # As traced on both sides: numpy float64 state under JAX's default x64=False is
+        # float32 going in as well as coming out (the user's array types are not it).
+        given = [(tuple(a.shape), np.dtype(a.dtype)) for a in lowered.args_info[0][0]]
+        out = [(tuple(o.shape), np.dtype(o.dtype)) for o in lowered.out_info[0]]
+        changed = [(i, a, b) for i, (a, b) in enumerate(zip(given, out, strict=True)) if a != b]
         if not changed:
             return
 
@@ -426,8 +428,9 @@ class StepCompiler:
             return f"{np.dtype(struct[1]).name}{list(struct[0])}"
 
         listed = "; ".join(f"{name(i)}: {typed(a)} -> {typed(b)}" for i, a, b in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UnsupportedStateError(
-            f"the step changes the type of {len(changed)} state leaf(s) ({listed}): a "
+            f"the step changes the type of {len(changed)} state leaf(s) ({listed}{more}): a "
             "resilient step keeps the state's shapes and dtypes, to snapshot, reshard and "
             "feed it back; cast in the step (e.g. a statistic promoted by float64 inputs), "
             "or create the state with the type the step gives it")
@@ -538,14 +541,10 @@ class StepCompiler:
 
     def _export(self, plan: MeshPlan, batch_struct) -> None:
         """Exports the step for `plan` (`_lower` ahead of time) without compiling it."""
-        mesh = shd.mesh_from_plan(plan, self._axis_types)
-        state_sh = shd.named(mesh, self._specs)
-        batch_sh = self.batch_shardings(mesh, batch_struct)
+        mesh, _, _, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            _, exported = self._lower(self._jit(state_sh, batch_sh),
-                                      mesh, self._args(state_sh, batch_sh, batch_struct),
-                                      self.key(plan, batch_struct), True)
+            _, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct), True)
         log.info("mnemojax: exported the step for mesh %s ahead of time in %.2fs%s (another "
                  "process compiles it)", plan.shape, time.perf_counter() - t0,
                  "" if exported else ", not exportable")

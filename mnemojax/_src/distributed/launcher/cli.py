@@ -91,8 +91,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mnemojax._src.cli import DefaultsHelpFormatter
+
     parser = argparse.ArgumentParser(prog="mnemojax launch",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
