@@ -21,6 +21,14 @@ loss_fn = classification_loss
 train_step = mlp_train_step
 
 
+def noisy_train_step(model, optimizer, batch, key):
+    """The test step on inputs jittered by a PRNG key folded with the optimizer's step
+    count: a step whose math depends on a replicated key input (the Flax dropout guide's
+    ``train_step(state, batch, dropout_key)`` pattern)."""
+    noise = jax.random.normal(jax.random.fold_in(key, optimizer.step[...]), batch["x"].shape)
+    return train_step(model, optimizer, {"x": batch["x"] + 0.1 * noise, "y": batch["y"]})
+
+
 def make_mlp(seed: int = 0, dropout: float = 0.0):
     """The test MLP with Adam (1e-2)."""
     return build_mlp(seed=seed, din=DIN, dhidden=DHIDDEN, dout=DOUT, dropout=dropout)
@@ -48,11 +56,16 @@ class Run:
     state: list[np.ndarray]
 
 
-def reference_run(batches, *, dropout: float = 0.0) -> Run:
-    """The failure-free run, plain Flax + optax (no mnemojax), on one device."""
+def reference_run(batches, *, dropout: float = 0.0, key_seed: int | None = None) -> Run:
+    """The failure-free run, plain Flax + optax (no mnemojax), on one device; with
+    `key_seed`, of `noisy_train_step` given ``jax.random.key(key_seed)`` every step."""
     model, optimizer = make_mlp(dropout=dropout)
-    step = nnx.jit(train_step)
-    losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    if key_seed is None:
+        step = nnx.jit(train_step)
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    else:
+        step, key = nnx.jit(noisy_train_step), jax.random.key(key_seed)
+        losses = [float(step(model, optimizer, b, key)["loss"]) for b in batches]
     return Run(losses, host_state(model, optimizer))
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 import mnemojax
 from mnemojax._src.errors import BatchSplitError, InvalidOptionError, UnsupportedStateError
 from mnemojax._src.proxy import host_batch
-from mnemojax._src.step_forms import Convention, NnxForm, PytreeForm, form_for
+from mnemojax._src.step_forms import Convention, NnxForm, PytreeForm, batch_splits, form_for
 from tests import helpers as h
 
 
@@ -148,9 +148,9 @@ def test_inputs_are_checked_by_name():
                                                     "static_argnames"):
         form.split_call((model, optimizer, rngs, batch, metrics, 0.5, 0),
                         {"extra": {"offset": "one"}})
-    with pytest.raises(UnsupportedStateError, match="input scale is a typed PRNG key"):
-        form.split_call((model, optimizer, rngs, batch, metrics, jax.random.key(0), 0),
-                        {"extra": {"offset": 1.0}})
+    with pytest.raises(BatchSplitError, match=r"offset'\] has 2: .*replicated_argnames"):
+        form.split_call((model, optimizer, rngs, batch, metrics, 0.5, 0),
+                        {"extra": {"offset": np.zeros(2, np.float32)}})
     conv = Convention(step, static_argnums=(6,))
     form = form_for(step, (model, optimizer, rngs, batch, metrics, 0.5, 0),
                     {"extra": {"offset": 1.0}}, conv)
@@ -263,8 +263,9 @@ def test_pytree_form_rejects_bad_states_and_returns():
         args, inputs = form.split_call((state, None))
         return form.pure(form.state_of(args), inputs)
 
-    form = form_for(lambda s, b: s, ({"w": jnp.ones(2)}, None))
-    with pytest.raises(UnsupportedStateError, match=r"return \(state, out\)"):
+    form = form_for(lambda s, b: [s], ({"w": jnp.ones(2)}, None))
+    with pytest.raises(UnsupportedStateError, match=r"returns \(state, out\) or the state; "
+                                                    "it returned list"):
         pure(form, {"w": jnp.ones(2)})
     form = form_for(lambda s, b: ({"v": s["w"]}, {}), ({"w": jnp.ones(2)}, None))
     with pytest.raises(UnsupportedStateError, match="another structure"):
@@ -274,3 +275,63 @@ def test_pytree_form_rejects_bad_states_and_returns():
 def test_form_for_names_the_supported_signatures():
     with pytest.raises(UnsupportedStateError, match="NNX objects .* its state as first"):
         form_for(lambda *a: None, ())
+
+
+def test_a_pure_step_may_return_its_state_alone():
+    """The Flax dropout guide's ``train_step(state, batch, dropout_key) -> state``."""
+    state = {"w": jnp.ones(2), "n": jnp.zeros((), jnp.int32)}
+
+    def step(s, batch):
+        return {"w": s["w"] + batch, "n": s["n"] + 1}
+
+    form = form_for(step, (state, None))
+    args, inputs = form.split_call((state, np.float32(2.0)))
+    new, out = form.pure(form.state_of(args), host_batch(inputs))
+    assert out is None
+    got = form.result(args, new, out)
+    assert isinstance(got, dict) and int(got["n"]) == 1
+    np.testing.assert_array_equal(np.asarray(got["w"]), [3.0, 3.0])
+
+
+def _key_step(s, batch, key, table):
+    noise = jax.random.normal(key, s["w"].shape)
+    return {"w": s["w"] + jnp.mean(batch["x"]) * noise + table[0]}, {"noise": noise}
+
+
+def test_prng_keys_and_named_arguments_are_replicated_inputs_and_keys_are_wrapped_again():
+    state = {"w": jnp.zeros(3)}
+    batch = {"x": np.ones((8, 2), np.float32)}
+    conv = Convention(_key_step, replicated_argnames=("table",))
+    key = jax.random.key(5)
+    args = (state, batch, key, np.arange(4, dtype=np.float32))
+    form = form_for(_key_step, args, None, conv)
+    state_args, inputs = form.split_call(args)
+    layout = inputs.layout
+    assert layout.names == ("batch['x']", "key", "table")
+    assert layout.replicated == (False, True, True)
+    assert layout.key_impls[0] is None and layout.key_impls[2] is None
+    assert layout.key_impls[1] == jax.random.key_impl(key)
+    # The key travels as its raw data (a plain array on the host); the step gets a key.
+    np.testing.assert_array_equal(inputs.leaves[1], np.asarray(jax.random.key_data(key)))
+    assert jax.tree.leaves(batch_splits(inputs)) == [True, False, False]
+    new, out = jax.jit(form.pure)(form.state_of(state_args), host_batch(inputs))
+    np.testing.assert_allclose(np.asarray(out["noise"]),
+                               np.asarray(jax.random.normal(key, (3,))), rtol=1e-6)
+    # A typed key of any shape is replicated; another impl is another layout.
+    keys = jax.random.split(key, 8)
+    assert form.split_call((state, batch, keys, args[3]))[1].layout.replicated[1]
+    rbg = jax.random.key(5, impl="rbg")
+    other = form.split_call((state, batch, rbg, args[3]))[1].layout
+    assert other != layout and other.key_impls[1] == jax.random.key_impl(rbg)
+    # Unnamed, a raw key (uint32[2]) is part of the batch: the sizes disagree.
+    plain = form_for(_key_step, args)
+    with pytest.raises(BatchSplitError, match="and input key has 2: .*replicated_argnames"):
+        plain.split_call((state, batch, jax.random.key_data(key), np.zeros(8, np.float32)))
+
+
+def test_an_argument_both_static_and_replicated_is_refused():
+    with pytest.raises(InvalidOptionError, match="'table' of _key_step is both static and "
+                                                 "replicated"):
+        Convention(_key_step, static_argnames="table", replicated_argnums=3)
+    with pytest.raises(InvalidOptionError, match="replicated_argnames=.*no parameter 'tabel'"):
+        Convention(_key_step, replicated_argnames="tabel")

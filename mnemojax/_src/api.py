@@ -61,7 +61,7 @@ from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
-from mnemojax._src.step_forms import Convention, StepForm, form_for
+from mnemojax._src.step_forms import Convention, StepForm, batch_splits, form_for
 from mnemojax._src.topology import (
     MeshPlan,
     ShapeRules,
@@ -135,8 +135,9 @@ class ResilientStep(Generic[P, R]):
     in the arguments are the state, updated in place (``out = step(model, optimizer, rngs,
     batch, metrics, 0.1, 0)``); without them the step is pure, ``state, out = step(state,
     batch)``. The other arguments are inputs, given on the host: every input array is
-    part of the global batch, split along the data axis of the current mesh; numbers are
-    replicated. See `mnemojax.resilient`.
+    part of the global batch, split along the data axis of the current mesh; numbers, 0-d
+    arrays, PRNG keys and the arguments named replicated are placed whole on every device.
+    See `mnemojax.resilient`.
 
     Attributes:
         statistics: live `Statistics` (steps run, mesh, snapshots, recoveries).
@@ -151,6 +152,8 @@ class ResilientStep(Generic[P, R]):
                  static_argnames: str | Sequence[str] | None = None,
                  donate_argnums: int | Sequence[int] | None = None,
                  donate_argnames: str | Sequence[str] | None = None,
+                 replicated_argnums: int | Sequence[int] | None = None,
+                 replicated_argnames: str | Sequence[str] | None = None,
                  options: ResilienceOptions | None = None,
                  fault_injector: FaultInjector | None = None,
                  spare_devices: Sequence[Any] = ()):
@@ -162,12 +165,11 @@ class ResilientStep(Generic[P, R]):
         if fault_injector is not None and not isinstance(fault_injector, FaultInjector):
             raise InvalidOptionError(f"fault_injector={fault_injector!r} is invalid: expected "
                                      "a mnemojax.testing.FaultInjector")
-        self._convention = Convention(
-            fn, static_argnums=static_argnums, static_argnames=static_argnames,
-            donate_argnums=donate_argnums, donate_argnames=donate_argnames)
         self._jit_args: dict[str, Any] = dict(
             static_argnums=static_argnums, static_argnames=static_argnames,
-            donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+            donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+            replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames)
+        self._convention = Convention(fn, **self._jit_args)
         functools.update_wrapper(self, fn)
         self.__wrapped__ = fn
         self._fn = fn
@@ -189,7 +191,8 @@ class ResilientStep(Generic[P, R]):
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
         (``mesh``, ``static_argnums``, ``static_argnames``, ``donate_argnums``,
-        ``donate_argnames``, ``options``, ``fault_injector``, ``spare_devices``)."""
+        ``donate_argnames``, ``replicated_argnums``, ``replicated_argnames``, ``options``,
+        ``fault_injector``, ``spare_devices``)."""
         kwargs: dict[str, Any] = dict(mesh=self._mesh_arg, options=self._given_options,
                                       fault_injector=self._injector,
                                       spare_devices=self._spares_arg, **self._jit_args)
@@ -758,7 +761,9 @@ class ResilientStep(Generic[P, R]):
 
     def _check_batch(self, b: _Built, batch: Any) -> None:
         self._check_host_rows(batch)
-        sizes = {x.shape[0] for x in jax.tree.leaves(batch) if x.ndim}
+        sizes = {x.shape[0] for x, split in zip(jax.tree.leaves(batch),
+                                                jax.tree.leaves(batch_splits(batch)),
+                                                strict=True) if split}
         if len(sizes) > 1:
             raise BatchSplitError(
                 f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
@@ -834,7 +839,10 @@ class ResilientStep(Generic[P, R]):
             loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
         scalar = isinstance(loss, int | float | np.number) or (
             loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1)
-        if not scalar and not self._warned_no_loss:
+        # A step that returns no value (or its state alone) has no loss to check: its new
+        # state is checked, and nothing would make the warning go away.
+        if not scalar and not self._warned_no_loss and (
+                metrics is not None or callable(opts.loss_key)):
             self._warned_no_loss = True
             if callable(opts.loss_key):
                 found = f"loss_key={opts.loss_key!r} returned a {type(loss).__name__}"
@@ -1021,6 +1029,7 @@ _Argnames = str | Sequence[str] | None
 def resilient(fn: Callable[P, R], /, *, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
+              replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()) -> ResilientStep[P, R]: ...
@@ -1030,6 +1039,7 @@ def resilient(fn: Callable[P, R], /, *, mesh: Mesh | None = None,
 def resilient(*, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
+              replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None, spare_devices: Sequence[Any] = ()
               ) -> Callable[[Callable[P, R]], ResilientStep[P, R]]: ...
@@ -1038,6 +1048,7 @@ def resilient(*, mesh: Mesh | None = None,
 def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
+              replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()
@@ -1055,14 +1066,18 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
     * NNX objects (Module, Optimizer, Rngs, Metric, Variable) anywhere in the arguments,
       positional or keyword, nested in containers, are the state: the step updates them
       in place, and mnemojax snapshots, reshards and restores them (Rngs counters too).
-      A step given no NNX object is pure: ``step(state, ...) -> (state, out)``, its
-      first argument a pytree of arrays (a Linen ``TrainState`` too).
+      A step given no NNX object is pure: ``step(state, ...) -> (state, out)`` or
+      ``-> state``, its first argument a pytree of arrays (a Linen ``TrainState`` too).
     * Static arguments are passed as given (hashable; another value compiles again).
     * Every other argument is an input, given on the host (numpy). Every input array is
       part of the global batch: all have its size as leading dimension, and they are
-      split along the data axis (the size is fixed by the first call). 0-d arrays and
-      Python numbers are replicated and traced (numbers weakly typed). Keep other arrays
-      (a PRNG key, typed or raw; a table) in the state, or close over them as constants.
+      split along the data axis (the size is fixed by the first call). Placed whole on
+      every device instead (replicated) and traced: Python numbers (weakly typed), 0-d
+      arrays, typed PRNG keys (``jax.random.key``; the Flax dropout guide's
+      ``train_step(state, batch, dropout_key)``), and every array in the arguments named
+      in ``replicated_argnums``/``replicated_argnames`` (a raw ``jax.random.PRNGKey``, a
+      table). Across processes every process passes the same replicated values. Replayed
+      after a recovery, a step gets the same inputs it had.
     * The step returns what it returns (a dict of metrics, a scalar loss, any pytree);
       the NaN policy finds the loss with ``ResilienceOptions.loss_key``.
     * A step that mutates NNX objects it closes over, instead of taking them as
@@ -1078,6 +1093,10 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
             any state argument donates all of the state (`CompileOptions.donate_state`);
             inputs are mnemojax's own copies, placed per call, and are not donated.
         donate_argnames: the same, by name.
+        replicated_argnums: positional arguments whose arrays every device takes whole
+            instead of a slice of the batch (a raw PRNG key, a lookup table). Typed keys,
+            0-d arrays and numbers are replicated without being named.
+        replicated_argnames: the same, by name.
         options: `ResilienceOptions`.
         fault_injector: a `mnemojax.testing.FaultInjector` to rehearse failures with.
         spare_devices: devices (or ids) kept out of the mesh to swap in for failed ones.
@@ -1087,7 +1106,8 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
 
     Raises:
         InvalidOptionError: `fn` is not callable or already jitted, an argument has the
-            wrong type, or a static or donated argument names no parameter of `fn`.
+            wrong type, a static, donated or replicated argument names no parameter of
+            `fn`, or an argument is named both static and replicated.
 
     Example::
 
@@ -1101,7 +1121,8 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
     """
     jit_args: dict[str, Any] = dict(
         static_argnums=static_argnums, static_argnames=static_argnames,
-        donate_argnums=donate_argnums, donate_argnames=donate_argnames)
+        donate_argnums=donate_argnums, donate_argnames=donate_argnames,
+        replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames)
     if fn is not None:
         if not callable(fn):
             raise InvalidOptionError(f"resilient() got {fn!r}, which is not callable")

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mnemojax._src import sharding as shd
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.errors import UnsupportedStateError
+from mnemojax._src.step_forms import batch_splits
 from mnemojax._src.topology import MeshPlan
 
 log = logging.getLogger("mnemojax")
@@ -348,9 +349,11 @@ class StepCompiler:
                                 jax.tree.leaves(batch_struct)), jax.tree.structure(batch_struct))
 
     def batch_shardings(self, mesh: Mesh, batch_struct):
+        """Split along the batch axes, or whole on every device (`batch_splits`)."""
         return jax.tree.map(
-            lambda s: NamedSharding(mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape))),
-            batch_struct)
+            lambda s, split: NamedSharding(
+                mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape) if split else 0)),
+            batch_struct, batch_splits(batch_struct))
 
     def _setup(self, plan: MeshPlan, batch_struct) -> tuple:
         """For `plan`: its mesh, the state's and the batch's shardings, ``jit`` (a function

@@ -33,6 +33,7 @@ from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import BatchSplitError, StepHangError
+from mnemojax._src.step_forms import batch_splits
 from mnemojax._src.topology import MeshPlan
 
 VerdictKind = Literal["device_failure", "transient", "user"]
@@ -91,10 +92,10 @@ class DeviceProxy:
         """Splits the global host batch over the mesh along the data axis."""
         width = self.data_width()
 
-        def place(path, x, sharding):
-            if x.ndim and examples is not None and x.shape[0] != examples:
+        def place(path, x, sharding, split):
+            if split and examples is not None and x.shape[0] != examples:
                 x = x.head(examples) if isinstance(x, HostRows) else x[:examples]
-            if x.ndim and sharding.spec and x.shape[0] % width:
+            if split and sharding.spec and x.shape[0] % width:
                 raise BatchSplitError(
                     f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[0]} examples, "
                     f"which the data axis of width {width} cannot split evenly")
@@ -102,7 +103,8 @@ class DeviceProxy:
                 x = np.asarray(x)  # every row is this process's
             return self.layer.put(x, sharding)
 
-        return jax.tree_util.tree_map_with_path(place, host_batch, shardings)
+        return jax.tree_util.tree_map_with_path(place, host_batch, shardings,
+                                                batch_splits(host_batch))
 
     def data_width(self) -> int:
         return math.prod(int(self.mesh.shape.get(a, 1)) for a in self._batch_axes)

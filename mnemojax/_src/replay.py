@@ -11,6 +11,7 @@ import numpy as np
 
 from mnemojax._src.data import HostRows
 from mnemojax._src.errors import StateUnavailableError
+from mnemojax._src.step_forms import batch_splits
 
 
 class ReplayBuffer:
@@ -88,7 +89,7 @@ def _copy(batch: Any) -> Any:
 def batch_struct(batch: Any, examples: int | None) -> Any:
     """The batch's shapes and dtypes, cut to `examples` along the leading axis (a plan of
     ``batch_policy='truncate_batch'`` uses fewer examples per step)."""
-    def struct(x):
-        shape = x.shape if not x.ndim or examples is None else (examples, *x.shape[1:])
+    def struct(x, split):
+        shape = x.shape if not split or examples is None else (examples, *x.shape[1:])
         return jax.ShapeDtypeStruct(shape, x.dtype)
-    return jax.tree.map(struct, batch)
+    return jax.tree.map(struct, batch, batch_splits(batch))

@@ -8,15 +8,18 @@ A resilient step takes its arguments the way ``nnx.jit`` (and ``jax.jit``) does:
   updates the objects in place. Rngs counters are state, so random streams continue
   exactly after a recovery. A step given no NNX object is pure (`PytreeForm`): its first
   argument is the state, a pytree of arrays (a Linen ``TrainState`` too, whose
-  ``apply_fn`` and ``tx`` are static fields), and it returns ``(state, out)``.
+  ``apply_fn`` and ``tx`` are static fields), and it returns ``(state, out)`` or the
+  state alone.
 * **Statics** (``static_argnums`` / ``static_argnames``) are passed as given: hashable,
   part of the compile key (another value compiles the step again).
-* **Inputs** are every other argument's leaves: arrays and Python numbers, on the host.
-  Every input array with a leading dimension is part of the global batch: all of them
-  have the global batch size as leading dimension, and they are split along the data
-  axis. 0-d arrays (not typed PRNG keys) and Python numbers are replicated and traced (Python numbers weakly
-  typed, as under jit). An array that is not per-example (a raw PRNG key, a table) belongs
-  in the state, or is a constant the step closes over.
+* **Inputs** are every other argument's leaves: arrays, typed PRNG keys and Python
+  numbers, on the host. Every input array with a leading dimension is part of the global
+  batch: all of them have the global batch size as leading dimension, and they are split
+  along the data axis. Replicated (placed whole on every device) and traced instead:
+  Python numbers (weakly typed, as under jit), 0-d arrays, typed PRNG keys (any shape;
+  they travel as their raw data and are wrapped again when traced), and every array of
+  the arguments named in ``replicated_argnums``/``replicated_argnames`` (a raw PRNG key,
+  a table).
 * **Return values** come back as the function returns them; carried NNX objects it
   returns are the caller's own objects.
 
@@ -144,7 +147,8 @@ class Convention:
     """
 
     def __init__(self, fn: Callable, *, static_argnums=None, static_argnames=None,
-                 donate_argnums=None, donate_argnames=None):
+                 donate_argnums=None, donate_argnames=None, replicated_argnums=None,
+                 replicated_argnames=None):
         name = getattr(fn, "__name__", repr(fn))
         if _is_jitted(fn):
             raise InvalidOptionError(
@@ -195,6 +199,15 @@ class Convention:
                                                             "static")
         self.donate_argnums, self.donate_argnames = resolve(donate_argnums, donate_argnames,
                                                             "donate")
+        self.replicated_argnums, self.replicated_argnames = resolve(
+            replicated_argnums, replicated_argnames, "replicated")
+        both = sorted(self.static_argnames & self.replicated_argnames) or sorted(
+            self.static_argnums & self.replicated_argnums)
+        if both:
+            raise InvalidOptionError(
+                f"argument {both[0]!r} of {name} is both static and replicated: a "
+                "static argument is part of the compile key, a replicated one is a traced "
+                "input placed whole on every device; name it in one of the two")
 
     def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Raises `UnsupportedStateError` if `fn` cannot take these arguments."""
@@ -218,6 +231,13 @@ class Convention:
         if isinstance(where, int):
             return where in self.donate_argnums or self.arg_name(where) in self.donate_argnames
         return where in self.donate_argnames
+
+    def replicated(self, where: int | str) -> bool:
+        """Whether the argument at `where` (a position or a keyword) is a replicated input."""
+        if isinstance(where, int):
+            return (where in self.replicated_argnums
+                    or self.arg_name(where) in self.replicated_argnames)
+        return where in self.replicated_argnames
 
     def split_statics(self, args: Sequence[Any], kwargs: dict[str, Any]
                       ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any], ...]]:
@@ -249,12 +269,15 @@ class _Layout:
     slots: tuple[int, ...]  # per leaf: an input's index (>= 0) or state object -1 - slot
     weak: tuple[bool, ...]  # per input: a Python number (traced weakly typed)
     statics: tuple[tuple[Any, Any], ...]  # (position or keyword, value)
+    key_impls: tuple[Any, ...]  # per input: the PRNG impl of a typed key (as its data), or None
+    replicated: tuple[bool, ...]  # per input: placed whole on every device, not split
     names: tuple[str, ...] = dataclasses.field(compare=False)  # per input, for messages
 
     def rebuild(self, objects: Sequence[Any], inputs: Sequence[Any]
                 ) -> tuple[list[Any], dict[str, Any]]:
-        inputs = [_weakly_typed(x) if weak else x
-                  for x, weak in zip(inputs, self.weak, strict=True)]
+        inputs = [_weakly_typed(x) if weak
+                  else x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+                  for x, weak, impl in zip(inputs, self.weak, self.key_impls, strict=True)]
         leaves = [objects[-1 - s] if s < 0 else inputs[s] for s in self.slots]
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         args, kwargs = list(args), dict(kwargs)
@@ -346,24 +369,26 @@ class StepForm(abc.ABC):
         dyn, dyn_kwargs, statics = self.convention.split_statics(args, kwargs or {})
         leaves, treedef = jax.tree.flatten(self._mark_state(dyn, dyn_kwargs),
                                            is_leaf=self._is_state_leaf)
-        slots, inputs, weak = [], [], []
+        slots, inputs, weak, impls = [], [], [], []
         for x in leaves:
             index = self._state_index(x)
             if index is not None:
                 slots.append(-1 - index)
                 continue
             slots.append(len(inputs))
-            if type(x) in _PY_NUMBERS:  # traced weakly typed, as jit does
-                weak.append(True)
+            impl, number = None, type(x) in _PY_NUMBERS
+            if number:  # traced weakly typed, as jit does
                 x = host_scalar(x)
-            elif hasattr(x, "shape") and hasattr(x, "dtype") and not _is_key(x):
-                weak.append(False)
-            else:
-                weak.append(False)
+            elif _is_key(x):  # travels as its raw data, a plain array (wrapped when traced)
+                impl = jax.random.key_impl(x)
+                x = np.asarray(jax.random.key_data(x))
+            elif not (hasattr(x, "shape") and hasattr(x, "dtype")):
                 self._bad_input(dyn, dyn_kwargs, len(inputs), x)
+            weak.append(number)
+            impls.append(impl)
             inputs.append(x)
         state_args = self._state_args(slots, leaves)
-        key = (treedef, tuple(slots), tuple(weak), statics)
+        key = (treedef, tuple(slots), tuple(weak), statics, tuple(impls))
         try:
             layout = self._layouts.get(key)
         except TypeError:
@@ -373,38 +398,40 @@ class StepForm(abc.ABC):
                 "is not hashable: static arguments are part of the compile key") from None
         if layout is None:
             self.convention.check_call(args, kwargs or {})
+            wheres, names = self._input_places(dyn, dyn_kwargs)
+            replicated = tuple(
+                impl is not None or np.ndim(x) == 0 or self.convention.replicated(where)
+                for x, impl, where in zip(inputs, impls, wheres, strict=True))
             layout = self._layouts[key] = _Layout(
-                treedef, tuple(slots), tuple(weak), statics,
-                self._input_names(dyn, dyn_kwargs))
-        _check_batch_sizes(inputs, layout.names)
+                treedef, tuple(slots), tuple(weak), statics, tuple(impls), replicated, names)
+        _check_batch_sizes(inputs, layout.names, layout.replicated)
         return state_args, CallInputs(inputs, layout)
 
     def _where(self, where: int | str) -> str:
         return repr(self.convention.arg_name(where) if isinstance(where, int) else where)
 
-    def _input_names(self, dyn, dyn_kwargs) -> tuple[str, ...]:
+    def _input_places(self, dyn, dyn_kwargs) -> tuple[list[int | str], tuple[str, ...]]:
+        """Per input: the argument it is in (a position or a keyword) and its name."""
         marked = self._mark_state(dyn, dyn_kwargs)
         flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=self._is_state_leaf)[0]
-        names = []
+        wheres, names = [], []
         for path, x in flat:
             if self._state_index(x) is not None:
                 continue
             top = path[0].idx if hasattr(path[0], "idx") else 0
             where = path[1]
-            name = (self.convention.arg_name(where.idx) if top == 0 and hasattr(where, "idx")
-                    else _key_part(where))
+            positional = top == 0 and hasattr(where, "idx")
+            wheres.append(where.idx if positional else _key_part(where))
+            name = self.convention.arg_name(where.idx) if positional else _key_part(where)
             names.append(name + jax.tree_util.keystr(path[2:]))
-        return tuple(names)
+        return wheres, tuple(names)
 
     def _bad_input(self, dyn, dyn_kwargs, index: int, x) -> None:
-        name = self._input_names(dyn, dyn_kwargs)[index]
-        what = ("a typed PRNG key" if _is_key(x)
-                else f"a {type(x).__name__} ({x!r:.60})")
+        name = self._input_places(dyn, dyn_kwargs)[1][index]
         raise UnsupportedStateError(
-            f"input {name} is {what}: a resilient step's inputs are arrays and numbers "
-            "(every input array is part of the global batch, split along the data axis). "
-            "Mark a non-array argument static (static_argnames=...); keep random keys in "
-            "the state (an nnx.Rngs, or a key in the pure form's state)")
+            f"input {name} is a {type(x).__name__} ({x!r:.60}): a resilient step's inputs "
+            "are arrays, PRNG keys and numbers. Mark a non-array argument static "
+            "(static_argnames=...)")
 
     # -- what the forms differ in ----------------------------------------------------------
     @abc.abstractmethod
@@ -490,19 +517,29 @@ def _hashable(value) -> bool:
     return True
 
 
-def _check_batch_sizes(inputs: Sequence[Any], names: Sequence[str]) -> None:
+def _check_batch_sizes(inputs: Sequence[Any], names: Sequence[str],
+                       replicated: Sequence[bool]) -> None:
     sizes = {}
-    for x, name in zip(inputs, names, strict=True):
-        shape = np.shape(x)
-        if shape:
-            sizes.setdefault(shape[0], name)
+    for x, name, whole in zip(inputs, names, replicated, strict=True):
+        if not whole:
+            sizes.setdefault(np.shape(x)[0], name)
     if len(sizes) > 1:
         (a, name_a), (b, name_b) = list(sizes.items())[:2]
         raise BatchSplitError(
             f"input {name_a} has {a} examples and input {name_b} has {b}: every input array "
             "is part of the global batch, split along the data axis, so all of them have "
-            "its size as leading dimension. Keep other arrays in the state (or close over "
-            "a constant)")
+            "its size as leading dimension. Name an argument that every device takes whole "
+            "(a raw PRNG key, a table) in replicated_argnames, or keep it in the state")
+
+
+def batch_splits(batch: Any) -> Any:
+    """Per leaf of `batch` (a call's `CallInputs`, or any pytree of arrays or their
+    shapes), True where it is split along the batch axes, False where every device takes
+    it whole: a pytree of bools of `batch`'s structure."""
+    leaves, treedef = jax.tree.flatten(batch)
+    whole = batch.layout.replicated if isinstance(batch, CallInputs) else [False] * len(leaves)
+    return jax.tree.unflatten(treedef, [not w and len(np.shape(x)) > 0
+                                        for x, w in zip(leaves, whole, strict=True)])
 
 
 def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> UnsupportedStateError:
@@ -707,7 +744,8 @@ _STATE = object()  # where the pure form's state sits in a call's arguments
 
 
 class PytreeForm(StepForm):
-    """``step(state, *inputs) -> (state, out)`` on any pytree of arrays (``jax.jit``).
+    """``step(state, *inputs) -> (state, out)``, or ``-> state``, on any pytree of arrays
+    (``jax.jit``).
 
     The state is the first argument (positional, or by the name of `fn`'s first
     parameter). Python numbers in it (a fresh ``TrainState.step``) become 0-d arrays.
@@ -731,6 +769,7 @@ class PytreeForm(StepForm):
                 "static, as flax.struct.field(pytree_node=False) does, or pass Flax NNX "
                 "objects)"
             )
+        self._state_only = False  # the step returns its state alone (set when traced)
         self.leaf_paths = [_leaf_path(p) for p, _ in flat]
         self.leaf_keys = [tuple(_key_part(k) for k in p) or ("state",) for p, _ in flat]
         self.leaf_entries = ["state"] * len(flat)
@@ -789,9 +828,13 @@ class PytreeForm(StepForm):
 
     def pure(self, leaves, inputs):
         out = self._call([self._unflatten(leaves)], inputs)
-        if not (isinstance(out, tuple) and len(out) == 2):
+        self._state_only = jax.tree.structure(out) == self.treedef
+        if self._state_only:  # ``return state`` (the Flax dropout guide's step)
+            out = (out, None)
+        elif not (isinstance(out, tuple) and len(out) == 2):
             raise UnsupportedStateError(
-                f"a pure step must return (state, out); it returned {type(out).__name__}"
+                f"a pure step returns (state, out) or the state; it returned "
+                f"{type(out).__name__}, with another structure than the state's"
             )
         new_state, metrics = out
         new = jax.tree.leaves(new_state)
@@ -803,7 +846,8 @@ class PytreeForm(StepForm):
         return [_to_raw(jnp.asarray(x)) for x in new], metrics
 
     def result(self, state_args, leaves, out):
-        return self._unflatten(leaves), out
+        state = self._unflatten(leaves)
+        return state if self._state_only else (state, out)
 
     def restored(self, state_args, leaves, step):
         return self._unflatten(leaves), step

@@ -85,16 +85,21 @@ def test_kill_worker(tmp_path, reference, victim, host_data):
             assert sorted(rows) == list(range(1, STEPS + 1))
 
 
-def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path, reference):
+def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
     and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed
     together; the world of [2, 3] keeps replica 1. Worker 2 (process 0 of the new world)
     fetches only the model columns its own devices hold: about half of the state, from
     worker 0's copy on worker 0's own agent (which outlives its worker), and nothing of
-    worker 1's copy."""
+    worker 1's copy. The step also takes a typed PRNG key every call (the Flax dropout
+    guide's pattern), placed whole on every device of every process and replayed as
+    given."""
     report = _run(tmp_path, [ProcessFault("kill", 0, 4), ProcessFault("kill", 1, 4)],
-                  nproc=4, extra=("--model-axis", "4"))
+                  nproc=4, extra=("--model-axis", "4", "--key-seed", "7"))
     assert report["rc"] == 0, report
+    reference = h.reference_run(h.make_batches(STEPS), key_seed=7)
+    assert not np.allclose(reference.state[0], h.reference_run(
+        h.make_batches(STEPS), key_seed=8).state[0])  # the key changes the math
     stats = _assert_exact(tmp_path, reference)
     [rec] = stats["recoveries"]
     assert rec["plan_kind"] == "process_loss" and rec["failed_processes"] == [0, 1]

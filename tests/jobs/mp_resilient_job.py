@@ -4,6 +4,7 @@ python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
     [--transient-worker W --transient-at-step K] [--host-data] [--restore] [--in-series]
+    [--key-seed S]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--run-recoveries", type=int, default=None, metavar="N",
                         help="RecoveryOptions(run_stop=stop_after_attempt(N)): at most N "
                              "recoveries charged to the run")
+    parser.add_argument("--key-seed", type=int, default=None, metavar="S",
+                        help="train tests.helpers.noisy_train_step, given jax.random.key(S) "
+                             "every step (a replicated key input)")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -82,7 +86,9 @@ def main() -> None:
     if args.no_held_replicas or args.in_series:
         extra_opts["snapshot"] = mnemojax.SnapshotOptions(
             hold_live_replicas=not args.no_held_replicas, replicate_in_series=args.in_series)
-    step = mnemojax.resilient(h.train_step, mesh=mesh, fault_injector=faults,
+    train_step = h.train_step if args.key_seed is None else h.noisy_train_step
+    inputs = () if args.key_seed is None else (jax.random.key(args.key_seed),)
+    step = mnemojax.resilient(train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
                                   nonfinite="raise" if args.host_data else "skip_batch",
@@ -110,7 +116,7 @@ def main() -> None:
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
                                         "y": batch["y"]})
         try:
-            step(model, optimizer, batch)
+            step(model, optimizer, batch, *inputs)
         except (mnemojax.errors.MeshTooSmallError,
                 mnemojax.errors.StateUnavailableError) as exc:
             print(f"mnemojax job: {type(exc).__name__}: {exc}", flush=True)
