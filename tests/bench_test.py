@@ -136,6 +136,47 @@ def test_process_fields_are_validated(tmp_path, edit, bad):
         load_preset(path)
 
 
+def _fake_pair_run(kind: str, next_good: float, final: list) -> dict:
+    run = {"next_good_step_s": next_good, "back_past_killed_step_s": next_good + 1.0,
+           "killed_step": 9, "steps_lost": 0, "processes_after": 3, "final_state": final,
+           "nproc": 4, "devices_per_proc": 2, "victim": 1, "launch_options": "--x",
+           "collective_timeout_s": 20, "interval_steps": 4}
+    if kind == "e":
+        return {**run, "recovery_phases_s": {"agree": 0.1}, "launcher_knows_s": 0.1,
+                "recovery_total_s": next_good - 0.1, "executable": "cached",
+                "from_export": True}
+    return {**run, "phases_s": {"compile": 5.0}, "restored_step": 8}
+
+
+def test_the_real_kill_figures_are_medians_over_alternating_pairs(tmp_path):
+    """(e) and (f) run `process_pairs` times each: the figures are the medians, the ratio
+    is of the medians, the phases shown are the median run's, and the worst final state
+    counts."""
+    ref = [np.zeros(3)]
+    runs = {multiproc.RUN_E: [_fake_pair_run("e", t, [np.full(3, d)]) for t, d in
+                              ((2.0, 0.0), (1.0, 1e-6), (4.0, 0.0))],
+            multiproc.RUN_F: [_fake_pair_run("f", t, ref) for t in (30.0, 10.0, 20.0)]}
+    p = summary.process_figures(runs, ref)
+    assert p["pairs"] == 3 and len(p["runs"][multiproc.RUN_E]) == 3
+    assert p["median"][multiproc.RUN_E] == {"next_good_step_s": 2.0,
+                                            "back_past_killed_step_s": 3.0}
+    assert p[multiproc.RUN_E]["next_good_step_s"] == 2.0  # the median run itself
+    assert p[multiproc.RUN_F]["next_good_step_s"] == 20.0
+    assert p["ratio"]["next_good_step"] == pytest.approx(10.0)
+    assert p["ratio"]["back_past_killed_step"] == pytest.approx(21.0 / 3.0)
+    assert p["final_state_max_abs_diff_vs_a"] == {"e": pytest.approx(1e-6), "f": 0.0}
+    table = "\n".join(summary.format_process_table(p, summary.TARGETS))
+    assert "3 runs of each, alternating" in table
+    assert "1.00 2.00 4.00" not in table and "2.00 1.00 4.00" in table  # in run order
+    assert "10.00x (medians) to the next good step" in table
+    two = summary.process_figures({k: v[:2] for k, v in runs.items()}, ref)
+    assert two["median"][multiproc.RUN_E]["next_good_step_s"] == 1.5  # the mean of two
+    assert two[multiproc.RUN_E]["next_good_step_s"] == 1.0  # a run: the lower one
+    with pytest.raises(InvalidOptionError, match="process_pairs=0"):
+        load_preset("tiny", process_pairs=0)
+    assert load_preset("tiny").process_pairs == 3
+
+
 def test_presets_use_the_launcher_defaults_for_the_real_kill():
     for name in ("tiny", "gpt10m"):
         cfg = load_preset(name)
@@ -245,10 +286,10 @@ def test_process_runs_recover_from_a_real_kill_to_the_failure_free_state(tmp_pat
     preset = tmp_path / "bench_processes.toml"
     preset.write_text(PROCESS_PRESET)
     cfg = load_preset(preset)
-    runs = driver.run_process_pair(cfg, preset=str(preset), out=tmp_path / "processes",
-                                   cache=str(tmp_path / "xla"), interval_steps=4,
-                                   progress=False)
-    e, f = runs[multiproc.RUN_E], runs[multiproc.RUN_F]
+    runs = driver.run_process_pairs(cfg, preset=str(preset), out=tmp_path / "processes",
+                                    cache=str(tmp_path / "xla"), interval_steps=4,
+                                    progress=False)
+    [e], [f] = runs[multiproc.RUN_E], runs[multiproc.RUN_F]
     assert e["processes_after"] == 1
     assert e["collective_timeout_s"] == 5 and e["launcher_knows_s"] is not None
     assert [x["returncodes"][1] for x in f["launches"]] == [-signal.SIGKILL, 0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -82,18 +83,26 @@ def check_process_pair(p: dict) -> None:
     the bench's process figures (`summary.process_figures`), against (a)."""
     from mnemojax._src.bench.multiproc import RUN_E, RUN_F
 
-    e, f = p[RUN_E], p[RUN_F]
-    assert e["recoveries"] == 1 and e["steps_lost"] == 0
-    # Compiled ahead in the world before the kill: the new world loads the executable from
-    # the persistent cache and lowers the step from its export, with no trace.
-    assert e["executable"] == "cached" and e["from_export"], e
-    assert f["steps_lost"] == f["killed_step"] - 1 - f["restored_step"]
-    for run in (e, f):
-        assert run["next_good_step_s"] > 0
-        assert run["back_past_killed_step_s"] >= run["next_good_step_s"]
-        for pid in [q for launch in run.get("launches", []) for q in launch["pids"]]:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)  # every process the bench started is gone
+    assert len(p["runs"][RUN_E]) == len(p["runs"][RUN_F]) == p["pairs"] >= 1
+    assert p[RUN_E] in p["runs"][RUN_E] and p[RUN_F] in p["runs"][RUN_F]  # a median run
+    for e in p["runs"][RUN_E]:
+        assert e["recoveries"] == 1 and e["steps_lost"] == 0
+        # Compiled ahead in the world before the kill: the new world loads the executable
+        # from the persistent cache and lowers the step from its export, with no trace.
+        assert e["executable"] == "cached" and e["from_export"], e
+    for f in p["runs"][RUN_F]:
+        assert f["steps_lost"] == f["killed_step"] - 1 - f["restored_step"]
+    for name in (RUN_E, RUN_F):
+        for run in p["runs"][name]:
+            assert run["next_good_step_s"] > 0
+            assert run["back_past_killed_step_s"] >= run["next_good_step_s"]
+            for pid in [q for launch in run.get("launches", []) for q in launch["pids"]]:
+                with pytest.raises(ProcessLookupError):
+                    os.kill(pid, 0)  # every process the bench started is gone
+        values = sorted(r["next_good_step_s"] for r in p["runs"][name])
+        assert p["median"][name]["next_good_step_s"] == statistics.median(values)
+    ratio = (p["median"][RUN_F]["next_good_step_s"] / p["median"][RUN_E]["next_good_step_s"])
+    assert p["ratio"]["next_good_step"] == pytest.approx(ratio)
     diff = p["final_state_max_abs_diff_vs_a"]
     # Against (a), one process: gloo's reductions across processes add in another order
     # (measured ~5e-5 for (f)); (e) also ends on a smaller mesh.

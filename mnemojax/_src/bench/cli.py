@@ -31,12 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--no-processes", action="store_true",
                         help="skip (e) and (f), the multi-process runs with a real kill "
-                             "(about a minute on the tiny preset)")
+                             "(about a minute per pair on the tiny preset)")
+    parser.add_argument("--pairs", type=int, default=None, metavar="N",
+                        help="run (e) and (f) N times each, alternating, and report medians "
+                             "(default: the preset's process_pairs)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_preset(args.preset, steps=args.steps, mtbf_s=args.mtbf_s)
+    cfg = load_preset(args.preset, steps=args.steps, mtbf_s=args.mtbf_s,
+                      process_pairs=args.pairs)
     from mnemojax._src.bench import driver, summary
 
     configure_devices(cfg.devices, who="mnemojax bench")

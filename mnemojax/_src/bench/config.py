@@ -44,6 +44,8 @@ class BenchConfig:
             completed the step before the first fault's step (that step is the one lost).
         collective_timeout_s: (e)'s launcher option of that name; None: the launcher's
             default, what a user of ``mnemojax launch`` gets (tests set a lower one).
+        process_pairs: how many times (e) and (f) run, alternating (e, f, e, f, ...): the
+            figures are the medians (one run of each is one sample on a shared machine).
     """
 
     name: str
@@ -65,13 +67,14 @@ class BenchConfig:
     processes: int = 4
     process_victim: int = 1
     collective_timeout_s: int | None = None
+    process_pairs: int = 1
 
     def __post_init__(self):
         def bad(name: str, value: Any, legal: str):
             raise InvalidOptionError(
                 f"bench preset {self.name!r}: {name}={value!r} is invalid: expected {legal}")
 
-        for name in ("block_steps", "checkpoint_max_to_keep"):
+        for name in ("block_steps", "checkpoint_max_to_keep", "process_pairs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad(name, value, "an int >= 1")

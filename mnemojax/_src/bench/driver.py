@@ -37,9 +37,9 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
     """Runs the runs and writes the outputs; returns the summary (``bench.json``).
 
     Args:
-        processes: also run (e) and (f), the real process kill (about a minute on the
-            tiny preset: two multi-process jobs, with the launcher's default collective
-            timeout in (e)).
+        processes: also run (e) and (f), the real process kill, ``cfg.process_pairs``
+            times each (about a minute per pair on the tiny preset: two multi-process
+            jobs, with the launcher's default collective timeout in (e)).
     """
     import jax
     import numpy as np
@@ -95,9 +95,9 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
 
     process_runs = None
     if processes:
-        process_runs = run_process_pair(cfg, preset=str(preset_path(preset).resolve()),
-                                        out=out / "processes", cache=str(cache),
-                                        interval_steps=interval.steps, progress=progress)
+        process_runs = run_process_pairs(cfg, preset=str(preset_path(preset).resolve()),
+                                         out=out / "processes", cache=str(cache),
+                                         interval_steps=interval.steps, progress=progress)
 
     goodput = {acc.run: acc.as_dict() for acc in report.account_log(events_path)}
     env = {"model_params": GPTConfig(**cfg.model).param_count(), "jax": jax.__version__,
@@ -112,31 +112,47 @@ def run_bench(cfg: BenchConfig, *, preset: str, out_dir: str | os.PathLike,
     return s
 
 
-def run_process_pair(cfg: BenchConfig, *, preset: str, out: Path, cache: str,
-                     interval_steps: int, progress: bool) -> dict:
-    """Runs (e) then (f); returns both results, each with its final state's leaves."""
+def run_process_pairs(cfg: BenchConfig, *, preset: str, out: Path, cache: str,
+                      interval_steps: int, progress: bool) -> dict[str, list[dict]]:
+    """Runs (e) then (f), ``cfg.process_pairs`` times (under ``out/e``, ``out/f``, then
+    ``out/e2``, ``out/f2``, ...); returns every run of each, with its final state's
+    leaves."""
     import numpy as np
 
+    runs: dict[str, list[dict]] = {multiproc.RUN_E: [], multiproc.RUN_F: []}
+    for i in range(cfg.process_pairs):
+        tag = f" ({i + 1} of {cfg.process_pairs})" if cfg.process_pairs > 1 else ""
+        suffix = str(i + 1) if i else ""
+        for name, run in zip("ef", _process_pair(cfg, preset=preset, out=out, cache=cache,
+                                                 interval_steps=interval_steps,
+                                                 progress=progress, tag=tag, suffix=suffix),
+                             strict=True):
+            with np.load(out / f"{name}{suffix}" / "final.npz") as npz:
+                run["final_state"] = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+            runs[multiproc.RUN_E if name == "e" else multiproc.RUN_F].append(run)
+    return runs
+
+
+def _process_pair(cfg: BenchConfig, *, preset: str, out: Path, cache: str,
+                  interval_steps: int, progress: bool, tag: str, suffix: str
+                  ) -> tuple[dict, dict]:
     common = {"preset": preset, "nproc": cfg.processes,
               "devices_per_proc": cfg.devices_per_process, "victim": cfg.process_victim,
               "kill_after_step": cfg.process_kill_after_step, "compile_cache": cache,
               "timeout_s": cfg.worker_timeout_s}
     kill = (f"worker {cfg.process_victim} of {cfg.processes} SIGKILLed after step "
             f"{cfg.process_kill_after_step}")
-    _say(progress, f"(e) mnemojax launch, {cfg.processes} processes x "
+    _say(progress, f"(e){tag} mnemojax launch, {cfg.processes} processes x "
                    f"{cfg.devices_per_process} devices, {kill}")
-    e = multiproc.run_mnemojax_job(cfg, out_dir=out / "e", **common,
+    e = multiproc.run_mnemojax_job(cfg, out_dir=out / f"e{suffix}", **common,
                                    collective_timeout_s=cfg.collective_timeout_s)
-    _say(progress, f"(e) next good step {e['next_good_step_s']:.2f} s after the kill")
-    _say(progress, f"(f) classical jax.distributed + Orbax every {interval_steps} steps, "
-                   f"{kill}, every process restarted")
-    f = multiproc.run_classical_job(cfg, out_dir=out / "f", interval_steps=interval_steps,
-                                    **common)
-    _say(progress, f"(f) next good step {f['next_good_step_s']:.2f} s after the kill")
-    for run, name in ((e, "e"), (f, "f")):
-        with np.load(out / name / "final.npz") as npz:
-            run["final_state"] = [npz[f"arr_{i}"] for i in range(len(npz.files))]
-    return {multiproc.RUN_E: e, multiproc.RUN_F: f}
+    _say(progress, f"(e){tag} next good step {e['next_good_step_s']:.2f} s after the kill")
+    _say(progress, f"(f){tag} classical jax.distributed + Orbax every {interval_steps} "
+                   f"steps, {kill}, every process restarted")
+    f = multiproc.run_classical_job(cfg, out_dir=out / f"f{suffix}",
+                                    interval_steps=interval_steps, **common)
+    _say(progress, f"(f){tag} next good step {f['next_good_step_s']:.2f} s after the kill")
+    return e, f
 
 
 def write_outputs(s: dict, out: Path) -> None:

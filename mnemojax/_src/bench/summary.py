@@ -39,10 +39,11 @@ def _mean(xs) -> float | None:
 def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule: str,
                   baseline_final=None, goodput: dict | None = None,
                   environment: dict | None = None,
-                  process_runs: dict[str, dict] | None = None) -> dict[str, Any]:
+                  process_runs: dict[str, list[dict]] | None = None) -> dict[str, Any]:
     """Figures and ratios of one bench invocation (JSON-ready; final states dropped).
 
-    ``process_runs``: (e) and (f) (`multiproc`), with their final states, or None.
+    ``process_runs``: every run of (e) and of (f) (`multiproc`), with their final states,
+    or None.
     """
     a, b, c, d = runs[RUN_A], runs[RUN_B], runs[RUN_C], runs[RUN_D]
     # The platform JAX ran on (`driver` records it); tests that give none run on CPU.
@@ -137,20 +138,39 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     }
 
 
-def process_figures(process_runs: dict[str, dict], reference) -> dict[str, Any]:
-    """(e), (f) and the ratios (f)/(e) of both figures; final states against ``reference``."""
-    e, f = process_runs[RUN_E], process_runs[RUN_F]
+PROCESS_FIGURES = ("next_good_step_s", "back_past_killed_step_s")
+
+
+def process_figures(process_runs: dict[str, list[dict]], reference) -> dict[str, Any]:
+    """(e) and (f): every run of each (``runs``), the median run of each by kill -> next
+    good step (``RUN_E``, ``RUN_F``: its phases are the table's), the medians of both
+    figures and their ratios (f)/(e); every final state against ``reference``."""
+    def strip(run: dict) -> dict:
+        return {k: v for k, v in run.items() if k != "final_state"}
+
+    out: dict[str, Any] = {"pairs": len(process_runs[RUN_E]), "runs": {}, "median": {}}
+    for name, runs in process_runs.items():
+        out["runs"][name] = [strip(r) for r in runs]
+        # The lower median: a run that happened, whose phases the table shows.
+        by_figure = sorted(runs, key=lambda r: r["next_good_step_s"])
+        out[name] = strip(by_figure[(len(runs) - 1) // 2])
+        out["median"][name] = {
+            key: statistics.median(r[key] for r in runs) if all(
+                r.get(key) is not None for r in runs) else None
+            for key in PROCESS_FIGURES}
+    e, f = out["median"][RUN_E], out["median"][RUN_F]
 
     def ratio(key: str) -> float | None:
         return f[key] / e[key] if e.get(key) and f.get(key) else None
 
-    out: dict[str, Any] = {name: {k: v for k, v in run.items() if k != "final_state"}
-                           for name, run in process_runs.items()}
     out["ratio"] = {"next_good_step": ratio("next_good_step_s"),
                     "back_past_killed_step": ratio("back_past_killed_step_s")}
-    out["final_state_max_abs_diff_vs_a"] = {
-        "e": _max_diff(e.get("final_state"), reference),
-        "f": _max_diff(f.get("final_state"), reference)}
+
+    def worst(name: str) -> float | None:
+        diffs = [_max_diff(r.get("final_state"), reference) for r in process_runs[name]]
+        return None if None in diffs else max(d for d in diffs if d is not None)
+
+    out["final_state_max_abs_diff_vs_a"] = {"e": worst(RUN_E), "f": worst(RUN_F)}
     return out
 
 
@@ -162,13 +182,19 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
              f"{e['killed_step'] - 1}; (e) {e['launch_options']} (collective timeout "
              f"{e['collective_timeout_s']} s); (f) restarts every process, Orbax every "
              f"{f['interval_steps']} steps", ""]
+    pairs = p.get("pairs", 1)
+    if pairs > 1:
+        lines[-1:-1] = [f"{pairs} runs of each, alternating (e, f, e, f, ...): the first two "
+                        "figures are medians; the rest are of the median run of each"]
     hdr = f"{'figure':<44}" + "".join(f"{t:>24}" for t in PROCESS_TITLES.values())
     lines += [hdr, "-" * len(hdr)]
     ph_e, ph_f = e["recovery_phases_s"], f["phases_s"]
+    med = p.get("median", {RUN_E: e, RUN_F: f})
     rows = [
-        ("kill -> next good step (s)", _f(e["next_good_step_s"]), _f(f["next_good_step_s"])),
+        ("kill -> next good step (s)", _f(med[RUN_E]["next_good_step_s"]),
+         _f(med[RUN_F]["next_good_step_s"])),
         ("kill -> killed step done again (s)",
-         _f(e["back_past_killed_step_s"]), _f(f["back_past_killed_step_s"])),
+         _f(med[RUN_E]["back_past_killed_step_s"]), _f(med[RUN_F]["back_past_killed_step_s"])),
         ("  the killed step (the victim never did it)", str(e["killed_step"]),
          str(f["killed_step"])),
         ("steps lost (redone)", str(e["steps_lost"]),
@@ -189,11 +215,17 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
     rows.append(("processes after the kill", str(e["processes_after"]),
                  str(f["processes_after"])))
     rows.append(("final state max |diff| vs (a)", _f(diff["e"], ".1e"), _f(diff["f"], ".1e")))
+    if pairs > 1:
+        for key, label in zip(PROCESS_FIGURES, ("next good step", "back past"), strict=True):
+            rows.append((f"every run: {label} (s)", *(
+                " ".join(_f(r[key], ".2f") for r in p["runs"][name])
+                for name in PROCESS_TITLES)))
     for label, a, b in rows:
         lines.append(f"{label:<44}{a:>24}{b:>24}")
     r = p["ratio"]
     met = r["next_good_step"] is not None and r["next_good_step"] >= targets["process_ratio_min"]
     lines += ["", f"real kill: (f) classical / (e) mnemojax = {_f(r['next_good_step'], '.2f')}x "
+              f"{'(medians) ' if pairs > 1 else ''}"
               f"to the next good step, {_f(r['back_past_killed_step'], '.2f')}x back past the "
               f"killed step (target >= {targets['process_ratio_min']:.0f}x: "
               f"{'met' if met else 'NOT met'})"]
