@@ -217,9 +217,9 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
     rows.append(("final state max |diff| vs (a)", _f(diff["e"], ".1e"), _f(diff["f"], ".1e")))
     if pairs > 1:
         for key, label in zip(PROCESS_FIGURES, ("next good step", "back past"), strict=True):
-            rows.append((f"every run: {label} (s)", *(
-                " ".join(_f(r[key], ".2f") for r in p["runs"][name])
-                for name in PROCESS_TITLES)))
+            e_runs, f_runs = (" ".join(_f(r[key], ".2f") for r in p["runs"][name])
+                              for name in PROCESS_TITLES)
+            rows.append((f"every run: {label} (s)", e_runs, f_runs))
     for label, a, b in rows:
         lines.append(f"{label:<44}{a:>24}{b:>24}")
     r = p["ratio"]
