@@ -161,6 +161,7 @@ def test_the_real_kill_figures_are_medians_over_alternating_pairs(tmp_path):
     assert p["median"][multiproc.RUN_E] == {"next_good_step_s": 2.0,
                                             "back_past_killed_step_s": 3.0}
     assert p[multiproc.RUN_E]["next_good_step_s"] == 2.0  # the median run itself
+    assert p["median_run"] == {multiproc.RUN_E: 0, multiproc.RUN_F: 2}
     assert p[multiproc.RUN_F]["next_good_step_s"] == 20.0
     assert p["ratio"]["next_good_step"] == pytest.approx(10.0)
     assert p["ratio"]["back_past_killed_step"] == pytest.approx(21.0 / 3.0)

@@ -317,9 +317,15 @@ def test_prng_keys_and_named_arguments_are_replicated_inputs_and_keys_are_wrappe
     new, out = jax.jit(form.pure)(form.state_of(state_args), host_batch(inputs))
     np.testing.assert_allclose(np.asarray(out["noise"]),
                                np.asarray(jax.random.normal(key, (3,))), rtol=1e-6)
-    # A typed key of any shape is replicated; another impl is another layout.
+    # A typed key with a leading dimension is per-example, part of the batch (a fresh
+    # form: no layout cached from the 0-d key's call).
     keys = jax.random.split(key, 8)
-    assert form.split_call((state, batch, keys, args[3]))[1].layout.replicated[1]
+    fresh = form_for(_key_step, args, None, conv)
+    per_example = fresh.split_call((state, batch, keys, args[3]))[1].layout
+    assert per_example.replicated == (False, False, True)
+    with pytest.raises(BatchSplitError, match="and input key has 4"):
+        fresh.split_call((state, batch, jax.random.split(key, 4), args[3]))
+    # Another impl is another layout.
     rbg = jax.random.key(5, impl="rbg")
     other = form.split_call((state, batch, rbg, args[3]))[1].layout
     assert other != layout and other.key_impls[1] == jax.random.key_impl(rbg)
@@ -327,6 +333,30 @@ def test_prng_keys_and_named_arguments_are_replicated_inputs_and_keys_are_wrappe
     plain = form_for(_key_step, args)
     with pytest.raises(BatchSplitError, match="and input key has 2: .*replicated_argnames"):
         plain.split_call((state, batch, jax.random.key_data(key), np.zeros(8, np.float32)))
+
+
+def test_an_input_that_turns_0_d_or_back_is_laid_out_again():
+    def step(s, batch, w):
+        return s, {"loss": jnp.sum(batch) + jnp.sum(w)}
+
+    state = {"a": jnp.zeros(2)}
+    form = form_for(step, (state, None, None))
+    split = form.split_call((state, np.ones(8), np.ones(8)))[1].layout
+    whole = form.split_call((state, np.ones(8), np.float32(2.0)))[1].layout
+    assert split.replicated == (False, False) and whole.replicated == (False, True)
+    assert form.split_call((state, np.ones(8), np.ones(8)))[1].layout is split
+    with pytest.raises(BatchSplitError, match="input batch has 8 examples and input w has 3"):
+        form.split_call((state, np.ones(8), np.ones(3)))
+
+
+def test_a_replicated_argument_that_holds_the_state_is_refused():
+    state = {"w": jnp.zeros(3)}
+    batch = {"x": np.ones((8, 2), np.float32)}
+    args = (state, batch, jax.random.key(0), np.zeros(2, np.float32))
+    conv = Convention(_key_step, replicated_argnames=("s", "table"))
+    with pytest.raises(InvalidOptionError, match="replicated argument 's' holds the step's "
+                                                 "state"):
+        form_for(_key_step, args, None, conv).split_call(args)
 
 
 def test_an_argument_both_static_and_replicated_is_refused():

@@ -1073,11 +1073,12 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
       part of the global batch: all have its size as leading dimension, and they are
       split along the data axis (the size is fixed by the first call). Placed whole on
       every device instead (replicated) and traced: Python numbers (weakly typed), 0-d
-      arrays, typed PRNG keys (``jax.random.key``; the Flax dropout guide's
+      arrays, 0-d typed PRNG keys (``jax.random.key``; the Flax dropout guide's
       ``train_step(state, batch, dropout_key)``), and every array in the arguments named
       in ``replicated_argnums``/``replicated_argnames`` (a raw ``jax.random.PRNGKey``, a
-      table). Across processes every process passes the same replicated values. Replayed
-      after a recovery, a step gets the same inputs it had.
+      table; never a per-example array: replicated inputs are not cut by
+      ``batch_policy='truncate_batch'``). Across processes every process passes the same
+      replicated values. Replayed after a recovery, a step gets the same inputs it had.
     * The step returns what it returns (a dict of metrics, a scalar loss, any pytree);
       the NaN policy finds the loss with ``ResilienceOptions.loss_key``.
     * A step that mutates NNX objects it closes over, instead of taking them as
@@ -1094,8 +1095,8 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
             inputs are mnemojax's own copies, placed per call, and are not donated.
         donate_argnames: the same, by name.
         replicated_argnums: positional arguments whose arrays every device takes whole
-            instead of a slice of the batch (a raw PRNG key, a lookup table). Typed keys,
-            0-d arrays and numbers are replicated without being named.
+            instead of a slice of the batch (a raw PRNG key, a lookup table). 0-d typed
+            keys, 0-d arrays and numbers are replicated without being named.
         replicated_argnames: the same, by name.
         options: `ResilienceOptions`.
         fault_injector: a `mnemojax.testing.FaultInjector` to rehearse failures with.

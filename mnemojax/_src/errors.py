@@ -23,7 +23,8 @@ class NonFiniteSkipWarning(MnemojaxWarning):
 
 class LossCheckWarning(MnemojaxWarning):
     """The non-finite policy found no scalar loss in the step's metrics (``loss_key``):
-    only the new state is checked for NaN/Inf."""
+    only the new state is checked for NaN/Inf. Not issued for a step that returns nothing
+    (or, pure, its state alone): it has no loss to find."""
 
 
 class SnapshotBudgetWarning(MnemojaxWarning):

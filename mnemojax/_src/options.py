@@ -394,7 +394,8 @@ class ResilienceOptions:
             key of a metrics dict, or a callable taking the return value and giving the
             scalar loss (``lambda out: out[0]``, say). A scalar return value is the loss
             itself. Where no scalar loss is found, `LossCheckWarning` is issued once and
-            only the new state is checked.
+            only the new state is checked (a step that returns nothing, or a pure step
+            its state alone, has only its state checked, without a warning).
         nonfinite: what a NaN/Inf in the loss or in the new state (from non-finite
             gradients) does. ``"raise"`` (default): `NonFiniteLossError`, the state of the
             previous step is kept; ``"skip_batch"``: keep the previous state, skip the batch,

@@ -16,10 +16,12 @@ A resilient step takes its arguments the way ``nnx.jit`` (and ``jax.jit``) does:
   numbers, on the host. Every input array with a leading dimension is part of the global
   batch: all of them have the global batch size as leading dimension, and they are split
   along the data axis. Replicated (placed whole on every device) and traced instead:
-  Python numbers (weakly typed, as under jit), 0-d arrays, typed PRNG keys (any shape;
-  they travel as their raw data and are wrapped again when traced), and every array of
-  the arguments named in ``replicated_argnums``/``replicated_argnames`` (a raw PRNG key,
-  a table).
+  Python numbers (weakly typed, as under jit), 0-d arrays and 0-d typed PRNG keys, and
+  every array of the arguments named in ``replicated_argnums``/``replicated_argnames`` (a
+  raw PRNG key, a table). Typed keys travel as their raw data and are wrapped again when
+  traced; one with a leading dimension (``jax.random.split(key, batch)``) is part of the
+  batch like any array. A replicated input is never cut: under
+  ``batch_policy='truncate_batch'`` a per-example array must not be named replicated.
 * **Return values** come back as the function returns them; carried NNX objects it
   returns are the caller's own objects.
 
@@ -369,7 +371,7 @@ class StepForm(abc.ABC):
         dyn, dyn_kwargs, statics = self.convention.split_statics(args, kwargs or {})
         leaves, treedef = jax.tree.flatten(self._mark_state(dyn, dyn_kwargs),
                                            is_leaf=self._is_state_leaf)
-        slots, inputs, weak, impls = [], [], [], []
+        slots, inputs, weak, impls, scalar = [], [], [], [], []
         for x in leaves:
             index = self._state_index(x)
             if index is not None:
@@ -377,6 +379,7 @@ class StepForm(abc.ABC):
                 continue
             slots.append(len(inputs))
             impl, number = None, type(x) in _PY_NUMBERS
+            scalar.append(number or np.ndim(x) == 0)  # a key's own shape, not its data's
             if number:  # traced weakly typed, as jit does
                 x = host_scalar(x)
             elif _is_key(x):  # travels as its raw data, a plain array (wrapped when traced)
@@ -388,7 +391,7 @@ class StepForm(abc.ABC):
             impls.append(impl)
             inputs.append(x)
         state_args = self._state_args(slots, leaves)
-        key = (treedef, tuple(slots), tuple(weak), statics, tuple(impls))
+        key = (treedef, tuple(slots), tuple(weak), statics, tuple(impls), tuple(scalar))
         try:
             layout = self._layouts.get(key)
         except TypeError:
@@ -399,9 +402,8 @@ class StepForm(abc.ABC):
         if layout is None:
             self.convention.check_call(args, kwargs or {})
             wheres, names = self._input_places(dyn, dyn_kwargs)
-            replicated = tuple(
-                impl is not None or np.ndim(x) == 0 or self.convention.replicated(where)
-                for x, impl, where in zip(inputs, impls, wheres, strict=True))
+            replicated = tuple(one or self.convention.replicated(where)
+                               for one, where in zip(scalar, wheres, strict=True))
             layout = self._layouts[key] = _Layout(
                 treedef, tuple(slots), tuple(weak), statics, tuple(impls), replicated, names)
         _check_batch_sizes(inputs, layout.names, layout.replicated)
@@ -416,13 +418,18 @@ class StepForm(abc.ABC):
         flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=self._is_state_leaf)[0]
         wheres, names = [], []
         for path, x in flat:
-            if self._state_index(x) is not None:
-                continue
             top = path[0].idx if hasattr(path[0], "idx") else 0
             where = path[1]
             positional = top == 0 and hasattr(where, "idx")
-            wheres.append(where.idx if positional else _key_part(where))
             name = self.convention.arg_name(where.idx) if positional else _key_part(where)
+            where = where.idx if positional else _key_part(where)
+            if self._state_index(x) is not None:
+                if self.convention.replicated(where):
+                    raise InvalidOptionError(
+                        f"replicated argument {name!r} holds the step's state: only inputs "
+                        "are replicated (the state is sharded by its own annotations)")
+                continue
+            wheres.append(where)
             names.append(name + jax.tree_util.keystr(path[2:]))
         return wheres, tuple(names)
 

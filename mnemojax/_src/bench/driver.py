@@ -116,19 +116,23 @@ def run_process_pairs(cfg: BenchConfig, *, preset: str, out: Path, cache: str,
                       interval_steps: int, progress: bool) -> dict[str, list[dict]]:
     """Runs (e) then (f), ``cfg.process_pairs`` times (under ``out/e``, ``out/f``, then
     ``out/e2``, ``out/f2``, ...); returns every run of each, with its final state's
-    leaves."""
+    leaves. Each pair starts from a fresh compilation cache (a subdirectory of `cache`):
+    the pairs are alike, none finds the entries an earlier pair wrote."""
     import numpy as np
 
     runs: dict[str, list[dict]] = {multiproc.RUN_E: [], multiproc.RUN_F: []}
     for i in range(cfg.process_pairs):
         tag = f" ({i + 1} of {cfg.process_pairs})" if cfg.process_pairs > 1 else ""
         suffix = str(i + 1) if i else ""
-        for name, run in zip("ef", _process_pair(cfg, preset=preset, out=out, cache=cache,
+        pair_cache = Path(cache) / f"pair{i + 1}"
+        shutil.rmtree(pair_cache, ignore_errors=True)
+        for name, run in zip("ef", _process_pair(cfg, preset=preset, out=out,
+                                                 cache=str(pair_cache),
                                                  interval_steps=interval_steps,
                                                  progress=progress, tag=tag, suffix=suffix),
                              strict=True):
             with np.load(out / f"{name}{suffix}" / "final.npz") as npz:
-                run["final_state"] = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+                run["final_state"] = [npz[f"arr_{j}"] for j in range(len(npz.files))]
             runs[multiproc.RUN_E if name == "e" else multiproc.RUN_F].append(run)
     return runs
 

@@ -142,18 +142,23 @@ PROCESS_FIGURES = ("next_good_step_s", "back_past_killed_step_s")
 
 
 def process_figures(process_runs: dict[str, list[dict]], reference) -> dict[str, Any]:
-    """(e) and (f): every run of each (``runs``), the median run of each by kill -> next
-    good step (``RUN_E``, ``RUN_F``: its phases are the table's), the medians of both
-    figures and their ratios (f)/(e); every final state against ``reference``."""
+    """(e) and (f): every run of each (``runs``), the lower-median run of each by kill ->
+    next good step (``RUN_E``, ``RUN_F``, its index in ``median_run``: its phases are the
+    table's), the medians of both figures (``median``; with an even number of pairs, the
+    mean of the middle two) and their ratios (f)/(e); every final state against
+    ``reference``."""
     def strip(run: dict) -> dict:
         return {k: v for k, v in run.items() if k != "final_state"}
 
-    out: dict[str, Any] = {"pairs": len(process_runs[RUN_E]), "runs": {}, "median": {}}
+    out: dict[str, Any] = {"pairs": len(process_runs[RUN_E]), "runs": {}, "median": {},
+                           "median_run": {}}
     for name, runs in process_runs.items():
         out["runs"][name] = [strip(r) for r in runs]
-        # The lower median: a run that happened, whose phases the table shows.
-        by_figure = sorted(runs, key=lambda r: r["next_good_step_s"])
-        out[name] = strip(by_figure[(len(runs) - 1) // 2])
+        # The lower median by kill -> next good step: a run that happened (its index in
+        # ``runs``), whose phases the table shows.
+        order = sorted(range(len(runs)), key=lambda i: runs[i]["next_good_step_s"])
+        out["median_run"][name] = order[(len(runs) - 1) // 2]
+        out[name] = strip(runs[out["median_run"][name]])
         out["median"][name] = {
             key: statistics.median(r[key] for r in runs) if all(
                 r.get(key) is not None for r in runs) else None
