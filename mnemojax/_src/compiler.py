@@ -442,9 +442,21 @@ class StepCompiler:
         """Lowers the step for `mesh`: from its export when one is kept for `key` (and,
         compiling ahead with `exports`, exports it first), else by tracing it. Returns the
         lowered step and whether it came from an export."""
+        exported = self._exported(jit, mesh, args, key, ahead)
+        if exported is not None:
+            try:
+                return jit(exported.call).lower(*args), True
+            except Exception as e:  # noqa: BLE001 - never worse than tracing
+                log.warning("mnemojax: lowering the step for mesh %s from its export failed "
+                            "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
+        return jit(self._checked_for(mesh)).lower(*args), False
+
+    def _exported(self, jit, mesh: Mesh, args, key: tuple, ahead: bool):
+        """The step's export for `key`: kept, or (`ahead`, with `exports`) made now; None
+        where there is none (no exports, refused, or not exportable)."""
         exports = self._exports
         if exports is None:
-            return jit(self._checked_for(mesh)).lower(*args), False
+            return None
         exported = exports.get(key)
         if exported is None and ahead and exports.refused is None:
             try:
@@ -464,13 +476,7 @@ class StepCompiler:
             except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
                 exported = None
                 exports.refuse(f"{type(e).__name__}: {e}"[:300])
-        if exported is not None:
-            try:
-                return jit(exported.call).lower(*args), True
-            except Exception as e:  # noqa: BLE001 - never worse than tracing
-                log.warning("mnemojax: lowering the step for mesh %s from its export failed "
-                            "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
-        return jit(self._checked_for(mesh)).lower(*args), False
+        return exported
 
     def get(self, plan: MeshPlan, batch_struct) -> tuple[Executable, str]:
         """The executable for `plan`, and where it came from: ``"ready"`` (compiled ahead and
@@ -547,7 +553,7 @@ class StepCompiler:
         mesh, _, _, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            _, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct), True)
+            exported = self._exported(jit, mesh, args, self.key(plan, batch_struct), True)
         log.info("mnemojax: exported the step for mesh %s ahead of time in %.2fs%s (another "
                  "process compiles it)", plan.shape, time.perf_counter() - t0,
                  "" if exported else ", not exportable")

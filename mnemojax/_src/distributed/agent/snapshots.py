@@ -93,7 +93,9 @@ class SnapshotHolder:
             return wire.ErrorReply(message=f"the replica of worker {replica.origin} step "
                                            f"{replica.step} is not a snapshot: {e}")
         peak = self._peak_with(len(payload))
+        checked = False
         if self.budget_bytes is not None and peak > self.budget_bytes:
+            checked = True
             if checksums.checksum(payload) != replica.crc:  # a bad copy takes no room
                 return wire.ErrorReply(message=f"replica of worker {replica.origin} step "
                                                f"{replica.step} fails its {checksums.NAME} "
@@ -116,7 +118,7 @@ class SnapshotHolder:
                                            f"host_memory_budget_bytes={self.budget_bytes}")
         try:
             self.replicas.put(replica.origin, replica.step, payload, replica.crc,
-                              generation=generation)
+                              generation=generation, checked=checked)
         except SnapshotCorruptError as e:
             return wire.ErrorReply(message=str(e))
         return wire.Ok()
