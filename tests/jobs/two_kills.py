@@ -57,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         figures = kill_figures(steps, killed=rec["step"], t_kill=fired["t"],
                                new_world=lambda e, r=rec: e["step"] >= r["step"])
         phases = ", ".join(f"{k} {v:.2f}" for k, v in rec["phases_s"].items())
+        # Each survivor's own first good step: the spread is one survivor behind the others.
+        first: dict[int, float] = {}
+        for e in steps:
+            if e["time"] > fired["t"] and e["step"] >= rec["step"]:
+                first[e["pid"]] = min(first.get(e["pid"], e["time"]), e["time"])
+        each = ", ".join(f"{t - fired['t']:.2f}" for t in sorted(first.values()))
         print(f"kill of worker {fired['victim']} after step {fired['step']}: executable "
               f"{rec['executable']}{', from export' if rec.get('from_export') else ''}; "
               f"kill -> next good step {figures['next_good_step_s']:.2f} s (every survivor; "
-              f"{figures['processes_after']} processes); phases (s): {phases}")
+              f"{figures['processes_after']} processes; each: {each}); phases (s): {phases}")
         on_path += rec["executable"] == "compiled"
     return 1 if on_path or len(recs) != 2 else 0
 
