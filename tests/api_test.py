@@ -504,3 +504,26 @@ def test_an_unreferenced_step_releases_its_model_and_a_refused_build_leaves_noth
     del first  # no gc.collect(): the step is freed by reference counting
     assert second.restore(model, optimizer) == 0
     second.close()
+
+
+def test_a_donated_state_is_snapshotted_every_step_and_recovers_exact():
+    """Donating the state (``donate_argnames``, as ``jax.jit(..., donate_argnums=0)``
+    programs do) leaves no live copy after a failed step, even of replicated shards: the
+    snapshots are the only other copy, taken every step from the initial state on. Before,
+    a replicated donated state got the rare cadence, and a loss before its first snapshot
+    ended in `StateUnavailableError`."""
+    batches = h.make_batches(6)
+    faults = FaultInjector().lose_devices(2, [3]).lose_devices(4, [5], surface="block")
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                              fault_injector=faults, donate_argnames=("model", "optimizer"))
+    try:
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    finally:
+        step.close()
+    assert step.options.compile.donate_state
+    assert step.statistics.snapshot_every_steps == 1
+    assert [r.source for r in step.statistics.recoveries] == ["host_snapshot"] * 2
+    assert max(r.steps_lost for r in step.statistics.recoveries) <= 1
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
+                      h.reference_run(batches))

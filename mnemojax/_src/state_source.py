@@ -126,7 +126,9 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
         except SnapshotCorruptError as exc:
             log.warning("mnemojax: %s; never restored", exc)
             corrupt.append(snap)
+    live = (f"the live copy of step {step} lost a shard with every replica" if live_ok
+            else f"the live state of step {step} was donated to the step that failed")
     raise StateUnavailableError(
-        f"no complete copy of the state survives: the live copy of step {step} lost a shard "
-        f"with every replica, and there is no host snapshot ({len(corrupt)} failed their "
-        "checksums; enable SnapshotOptions(every_steps=...))", corrupt=len(corrupt))
+        f"no complete copy of the state survives: {live}, and there is no host snapshot "
+        f"({len(corrupt)} failed their checksums; enable SnapshotOptions(every_steps=...))",
+        corrupt=len(corrupt))
