@@ -417,6 +417,10 @@ class ResilientStep(Generic[P, R]):
         if opts.data_axis == AUTO:
             opts = self.options = dataclasses.replace(
                 opts, data_axis=axes[0] if len(axes) == 1 else axes)
+            if len(axes) > 1:  # a program that splits its batch otherwise adds in another order
+                log.info("mnemojax: the batch is split over the mesh axes %s (data_axis="
+                         "'auto'); pass data_axis=... to split it as your program does",
+                         list(axes))
         ids = shd.device_ids(mesh)
         overlap = sorted(set(spares) & {int(i) for i in ids.flat})
         if overlap:

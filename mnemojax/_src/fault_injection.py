@@ -9,6 +9,7 @@ its own health probes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -21,6 +22,8 @@ from mnemojax._src.device_layer import Device, DeviceLayer
 from mnemojax._src.errors import InvalidOptionError
 
 Surface = Literal["dispatch", "block"]
+
+log = logging.getLogger("mnemojax")
 
 
 @dataclasses.dataclass
@@ -225,6 +228,10 @@ class _InterposedLayer:
         for ev in self._inj._fire_due(step, ("lose_devices", "hang", "corrupt_snapshot")):
             if ev.kind == "corrupt_snapshot":
                 self._corrupt_latest_copy()
+            elif not set(ev.device_ids) & {int(d) for d in devices}:
+                log.warning("mnemojax.testing: step %d: the injected loss of devices %s "
+                            "touches no device of the current mesh (%d devices): nothing "
+                            "to recover", step, list(ev.device_ids), len(devices))
         if self._inj._fire_due(step, ("oom",)):
             raise jax.errors.JaxRuntimeError(
                 f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate the buffers of "

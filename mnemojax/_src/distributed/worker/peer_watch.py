@@ -276,6 +276,8 @@ class PeerWatch:
                         "step(s) waiting on them stopped", list(left), generation,
                         TOLD_BY_LAUNCHER, aborted)
         else:
-            log.warning("mnemojax: workers %s of world %d died (%s); %d step(s) waiting on "
-                        "them stopped", list(failed), generation, TOLD_BY_LAUNCHER, aborted)
+            # (A process the new mesh left idle leaves the job: it is told as a death.)
+            log.warning("mnemojax: workers %s of world %d died or left the job (%s); %d "
+                        "step(s) waiting on them stopped", list(failed), generation,
+                        TOLD_BY_LAUNCHER, aborted)
         return notice
