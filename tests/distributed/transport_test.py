@@ -11,7 +11,7 @@ import pytest
 
 from mnemojax._src.distributed import transport, wire
 from mnemojax._src.errors import ProtocolError
-from tests.distributed.fakes import closed_without_reply
+from tests.distributed.fakes import closed_without_reply, wait_until
 
 SECRET = b"s" * 32
 
@@ -183,3 +183,17 @@ def test_the_client_refuses_a_server_that_cannot_prove_the_secret():
         assert got == []
     finally:
         listener.close()
+
+
+def test_a_peer_that_closes_during_the_handshake_is_no_refusal(server, caplog):
+    """A process that dies while it connects (its socket closed before its proof) was
+    neither refused nor served: logged at INFO as ended, with no refusal reported (the
+    launcher would record one as an intrusion)."""
+    caplog.set_level("INFO", logger="mnemojax")
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        assert isinstance(transport.recv(sock)[0], wire.AuthChallenge)
+    wait_until(lambda: "ended before it proved the job secret" in caplog.text)
+    assert server.refused == [] and server.handled == []
+    assert transport.request(server.address, wire.HoldingsQuery(), wire.Ok,
+                             secret=SECRET)[0] == wire.Ok()

@@ -50,10 +50,11 @@ def make_state():
                                           tx=optax.adam(1e-2))
 
 
-def run(step, dropout_key):
+def run(step, dropout_key, *, keys=None):
+    """`keys`: one key per step instead of the same `dropout_key` every step."""
     state = make_state()
-    for b in h.make_batches(STEPS):
-        state = step(state, b, dropout_key)
+    for i, b in enumerate(h.make_batches(STEPS)):
+        state = step(state, b, dropout_key if keys is None else keys[i])
     return state
 
 
@@ -97,3 +98,22 @@ def test_a_raw_prng_key_named_replicated_through_a_device_loss(reference):
         step.close()
     assert len(step.statistics.recoveries) == 1
     assert_same_state(got, reference)  # fold_in takes a raw key as it takes a typed one
+
+
+def test_replayed_steps_get_their_own_keys():
+    """Another raw key every step, and the state donated (as the Flax examples' jit does):
+    a loss rolls back to the initial snapshot and replays steps 1-3, each with the key it
+    was first called with (kept for replay), then runs step 4 with its own."""
+    keys = [np.asarray(k) for k in jax.random.key_data(jax.random.split(jax.random.key(3),
+                                                                        STEPS))]
+    want = run(jax.jit(train_step, donate_argnums=0), None, keys=keys)
+    step = mnemojax.resilient(train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(4, [2]),
+                              donate_argnums=0, replicated_argnames="dropout_key")
+    try:
+        got = run(step, None, keys=keys)
+    finally:
+        step.close()
+    [rec] = step.statistics.recoveries
+    assert (rec.source, rec.source_step, rec.steps_lost) == ("host_snapshot", 0, 3)
+    assert_same_state(got, want)

@@ -156,7 +156,9 @@ def process_figures(process_runs: dict[str, list[dict]], reference) -> dict[str,
         out["runs"][name] = [strip(r) for r in runs]
         # The lower median by kill -> next good step: a run that happened (its index in
         # ``runs``), whose phases the table shows.
-        order = sorted(range(len(runs)), key=lambda i: runs[i]["next_good_step_s"])
+        # (A run with no figure, None, sorts last.)
+        order = sorted(range(len(runs)), key=lambda i: (
+            runs[i]["next_good_step_s"] is None, runs[i]["next_good_step_s"] or 0.0))
         out["median_run"][name] = order[(len(runs) - 1) // 2]
         out[name] = strip(runs[out["median_run"][name]])
         out["median"][name] = {

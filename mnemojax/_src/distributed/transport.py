@@ -240,11 +240,12 @@ def _authenticated(conn: socket.socket, peer: str, secret: bytes,
     except (OSError, ConnectionError, ProtocolError) as e:
         conn.close()
         reason = f"{type(e).__name__}: {e}"
-        if isinstance(e, ProtocolError):  # it answered, without the job secret
-            logger.warning("refused a connection from %s: %s", peer, reason)
-        else:  # e.g. a process that died while connecting: nothing was refused
+        if isinstance(e, ConnectionError):  # the peer closed it (a process that died while
             logger.info("a connection from %s ended before it proved the job secret (%s); "
-                        "closed", peer, reason)
+                        "closed", peer, reason)  # connecting): nothing to refuse
+            return
+        # It answered without the job secret, or stayed silent past the handshake's time.
+        logger.warning("refused a connection from %s: %s", peer, reason)
         if on_refused is not None:
             on_refused(peer, reason)
         return
