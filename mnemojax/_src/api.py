@@ -136,7 +136,8 @@ class ResilientStep(Generic[P, R]):
     batch, metrics, 0.1, 0)``); without them the step is pure, ``state, out = step(state,
     batch)``. The other arguments are inputs, given on the host: every input array is
     part of the global batch, split along the data axis of the current mesh; numbers, 0-d
-    arrays, PRNG keys and the arguments named replicated are placed whole on every device.
+    arrays, 0-d PRNG keys and the arguments named replicated are placed whole on every
+    device.
     See `mnemojax.resilient`.
 
     Attributes:
