@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import statistics
 import time
@@ -23,11 +24,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src import ownership
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import Executable, compiles_ahead_here, enable_persistent_cache
 from mnemojax._src.data import HostRows
 from mnemojax._src.distributed import env as dist_env
+from mnemojax._src.distributed.worker import coordination, peer_watch
 from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
@@ -61,7 +64,7 @@ from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
-from mnemojax._src.step_forms import Convention, StepForm, batch_splits, form_for
+from mnemojax._src.step_forms import CallInputs, Convention, StepForm, batch_splits, form_for
 from mnemojax._src.topology import (
     MeshPlan,
     ShapeRules,
@@ -70,6 +73,11 @@ from mnemojax._src.topology import (
 )
 
 log = logging.getLogger("mnemojax")
+
+# How long a process waits for its peers' checksums of a new call layout's replicated
+# inputs (`ResilientStep._compare_replicated_inputs`): peers reach their first call within
+# seconds of each other; past this the comparison is skipped, not the step.
+REPLICATED_COMPARE_S = 60.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -291,6 +299,7 @@ class ResilientStep(Generic[P, R]):
         leaves = b.form.state_of(state_args)
         batch = host_batch(user_batch)
         self._check_batch(b, batch)
+        self._compare_replicated_inputs(b, batch)
         step = self._step + 1
         batch = self._batches.append(step, batch)  # our own copy, kept for replay
         try:
@@ -459,7 +468,7 @@ class ResilientStep(Generic[P, R]):
         self._built = _Built(
             form=form, builder=builder, runtime=runtime, durability=durability,
             meshes=[runtime.mesh],
-            session=session, sharded_dims=shd.sharded_dims(form.specs, shapes),
+            session=session, sharded_dims=shd.sharded_dims(form.specs, shapes), number=number,
             device_recovery=DeviceRecovery(opts, builder, durability, self._statistics,
                                            self._batches),
             process_recovery=process_recovery)
@@ -787,6 +796,49 @@ class ResilientStep(Generic[P, R]):
         if b.batch_size is None:
             b.batch_size = b.examples = size
 
+    def _compare_replicated_inputs(self, b: _Built, batch: Any) -> None:
+        """Across processes: the replicated inputs of each new call layout (its first call)
+        must be the same in every process, or the "replicated" devices would hold different
+        values and the replicas of the state drift apart, silently. Compared by checksum
+        through the coordination service (no collective, nothing to compile); a peer's
+        death heard of meanwhile, or no answer within `REPLICATED_COMPARE_S`, skips the
+        comparison (logged).
+
+        Raises:
+            BatchSplitError: a replicated input differs between processes.
+        """
+        if b.session is None or jax.process_count() == 1 or not isinstance(batch, CallInputs):
+            return
+        layout = batch.layout
+        if layout in b.compared_layouts:
+            return
+        b.compared_layouts.add(layout)
+        mine = {name: (f"{np.dtype(x.dtype).str}{list(np.shape(x))}:"
+                       f"{checksums.checksum(np.ascontiguousarray(x).tobytes())}")
+                for name, x, whole in zip(layout.names, batch.leaves, layout.replicated,
+                                          strict=True) if whole}
+        if not mine:
+            return
+        prefix = (f"mnemojax/replicated/{b.number}/{b.session.world.generation}/"
+                  f"{len(b.compared_layouts)}")
+        found = coordination.gather_values(
+            prefix, json.dumps(mine), jax.process_count(), timeout_s=REPLICATED_COMPARE_S,
+            stop=lambda: peer_watch.known_death() is not None)
+        if found is None:
+            log.warning("mnemojax: the replicated inputs %s were not compared across "
+                        "processes (a peer is gone or late)", sorted(mine))
+            return
+        for process, text in sorted(found.items()):
+            theirs = json.loads(text)
+            differ = sorted(n for n in mine if theirs.get(n) != mine[n])
+            if differ:
+                raise BatchSplitError(
+                    f"the replicated input {differ[0]} differs between process "
+                    f"{jax.process_index()} and process {process}: every process must pass "
+                    "the same value (a PRNG key from one seed, not one per process), or "
+                    "the devices' copies of it, and then the replicas of the state, would "
+                    "differ. Split a per-process value with the batch instead")
+
     def _check_host_rows(self, batch: Any) -> None:
         """Per-host batches (`mnemojax.data`) index their records by step: the batch must be
         this step's, or processes (a restarted one, a survivor replaying) read rows of
@@ -1024,6 +1076,9 @@ class _Built:
     precompile_due: bool = False
     meshes: list[Mesh] = dataclasses.field(default_factory=list)  # every mesh run on
     memory_room: list[float] | None = None  # this mesh's devices' (`_max_model_shrink`)
+    number: int = 0  # which build of the job (the same in every process)
+    # Call layouts whose replicated inputs were compared across processes.
+    compared_layouts: set = dataclasses.field(default_factory=set)
 
 
 def _all_true(flags: Any) -> bool:
@@ -1089,7 +1144,9 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
       in ``replicated_argnums``/``replicated_argnames`` (a raw ``jax.random.PRNGKey``, a
       table; never a per-example array: replicated inputs are not cut by
       ``batch_policy='truncate_batch'``). Across processes every process passes the same
-      replicated values. Replayed after a recovery, a step gets the same inputs it had.
+      replicated values (compared by checksum at the first call of each argument layout:
+      `BatchSplitError` if they differ). Replayed after a recovery, a step gets the same
+      inputs it had.
     * The step returns what it returns (a dict of metrics, a scalar loss, any pytree);
       the NaN policy finds the loss with ``ResilienceOptions.loss_key``.
     * A step that mutates NNX objects it closes over, instead of taking them as

@@ -111,6 +111,20 @@ def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     assert 0 < rec["bytes_moved"] < 0.6 * state_bytes, (rec["bytes_moved"], state_bytes)
 
 
+def test_a_replicated_input_that_differs_between_processes_is_refused(tmp_path):
+    """Each process passes another PRNG key (seeded with its worker id) where the step
+    takes one replicated key: at the first call every process compares the replicated
+    inputs' checksums through the coordination service and raises BatchSplitError naming
+    the input (exit 5), before any step runs. Unchecked, each process's devices would
+    hold their own "replicated" key and the state's replicas would drift apart."""
+    report = _run(tmp_path, [], nproc=2, extra=("--key-seed", "7", "--key-per-process"))
+    assert report["rc"] == 5, report
+    for w in (0, 1):
+        text = (tmp_path / f"error-w{w}.txt").read_text()
+        assert text.startswith("BatchSplitError: the replicated input key differs"), text
+    assert not (tmp_path / "final.npz").exists()
+
+
 def _rows_read(out, worker: int) -> dict[int, int]:
     with open(f"{out}/rows-w{worker}.json") as f:
         return {int(k): n for k, n in json.load(f).items()}

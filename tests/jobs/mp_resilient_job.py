@@ -8,7 +8,8 @@ python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
-status 3 (MeshTooSmallError) or 4 (StateUnavailableError) and its text in DIR/error-wI.txt.
+status 3 (MeshTooSmallError), 4 (StateUnavailableError) or 5 (BatchSplitError) and its
+text in DIR/error-wI.txt.
 """
 
 import argparse
@@ -28,7 +29,7 @@ from flax import nnx  # noqa: E402
 from mnemojax._src.chaos_worker import finish_job  # noqa: E402
 from tests import helpers as h  # noqa: E402
 
-EXIT_CODES = {"MeshTooSmallError": 3, "StateUnavailableError": 4}
+EXIT_CODES = {"MeshTooSmallError": 3, "StateUnavailableError": 4, "BatchSplitError": 5}
 
 
 def main() -> None:
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--key-seed", type=int, default=None, metavar="S",
                         help="train tests.helpers.noisy_train_step, given jax.random.key(S) "
                              "every step (a replicated key input)")
+    parser.add_argument("--key-per-process", action="store_true",
+                        help="with --key-seed: seed S + this worker's id, another key in each "
+                             "process (a mistake the step must refuse)")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -87,7 +91,8 @@ def main() -> None:
         extra_opts["snapshot"] = mnemojax.SnapshotOptions(
             hold_live_replicas=not args.no_held_replicas, replicate_in_series=args.in_series)
     train_step = h.train_step if args.key_seed is None else h.noisy_train_step
-    inputs = () if args.key_seed is None else (jax.random.key(args.key_seed),)
+    seed = None if args.key_seed is None else args.key_seed + me * args.key_per_process
+    inputs = () if seed is None else (jax.random.key(seed),)
     step = mnemojax.resilient(train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
@@ -117,8 +122,8 @@ def main() -> None:
                                         "y": batch["y"]})
         try:
             step(model, optimizer, batch, *inputs)
-        except (mnemojax.errors.MeshTooSmallError,
-                mnemojax.errors.StateUnavailableError) as exc:
+        except (mnemojax.errors.MeshTooSmallError, mnemojax.errors.StateUnavailableError,
+                mnemojax.errors.BatchSplitError) as exc:
             print(f"mnemojax job: {type(exc).__name__}: {exc}", flush=True)
             code = EXIT_CODES[type(exc).__name__]
             with open(os.path.join(args.out, f"error-w{me}.txt"), "w") as f:

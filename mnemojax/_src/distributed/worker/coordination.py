@@ -161,3 +161,30 @@ def agree_stop_step(name: str, proposal: int, *, timeout_s: float = 60.0) -> int
             raise
         logger.info("stop step %s already proposed by a peer", key)
     return int(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+
+
+def gather_values(prefix: str, value: str, count: int, *, timeout_s: float,
+                  stop=None, poll_s: float = 0.02) -> dict[int, str] | None:
+    """Every process's ``value`` under ``prefix`` (this one's at its process index), through
+    the coordination service's key-value store (no device collective, so nothing compiles).
+
+    Waits until ``count`` values are there; returns None if ``stop()`` returns true first
+    (a peer's death already heard of: the caller goes on, and the recovery follows) or
+    after ``timeout_s``.
+
+    Raises:
+        DistributedError: no distributed client.
+    """
+    import jax
+    client = jax_private.global_state().client
+    if client is None:
+        raise DistributedError("gather_values needs an initialised distributed client")
+    client.key_value_set(f"{prefix}/{jax.process_index()}", value)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(prefix)}
+        if len(found) >= count:
+            return found
+        if (stop is not None and stop()) or time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
