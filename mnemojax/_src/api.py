@@ -800,14 +800,17 @@ class ResilientStep(Generic[P, R]):
         """Across processes: the replicated inputs of each new call layout (its first call)
         must be the same in every process, or the "replicated" devices would hold different
         values and the replicas of the state drift apart, silently. Compared by checksum
-        through the coordination service (no collective, nothing to compile); a peer's
-        death heard of meanwhile, or no answer within `REPLICATED_COMPARE_S`, skips the
-        comparison (logged).
+        through the coordination service (no collective, nothing to compile), in the
+        job's first world only: every process started with it and calls in lockstep (a
+        process that joined a later world never saw the layouts its peers compared); a
+        peer's death heard of meanwhile, or no answer within `REPLICATED_COMPARE_S`, skips
+        the comparison (logged).
 
         Raises:
             BatchSplitError: a replicated input differs between processes.
         """
-        if b.session is None or jax.process_count() == 1 or not isinstance(batch, CallInputs):
+        if (b.session is None or b.session.world.generation != 0
+                or jax.process_count() == 1 or not isinstance(batch, CallInputs)):
             return
         layout = batch.layout
         if layout in b.compared_layouts:
@@ -819,8 +822,8 @@ class ResilientStep(Generic[P, R]):
                                           strict=True) if whole}
         if not mine:
             return
-        prefix = (f"mnemojax/replicated/{b.number}/{b.session.world.generation}/"
-                  f"{len(b.compared_layouts)}")
+        # The step about to run: the same in every process of world 0 (lockstep).
+        prefix = f"mnemojax/replicated/{b.number}/{self._step + 1}"
         found = coordination.gather_values(
             prefix, json.dumps(mine), jax.process_count(), timeout_s=REPLICATED_COMPARE_S,
             stop=lambda: peer_watch.known_death() is not None)
