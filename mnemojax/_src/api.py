@@ -816,14 +816,16 @@ class ResilientStep(Generic[P, R]):
         if layout in b.compared_layouts:
             return
         b.compared_layouts.add(layout)
+        b.comparisons += 1  # alike in every process: each compares the same calls
         mine = {name: (f"{np.dtype(x.dtype).str}{list(np.shape(x))}:"
                        f"{checksums.checksum(np.ascontiguousarray(x).tobytes())}")
                 for name, x, whole in zip(layout.names, batch.leaves, layout.replicated,
                                           strict=True) if whole}
         if not mine:
             return
-        # The step about to run: the same in every process of world 0 (lockstep).
-        prefix = f"mnemojax/replicated/{b.number}/{self._step + 1}"
+        # The step about to run and the comparison's number: the same in every process of
+        # world 0 (lockstep).
+        prefix = f"mnemojax/replicated/{b.number}/{self._step + 1}/{b.comparisons}"
         found = coordination.gather_values(
             prefix, json.dumps(mine), jax.process_count(), timeout_s=REPLICATED_COMPARE_S,
             stop=lambda: peer_watch.known_death() is not None)
@@ -835,6 +837,7 @@ class ResilientStep(Generic[P, R]):
             theirs = json.loads(text)
             differ = sorted(n for n in mine if theirs.get(n) != mine[n])
             if differ:
+                b.compared_layouts.discard(layout)  # a call with other values compares again
                 raise BatchSplitError(
                     f"the replicated input {differ[0]} differs between process "
                     f"{jax.process_index()} and process {process}: every process must pass "
@@ -1080,8 +1083,10 @@ class _Built:
     meshes: list[Mesh] = dataclasses.field(default_factory=list)  # every mesh run on
     memory_room: list[float] | None = None  # this mesh's devices' (`_max_model_shrink`)
     number: int = 0  # which build of the job (the same in every process)
-    # Call layouts whose replicated inputs were compared across processes.
+    # Call layouts whose replicated inputs were found alike in every process, and how many
+    # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
+    comparisons: int = 0
 
 
 def _all_true(flags: Any) -> bool:
