@@ -138,6 +138,7 @@ def test_process_fields_are_validated(tmp_path, edit, bad):
 
 def _fake_pair_run(kind: str, next_good: float, final: list) -> dict:
     run = {"next_good_step_s": next_good, "back_past_killed_step_s": next_good + 1.0,
+           "steps_past_killed_s": next_good + 3.0,
            "killed_step": 9, "steps_lost": 0, "processes_after": 3, "final_state": final,
            "nproc": 4, "devices_per_proc": 2, "victim": 1, "launch_options": "--x",
            "collective_timeout_s": 20, "interval_steps": 4}
@@ -159,12 +160,14 @@ def test_the_real_kill_figures_are_medians_over_alternating_pairs(tmp_path):
     p = summary.process_figures(runs, ref)
     assert p["pairs"] == 3 and len(p["runs"][multiproc.RUN_E]) == 3
     assert p["median"][multiproc.RUN_E] == {"next_good_step_s": 2.0,
-                                            "back_past_killed_step_s": 3.0}
+                                            "back_past_killed_step_s": 3.0,
+                                            "steps_past_killed_s": 5.0}
     assert p[multiproc.RUN_E]["next_good_step_s"] == 2.0  # the median run itself
     assert p["median_run"] == {multiproc.RUN_E: 0, multiproc.RUN_F: 2}
     assert p[multiproc.RUN_F]["next_good_step_s"] == 20.0
     assert p["ratio"]["next_good_step"] == pytest.approx(10.0)
     assert p["ratio"]["back_past_killed_step"] == pytest.approx(21.0 / 3.0)
+    assert p["ratio"]["steps_past_killed"] == pytest.approx(23.0 / 5.0)
     assert p["final_state_max_abs_diff_vs_a"] == {"e": pytest.approx(1e-6), "f": 0.0}
     table = "\n".join(summary.format_process_table(p, summary.TARGETS))
     assert "3 runs of each, alternating" in table
@@ -176,6 +179,28 @@ def test_the_real_kill_figures_are_medians_over_alternating_pairs(tmp_path):
     with pytest.raises(InvalidOptionError, match="process_pairs=0"):
         load_preset("tiny", process_pairs=0)
     assert load_preset("tiny").process_pairs == 3
+
+
+def test_kill_figures_wait_for_every_process_and_count_the_steps_past_the_kill():
+    """A step counts once every process of the new world logged it; the third figure is
+    `STEPS_PAST` steps past the killed one (slow steps after a recovery count there)."""
+    t_kill, killed = 100.0, 16
+
+    def steps(pid, t_first, step_s, last):
+        return [{"pid": pid, "step": s, "time": t_first + (s - killed) * step_s}
+                for s in range(killed, last + 1)]
+
+    events = [{"pid": 1, "step": 15, "time": 99.0},  # the old world's: not counted
+              *steps(1, 101.0, 0.1, 30), *steps(2, 101.5, 0.5, 30)]
+    got = multiproc.kill_figures(events, killed=killed, t_kill=t_kill,
+                                 new_world=lambda e: e["step"] >= killed)
+    assert got["next_good_step_s"] == pytest.approx(1.5)
+    assert got["back_past_killed_step_s"] == pytest.approx(1.5)
+    assert got["steps_past_killed_s"] == pytest.approx(1.5 + multiproc.STEPS_PAST * 0.5)
+    assert got["processes_after"] == 2
+    short = [e for e in events if e["pid"] == 1 or e["step"] < killed + multiproc.STEPS_PAST]
+    assert multiproc.kill_figures(short, killed=killed, t_kill=t_kill, new_world=lambda e: e[
+        "step"] >= killed)["steps_past_killed_s"] is None  # process 2 never got there
 
 
 def test_presets_use_the_launcher_defaults_for_the_real_kill():

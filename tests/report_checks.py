@@ -94,6 +94,8 @@ def check_process_pair(p: dict) -> None:
         for run in p["runs"][name]:
             assert run["next_good_step_s"] > 0
             assert run["back_past_killed_step_s"] >= run["next_good_step_s"]
+            past = run.get("steps_past_killed_s")
+            assert past is None or past > run["back_past_killed_step_s"]
             for pid in [q for launch in run.get("launches", []) for q in launch["pids"]]:
                 with pytest.raises(ProcessLookupError):
                     os.kill(pid, 0)  # every process the bench started is gone

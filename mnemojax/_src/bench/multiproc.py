@@ -52,8 +52,14 @@ def _alive(pid: int) -> bool:
     return process_alive(pid)
 
 
+# Steps past the killed one for the third figure: the slow steps after a recovery (the next
+# candidate worlds compile in the background) count there, and a restart's redone steps.
+STEPS_PAST = 10
+
+
 def kill_figures(steps: list[dict], *, killed: int, t_kill: float, new_world) -> dict:
-    """Kill → next good step and kill → killed step done again, from step events.
+    """Kill → next good step, kill → killed step done again, and kill → `STEPS_PAST`
+    steps past the killed one (None where the run ends before), from step events.
 
     ``killed`` is the first step the world before the kill never completed;
     ``new_world(event)`` tells the steps of the world after the kill. A step counts once
@@ -62,13 +68,17 @@ def kill_figures(steps: list[dict], *, killed: int, t_kill: float, new_world) ->
     after = [e for e in steps if e["time"] > t_kill and new_world(e)]
     owners = sorted({e["pid"] for e in after})
     first = {p: min(e["time"] for e in after if e["pid"] == p) for p in owners}
-    back = {p: min((e["time"] for e in after if e["pid"] == p and e["step"] >= killed),
-                   default=None) for p in owners}
-    done = [t for t in back.values() if t is not None]
+
+    def every_process_at(step: int) -> float | None:
+        at = [min((e["time"] for e in after if e["pid"] == p and e["step"] >= step),
+                  default=None) for p in owners]
+        reached = [t for t in at if t is not None]
+        return max(reached) - t_kill if reached and len(reached) == len(at) else None
+
     return {"killed_step": killed,
             "next_good_step_s": max(first.values()) - t_kill if first else None,
-            "back_past_killed_step_s": (max(done) - t_kill if done and len(done) == len(back)
-                                        else None),
+            "back_past_killed_step_s": every_process_at(killed),
+            "steps_past_killed_s": every_process_at(killed + STEPS_PAST),
             "processes_after": len(owners)}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from mnemojax._src.bench.multiproc import RUN_E, RUN_F
+from mnemojax._src.bench.multiproc import RUN_E, RUN_F, STEPS_PAST
 from mnemojax._src.bench.runs import RUN_A, RUN_B, RUN_C
 
 RUN_D = "d_baseline_faults"
@@ -138,7 +138,7 @@ def build_summary(cfg, *, runs: dict[str, dict], save_cost, interval, mtbf_rule:
     }
 
 
-PROCESS_FIGURES = ("next_good_step_s", "back_past_killed_step_s")
+PROCESS_FIGURES = ("next_good_step_s", "back_past_killed_step_s", "steps_past_killed_s")
 
 
 def process_figures(process_runs: dict[str, list[dict]], reference) -> dict[str, Any]:
@@ -171,7 +171,8 @@ def process_figures(process_runs: dict[str, list[dict]], reference) -> dict[str,
         return f[key] / e[key] if e.get(key) and f.get(key) else None
 
     out["ratio"] = {"next_good_step": ratio("next_good_step_s"),
-                    "back_past_killed_step": ratio("back_past_killed_step_s")}
+                    "back_past_killed_step": ratio("back_past_killed_step_s"),
+                    "steps_past_killed": ratio("steps_past_killed_s")}
 
     def worst(name: str) -> float | None:
         diffs = [_max_diff(r.get("final_state"), reference) for r in process_runs[name]]
@@ -202,6 +203,8 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
          _f(med[RUN_F]["next_good_step_s"])),
         ("kill -> killed step done again (s)",
          _f(med[RUN_E]["back_past_killed_step_s"]), _f(med[RUN_F]["back_past_killed_step_s"])),
+        (f"kill -> {STEPS_PAST} steps past the killed one (s)",
+         _f(med[RUN_E].get("steps_past_killed_s")), _f(med[RUN_F].get("steps_past_killed_s"))),
         ("  the killed step (the victim never did it)", str(e["killed_step"]),
          str(f["killed_step"])),
         ("steps lost (redone)", str(e["steps_lost"]),
@@ -223,8 +226,9 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
                  str(f["processes_after"])))
     rows.append(("final state max |diff| vs (a)", _f(diff["e"], ".1e"), _f(diff["f"], ".1e")))
     if pairs > 1:
-        for key, label in zip(PROCESS_FIGURES, ("next good step", "back past"), strict=True):
-            e_runs, f_runs = (" ".join(_f(r[key], ".2f") for r in p["runs"][name])
+        labels = ("next good step", "back past", f"{STEPS_PAST} steps past")
+        for key, label in zip(PROCESS_FIGURES, labels, strict=True):
+            e_runs, f_runs = (" ".join(_f(r.get(key), ".2f") for r in p["runs"][name])
                               for name in PROCESS_TITLES)
             rows.append((f"every run: {label} (s)", e_runs, f_runs))
     for label, a, b in rows:
@@ -235,7 +239,8 @@ def format_process_table(p: dict, targets: dict) -> list[str]:
               f"{'(medians) ' if pairs > 1 else ''}"
               f"to the next good step, {_f(r['back_past_killed_step'], '.2f')}x back past the "
               f"killed step (target >= {targets['process_ratio_min']:.0f}x: "
-              f"{'met' if met else 'NOT met'})"]
+              f"{'met' if met else 'NOT met'}); {_f(r.get('steps_past_killed'), '.2f')}x to "
+              f"{STEPS_PAST} steps past it (the slow steps after a recovery count there)"]
     return lines
 
 
