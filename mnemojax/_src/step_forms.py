@@ -230,16 +230,16 @@ class Convention:
 
     def donated(self, where: int | str) -> bool:
         """Whether the argument at `where` (a position or a keyword) is donated."""
-        if isinstance(where, int):
-            return where in self.donate_argnums or self.arg_name(where) in self.donate_argnames
-        return where in self.donate_argnames
+        return self._named(where, self.donate_argnums, self.donate_argnames)
 
     def replicated(self, where: int | str) -> bool:
         """Whether the argument at `where` (a position or a keyword) is a replicated input."""
+        return self._named(where, self.replicated_argnums, self.replicated_argnames)
+
+    def _named(self, where: int | str, nums: frozenset[int], names: frozenset[str]) -> bool:
         if isinstance(where, int):
-            return (where in self.replicated_argnums
-                    or self.arg_name(where) in self.replicated_argnames)
-        return where in self.replicated_argnames
+            return where in nums or self.arg_name(where) in names
+        return where in names
 
     def split_statics(self, args: Sequence[Any], kwargs: dict[str, Any]
                       ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[tuple[Any, Any], ...]]:
