@@ -503,3 +503,86 @@ def test_the_ahead_compilers_are_spread_over_the_ranks(n, k, ranks):
     from mnemojax._src.compiler import ahead_compiler_ranks
 
     assert ahead_compiler_ranks(n, k) == ranks
+
+
+class _Board:
+    """`compiler.ExportExchange` in one process (the two-process test,
+    `distributed/shared_exports_test.py`, uses the coordination service's store)."""
+
+    def __init__(self):
+        self.published: dict[str, tuple[bytes | None, str | None]] = {}
+        self.waiting = threading.Event()
+
+    def publish(self, name, payload, *, refused=None):
+        self.published[name] = (payload, refused)
+
+    def fetch(self, name, *, cancelled=lambda: False):
+        self.waiting.set()
+        while name not in self.published:
+            if cancelled():
+                return None
+            threading.Event().wait(0.01)
+        payload, refused = self.published[name]
+        return types.SimpleNamespace(payload=payload, refused=refused)
+
+
+def _sharing_pair(publisher_step, taker_step):
+    """A publishing and a taking compiler, each with its own exports, the taker having
+    compiled the world's mesh (whose call structure it gives the export back)."""
+    from mnemojax._src.compiler import ExportSharing
+
+    board = _Board()
+    publisher = _compiler(publisher_step, exports=ExportedSteps())
+    taker = _compiler(taker_step, exports=ExportedSteps())
+    taker.get(_plan((4, 2)), BATCH)
+    return board, publisher, taker, ExportSharing(board, True), ExportSharing(board, False)
+
+
+def test_a_taken_export_compiles_untraced_to_the_publishers_program():
+    board, publisher, taker, publish, take = _sharing_pair(_Counting(), step := _Counting())
+    try:
+        traced = step.traces
+        publisher.precompile([_plan((2, 2))], BATCH, sharing=publish)
+        taker.precompile([_plan((2, 2))], BATCH, sharing=take)
+        assert publisher.wait_precompiled(120) and taker.wait_precompiled(120)
+        assert step.traces == traced and taker._exports.taken == 1
+        [(payload, refused)] = board.published.values()
+        assert payload and refused is None
+        mine, theirs = (c.get(_plan((2, 2)), BATCH)[0] for c in (taker, publisher))
+        assert mine.exported and mine.compiled.as_text() == theirs.compiled.as_text()
+    finally:
+        publisher.close()
+        taker.close()
+
+
+def test_a_step_the_publisher_cannot_export_is_traced_by_every_process():
+    """The publisher's refusal (a host callback) reaches the taker, which then traces the
+    step itself, as it would have refused it too."""
+    board, publisher, taker, publish, take = _sharing_pair(_Counting(callback=True),
+                                                           step := _Counting(callback=True))
+    try:
+        publisher.precompile([_plan((2, 2))], BATCH, sharing=publish)
+        taker.precompile([_plan((2, 2))], BATCH, sharing=take)
+        assert publisher.wait_precompiled(120) and taker.wait_precompiled(120)
+        [(payload, refused)] = board.published.values()
+        assert payload is None and "callback" in refused.lower()
+        assert taker._exports.refused is not None and taker._exports.taken == 0
+        exe, _ = taker.get(_plan((2, 2)), BATCH)
+        assert not exe.exported and step.traces >= 2
+    finally:
+        publisher.close()
+        taker.close()
+
+
+def test_closing_a_compiler_ends_its_wait_for_an_export_nobody_publishes():
+    _, publisher, taker, _, take = _sharing_pair(_Counting(), _Counting())
+    try:
+        taker.precompile([_plan((2, 2))], BATCH, sharing=take)
+        assert take.exchange.waiting.wait(60)
+        closed = threading.Thread(target=taker.close)
+        closed.start()
+        closed.join(timeout=60)
+        assert not closed.is_alive() and taker._exports.taken == 0
+    finally:
+        publisher.close()
+        taker.close()

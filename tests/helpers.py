@@ -144,3 +144,28 @@ def plain_mesh_run(train_step, model, optimizer, batches, mesh, batch_spec) -> R
         losses = [float(step(model, optimizer, jax.device_put(
             b, NamedSharding(mesh, batch_spec)))["loss"]) for b in batches]
     return Run(losses, host_state(model, optimizer))
+
+
+def run_two_processes(module: str, *args: str, timeout_s: float = 120.0) -> list[str]:
+    """``python -m module PROCESS_ID COORDINATOR *args`` in two processes on a free loopback
+    port (a `jax.distributed` job of the test's own), each bounded by ``timeout_s`` and
+    ended here; fails naming both outputs unless both exit 0. Returns their outputs."""
+    import os
+    import subprocess
+    import sys
+
+    from mnemojax._src.distributed.transport import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(i), coordinator, *args],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=timeout_s)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], logs
+    return logs

@@ -27,7 +27,12 @@ from jax.sharding import Mesh
 from mnemojax._src import checksum as checksums
 from mnemojax._src import ownership
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import Executable, compiles_ahead_here, enable_persistent_cache
+from mnemojax._src.compiler import (
+    Executable,
+    ExportSharing,
+    compiles_ahead_here,
+    enable_persistent_cache,
+)
 from mnemojax._src.data import HostRows
 from mnemojax._src.distributed import env as dist_env
 from mnemojax._src.distributed.worker import coordination, peer_watch
@@ -232,6 +237,7 @@ class ResilientStep(Generic[P, R]):
             s.dead_devices = tuple(sorted(rt.proxy.dead))
             s.compiles = rt.compiler.compiles
             s.precompiled_meshes = rt.compiler.compiled_ahead
+            s.exports_taken = b.builder.exports.taken if b.builder.exports is not None else 0
             snap = rt.store.latest()
             s.snapshot_bytes = snap.nbytes if snap else 0
             s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
@@ -1039,23 +1045,30 @@ class ResilientStep(Generic[P, R]):
             return
         proxy = b.runtime.proxy
         rules = self._rules()
-        export_only = False
+        export_only, sharing = False, None
         if b.session is not None:
             # The worlds one process's loss forms: compiled over this world's devices of the
-            # ids they will have, by `ahead_compilers` of the processes (the others export
-            # the step); each writes its persistent-cache entry under a key every process
-            # shares, and the new world's compile loads it (`compiler`, `jax_private`).
+            # ids they will have, by `ahead_compilers` of the processes (the others keep
+            # the step's export); each writes its persistent-cache entry under a key every
+            # process shares, and the new world's compile loads it (`compiler`,
+            # `jax_private`). Process 0 (always a compiler) traces and exports the step
+            # and the others take its export (`coordination.SharedExports`).
             plans = process_loss_plans(proxy.plan.device_ids, proxy.plan.axis_names,
                                        proxy.device_places(), rules)
             export_only = not compiles_ahead_here(copts.ahead_compilers,
                                                   one_host=dist_env.one_host())
+            if b.builder.exports is not None:
+                sharing = ExportSharing(coordination.SharedExports(
+                    f"mnemojax/exports/{b.number}/{b.session.world.generation}",
+                    stop=lambda: peer_watch.known_death() is not None),
+                    publish=jax.process_index() == 0)
         else:
             plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
                                          spares=proxy.spares, **rules.as_kwargs())
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step),
-                                          export_only=export_only)
+                                          export_only=export_only, sharing=sharing)
 
 
 _build_numbers = itertools.count()

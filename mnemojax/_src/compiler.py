@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,7 @@ class ExportedSteps:
         self._by_key: dict[tuple, jax_export.Exported] = {}
         self._lock = threading.Lock()
         self.refused: str | None = None
+        self.taken = 0  # exports taken from the exporting process (`ExportSharing`)
         self.watched = False  # the first export was traced under `_world_reads_while`
 
     def get(self, key: tuple) -> jax_export.Exported | None:
@@ -206,6 +208,34 @@ def _world_reads_while(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
         return fn(), reads
     finally:
         sys.setprofile(before)
+
+
+class ExportExchange(Protocol):
+    """Where one process's export of a candidate world's step reaches its peers
+    (`coordination.SharedExports`)."""
+
+    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None
+                ) -> None: ...
+
+    def fetch(self, name: str, *, cancelled: Callable[[], bool] = ...) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSharing:
+    """`StepCompiler.precompile` under several processes: this process either exports each
+    candidate's step and publishes it (``publish``), or takes the publisher's export from
+    ``exchange`` instead of tracing the step (every process traces the same program)."""
+
+    exchange: ExportExchange
+    publish: bool
+
+
+def export_name(key: tuple) -> str:
+    """The name a candidate's export travels under, the same in every process: the plan's
+    device ids and the batch's shapes and dtypes (`StepCompiler.key` without the tree
+    structure, whose text may hold per-process addresses; a structure that differs anyway
+    makes the export's call fail, and the step is traced)."""
+    return hashlib.sha256(repr(key[:2]).encode()).hexdigest()[:32]
 
 
 def ahead_compiler_ranks(num_processes: int, compilers: int) -> set[int]:
@@ -312,6 +342,7 @@ class StepCompiler:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mnemojax-compile")
+        self._closing = threading.Event()  # ends a wait for a peer's export
         self.compiles = 0
         self.compiled_ahead = 0
 
@@ -505,12 +536,15 @@ class StepCompiler:
         return exe, "cached" if exe.from_cache else "compiled"
 
     def precompile(self, plans: Sequence[MeshPlan], batch_struct, *,
-                   export_only: bool = False) -> list[concurrent.futures.Future]:
+                   export_only: bool = False, sharing: ExportSharing | None = None
+                   ) -> list[concurrent.futures.Future]:
         """Compiles `plans` in the background, in order; already known ones are skipped.
 
         With ``export_only`` (multi-process, `CompileOptions.ahead_compilers`) each is only
         exported (`ExportedSteps`): another process compiles it and writes the persistent
         cache entry that this process's `get` loads, under a key every process shares.
+        With ``sharing`` (multi-process, exports kept) one process traces and exports
+        each, the others take that export (`ExportSharing`) and compile or keep it.
         """
         futures = []
         for plan in plans:
@@ -522,19 +556,25 @@ class StepCompiler:
                                     or self._exports.get(k) is not None):
                     continue  # nothing to export (or done): `get` loads what others compile
                 future = self._pool.submit(self._background, k, plan, batch_struct,
-                                           export_only)
+                                           export_only, sharing)
                 self._futures[k] = future
             futures.append(future)
         return futures
 
-    def _background(self, k, plan, batch_struct, export_only: bool = False) -> Executable | None:
+    def _background(self, k, plan, batch_struct, export_only: bool = False,
+                    sharing: ExportSharing | None = None) -> Executable | None:
         # `CompileOptions.background_switch_interval_s`: the training thread gets the GIL
         # back within this, not 5 ms, at each hand-off while this compile traces.
         if self._switch_interval_s is not None:
             _switch_interval.enter(self._switch_interval_s)
         try:
-            exe = self._export(plan, batch_struct) if export_only else \
-                self._compile(plan, batch_struct, ahead=True)
+            if sharing is not None:
+                self._share_export(k, plan, batch_struct, sharing)
+            if export_only:
+                self._export(plan, batch_struct)
+                exe = None
+            else:
+                exe = self._compile(plan, batch_struct, ahead=True)
         except Exception:
             with self._lock:
                 self._futures.pop(k, None)
@@ -548,15 +588,102 @@ class StepCompiler:
             self._futures.pop(k, None)
         return exe
 
-    def _export(self, plan: MeshPlan, batch_struct) -> None:
-        """Exports the step for `plan` (`_lower` ahead of time) without compiling it."""
+    def _export(self, plan: MeshPlan, batch_struct) -> Any:
+        """Exports the step for `plan` (`_lower` ahead of time) without compiling it, unless
+        an export is kept already; returns it (None: not exportable)."""
+        k = self.key(plan, batch_struct)
+        if self._exports is not None and (kept := self._exports.get(k)) is not None:
+            return kept
         mesh, _, _, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            exported = self._exported(jit, mesh, args, self.key(plan, batch_struct), True)
-        log.info("mnemojax: exported the step for mesh %s ahead of time in %.2fs%s (another "
-                 "process compiles it)", plan.shape, time.perf_counter() - t0,
-                 "" if exported else ", not exportable")
+            exported = self._exported(jit, mesh, args, k, True)
+        log.info("mnemojax: exported the step for mesh %s ahead of time in %.2fs%s",
+                 plan.shape, time.perf_counter() - t0, "" if exported else ", not exportable")
+        return exported
+
+    def _share_export(self, k, plan: MeshPlan, batch_struct, sharing: ExportSharing) -> None:
+        """Publishes this process's export of `plan`'s step, or takes the publisher's
+        (`ExportSharing`). Never fails the compile: without a peer's export this process
+        traces the step itself, as without sharing."""
+        exports = self._exports
+        if exports is None:
+            return
+        name = export_name(k)
+        try:
+            if sharing.publish:
+                self._publish_export(k, plan, batch_struct, sharing.exchange, name)
+                return
+            if exports.refused is not None or exports.get(k) is not None:
+                return
+            trees = self._trees(k)
+            if trees is None:  # nothing compiled here yet to take the call's structure from
+                return
+            t0 = time.perf_counter()
+            got = sharing.exchange.fetch(name, cancelled=self._closing.is_set)
+            if got is None:
+                if not self._closing.is_set():
+                    log.info("mnemojax: no export of the step for mesh %s came from the "
+                             "exporting process; tracing it here", plan.shape)
+                return
+            if got.refused is not None:
+                exports.refuse(f"in the exporting process: {got.refused}")
+                return
+            if got.payload is None:  # exported there, but not shared: trace it here
+                return
+            flat = jax_export.deserialize(bytearray(got.payload))
+            if (flat.in_tree.num_leaves, flat.out_tree.num_leaves) != \
+                    (trees[0].num_leaves, trees[1].num_leaves):
+                log.warning("mnemojax: the exporting process's step for mesh %s takes or "
+                            "gives another number of arrays than this one's; tracing it "
+                            "here", plan.shape)
+                return
+            exports.put(k, dataclasses.replace(flat, in_tree=trees[0], out_tree=trees[1]))
+            with self._lock:
+                exports.taken += 1
+            log.info("mnemojax: took the step's export for mesh %s from the exporting "
+                     "process in %.2fs (%d bytes)", plan.shape, time.perf_counter() - t0,
+                     len(got.payload))
+        except Exception as e:  # noqa: BLE001 - sharing only saves a trace
+            log.warning("mnemojax: sharing the step's export for mesh %s between processes "
+                        "failed (%s: %s); a process without it traces the step itself",
+                        plan.shape, type(e).__name__, e)
+
+    def _trees(self, k) -> tuple[Any, Any] | None:
+        """The step's argument and result structures for a call of the batch structure of
+        `k` (`StepCompiler.key`): those of an executable compiled here for that structure
+        (the mesh does not change them), which a peer's export, shipped with flat ones, is
+        given back (`_share_export`). None without one."""
+        with self._lock:
+            ready = [e for key, e in self._ready.items() if key[2] == k[2]]
+        for exe in ready:
+            try:
+                return exe.compiled.in_tree, exe.compiled.out_tree
+            except Exception:  # noqa: BLE001 - a compiled object without them: look on
+                continue
+        return None
+
+    def _publish_export(self, k, plan: MeshPlan, batch_struct, exchange: ExportExchange,
+                        name: str) -> None:
+        """Exports `plan`'s step here and publishes it; when it cannot be exported, says why
+        (every process would fail alike); when only its sharing fails, publishes nothing
+        to take, so that the others trace it themselves at once."""
+        exports = self._exports
+        assert exports is not None
+        exported = self._export(plan, batch_struct) if exports.refused is None else None
+        if exported is None:
+            exchange.publish(name, None, refused=exports.refused or "not exportable")
+            return
+        try:  # flat trees: the call's own may hold types jax.export cannot serialise
+            flat = dataclasses.replace(
+                exported, in_tree=jax.tree.structure(((0,) * exported.in_tree.num_leaves, {})),
+                out_tree=jax.tree.structure((0,) * exported.out_tree.num_leaves))
+            payload = bytes(flat.serialize())
+        except Exception as e:  # noqa: BLE001 - e.g. an effect jax.export cannot serialise
+            log.warning("mnemojax: the step's export for mesh %s cannot be serialised (%s: "
+                        "%s); every process traces it", plan.shape, type(e).__name__, e)
+            payload = None
+        exchange.publish(name, payload)
 
     def warm_one(self, *, dead: Collection[int] = (),
                  wait: Callable[[Any], Any] = jax.block_until_ready) -> bool:
@@ -632,5 +759,6 @@ class StepCompiler:
                     self._futures.pop(k, None)
 
     def close(self) -> None:
+        self._closing.set()
         self.cancel_pending()
         self._pool.shutdown(wait=True, cancel_futures=True)

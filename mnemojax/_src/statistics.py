@@ -114,6 +114,8 @@ class Statistics:
     jit_checkpoints: int = 0  # persistent checkpoints forced by memory pressure
     compiles: int = 0
     precompiled_meshes: int = 0  # executables compiled ahead of time so far
+    # multi-process: candidate worlds' steps exported by process 0, taken here untraced
+    exports_taken: int = 0
     math_changed: bool = False
     recoveries: list[RecoveryRecord] = dataclasses.field(default_factory=list)
 

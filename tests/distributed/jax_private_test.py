@@ -77,27 +77,12 @@ def test_two_processes_share_one_cache_entry_and_either_loads_the_others(tmp_pat
     An entry process 0 wrote is loaded by process 1, and the program (a reduction across
     both) computes what numpy does. Entries are whole: no partial file is left."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from mnemojax._src.distributed.transport import free_port
+    from tests import helpers
 
-    coordinator = f"127.0.0.1:{free_port()}"
     cache = tmp_path / "cache"
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.jobs.shared_cache_keys", str(i),
-                               coordinator, str(cache), str(outs[i])], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=10)
-    assert [p.returncode for p in procs] == [0, 0], logs
+    helpers.run_two_processes("tests.jobs.shared_cache_keys", str(cache), str(tmp_path))
     p0, p1 = (json.loads(o.read_text()) for o in outs)
     assert p0["plain_key"] != p1["plain_key"]  # JAX's own keys: one per process
     assert p0["shared_key"] == p1["shared_key"] and p0["g_key"] == p1["g_key"]

@@ -1,14 +1,14 @@
 """One process of a two-process check of `jax_private.cache_entries_from_this_process`'s
 shared cache keys (run by `tests/distributed/jax_private_test.py`, 2 CPU devices each).
 
-    python -m tests.jobs.shared_cache_keys PROCESS_ID COORDINATOR CACHE_DIR OUT_JSON
+    python -m tests.jobs.shared_cache_keys PROCESS_ID COORDINATOR CACHE_DIR OUT_DIR
 
 Both processes lower the same program over all 4 devices and record the persistent-cache
 key JAX looks up, once as JAX computes it and once inside the context. Then process 0
 alone compiles a second program inside the context (writing its entry), and process 1,
 once told, compiles it too: it should load process 0's entry. Both then run it (a
 reduction across the two processes) and compare with numpy. Writes what it saw to
-OUT_JSON.
+OUT_DIR/pPROCESS_ID.json.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sys
 
 
 def main() -> None:
-    pid, coordinator, cache_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    pid, coordinator, cache_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out = os.path.join(sys.argv[4], f"p{pid}.json")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
     import numpy as np

@@ -9,10 +9,14 @@ sequence of DESIGN §4 is `detach_worker` (clients first), the agreement
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
+from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.env import WorldSpec, world_from_env
 from mnemojax._src.errors import DistributedError
@@ -188,3 +192,92 @@ def gather_values(prefix: str, value: str, count: int, *, timeout_s: float,
         if (stop is not None and stop()) or time.monotonic() > deadline:
             return None
         time.sleep(poll_s)
+
+
+# How long a process waits for a peer's export of a candidate world's step before it
+# traces the step itself (`SharedExports.fetch`); a peer's death heard of ends it sooner.
+EXPORT_WAIT_S = 120.0
+# Values of the coordination service's store travel as gRPC messages: exports in pieces.
+_EXPORT_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A peer's export (``payload``), or why the peer could not export (``refused``)."""
+
+    payload: bytes | None
+    refused: str | None = None
+
+
+class SharedExports:
+    """One process exports each candidate world's step; its peers take that export through
+    the coordination service's key-value store instead of tracing the step themselves
+    (`compiler.StepCompiler.precompile`). Every process of a job traces the same program,
+    so one trace serves all; each piece is checked by CRC32C on arrival.
+
+    Args:
+        prefix: the keys' prefix, the same in every process for one build of one world.
+        stop: returns True once waiting is pointless (a peer's death already heard of).
+        timeout_s: the longest a `fetch` waits.
+        poll_s: the interval between looks at the store.
+    """
+
+    def __init__(self, prefix: str, *, stop: Callable[[], bool] | None = None,
+                 timeout_s: float = EXPORT_WAIT_S, poll_s: float = 0.02):
+        self._prefix = prefix
+        self._stop = stop
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
+
+    @staticmethod
+    def _client():
+        client = jax_private.global_state().client
+        if client is None:
+            raise DistributedError("shared exports need an initialised distributed client")
+        return client
+
+    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None) -> None:
+        """Gives the peers ``payload`` under ``name`` (the pieces first, the header last, so
+        a reader that finds the header finds every piece), or tells them the step could
+        not be exported (``refused``)."""
+        client = self._client()
+        key = f"{self._prefix}/{name}"
+        pieces = [] if payload is None else [
+            payload[i:i + _EXPORT_CHUNK] for i in range(0, len(payload), _EXPORT_CHUNK)]
+        for i, piece in enumerate(pieces):
+            client.key_value_set_bytes(f"{key}/piece/{i}", piece)
+        client.key_value_set(f"{key}/header", json.dumps({
+            "pieces": len(pieces), "size": 0 if payload is None else len(payload),
+            "crc32c": checksums.checksum(payload) if payload is not None else None,
+            "refused": refused}))
+
+    def fetch(self, name: str, *, cancelled: Callable[[], bool] = lambda: False
+              ) -> Fetched | None:
+        """The peer's export under ``name``, once published; None if ``cancelled()`` or the
+        ``stop`` given is true first, after ``timeout_s``, or if what arrived is damaged
+        (logged): the caller then traces the step itself."""
+        client = self._client()
+        key = f"{self._prefix}/{name}"
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                header = json.loads(client.key_value_try_get(f"{key}/header"))
+                break
+            except Exception as e:  # noqa: BLE001 - NOT_FOUND until the peer publishes
+                if "NOT_FOUND" not in str(e):
+                    logger.info("mnemojax: no export from a peer for %s (%s)", name, e)
+                    return None
+            if cancelled() or (self._stop is not None and self._stop()) \
+                    or time.monotonic() > deadline:
+                return None
+            time.sleep(self._poll_s)
+        if header["refused"] is not None or header["crc32c"] is None:
+            return Fetched(None, header["refused"])  # nothing to take: trace it
+        payload = b"".join(client.key_value_try_get_bytes(f"{key}/piece/{i}")
+                           for i in range(header["pieces"]))
+        if len(payload) != header["size"] or checksums.checksum(payload) != header["crc32c"]:
+            logger.warning("mnemojax: a peer's export for %s arrived damaged (%d bytes of "
+                           "%d, or its CRC32C differs); tracing the step here instead",
+                           name, len(payload), header["size"])
+            return None
+        return Fetched(payload)
