@@ -248,13 +248,13 @@ def ahead_compiler_ranks(num_processes: int, compilers: int) -> set[int]:
 
 
 def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
-    """Whether this process compiles the candidate worlds' step ahead, or only exports it
-    and loads what another process compiled (`CompileOptions.ahead_compilers`; None: 2 on
-    one host, else every process). Every process compiles unless the cache keys are
-    shared (CPU devices, `jax_private.shared_key_platform`) and a persistent compilation
-    cache is on."""
+    """Whether this process compiles the candidate worlds' step ahead, or only keeps its
+    export and loads what another process compiled (`CompileOptions.ahead_compilers`;
+    None: 1 on one host, else every process). Every process compiles unless the cache
+    keys are shared (CPU devices, `jax_private.shared_key_platform`) and a persistent
+    compilation cache is on."""
     n = jax.process_count()
-    compilers = ahead_compilers if ahead_compilers is not None else (2 if one_host else n)
+    compilers = ahead_compilers if ahead_compilers is not None else (1 if one_host else n)
     if compilers >= n or not jax_private.shared_key_platform(jax.devices()):
         return True
     if not (getattr(jax.config, _CACHE_ON_FLAG) and getattr(jax.config, _CACHE_FLAG)):
@@ -568,9 +568,9 @@ class StepCompiler:
         if self._switch_interval_s is not None:
             _switch_interval.enter(self._switch_interval_s)
         try:
-            if sharing is not None:
-                self._share_export(k, plan, batch_struct, sharing)
-            if export_only:
+            if sharing is not None and not self._share_export(k, plan, batch_struct, sharing):
+                exe = None  # the world is ending: nothing to compile for it
+            elif export_only:
                 self._export(plan, batch_struct)
                 exe = None
             else:
@@ -602,42 +602,44 @@ class StepCompiler:
                  plan.shape, time.perf_counter() - t0, "" if exported else ", not exportable")
         return exported
 
-    def _share_export(self, k, plan: MeshPlan, batch_struct, sharing: ExportSharing) -> None:
+    def _share_export(self, k, plan: MeshPlan, batch_struct, sharing: ExportSharing) -> bool:
         """Publishes this process's export of `plan`'s step, or takes the publisher's
         (`ExportSharing`). Never fails the compile: without a peer's export this process
-        traces the step itself, as without sharing."""
+        traces the step itself, as without sharing. Returns False when the wait for it
+        was given up (the world is ending: the caller compiles nothing for it)."""
         exports = self._exports
         if exports is None:
-            return
+            return True
         name = export_name(k)
         try:
             if sharing.publish:
                 self._publish_export(k, plan, batch_struct, sharing.exchange, name)
-                return
+                return True
             if exports.refused is not None or exports.get(k) is not None:
-                return
+                return True
             trees = self._trees(k)
             if trees is None:  # nothing compiled here yet to take the call's structure from
-                return
+                return True
             t0 = time.perf_counter()
             got = sharing.exchange.fetch(name, cancelled=self._closing.is_set)
             if got is None:
-                if not self._closing.is_set():
-                    log.info("mnemojax: no export of the step for mesh %s came from the "
-                             "exporting process; tracing it here", plan.shape)
-                return
+                log.info("mnemojax: no export of the step for mesh %s came from the "
+                         "exporting process; tracing it here", plan.shape)
+                return True
+            if got.given_up:
+                return False
             if got.refused is not None:
                 exports.refuse(f"in the exporting process: {got.refused}")
-                return
+                return True
             if got.payload is None:  # exported there, but not shared: trace it here
-                return
+                return True
             flat = jax_export.deserialize(bytearray(got.payload))
             if (flat.in_tree.num_leaves, flat.out_tree.num_leaves) != \
                     (trees[0].num_leaves, trees[1].num_leaves):
                 log.warning("mnemojax: the exporting process's step for mesh %s takes or "
                             "gives another number of arrays than this one's; tracing it "
                             "here", plan.shape)
-                return
+                return True
             exports.put(k, dataclasses.replace(flat, in_tree=trees[0], out_tree=trees[1]))
             with self._lock:
                 exports.taken += 1
@@ -648,6 +650,7 @@ class StepCompiler:
             log.warning("mnemojax: sharing the step's export for mesh %s between processes "
                         "failed (%s: %s); a process without it traces the step itself",
                         plan.shape, type(e).__name__, e)
+        return True
 
     def _trees(self, k) -> tuple[Any, Any] | None:
         """The step's argument and result structures for a call of the batch structure of

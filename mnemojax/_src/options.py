@@ -298,16 +298,19 @@ class CompileOptions:
             a value set meanwhile by the user is overwritten on restore. None: leave it
             alone.
         ahead_compilers: under several processes, how many of them compile each candidate
-            world's step ahead (spread over the ranks: 0, n/k, ...); the others only
-            export it, and when that world forms they load the executable from the
+            world's step ahead (spread over the ranks: 0, n/k, ...); the others keep its
+            export, and when that world forms they load the executable from the
             persistent compilation cache, whose keys mnemojax makes the same in every
             process for CPU devices (`jax_private.cache_entries_from_this_process`). Saves
             the other processes' compile (CPU that training shares on a host); a world that
-            forms after every compiler of a candidate died compiles on the recovery path.
+            forms after every compiler of a candidate died before finishing compiles on
+            the recovery path (with 1: a fault that kills process 0 during its compile).
             Every process must see the same cache directory (one host, or a shared file
-            system). None: 2 when the launcher runs the job on one host
+            system). None: 1 when the launcher runs the job on one host
             (``MNEMOJAX_ONE_HOST``), otherwise every process. Other platforms than CPU,
-            or no persistent cache: every process compiles.
+            or no persistent cache: every process compiles. Whatever this is, process 0
+            alone traces each candidate's step: the others take its export through the
+            coordination service (`coordination.SharedExports`; with ``export_ahead``).
         warm_fallbacks: one process (ignored under ``mnemojax launch``): run each step
             compiled ahead once, on zeros, on the training thread between steps (one per
             call, bounded by the step's hang timeout), so a recovery does not pay its

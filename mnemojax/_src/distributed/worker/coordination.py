@@ -203,10 +203,13 @@ _EXPORT_CHUNK = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:
-    """A peer's export (``payload``), or why the peer could not export (``refused``)."""
+    """A peer's export (``payload``), or why the peer could not export (``refused``), or
+    neither: the peer shared none (trace the step here), or the wait was given up
+    (``given_up``: a death heard of or the compiler closing; the world is ending)."""
 
     payload: bytes | None
     refused: str | None = None
+    given_up: bool = False
 
 
 class SharedExports:
@@ -253,9 +256,9 @@ class SharedExports:
 
     def fetch(self, name: str, *, cancelled: Callable[[], bool] = lambda: False
               ) -> Fetched | None:
-        """The peer's export under ``name``, once published; None if ``cancelled()`` or the
-        ``stop`` given is true first, after ``timeout_s``, or if what arrived is damaged
-        (logged): the caller then traces the step itself."""
+        """The peer's export under ``name``, once published. Given up (`Fetched.given_up`)
+        if ``cancelled()`` or the ``stop`` given is true first; None after ``timeout_s``,
+        or if what arrived is damaged (logged): the caller then traces the step itself."""
         client = self._client()
         key = f"{self._prefix}/{name}"
         deadline = time.monotonic() + self._timeout_s
@@ -267,8 +270,9 @@ class SharedExports:
                 if "NOT_FOUND" not in str(e):
                     logger.info("mnemojax: no export from a peer for %s (%s)", name, e)
                     return None
-            if cancelled() or (self._stop is not None and self._stop()) \
-                    or time.monotonic() > deadline:
+            if cancelled() or (self._stop is not None and self._stop()):
+                return Fetched(None, given_up=True)
+            if time.monotonic() > deadline:
                 return None
             time.sleep(self._poll_s)
         if header["refused"] is not None or header["crc32c"] is None:
