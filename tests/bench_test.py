@@ -145,7 +145,7 @@ def _fake_pair_run(kind: str, next_good: float, final: list) -> dict:
     if kind == "e":
         return {**run, "recovery_phases_s": {"agree": 0.1}, "launcher_knows_s": 0.1,
                 "recovery_total_s": next_good - 0.1, "executable": "cached",
-                "from_export": True}
+                "from_export": True, "exports_taken": 2}
     return {**run, "phases_s": {"compile": 5.0}, "restored_step": 8}
 
 

@@ -511,9 +511,11 @@ class _Board:
 
     def __init__(self):
         self.published: dict[str, tuple[bytes | None, str | None]] = {}
+        self.structures: dict[str, str | None] = {}
         self.waiting = threading.Event()
 
-    def publish(self, name, payload, *, refused=None):
+    def publish(self, name, payload, *, refused=None, structure=None):
+        self.structures[name] = structure
         self.published[name] = (payload, refused)
 
     def fetch(self, name, *, cancelled=lambda: False):
@@ -523,7 +525,8 @@ class _Board:
                 return types.SimpleNamespace(payload=None, refused=None, given_up=True)
             threading.Event().wait(0.01)
         payload, refused = self.published[name]
-        return types.SimpleNamespace(payload=payload, refused=refused, given_up=False)
+        return types.SimpleNamespace(payload=payload, refused=refused, given_up=False,
+                                     structure=self.structures[name])
 
 
 def _sharing_pair(publisher_step, taker_step):
@@ -584,6 +587,47 @@ def test_closing_a_compiler_ends_its_wait_for_an_export_nobody_publishes():
         closed.join(timeout=60)
         assert not closed.is_alive() and taker._exports.taken == 0
         assert len(taker._exports) == 0  # given up: not traced here for a world that ends
+    finally:
+        publisher.close()
+        taker.close()
+
+
+def test_a_publisher_that_fails_lets_the_others_trace_at_once(monkeypatch):
+    """Any failure of the publisher's export (not a refusal) still publishes a header with
+    nothing to take: the taker traces the step itself without waiting out the deadline."""
+    board, publisher, taker, publish, take = _sharing_pair(_Counting(), step := _Counting())
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("lost the module")
+
+        monkeypatch.setattr(publisher, "_export", broken)
+        publisher.precompile([_plan((2, 2))], BATCH, sharing=publish)
+        taker.precompile([_plan((2, 2))], BATCH, sharing=take)
+        assert publisher.wait_precompiled(120) and taker.wait_precompiled(120)
+        [(payload, refused)] = board.published.values()
+        assert payload is None and refused is None
+        assert taker._exports.taken == 0 and taker._exports.refused is None
+        assert len(taker._exports) == 1 and step.traces == 2  # traced and exported here
+    finally:
+        publisher.close()
+        taker.close()
+
+
+def test_other_call_structures_are_not_given_to_a_taken_export():
+    """The export travels with flat structures and the taker puts its own back, after
+    comparing their leaf paths: a step whose metrics the publisher names otherwise is
+    traced here (its arrays would be relabelled)."""
+    def renamed(leaves, batch):
+        new, metrics = _pure(leaves, batch)
+        return new, {"objective": metrics["loss"]}
+
+    board, publisher, taker, publish, take = _sharing_pair(renamed, step := _Counting())
+    try:
+        traced = step.traces
+        publisher.precompile([_plan((2, 2))], BATCH, sharing=publish)
+        taker.precompile([_plan((2, 2))], BATCH, sharing=take)
+        assert publisher.wait_precompiled(120) and taker.wait_precompiled(120)
+        assert taker._exports.taken == 0 and step.traces == traced + 1
     finally:
         publisher.close()
         taker.close()

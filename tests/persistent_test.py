@@ -327,3 +327,30 @@ def test_disk_full_from_orbax_as_an_oserror_keeps_the_run_consistent(tmp_path, m
     _check_consistent(tmp_path, ckpt, got, step, errors)
     assert errors[0].steps == (2,) and isinstance(errors[0].__cause__, OSError)
     assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6"]
+
+
+def test_a_restored_run_compiles_its_fallback_meshes_ahead_after_its_first_step(tmp_path):
+    """Its first step is not step 1, where a fresh run schedules the candidates: a run
+    restored from a checkpoint (or a process that joined a running job) schedules them after
+    its first step instead, so a fault soon after a restart does not compile on the
+    recovery path."""
+    ckpt = mnemojax.PersistentOptions(directory=str(tmp_path / "ckpt"), every_steps=1)
+    model, optimizer = h.make_mlp()
+    first = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                               options=h.no_precompile(persistent=ckpt))
+    batches = h.make_batches(3)
+    for b in batches[:2]:
+        first(model, optimizer, b)
+    first.close()
+    again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                               options=mnemojax.ResilienceOptions(
+                                   persistent=ckpt, compile=mnemojax.CompileOptions(
+                                       cache_dir=None, max_precompiled=1)))
+    try:
+        fresh, fresh_opt = h.make_mlp()
+        assert again.restore(fresh, fresh_opt) == 2
+        again(fresh, fresh_opt, batches[2])
+        assert again.wait_precompiled(timeout_s=120)
+        assert again.statistics.precompiled_meshes == 1
+    finally:
+        again.close()

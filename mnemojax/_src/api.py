@@ -255,8 +255,9 @@ class ResilientStep(Generic[P, R]):
 
     def wait_precompiled(self, timeout_s: float | None = None) -> bool:
         """Blocks until the fallback executables queued so far are compiled; in a process
-        that only exports them (`CompileOptions.ahead_compilers`), until its exports are
-        done: the compiling processes may still be at work."""
+        that only keeps their exports (`CompileOptions.ahead_compilers`), until it has
+        them (taken from process 0, which may still be compiling, or traced here when
+        none came: `coordination.EXPORT_WAIT_S` at most in all)."""
         return self._built is None or self._built.runtime.compiler.wait_precompiled(timeout_s)
 
     def wait_snapshots(self, timeout_s: float | None = None) -> bool:
@@ -395,6 +396,11 @@ class ResilientStep(Generic[P, R]):
             self._step, leaves = restored
             self._statistics.steps_run = self._step
             b.last_written = None
+            # A restored run's first step is not step 1: the candidate worlds compile after
+            # it. A process that joined a running job needs this too: it may be the new
+            # world's process 0, which exports the candidates for the others
+            # (`_schedule_precompile`).
+            b.precompile_due = True
         return b.form.restored(state_args, leaves, self._step)
 
     # -- building -------------------------------------------------------------------------

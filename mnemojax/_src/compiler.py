@@ -19,6 +19,12 @@ fails to lower or compile, is traced as before. The export is the old world's tr
 step seen reading its world's size or its process index while tracing (its first export
 is watched) is traced in every world instead, and ``CompileOptions(export_ahead=False)``
 turns exports off for a step whose dependence the watch cannot see.
+
+Every process traces the same program, so one trace serves them all (`ExportSharing`):
+process 0 exports each candidate world's step and publishes it through the coordination
+service's store with flat structures; the others compare the structures' leaf paths, put
+their own back and keep it, then compile from it or (`CompileOptions.ahead_compilers`)
+load the entry a compiling process wrote under the key every process shares.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -214,8 +221,8 @@ class ExportExchange(Protocol):
     """Where one process's export of a candidate world's step reaches its peers
     (`coordination.SharedExports`)."""
 
-    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None
-                ) -> None: ...
+    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None,
+                structure: str | None = None) -> None: ...
 
     def fetch(self, name: str, *, cancelled: Callable[[], bool] = ...) -> Any: ...
 
@@ -233,9 +240,22 @@ class ExportSharing:
 def export_name(key: tuple) -> str:
     """The name a candidate's export travels under, the same in every process: the plan's
     device ids and the batch's shapes and dtypes (`StepCompiler.key` without the tree
-    structure, whose text may hold per-process addresses; a structure that differs anyway
-    makes the export's call fail, and the step is traced)."""
+    structure, whose text may hold per-process addresses; the structures are compared by
+    their leaf paths instead, `structure_digest`)."""
     return hashlib.sha256(repr(key[:2]).encode()).hexdigest()[:32]
+
+
+def structure_digest(in_tree, out_tree) -> str | None:
+    """A digest of a step's argument and result structures by their leaves' paths (no
+    per-process text), the same in every process for the same structures; None where
+    a structure cannot be rebuilt from placeholder leaves."""
+    try:
+        paths = [[jax.tree_util.keystr(path) for path, _ in
+                  jax.tree_util.tree_flatten_with_path(t.unflatten(range(t.num_leaves)))[0]]
+                 for t in (in_tree, out_tree)]
+    except Exception:  # noqa: BLE001 - a node that checks its leaves: nothing to compare
+        return None
+    return hashlib.sha256(json.dumps(paths).encode()).hexdigest()
 
 
 def ahead_compiler_ranks(num_processes: int, compilers: int) -> set[int]:
@@ -544,9 +564,19 @@ class StepCompiler:
         exported (`ExportedSteps`): another process compiles it and writes the persistent
         cache entry that this process's `get` loads, under a key every process shares.
         With ``sharing`` (multi-process, exports kept) one process traces and exports
-        each, the others take that export (`ExportSharing`) and compile or keep it.
+        each, the others take that export (`ExportSharing`) and compile or keep it; the
+        publisher exports and publishes every plan before it compiles any (the others
+        wait for the exports, not for its compiles).
         """
         futures = []
+        take = None
+        if sharing is not None and self._exports is not None:
+            if sharing.publish:
+                for plan in plans:  # queued first: the single worker runs them in order
+                    self._pool.submit(self._publish_export, plan, batch_struct,
+                                      sharing.exchange)
+            else:
+                take = sharing.exchange
         for plan in plans:
             k = self.key(plan, batch_struct)
             with self._lock:
@@ -556,21 +586,23 @@ class StepCompiler:
                                     or self._exports.get(k) is not None):
                     continue  # nothing to export (or done): `get` loads what others compile
                 future = self._pool.submit(self._background, k, plan, batch_struct,
-                                           export_only, sharing)
+                                           export_only, take)
                 self._futures[k] = future
             futures.append(future)
         return futures
 
     def _background(self, k, plan, batch_struct, export_only: bool = False,
-                    sharing: ExportSharing | None = None) -> Executable | None:
+                    take: ExportExchange | None = None) -> Executable | None:
+        if take is not None and not self._take_export(k, plan, take):
+            with self._lock:  # the world is ending: nothing to compile for it
+                self._futures.pop(k, None)
+            return None
         # `CompileOptions.background_switch_interval_s`: the training thread gets the GIL
         # back within this, not 5 ms, at each hand-off while this compile traces.
         if self._switch_interval_s is not None:
             _switch_interval.enter(self._switch_interval_s)
         try:
-            if sharing is not None and not self._share_export(k, plan, batch_struct, sharing):
-                exe = None  # the world is ending: nothing to compile for it
-            elif export_only:
+            if export_only:
                 self._export(plan, batch_struct)
                 exe = None
             else:
@@ -602,26 +634,21 @@ class StepCompiler:
                  plan.shape, time.perf_counter() - t0, "" if exported else ", not exportable")
         return exported
 
-    def _share_export(self, k, plan: MeshPlan, batch_struct, sharing: ExportSharing) -> bool:
-        """Publishes this process's export of `plan`'s step, or takes the publisher's
-        (`ExportSharing`). Never fails the compile: without a peer's export this process
-        traces the step itself, as without sharing. Returns False when the wait for it
-        was given up (the world is ending: the caller compiles nothing for it)."""
+    def _take_export(self, k, plan: MeshPlan, exchange: ExportExchange) -> bool:
+        """Takes the publisher's export of `plan`'s step (`ExportSharing`), given back this
+        process's own call structures. Never fails the compile: without it this process
+        traces the step itself, as without sharing. Returns False when the wait for it was
+        given up (the world is ending: the caller compiles nothing for it)."""
         exports = self._exports
-        if exports is None:
+        if exports is None or exports.refused is not None or exports.get(k) is not None:
             return True
-        name = export_name(k)
+        trees = self._trees(k)
+        digest = None if trees is None else structure_digest(*trees)
+        if trees is None or digest is None:  # nothing here to give the export back its own
+            return True
         try:
-            if sharing.publish:
-                self._publish_export(k, plan, batch_struct, sharing.exchange, name)
-                return True
-            if exports.refused is not None or exports.get(k) is not None:
-                return True
-            trees = self._trees(k)
-            if trees is None:  # nothing compiled here yet to take the call's structure from
-                return True
             t0 = time.perf_counter()
-            got = sharing.exchange.fetch(name, cancelled=self._closing.is_set)
+            got = exchange.fetch(export_name(k), cancelled=self._closing.is_set)
             if got is None:
                 log.info("mnemojax: no export of the step for mesh %s came from the "
                          "exporting process; tracing it here", plan.shape)
@@ -633,13 +660,12 @@ class StepCompiler:
                 return True
             if got.payload is None:  # exported there, but not shared: trace it here
                 return True
-            flat = jax_export.deserialize(bytearray(got.payload))
-            if (flat.in_tree.num_leaves, flat.out_tree.num_leaves) != \
-                    (trees[0].num_leaves, trees[1].num_leaves):
+            if got.structure != digest:
                 log.warning("mnemojax: the exporting process's step for mesh %s takes or "
-                            "gives another number of arrays than this one's; tracing it "
-                            "here", plan.shape)
+                            "gives other structures than this one's; tracing it here",
+                            plan.shape)
                 return True
+            flat = jax_export.deserialize(bytearray(got.payload))
             exports.put(k, dataclasses.replace(flat, in_tree=trees[0], out_tree=trees[1]))
             with self._lock:
                 exports.taken += 1
@@ -647,16 +673,16 @@ class StepCompiler:
                      "process in %.2fs (%d bytes)", plan.shape, time.perf_counter() - t0,
                      len(got.payload))
         except Exception as e:  # noqa: BLE001 - sharing only saves a trace
-            log.warning("mnemojax: sharing the step's export for mesh %s between processes "
-                        "failed (%s: %s); a process without it traces the step itself",
-                        plan.shape, type(e).__name__, e)
+            log.warning("mnemojax: taking the step's export for mesh %s from the exporting "
+                        "process failed (%s: %s); tracing it here", plan.shape,
+                        type(e).__name__, e)
         return True
 
     def _trees(self, k) -> tuple[Any, Any] | None:
         """The step's argument and result structures for a call of the batch structure of
         `k` (`StepCompiler.key`): those of an executable compiled here for that structure
         (the mesh does not change them), which a peer's export, shipped with flat ones, is
-        given back (`_share_export`). None without one."""
+        given back (`_take_export`). None without one."""
         with self._lock:
             ready = [e for key, e in self._ready.items() if key[2] == k[2]]
         for exe in ready:
@@ -666,27 +692,40 @@ class StepCompiler:
                 continue
         return None
 
-    def _publish_export(self, k, plan: MeshPlan, batch_struct, exchange: ExportExchange,
-                        name: str) -> None:
-        """Exports `plan`'s step here and publishes it; when it cannot be exported, says why
-        (every process would fail alike); when only its sharing fails, publishes nothing
-        to take, so that the others trace it themselves at once."""
+    def _publish_export(self, plan: MeshPlan, batch_struct, exchange: ExportExchange) -> None:
+        """Exports `plan`'s step here (unless kept) and publishes it with flat structures
+        (the call's own may hold types jax.export cannot serialise; the takers put theirs
+        back, `_take_export`) and their digest. When it cannot be exported, says why
+        (every process would fail alike); on any other failure publishes nothing to take,
+        so that the others trace the step themselves at once."""
         exports = self._exports
         assert exports is not None
-        exported = self._export(plan, batch_struct) if exports.refused is None else None
-        if exported is None:
-            exchange.publish(name, None, refused=exports.refused or "not exportable")
-            return
-        try:  # flat trees: the call's own may hold types jax.export cannot serialise
-            flat = dataclasses.replace(
-                exported, in_tree=jax.tree.structure(((0,) * exported.in_tree.num_leaves, {})),
-                out_tree=jax.tree.structure((0,) * exported.out_tree.num_leaves))
-            payload = bytes(flat.serialize())
+        name = export_name(self.key(plan, batch_struct))
+        payload = refused = structure = None
+        if self._switch_interval_s is not None:  # as `_background`: it traces
+            _switch_interval.enter(self._switch_interval_s)
+        try:
+            exported = self._export(plan, batch_struct) if exports.refused is None else None
+            if exported is None:
+                refused = exports.refused or "not exportable"
+            else:
+                structure = structure_digest(exported.in_tree, exported.out_tree)
+                flat = dataclasses.replace(
+                    exported, in_tree=jax.tree.structure(((0,) * exported.in_tree.num_leaves, {})),
+                    out_tree=jax.tree.structure((0,) * exported.out_tree.num_leaves))
+                payload = bytes(flat.serialize()) if structure is not None else None
         except Exception as e:  # noqa: BLE001 - e.g. an effect jax.export cannot serialise
-            log.warning("mnemojax: the step's export for mesh %s cannot be serialised (%s: "
-                        "%s); every process traces it", plan.shape, type(e).__name__, e)
+            log.warning("mnemojax: the step's export for mesh %s cannot be shared (%s: %s); "
+                        "every process traces it", plan.shape, type(e).__name__, e)
             payload = None
-        exchange.publish(name, payload)
+        finally:
+            if self._switch_interval_s is not None:
+                _switch_interval.exit()
+            try:
+                exchange.publish(name, payload, refused=refused, structure=structure)
+            except Exception as e:  # noqa: BLE001 - the takers wait, then trace
+                log.warning("mnemojax: publishing the step's export for mesh %s failed "
+                            "(%s: %s)", plan.shape, type(e).__name__, e)
 
     def warm_one(self, *, dead: Collection[int] = (),
                  wait: Callable[[Any], Any] = jax.block_until_ready) -> bool:

@@ -304,13 +304,15 @@ class CompileOptions:
             process for CPU devices (`jax_private.cache_entries_from_this_process`). Saves
             the other processes' compile (CPU that training shares on a host); a world that
             forms after every compiler of a candidate died before finishing compiles on
-            the recovery path (with 1: a fault that kills process 0 during its compile).
+            the recovery path (with 1: a fault that kills process 0 before its
+            background compiles are done, a few seconds after each world forms).
             Every process must see the same cache directory (one host, or a shared file
             system). None: 1 when the launcher runs the job on one host
             (``MNEMOJAX_ONE_HOST``), otherwise every process. Other platforms than CPU,
             or no persistent cache: every process compiles. Whatever this is, process 0
-            alone traces each candidate's step: the others take its export through the
-            coordination service (`coordination.SharedExports`; with ``export_ahead``).
+            alone traces each candidate's step (with ``export_ahead``): the others take its
+            export through the coordination service (`coordination.SharedExports`), and
+            trace it themselves only if none comes.
         warm_fallbacks: one process (ignored under ``mnemojax launch``): run each step
             compiled ahead once, on zeros, on the training thread between steps (one per
             call, bounded by the step's hang timeout), so a recovery does not pay its

@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         recovered = len(step.statistics.recoveries) > n_before
         events.emit("step", step=i + 1, time_s=end, duration_s=end - t0, loss=loss,
                     after_recovery=recovered, **tag)
-    events.emit("run_end", step=cfg.steps, steps=cfg.steps, **tag)
+    events.emit("run_end", step=cfg.steps, steps=cfg.steps,
+                exports_taken=step.statistics.exports_taken, **tag)
     events.close()
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
     return 0

@@ -148,7 +148,8 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
             f"{report['unfired']}, processes left={left}, shm left={report['shm_left']}",
             returncode=report["rc"], stderr_tail=_tail(log))
     t_kill = fired[0]["t"]
-    steps = [e for e in read_events(out / "events.jsonl") if e["kind"] == "step"]
+    events = list(read_events(out / "events.jsonl"))
+    steps = [e for e in events if e["kind"] == "step"]
     # The call of the step that failed returns once the survivors have recovered and
     # replayed it (flagged in its event); a lower step logged after the kill was completed
     # before it, only its event came later.
@@ -172,6 +173,9 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
         "recovery_phases_s": rec.get("phases_s", {}),
         "recovery_total_s": rec.get("total_s"),
         "recoveries": len(stats.get("recoveries") or []),
+        # candidate worlds' exports the last world's processes took from process 0
+        "exports_taken": sum(e.get("exports_taken", 0) for e in events
+                             if e["kind"] == "run_end"),
         "wall_s": max(e["time"] for e in steps) - t_start,
         "timeline": sorted({(e["time"] - t_start, e["step"]) for e in steps
                             if e["worker"] == min(x["worker"] for x in steps)}),

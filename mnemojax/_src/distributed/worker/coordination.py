@@ -194,8 +194,8 @@ def gather_values(prefix: str, value: str, count: int, *, timeout_s: float,
         time.sleep(poll_s)
 
 
-# How long a process waits for a peer's export of a candidate world's step before it
-# traces the step itself (`SharedExports.fetch`); a peer's death heard of ends it sooner.
+# How long a process waits, in all, for a peer's exports of the candidate worlds' step
+# (one `SharedExports`) before it traces the step itself; a death heard of ends it sooner.
 EXPORT_WAIT_S = 120.0
 # Values of the coordination service's store travel as gRPC messages: exports in pieces.
 _EXPORT_CHUNK = 1 << 20
@@ -203,13 +203,15 @@ _EXPORT_CHUNK = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Fetched:
-    """A peer's export (``payload``), or why the peer could not export (``refused``), or
-    neither: the peer shared none (trace the step here), or the wait was given up
-    (``given_up``: a death heard of or the compiler closing; the world is ending)."""
+    """A peer's export (``payload``, with its call structures' digest ``structure``), or why
+    the peer could not export (``refused``), or neither: the peer shared none (trace the
+    step here), or the wait was given up (``given_up``: a death heard of or the compiler
+    closing; the world is ending)."""
 
     payload: bytes | None
     refused: str | None = None
     given_up: bool = False
+    structure: str | None = None
 
 
 class SharedExports:
@@ -221,7 +223,8 @@ class SharedExports:
     Args:
         prefix: the keys' prefix, the same in every process for one build of one world.
         stop: returns True once waiting is pointless (a peer's death already heard of).
-        timeout_s: the longest a `fetch` waits.
+        timeout_s: the longest all `fetch` calls together wait, from this object's creation
+            (one per round of candidates: a publisher that never comes costs it once).
         poll_s: the interval between looks at the store.
     """
 
@@ -229,7 +232,7 @@ class SharedExports:
                  timeout_s: float = EXPORT_WAIT_S, poll_s: float = 0.02):
         self._prefix = prefix
         self._stop = stop
-        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
         self._poll_s = poll_s
 
     @staticmethod
@@ -239,44 +242,45 @@ class SharedExports:
             raise DistributedError("shared exports need an initialised distributed client")
         return client
 
-    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None) -> None:
+    def publish(self, name: str, payload: bytes | None, *, refused: str | None = None,
+                structure: str | None = None) -> None:
         """Gives the peers ``payload`` under ``name`` (the pieces first, the header last, so
         a reader that finds the header finds every piece), or tells them the step could
-        not be exported (``refused``)."""
+        not be exported (``refused``), or, with neither, that they trace it themselves.
+        Publishing a name again (a second round in one world) overwrites it alike."""
         client = self._client()
         key = f"{self._prefix}/{name}"
         pieces = [] if payload is None else [
             payload[i:i + _EXPORT_CHUNK] for i in range(0, len(payload), _EXPORT_CHUNK)]
         for i, piece in enumerate(pieces):
-            client.key_value_set_bytes(f"{key}/piece/{i}", piece)
+            client.key_value_set_bytes(f"{key}/piece/{i}", piece, allow_overwrite=True)
         client.key_value_set(f"{key}/header", json.dumps({
             "pieces": len(pieces), "size": 0 if payload is None else len(payload),
             "crc32c": checksums.checksum(payload) if payload is not None else None,
-            "refused": refused}))
+            "refused": refused, "structure": structure}), allow_overwrite=True)
 
     def fetch(self, name: str, *, cancelled: Callable[[], bool] = lambda: False
               ) -> Fetched | None:
         """The peer's export under ``name``, once published. Given up (`Fetched.given_up`)
-        if ``cancelled()`` or the ``stop`` given is true first; None after ``timeout_s``,
-        or if what arrived is damaged (logged): the caller then traces the step itself."""
+        if ``cancelled()`` or the ``stop`` given is true first; None once this object's
+        deadline has passed, or if what arrived is damaged (logged): the caller then
+        traces the step itself."""
         client = self._client()
         key = f"{self._prefix}/{name}"
-        deadline = time.monotonic() + self._timeout_s
         while True:
             try:
                 header = json.loads(client.key_value_try_get(f"{key}/header"))
                 break
             except Exception as e:  # noqa: BLE001 - NOT_FOUND until the peer publishes
-                if "NOT_FOUND" not in str(e):
-                    logger.info("mnemojax: no export from a peer for %s (%s)", name, e)
-                    return None
+                if "NOT_FOUND" not in str(e):  # e.g. the service going away with its world
+                    logger.debug("mnemojax: looking for a peer's export %s: %s", name, e)
             if cancelled() or (self._stop is not None and self._stop()):
                 return Fetched(None, given_up=True)
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 return None
             time.sleep(self._poll_s)
         if header["refused"] is not None or header["crc32c"] is None:
-            return Fetched(None, header["refused"])  # nothing to take: trace it
+            return Fetched(None, header["refused"])  # nothing to take: trace it here
         payload = b"".join(client.key_value_try_get_bytes(f"{key}/piece/{i}")
                            for i in range(header["pieces"]))
         if len(payload) != header["size"] or checksums.checksum(payload) != header["crc32c"]:
@@ -284,4 +288,4 @@ class SharedExports:
                            "%d, or its CRC32C differs); tracing the step here instead",
                            name, len(payload), header["size"])
             return None
-        return Fetched(payload)
+        return Fetched(payload, structure=header["structure"])
