@@ -2,6 +2,7 @@
 path? (issue 13: "0 s of compile on the critical path for the first two faults of a run").
 
     PYTHONPATH=. python -m tests.jobs.two_kills [--kills 12,70] [--steps 90]
+        [--ahead-compilers K]
 
 Runs the bench's resilient worker (`mnemojax._src.bench.mp_resilient_worker`, the tiny
 preset's GPT on mesh 4 x 2) under the launcher with its default options, 4 processes x 2
@@ -9,19 +10,21 @@ CPU devices, a fresh persistent compilation cache, and SIGKILLs worker 1 once it
 published the first kill step, then worker 2 at the second. Prints, per recovery, how the
 new world got its executable (``cached``: loaded from the entry written ahead;
 ``compiled``: on the critical path) and whether it lowered the step from its export, its
-phases, and kill -> next good step. Exit status 1 if the job failed or a recovery compiled
-on the critical path. Every process ends with the launcher (bounded by ``--timeout-s``).
+phases, kill -> next good step, and how long the 10 steps after it took (against the
+median step of the job's last world: the background compiles of the next candidates run
+meanwhile). Exit status 1 if the job failed or a recovery compiled on the critical path. Every process ends with the launcher (bounded by ``--timeout-s``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from mnemojax._src.bench.multiproc import kill_figures, launch_resilient_workers
+from mnemojax._src.bench.multiproc import STEPS_PAST, kill_figures, launch_resilient_workers
 from mnemojax._src.events import read_events
 from mnemojax.testing import ProcessFault
 
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the steps after which workers 1 and 2 are killed")
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--timeout-s", type=float, default=500.0)
+    p.add_argument("--ahead-compilers", type=int, default=None,
+                   help="CompileOptions.ahead_compilers (default: its default)")
     args = p.parse_args(argv)
     kills = [int(k) for k in args.kills.split(",")]
     if len(kills) != 2 or not 0 < kills[0] < kills[1] < args.steps:
@@ -42,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         preset="tiny", steps=args.steps, out=out, run="two_kills", nproc=4,
         devices_per_proc=2, faults=[ProcessFault("kill", 1, kills[0]),
                                     ProcessFault("kill", 2, kills[1])],
-        compile_cache=str(out / "xla-cache"), timeout_s=args.timeout_s)
+        compile_cache=str(out / "xla-cache"), timeout_s=args.timeout_s,
+        worker_args=() if args.ahead_compilers is None else
+        ("--ahead-compilers", str(args.ahead_compilers)))
     print(f"job exit {report['rc']}, kills fired: "
           f"{[(f['victim'], f['step']) for f in report['fired']]}, output in {out}")
     if report["rc"] != 0 or len(report["fired"]) != 2:
@@ -50,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     steps = [e for e in read_events(out / "events.jsonl") if e["kind"] == "step"]
     recs = json.loads((out / "stats.json").read_text())["recoveries"]
+    ends: dict[int, float] = {}  # step -> when its last process logged it
+    for e in steps:
+        ends[e["step"]] = max(ends.get(e["step"], e["time"]), e["time"])
     on_path = 0
-    for fired, rec in zip(report["fired"], recs, strict=False):
+    for i, (fired, rec) in enumerate(zip(report["fired"], recs, strict=False)):
         # The new world's steps are the failed one (rec["step"]) and later: a lower step
         # logged after the kill was completed by the old world (as in the bench's (e)).
         figures = kill_figures(steps, killed=rec["step"], t_kill=fired["t"],
@@ -67,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['executable']}{', from export' if rec.get('from_export') else ''}; "
               f"kill -> next good step {figures['next_good_step_s']:.2f} s (every survivor; "
               f"{figures['processes_after']} processes; each: {each}); phases (s): {phases}")
+        if figures["steps_past_killed_s"] is not None:
+            # The world's steady step: after those 10, up to the next kill or the end.
+            last = recs[i + 1]["step"] - 1 if i + 1 < len(recs) else max(ends)
+            steady = statistics.median(ends[s] - ends[s - 1] for s in range(
+                rec["step"] + STEPS_PAST + 1, last + 1) if s in ends and s - 1 in ends)
+            after = figures["steps_past_killed_s"] - figures["back_past_killed_step_s"]
+            print(f"  the {STEPS_PAST} steps after it: {after:.2f} s, "
+                  f"{after / steady:.1f} of that world's later median step ({steady:.3f} s)")
         on_path += rec["executable"] == "compiled"
     return 1 if on_path or len(recs) != 2 else 0
 

@@ -29,6 +29,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="events.jsonl, final.npz, stats.json")
     p.add_argument("--run", default="e_mnemojax_processes", help="run id in the event log")
     p.add_argument("--compile-cache", default=None, help="CompileOptions.cache_dir")
+    p.add_argument("--ahead-compilers", type=int, default=None,
+                   help="CompileOptions.ahead_compilers (default: its default)")
     return p.parse_args(argv)
 
 
@@ -58,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model, optimizer = build_gpt(GPTConfig(**cfg.model), seed=cfg.seed,
                                  learning_rate=cfg.learning_rate)
-    options = mnemojax.ResilienceOptions(
-        compile=mnemojax.CompileOptions(cache_dir=args.compile_cache)
-        if args.compile_cache else mnemojax.CompileOptions())
+    compile_kw = {} if args.compile_cache is None else {"cache_dir": args.compile_cache}
+    options = mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
+        ahead_compilers=args.ahead_compilers, **compile_kw))
     step = mnemojax.resilient(lm_train_step, mesh=mesh, options=options)
     t_init = time.time()
     events.emit("startup", duration_s=t_init - _T_MAIN, time_s=t_init, phase="start+init",

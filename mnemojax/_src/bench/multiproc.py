@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from mnemojax._src.errors import BaselineError
@@ -88,11 +89,12 @@ def kill_figures(steps: list[dict], *, killed: int, t_kill: float, new_world) ->
 def launch_resilient_workers(*, preset: str, steps: int, out: Path, run: str, nproc: int,
                              devices_per_proc: int, faults, compile_cache: str | None,
                              collective_timeout_s: int | None = None,
-                             timeout_s: float = 600.0) -> dict:
+                             timeout_s: float = 600.0, worker_args: Sequence[str] = ()
+                             ) -> dict:
     """`mp_resilient_worker` on ``nproc`` workers under the launcher with its default
     options (but ``collective_timeout_s`` when given), firing ``faults``; the workers'
-    output goes to ``out/workers.log``. Returns `run_scenario`'s report (also
-    ``tests.jobs.two_kills``)."""
+    output goes to ``out/workers.log``; ``worker_args`` are added to each worker's
+    command line. Returns `run_scenario`'s report (also ``tests.jobs.two_kills``)."""
     from mnemojax._src.distributed.launcher.options import LaunchOptions
     from mnemojax._src.distributed.launcher.scenario import run_scenario
 
@@ -101,6 +103,7 @@ def launch_resilient_workers(*, preset: str, steps: int, out: Path, run: str, np
               str(steps), "--out", str(out), "--run", run]
     if compile_cache:
         worker += ["--compile-cache", compile_cache]
+    worker += list(worker_args)
     # The output goes to a log, not the caller's table; exec keeps the pid the agent
     # watches (and the scenario kills).
     cmd = ["/bin/sh", "-c", f'exec "$0" "$@" >>"{out / "workers.log"}" 2>&1', *worker]
