@@ -267,6 +267,21 @@ def ahead_compiler_ranks(num_processes: int, compilers: int) -> set[int]:
     return {round(i * num_processes / compilers) for i in range(compilers)}
 
 
+def shares_cache_entries(*, one_host: bool) -> bool:
+    """Whether every process of this world loads what any of them compiled: several
+    processes on one host (one cache directory), CPU devices (the key every process
+    shares, `jax_private.cache_entries_from_this_process`) and a persistent cache on."""
+    return (jax.process_count() > 1 and one_host
+            and jax_private.shared_key_platform(jax.devices())
+            and bool(getattr(jax.config, _CACHE_ON_FLAG)) and bool(getattr(jax.config, _CACHE_FLAG)))
+
+
+def cache_dir() -> str:
+    """JAX's persistent compilation cache directory, as a real path ("" without one)."""
+    path = getattr(jax.config, _CACHE_FLAG)
+    return os.path.realpath(path) if path else ""
+
+
 def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
     """Whether this process compiles the candidate worlds' step ahead, or only keeps its
     export and loads what another process compiled (`CompileOptions.ahead_compilers`;

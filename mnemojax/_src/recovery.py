@@ -30,8 +30,10 @@ import jax
 import numpy as np
 
 from mnemojax._src import monitoring
-from mnemojax._src.compiler import Executable
-from mnemojax._src.distributed.worker import coordination, state_transfer
+from mnemojax._src.compiler import Executable, cache_dir, shares_cache_entries
+from mnemojax._src.distributed import env as dist_env
+from mnemojax._src.distributed import jax_private
+from mnemojax._src.distributed.worker import coordination, peer_watch, state_transfer
 from mnemojax._src.distributed.worker.recovery import WorldRecovery
 from mnemojax._src.distributed.worker.session import DistributedSession
 from mnemojax._src.durability import Durability
@@ -124,10 +126,35 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
 def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
                       examples: int | None) -> Executable:
     """Multi-process: compiles the step for `runtime`'s mesh (the ``compile`` phase), with
-    no barrier yet: the caller waits at ``session.compiled()`` before the first collective."""
+    no barrier yet: the caller waits at ``session.compiled()`` before the first collective.
+
+    On one host (`compiler.shares_cache_entries`), when the executable is not in the
+    persistent cache (a first world, or nothing compiled ahead for this one), process 0
+    compiles it alone and the others load its entry (`coordination.OneCompile`): one
+    compile on the cores they share instead of one per process at once."""
     session.phase("compile")
-    exe, _ = runtime.compiler.get(runtime.plan, batch_struct(batch, examples))
-    return exe
+    struct = batch_struct(batch, examples)
+    if not shares_cache_entries(one_host=dist_env.one_host()):
+        return runtime.compiler.get(runtime.plan, struct)[0]
+    one = coordination.OneCompile(
+        f"mnemojax/compile/{session.world.generation}", cache_dir(),
+        stop=lambda: peer_watch.known_death() is not None, timeout_s=COMPILED_BARRIER_S)
+    if jax.process_index() != 0:
+        with jax_private.before_compiling_a_miss(one.wait):
+            return runtime.compiler.get(runtime.plan, struct)[0]
+    _tell(one.compiling)
+    try:
+        return runtime.compiler.get(runtime.plan, struct)[0]
+    finally:
+        _tell(one.compiled)
+
+
+def _tell(signal) -> None:
+    try:
+        signal()
+    except Exception as e:  # noqa: BLE001 - the others then compile themselves, or time out
+        log.warning("mnemojax: could not tell the other processes about the step's compile "
+                    "(%s: %s)", type(e).__name__, e)
 
 
 def compiled_barrier_s(builder: RuntimeBuilder) -> float:

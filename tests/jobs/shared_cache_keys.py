@@ -7,7 +7,10 @@ Both processes lower the same program over all 4 devices and record the persiste
 key JAX looks up, once as JAX computes it and once inside the context. Then process 0
 alone compiles a second program inside the context (writing its entry), and process 1,
 once told, compiles it too: it should load process 0's entry. Both then run it (a
-reduction across the two processes) and compare with numpy. Writes what it saw to
+reduction across the two processes) and compare with numpy. Then a third program goes
+the way a new world's step does on one host (`coordination.OneCompile`): process 1 asks
+for it at once, misses, waits for process 0's compile and reads its entry. Writes what it
+saw to
 OUT_DIR/pPROCESS_ID.json.
 """
 
@@ -74,9 +77,34 @@ def main() -> None:
     y = compiled(x)
     expected = np.arange(8, dtype=np.float32) * 3 + np.sin(np.arange(8, dtype=np.float32)).sum()
     error = float(np.abs(np.asarray(y.addressable_shards[0].data) - expected).max())
+    g_key = keys[-1]
+
+    def h(v):
+        return jnp.cos(v) - jnp.max(v)  # another reduction across both processes
+
+    from mnemojax._src.distributed.worker.coordination import OneCompile
+
+    one = OneCompile("test/compile", cache_dir)
+    reads = len(hits)
+    with jax_private.cache_entries_from_this_process():
+        if pid == 0:
+            one.compiling()
+            client.blocking_key_value_get("h-missed", 60_000)  # so process 1 misses first
+            compiled_h = jax.jit(h, out_shardings=replicated).lower(x).compile()
+            one.compiled()
+        else:
+            def missed_then_wait() -> bool:
+                client.key_value_set("h-missed", "1")
+                return one.wait()
+
+            with jax_private.before_compiling_a_miss(missed_then_wait):
+                compiled_h = jax.jit(h, out_shardings=replicated).lower(x).compile()
+    y = compiled_h(x)
+    expected = np.cos(np.arange(8, dtype=np.float32)) - 7.0
+    error = max(error, float(np.abs(np.asarray(y.addressable_shards[0].data) - expected).max()))
     with open(out, "w") as f_out:
         json.dump({"plain_key": plain, "shared_key": shared, "g_hit": g_hit,
-                   "g_key": keys[-1], "max_error": error}, f_out)
+                   "g_key": g_key, "h_reads": hits[reads:], "max_error": error}, f_out)
     jax.distributed.shutdown()
 
 

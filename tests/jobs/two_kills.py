@@ -2,12 +2,12 @@
 path? (issue 13: "0 s of compile on the critical path for the first two faults of a run").
 
     PYTHONPATH=. python -m tests.jobs.two_kills [--kills 12,70] [--steps 90]
-        [--ahead-compilers K]
+        [--victims 1,2] [--ahead-compilers K]
 
 Runs the bench's resilient worker (`mnemojax._src.bench.mp_resilient_worker`, the tiny
 preset's GPT on mesh 4 x 2) under the launcher with its default options, 4 processes x 2
-CPU devices, a fresh persistent compilation cache, and SIGKILLs worker 1 once it has
-published the first kill step, then worker 2 at the second. Prints, per recovery, how the
+CPU devices, a fresh persistent compilation cache, and SIGKILLs worker 1 (``--victims``)
+once it has published the first kill step, then worker 2 at the second. Prints, per recovery, how the
 new world got its executable (``cached``: loaded from the entry written ahead;
 ``compiled``: on the critical path) and whether it lowered the step from its export, its
 phases, kill -> next good step, and how long the 10 steps after it took (against the
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", default="12,70",
                    help="the steps after which workers 1 and 2 are killed")
     p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--victims", default="1,2",
+                   help="the workers killed at the first and the second of --kills")
     p.add_argument("--timeout-s", type=float, default=500.0)
     p.add_argument("--ahead-compilers", type=int, default=None,
                    help="CompileOptions.ahead_compilers (default: its default)")
@@ -41,12 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     kills = [int(k) for k in args.kills.split(",")]
     if len(kills) != 2 or not 0 < kills[0] < kills[1] < args.steps:
         p.error(f"--kills {args.kills!r}: two increasing steps below --steps")
+    victims = [int(v) for v in args.victims.split(",")]
+    if len(victims) != 2 or len(set(victims)) != 2 or not all(0 <= v < 4 for v in victims):
+        p.error(f"--victims {args.victims!r}: two different workers of 0-3")
     out = Path(tempfile.mkdtemp(prefix="mnemojax-two-kills-"))
     log = out / "workers.log"
     report = launch_resilient_workers(
         preset="tiny", steps=args.steps, out=out, run="two_kills", nproc=4,
-        devices_per_proc=2, faults=[ProcessFault("kill", 1, kills[0]),
-                                    ProcessFault("kill", 2, kills[1])],
+        devices_per_proc=2, faults=[ProcessFault("kill", victims[0], kills[0]),
+                                    ProcessFault("kill", victims[1], kills[1])],
         compile_cache=str(out / "xla-cache"), timeout_s=args.timeout_s,
         worker_args=() if args.ahead_compilers is None else
         ("--ahead-compilers", str(args.ahead_compilers)))

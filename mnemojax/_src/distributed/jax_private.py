@@ -50,6 +50,8 @@ PRIVATE_API = (
     ("jax._src.compiler", "_cache_write",
      ("cache_key", "compile_time_secs", "module_name", "backend", "executable",
       "host_callbacks")),
+    ("jax._src.compiler", "_cache_read",
+     ("module_name", "cache_key", "compile_options", "backend", "executable_devices")),
     ("jax._src.compilation_cache", "put_executable_and_time",
      ("cache_key", "module_name", "executable", "backend", "compile_time")),
     ("jax._src.cache_key", "_hash_accelerator_config", ("hash_obj", "accelerators")),
@@ -314,6 +316,42 @@ def cache_entries_from_this_process() -> Iterator[None]:
         yield
     finally:
         _cache_writes.on = was
+
+
+_misses = threading.local()  # `before_compiling_a_miss`
+
+
+@contextlib.contextmanager
+def before_compiling_a_miss(wait: Callable[[], bool]) -> Iterator[None]:
+    """In this block (this thread), a persistent-cache miss calls ``wait()`` before JAX
+    compiles; if it returns True, the cache is read again first (another process may have
+    written the entry meanwhile: `coordination.OneCompile`)."""
+    _install_miss_hook()
+    was = getattr(_misses, "wait", None)
+    _misses.wait = wait
+    try:
+        yield
+    finally:
+        _misses.wait = was
+
+
+def _install_miss_hook() -> None:
+    from jax._src import compiler
+    original = compiler._cache_read
+    if getattr(original, "mnemojax_wrapped", False):
+        return
+
+    def cache_read(module_name, cache_key, compile_options, backend, executable_devices):
+        found = original(module_name, cache_key, compile_options, backend,
+                         executable_devices)
+        wait = getattr(_misses, "wait", None)
+        if found[0] is None and wait is not None and wait():
+            found = original(module_name, cache_key, compile_options, backend,
+                             executable_devices)
+        return found
+
+    cache_read.mnemojax_wrapped = True  # type: ignore[attr-defined]
+    compiler._cache_read = cache_read
 
 
 def export_without_vjp(exported: Any) -> Any:

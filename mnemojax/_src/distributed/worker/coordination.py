@@ -235,20 +235,13 @@ class SharedExports:
         self._deadline = time.monotonic() + timeout_s
         self._poll_s = poll_s
 
-    @staticmethod
-    def _client():
-        client = jax_private.global_state().client
-        if client is None:
-            raise DistributedError("shared exports need an initialised distributed client")
-        return client
-
     def publish(self, name: str, payload: bytes | None, *, refused: str | None = None,
                 structure: str | None = None) -> None:
         """Gives the peers ``payload`` under ``name`` (the pieces first, the header last, so
         a reader that finds the header finds every piece), or tells them the step could
         not be exported (``refused``), or, with neither, that they trace it themselves.
         Publishing a name again (a second round in one world) overwrites it alike."""
-        client = self._client()
+        client = _client()
         key = f"{self._prefix}/{name}"
         pieces = [] if payload is None else [
             payload[i:i + _EXPORT_CHUNK] for i in range(0, len(payload), _EXPORT_CHUNK)]
@@ -265,7 +258,7 @@ class SharedExports:
         if ``cancelled()`` or the ``stop`` given is true first; None once this object's
         deadline has passed, or if what arrived is damaged (logged): the caller then
         traces the step itself."""
-        client = self._client()
+        client = _client()
         key = f"{self._prefix}/{name}"
         while True:
             try:
@@ -289,3 +282,71 @@ class SharedExports:
                            name, len(payload), header["size"])
             return None
         return Fetched(payload, structure=header["structure"])
+
+
+class OneCompile:
+    """A new world's step compiled once on one host: when no process finds its executable in
+    the persistent cache (nothing compiled it ahead), process 0 compiles it and the others
+    wait for its entry, instead of every process compiling the same program at once on
+    the cores they share (`compiler.StepCompiler.get` under
+    `jax_private.before_compiling_a_miss`).
+
+    Process 0 says first which cache directory it writes to; a process that reads another
+    one compiles at once. A waiter also stops at ``stop()`` (a death heard of) or after
+    ``timeout_s``, and then compiles itself.
+
+    Args:
+        prefix: the keys' prefix, the same in every process of one world.
+        cache_dir: this process's persistent compilation cache directory.
+        stop: returns True once waiting is pointless.
+        timeout_s: the longest a waiter waits.
+        poll_s: the interval between looks at the store.
+    """
+
+    def __init__(self, prefix: str, cache_dir: str, *, stop: Callable[[], bool] | None = None,
+                 timeout_s: float = 300.0, poll_s: float = 0.02):
+        self._prefix = prefix
+        self._dir = cache_dir
+        self._stop = stop
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
+
+    def compiling(self) -> None:
+        """Process 0, before its compile: where its entry will be."""
+        _client().key_value_set(f"{self._prefix}/dir", self._dir, allow_overwrite=True)
+
+    def compiled(self) -> None:
+        """Process 0, after its compile (or its failure: the others then compile)."""
+        _client().key_value_set(f"{self._prefix}/done", "1", allow_overwrite=True)
+
+    def wait(self) -> bool:
+        """Another process, on a cache miss: True once process 0 has compiled into this
+        process's cache directory (read the cache again), False to compile here."""
+        deadline = time.monotonic() + self._timeout_s
+        theirs = self._await(f"{self._prefix}/dir", deadline)
+        if theirs != self._dir:
+            if theirs is not None:
+                logger.info("mnemojax: process 0 writes its compilation cache to %s, this "
+                            "process reads %s: compiling the step here", theirs, self._dir)
+            return False
+        return self._await(f"{self._prefix}/done", deadline) is not None
+
+    def _await(self, key: str, deadline: float) -> str | None:
+        client = _client()
+        while True:
+            try:
+                return client.key_value_try_get(key)
+            except Exception as e:  # noqa: BLE001 - NOT_FOUND until process 0 writes it
+                if "NOT_FOUND" not in str(e):
+                    logger.debug("mnemojax: looking for %s: %s", key, e)
+            if (self._stop is not None and self._stop()) or time.monotonic() > deadline:
+                return None
+            time.sleep(self._poll_s)
+
+
+def _client():
+    client = jax_private.global_state().client
+    if client is None:
+        raise DistributedError("the coordination service's store needs an initialised "
+                               "distributed client")
+    return client
