@@ -304,6 +304,7 @@ class ResilientStep(Generic[P, R]):
         state_args, user_batch = b.form.split_call(args, kwargs)
         b.durability.check_preemption(self._step, b.last_written)
         leaves = b.form.state_of(state_args)
+        _refuse_arrays_of_other_processes(user_batch)
         batch = host_batch(user_batch)
         self._check_batch(b, batch)
         self._compare_replicated_inputs(b, batch)
@@ -1078,6 +1079,29 @@ class ResilientStep(Generic[P, R]):
 
 
 _build_numbers = itertools.count()
+
+
+def _refuse_arrays_of_other_processes(inputs: Any) -> None:
+    """A step input that is a `jax.Array` spanning other processes' devices (built with
+    ``jax.make_array_from_process_local_data`` or ``host_local_array_to_global_array``)
+    holds rows no survivor has after a loss: it can be neither replayed nor placed on a
+    new mesh.
+
+    Raises:
+        BatchSplitError: naming the first such input, its shape and sharding.
+    """
+    for path, x in jax.tree_util.tree_flatten_with_path(inputs)[0]:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise BatchSplitError(
+                f"the step input {jax.tree_util.keystr(path).lstrip('.') or 'batch'} is a "
+                f"jax.Array of "
+                f"shape {tuple(x.shape)} over devices of other processes ({x.sharding}): "
+                "its rows from other processes are lost with them, so a recovery could "
+                "neither replay the step nor place the batch on a new mesh. Pass host "
+                "numpy instead: the same global batch in every process, or only this "
+                "process's rows through mnemojax.data.HostBatches(source, "
+                "global_batch_size, start=step.restore(...)), which reads each process's "
+                "rows when the step places the batch (README: Per-host data)")
 
 
 @dataclasses.dataclass(eq=False)

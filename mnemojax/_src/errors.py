@@ -44,7 +44,9 @@ class ShardingMismatchError(MnemojaxError, ValueError):
 
 
 class BatchSplitError(MnemojaxError, ValueError):
-    """The global batch cannot be split evenly along the data axis of the mesh."""
+    """The step's inputs cannot be split or placed as given: a global batch the data axes
+    cannot split evenly, a replicated input that differs between processes, or a
+    `jax.Array` over other processes' devices."""
 
 
 class StepHangError(MnemojaxError):

@@ -125,6 +125,21 @@ def test_a_replicated_input_that_differs_between_processes_is_refused(tmp_path):
     assert not (tmp_path / "final.npz").exists()
 
 
+def test_a_batch_array_over_other_processes_devices_is_refused(tmp_path):
+    """A batch built the MaxText way (`jax.make_array_from_process_local_data`: each process
+    gives only its own rows) spans the other processes' devices: after a loss no survivor
+    has the lost rows to replay the step or place it on a new mesh. Every process refuses
+    it at the first call with a BatchSplitError naming the input and HostBatches (exit 5),
+    not JAX's RuntimeError about fetching a non-addressable array."""
+    report = _run(tmp_path, [], nproc=2, extra=("--global-array-batch",))
+    assert report["rc"] == 5, report
+    for w in (0, 1):
+        text = (tmp_path / f"error-w{w}.txt").read_text()
+        assert text.startswith("BatchSplitError: the step input "), text
+        assert "over devices of other processes" in text and "HostBatches" in text, text
+    assert not (tmp_path / "final.npz").exists()
+
+
 def _rows_read(out, worker: int) -> dict[int, int]:
     with open(f"{out}/rows-w{worker}.json") as f:
         return {int(k): n for k, n in json.load(f).items()}

@@ -67,6 +67,9 @@ def main() -> None:
     parser.add_argument("--key-seed", type=int, default=None, metavar="S",
                         help="train tests.helpers.noisy_train_step, given jax.random.key(S) "
                              "every step (a replicated key input)")
+    parser.add_argument("--global-array-batch", action="store_true",
+                        help="pass the batch as a jax.Array built from each process's own "
+                             "rows (jax.make_array_from_process_local_data)")
     parser.add_argument("--key-per-process", action="store_true",
                         help="with --key-seed: seed S + this worker's id, another key in each "
                              "process (a mistake the step must refuse)")
@@ -120,6 +123,12 @@ def main() -> None:
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
                                         "y": batch["y"]})
+        if args.global_array_batch:  # as MaxText does: each process gives its own rows
+            rows = jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0]))
+            n = h.BATCH // jax.process_count()
+            batch = {k: jax.make_array_from_process_local_data(
+                rows, v[jax.process_index() * n:(jax.process_index() + 1) * n], v.shape)
+                for k, v in batch.items()}
         try:
             step(model, optimizer, batch, *inputs)
         except (mnemojax.errors.MeshTooSmallError, mnemojax.errors.StateUnavailableError,
