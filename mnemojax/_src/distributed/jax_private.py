@@ -310,12 +310,18 @@ def cache_entries_from_this_process() -> Iterator[None]:
     _install_cache_writer()
     _install_shared_keys()
     _install_atomic_put()
-    was = getattr(_cache_writes, "on", False)
-    _cache_writes.on = True
+    with _set_in_this_thread(_cache_writes, "on", True):
+        yield
+
+
+@contextlib.contextmanager
+def _set_in_this_thread(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    was = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _cache_writes.on = was
+        setattr(local, name, was)
 
 
 _misses = threading.local()  # `before_compiling_a_miss`
@@ -327,12 +333,8 @@ def before_compiling_a_miss(wait: Callable[[], bool]) -> Iterator[None]:
     compiles; if it returns True, the cache is read again first (another process may have
     written the entry meanwhile: `coordination.OneCompile`)."""
     _install_miss_hook()
-    was = getattr(_misses, "wait", None)
-    _misses.wait = wait
-    try:
+    with _set_in_this_thread(_misses, "wait", wait):
         yield
-    finally:
-        _misses.wait = was
 
 
 def _install_miss_hook() -> None:
