@@ -319,7 +319,8 @@ class ResilientStep(Generic[P, R]):
                 self._snapshot_initial(b, leaves)
             barrier = b.session if b.session is not None and b.exe is None else None
             if barrier is not None:  # `_run` waits at its barrier (a peer lost: recovered)
-                compile_for_world(barrier, b.runtime, batch, b.examples)
+                compile_for_world(barrier, b.runtime, batch, b.examples,
+                                  timeout_s=compiled_barrier_s(b.builder))
             new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch, barrier)
             accepted = self._accept(step, metrics, finite)
         except BaseException:

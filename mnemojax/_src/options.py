@@ -305,7 +305,9 @@ class CompileOptions:
             the other processes' compile (CPU that training shares on a host); a world that
             forms after every compiler of a candidate died before finishing compiles on
             the recovery path (with 1: a fault that kills process 0 before its
-            background compiles are done, a few seconds after each world forms).
+            background compiles are done, a few seconds after each world forms), on one
+            host once: the first process to ask compiles, the others load its entry
+            (`coordination.OneCompile`).
             Every process must see the same cache directory (one host, or a shared file
             system). None: 1 when the launcher runs the job on one host
             (``MNEMOJAX_ONE_HOST``), otherwise every process. Other platforms than CPU,

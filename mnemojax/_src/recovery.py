@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from mnemojax._src import monitoring
-from mnemojax._src.compiler import Executable, cache_dir, shares_cache_entries
+from mnemojax._src.compiler import Executable, cache_dir, export_name, shares_cache_entries
 from mnemojax._src.distributed import env as dist_env
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.worker import coordination, peer_watch, state_transfer
@@ -124,37 +124,42 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
 
 
 def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
-                      examples: int | None) -> Executable:
+                      examples: int | None, *, timeout_s: float = COMPILED_BARRIER_S
+                      ) -> Executable:
     """Multi-process: compiles the step for `runtime`'s mesh (the ``compile`` phase), with
     no barrier yet: the caller waits at ``session.compiled()`` before the first collective.
 
-    On one host (`compiler.shares_cache_entries`), when the executable is not in the
-    persistent cache (a first world, or nothing compiled ahead for this one), process 0
-    compiles it alone and the others load its entry (`coordination.OneCompile`): one
-    compile on the cores they share instead of one per process at once."""
+    On one host (`compiler.shares_cache_entries`, with the peer watch on), when the
+    executable is not in the persistent cache (a first world, or nothing compiled ahead
+    for this one), the first process to ask compiles it and the others load its entry
+    (`coordination.OneCompile`, waiting at most ``timeout_s``: the compile barrier's):
+    one compile on the cores they share instead of one per process at once."""
     session.phase("compile")
     struct = batch_struct(batch, examples)
-    if not shares_cache_entries(one_host=dist_env.one_host()):
-        return runtime.compiler.get(runtime.plan, struct)[0]
+    compiler = runtime.compiler
+    if session.peer_watch is None or not shares_cache_entries(one_host=dist_env.one_host()):
+        return compiler.get(runtime.plan, struct)[0]
+    # One program in one world: the same name in every process (not only its generation: a
+    # second resilient step compiles another program in the same world).
     one = coordination.OneCompile(
-        f"mnemojax/compile/{session.world.generation}", cache_dir(),
-        stop=lambda: peer_watch.known_death() is not None, timeout_s=COMPILED_BARRIER_S)
-    if jax.process_index() != 0:
+        f"mnemojax/compile/{session.world.generation}/"
+        f"{export_name(compiler.key(runtime.plan, struct))}", cache_dir(),
+        stop=lambda: peer_watch.known_death() is not None, timeout_s=timeout_s)
+    if not one.claim():
         with jax_private.before_compiling_a_miss(one.wait):
-            return runtime.compiler.get(runtime.plan, struct)[0]
-    _tell(one.compiling)
+            return compiler.get(runtime.plan, struct)[0]
+    entry = False
     try:
-        return runtime.compiler.get(runtime.plan, struct)[0]
+        with jax_private.counting_cache_writes() as written:
+            exe, where = compiler.get(runtime.plan, struct)
+        entry = where == "cached" or written() > 0
+        return exe
     finally:
-        _tell(one.compiled)
-
-
-def _tell(signal) -> None:
-    try:
-        signal()
-    except Exception as e:  # noqa: BLE001 - the others then compile themselves, or time out
-        log.warning("mnemojax: could not tell the other processes about the step's compile "
-                    "(%s: %s)", type(e).__name__, e)
+        try:
+            one.done(entry)
+        except Exception as e:  # noqa: BLE001 - the others then compile after their wait
+            log.warning("mnemojax: could not tell the other processes about the step's "
+                        "compile (%s: %s)", type(e).__name__, e)
 
 
 def compiled_barrier_s(builder: RuntimeBuilder) -> float:
@@ -406,7 +411,8 @@ class ProcessRecovery:
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
         exe = compile_for_world(session, runtime, self._batches.last,
-                                plan.examples_per_step)
+                                plan.examples_per_step,
+                                timeout_s=compiled_barrier_s(self._builder))
         compile_s = time.perf_counter() - t
         t = time.perf_counter()
         shardings = exe.state_shardings
@@ -419,7 +425,9 @@ class ProcessRecovery:
             restore_s = time.perf_counter() - t
         else:  # the agreement chose a step every survivor can replay from
             # Fetched and placed before the barrier: no collective runs in either, so
-            # while the slowest peer still compiles, the others restore.
+            # while the slowest peer still compiles, the others restore (on one host a
+            # compile with no cached entry is one process's, the others wait inside
+            # `compile_for_world`: then they restore after it).
             resume = agreement.resume_step
             leaves = session.restore(rec, shardings, put=runtime.layer.put)
             source = "agent_snapshots"

@@ -76,8 +76,8 @@ def test_two_processes_share_one_cache_entry_and_either_loads_the_others(tmp_pat
     processes (one entry each); inside `cache_entries_from_this_process` it is the same.
     An entry process 0 wrote is loaded by process 1, and the program (a reduction across
     both) computes what numpy does. Entries are whole: no partial file is left. A program
-    process 1 asks for while process 0 compiles it (`coordination.OneCompile`, as a new
-    world's step on one host): process 1 misses, waits, and loads process 0's entry."""
+    process 0 claimed to compile (`coordination.OneCompile`, as a new world's step on one
+    host): process 1 misses, waits, and loads process 0's entry."""
     import json
 
     from tests import helpers
@@ -89,6 +89,7 @@ def test_two_processes_share_one_cache_entry_and_either_loads_the_others(tmp_pat
     assert p0["plain_key"] != p1["plain_key"]  # JAX's own keys: one per process
     assert p0["shared_key"] == p1["shared_key"] and p0["g_key"] == p1["g_key"]
     assert (p0["g_hit"], p1["g_hit"]) == (False, True)  # process 1 loaded process 0's entry
+    assert (p0["h_claimed"], p1["h_claimed"]) == (True, False)
     assert (p0["h_reads"], p1["h_reads"]) == ([False], [False, True])  # one compile
     assert max(p0["max_error"], p1["max_error"]) < 1e-5
     names = sorted(os.listdir(cache))

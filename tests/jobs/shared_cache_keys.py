@@ -8,8 +8,9 @@ key JAX looks up, once as JAX computes it and once inside the context. Then proc
 alone compiles a second program inside the context (writing its entry), and process 1,
 once told, compiles it too: it should load process 0's entry. Both then run it (a
 reduction across the two processes) and compare with numpy. Then a third program goes
-the way a new world's step does on one host (`coordination.OneCompile`): process 1 asks
-for it at once, misses, waits for process 0's compile and reads its entry. Writes what it
+the way a new world's step does on one host (`coordination.OneCompile`): process 0 claims
+its compile, process 1 finds the claim, misses, waits for process 0's compile and reads its
+entry. Writes what it
 saw to
 OUT_DIR/pPROCESS_ID.json.
 """
@@ -86,12 +87,16 @@ def main() -> None:
 
     one = OneCompile("test/compile", cache_dir)
     reads = len(hits)
+    if pid == 1:
+        client.blocking_key_value_get("h-claimed", 60_000)  # process 0 claims first
+    claimed = one.claim()
     with jax_private.cache_entries_from_this_process():
-        if pid == 0:
-            one.compiling()
+        if claimed:
+            client.key_value_set("h-claimed", "1")
             client.blocking_key_value_get("h-missed", 60_000)  # so process 1 misses first
-            compiled_h = jax.jit(h, out_shardings=replicated).lower(x).compile()
-            one.compiled()
+            with jax_private.counting_cache_writes() as written:
+                compiled_h = jax.jit(h, out_shardings=replicated).lower(x).compile()
+            one.done(written() > 0)
         else:
             def missed_then_wait() -> bool:
                 client.key_value_set("h-missed", "1")
@@ -104,7 +109,8 @@ def main() -> None:
     error = max(error, float(np.abs(np.asarray(y.addressable_shards[0].data) - expected).max()))
     with open(out, "w") as f_out:
         json.dump({"plain_key": plain, "shared_key": shared, "g_hit": g_hit,
-                   "g_key": g_key, "h_reads": hits[reads:], "max_error": error}, f_out)
+                   "g_key": g_key, "h_claimed": claimed, "h_reads": hits[reads:],
+                   "max_error": error}, f_out)
     jax.distributed.shutdown()
 
 

@@ -9,8 +9,10 @@ needs ``jax._src.distributed.global_state`` and
 `check_jax_version` and `check_private_api` (a unit test calls the latter, so a JAX upgrade
 that changes these shapes fails loudly instead of misbehaving at the first failure). Also
 here: the persistent-cache writer of every process (`cache_entries_from_this_process`, with
-cache keys made the same in every process and entries written atomically) and an export's
-private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
+cache keys made the same in every process and entries written atomically, and
+`counting_cache_writes`), a hook on JAX's cache read that can wait for another process's
+entry before compiling (`before_compiling_a_miss`, for `coordination.OneCompile`) and an
+export's private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
 
 Nothing happens on import: JAX itself is imported inside the functions.
 """
@@ -187,6 +189,7 @@ def _install_cache_writer() -> None:
         try:
             compilation_cache.put_executable_and_time(
                 cache_key, module_name, executable, backend, int(compile_time_secs))
+            _cache_writes.written = getattr(_cache_writes, "written", 0) + 1
         except Exception as e:  # noqa: BLE001 - a cache entry is an optimisation
             logger.warning("mnemojax: could not write the compilation cache entry of %s: "
                            "%s", module_name, e)
@@ -312,6 +315,14 @@ def cache_entries_from_this_process() -> Iterator[None]:
     _install_atomic_put()
     with _set_in_this_thread(_cache_writes, "on", True):
         yield
+
+
+@contextlib.contextmanager
+def counting_cache_writes() -> Iterator[Callable[[], int]]:
+    """Yields a function giving how many persistent-cache entries compiles inside
+    `cache_entries_from_this_process` on this thread wrote since the block began."""
+    before = getattr(_cache_writes, "written", 0)
+    yield lambda: getattr(_cache_writes, "written", 0) - before
 
 
 @contextlib.contextmanager

@@ -286,17 +286,20 @@ class SharedExports:
 
 class OneCompile:
     """A new world's step compiled once on one host: when no process finds its executable in
-    the persistent cache (nothing compiled it ahead), process 0 compiles it and the others
-    wait for its entry, instead of every process compiling the same program at once on
-    the cores they share (`compiler.StepCompiler.get` under
+    the persistent cache (nothing compiled it ahead), the first process to ask compiles
+    it and the others wait for its entry, instead of every process compiling the same
+    program at once on the cores they share (`recovery.compile_for_world`, under
     `jax_private.before_compiling_a_miss`).
 
-    Process 0 says first which cache directory it writes to; a process that reads another
-    one compiles at once. A waiter also stops at ``stop()`` (a death heard of) or after
-    ``timeout_s``, and then compiles itself.
+    `claim` decides who compiles (the first to set the claim, which names its cache
+    directory: a process that reads another one compiles itself). The claimer says when it
+    is done and whether its entry is in the cache (`done`); a waiter then reads the cache
+    again, or compiles itself when there is no entry (a step with host callbacks, whose
+    executables JAX does not write). A waiter also stops at ``stop()`` (a death heard of)
+    or after ``timeout_s``, and then compiles itself.
 
     Args:
-        prefix: the keys' prefix, the same in every process of one world.
+        prefix: the keys' prefix, the same in every process for one program in one world.
         cache_dir: this process's persistent compilation cache directory.
         stop: returns True once waiting is pointless.
         timeout_s: the longest a waiter waits.
@@ -311,37 +314,56 @@ class OneCompile:
         self._timeout_s = timeout_s
         self._poll_s = poll_s
 
-    def compiling(self) -> None:
-        """Process 0, before its compile: where its entry will be."""
-        _client().key_value_set(f"{self._prefix}/dir", self._dir, allow_overwrite=True)
+    def claim(self) -> bool:
+        """True if this process compiles (it claimed first, or the store failed: then it
+        compiles as without sharing); False if another did, into this process's cache."""
+        try:
+            _client().key_value_set(f"{self._prefix}/claim", self._dir)
+            return True
+        except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process claimed it
+            if "ALREADY_EXISTS" not in str(e):
+                logger.info("mnemojax: could not claim the step's compile (%s); compiling "
+                            "it here", e)
+                return True
+        theirs = self._get(f"{self._prefix}/claim")
+        if theirs != self._dir:
+            logger.info("mnemojax: the process compiling the step writes its compilation "
+                        "cache to %s, this process reads %s: compiling it here too",
+                        theirs, self._dir)
+            return True
+        return False
 
-    def compiled(self) -> None:
-        """Process 0, after its compile (or its failure: the others then compile)."""
-        _client().key_value_set(f"{self._prefix}/done", "1", allow_overwrite=True)
+    def done(self, entry: bool) -> None:
+        """The claimer, after its compile (or its failure): whether its entry is cached."""
+        _client().key_value_set(f"{self._prefix}/done", "entry" if entry else "none",
+                                allow_overwrite=True)
 
     def wait(self) -> bool:
-        """Another process, on a cache miss: True once process 0 has compiled into this
-        process's cache directory (read the cache again), False to compile here."""
+        """A process that did not claim, on a cache miss: True once the claimer's entry is in
+        the cache (read it again), False to compile here. Never raises."""
         deadline = time.monotonic() + self._timeout_s
-        theirs = self._await(f"{self._prefix}/dir", deadline)
-        if theirs != self._dir:
-            if theirs is not None:
-                logger.info("mnemojax: process 0 writes its compilation cache to %s, this "
-                            "process reads %s: compiling the step here", theirs, self._dir)
+        try:
+            client = _client()
+            while True:
+                try:
+                    return client.key_value_try_get(f"{self._prefix}/done") == "entry"
+                except Exception as e:  # noqa: BLE001 - NOT_FOUND until the claimer is done
+                    if "NOT_FOUND" not in str(e):
+                        logger.debug("mnemojax: waiting for the step's compile: %s", e)
+                if (self._stop is not None and self._stop()) or time.monotonic() > deadline:
+                    return False
+                time.sleep(self._poll_s)
+        except Exception as e:  # noqa: BLE001 - no store: compile here
+            logger.info("mnemojax: waiting for the step's compile failed (%s); compiling it "
+                        "here", e)
             return False
-        return self._await(f"{self._prefix}/done", deadline) is not None
 
-    def _await(self, key: str, deadline: float) -> str | None:
-        client = _client()
-        while True:
-            try:
-                return client.key_value_try_get(key)
-            except Exception as e:  # noqa: BLE001 - NOT_FOUND until process 0 writes it
-                if "NOT_FOUND" not in str(e):
-                    logger.debug("mnemojax: looking for %s: %s", key, e)
-            if (self._stop is not None and self._stop()) or time.monotonic() > deadline:
-                return None
-            time.sleep(self._poll_s)
+    @staticmethod
+    def _get(key: str) -> str | None:
+        try:
+            return _client().key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - gone: compile here
+            return None
 
 
 def _client():
