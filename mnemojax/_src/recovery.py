@@ -125,9 +125,11 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
 
 def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
                       examples: int | None, *, timeout_s: float = COMPILED_BARRIER_S
-                      ) -> Executable:
+                      ) -> tuple[Executable, bool]:
     """Multi-process: compiles the step for `runtime`'s mesh (the ``compile`` phase), with
     no barrier yet: the caller waits at ``session.compiled()`` before the first collective.
+    Returns the executable and whether it was compiled now, here or by the process this
+    one waited for (not loaded from an entry written before).
 
     On one host (`compiler.shares_cache_entries`, with the peer watch on), when the
     executable is not in the persistent cache (a first world, or nothing compiled ahead
@@ -138,7 +140,8 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
     struct = batch_struct(batch, examples)
     compiler = runtime.compiler
     if session.peer_watch is None or not shares_cache_entries(one_host=dist_env.one_host()):
-        return compiler.get(runtime.plan, struct)[0]
+        exe, where = compiler.get(runtime.plan, struct)
+        return exe, where == "compiled"
     # One program in one world: the same name in every process (not only its generation: a
     # second resilient step compiles another program in the same world).
     one = coordination.OneCompile(
@@ -146,14 +149,21 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
         f"{export_name(compiler.key(runtime.plan, struct))}", cache_dir(),
         stop=lambda: peer_watch.known_death() is not None, timeout_s=timeout_s)
     if not one.claim():
-        with jax_private.before_compiling_a_miss(one.wait):
-            return compiler.get(runtime.plan, struct)[0]
+        waited = []
+
+        def wait() -> bool:
+            waited.append(True)
+            return one.wait()
+
+        with jax_private.before_compiling_a_miss(wait):
+            exe, where = compiler.get(runtime.plan, struct)
+        return exe, where == "compiled" or bool(waited)
     entry = False
     try:
         with jax_private.counting_cache_writes() as written:
             exe, where = compiler.get(runtime.plan, struct)
         entry = where == "cached" or written() > 0
-        return exe
+        return exe, where == "compiled"
     finally:
         try:
             one.done(entry)
@@ -410,9 +420,9 @@ class ProcessRecovery:
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
-        exe = compile_for_world(session, runtime, self._batches.last,
-                                plan.examples_per_step,
-                                timeout_s=compiled_barrier_s(self._builder))
+        exe, compiled_now = compile_for_world(session, runtime, self._batches.last,
+                                              plan.examples_per_step,
+                                              timeout_s=compiled_barrier_s(self._builder))
         compile_s = time.perf_counter() - t
         t = time.perf_counter()
         shardings = exe.state_shardings
@@ -447,8 +457,8 @@ class ProcessRecovery:
             new_mesh_devices=tuple(int(i) for i in plan.device_ids.flat),
             plan_kind="grow_back" if grown else "process_loss", source=source,
             source_step=resume,
-            steps_lost=step - 1 - resume, precompiled=exe.from_cache,
-            executable="cached" if exe.from_cache else "compiled",
+            steps_lost=step - 1 - resume, precompiled=not compiled_now,
+            executable="compiled" if compiled_now else "cached",
             phases_s=phases, total_s=0.0, bytes_moved=rec.state.fetched_bytes,
             groups_kept=plan.kept_group_count(), groups_changed=plan.changed_group_count(),
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,

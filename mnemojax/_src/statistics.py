@@ -26,7 +26,8 @@ class RecoveryRecord:
         executable: ``ready``, ``waited`` (ahead-of-time compile still running),
             ``cached`` (loaded from the persistent compilation cache: across processes,
             the entry the world before wrote ahead) or ``compiled`` (compiled on the
-            critical path).
+            critical path: across processes on one host, possibly by the process this
+            one waited for, `coordination.OneCompile`).
         phases_s: seconds per phase (detect, plan, reshard, compile, replay).
         total_s: from the failure surfacing to the replayed step's results being ready.
         bytes_moved: bytes read from surviving devices or snapshots plus bytes placed on
