@@ -1054,6 +1054,14 @@ class ResilientStep(Generic[P, R]):
         proxy = b.runtime.proxy
         rules = self._rules()
         export_only, sharing = False, None
+        if b.session is not None and b.builder.facts.host_callbacks:
+            if not b.skipped_precompile:
+                b.skipped_precompile = True
+                log.info("mnemojax: the step calls back to the host, so JAX writes no "
+                         "compilation cache entry for it and a new world cannot load one: "
+                         "no candidate world is compiled ahead across processes (a "
+                         "recovery compiles the step on its path)")
+            return
         if b.session is not None:
             # The worlds one process's loss forms: compiled over this world's devices of the
             # ids they will have, by `ahead_compilers` of the processes (the others keep
@@ -1124,6 +1132,7 @@ class _Built:
     examples: int | None = None  # examples the current mesh's step uses
     snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
     precompile_due: bool = False
+    skipped_precompile: bool = False  # (said once: a step with host callbacks)
     meshes: list[Mesh] = dataclasses.field(default_factory=list)  # every mesh run on
     memory_room: list[float] | None = None  # this mesh's devices' (`_max_model_shrink`)
     number: int = 0  # which build of the job (the same in every process)

@@ -116,6 +116,16 @@ class Executable:
     warm: bool = False  # executed once already (`StepCompiler.warm_one`)
 
 
+@dataclasses.dataclass
+class StepFacts:
+    """What the compiles of one step learned about it, kept across worlds (a
+    `RuntimeBuilder` gives every compiler it builds the same one)."""
+
+    # Calls back to the host (`jax.debug.print`, a callback): JAX writes no persistent-
+    # cache entry for its executables. None until a compile tells.
+    host_callbacks: bool | None = None
+
+
 class ExportedSteps:
     """The step exported per plan and batch (`StepCompiler.key`), kept across worlds.
 
@@ -359,7 +369,8 @@ class StepCompiler:
                  axis_types: shd.AxisTypes | None = None,
                  exports: ExportedSteps | None = None,
                  switch_interval_s: float | None = None,
-                 leaf_names: Sequence[str] | None = None):
+                 leaf_names: Sequence[str] | None = None,
+                 facts: StepFacts | None = None):
         self._pure = pure
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
         self._switch_interval_s = switch_interval_s
@@ -372,6 +383,7 @@ class StepCompiler:
         self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
         self._has_callbacks: bool | None = None  # does the step call back to the host?
+        self.facts = facts if facts is not None else StepFacts()
         self.warmed = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -448,6 +460,8 @@ class StepCompiler:
             lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
                                             ahead)
         t1 = time.perf_counter()
+        if self.facts.host_callbacks is None:
+            self.facts.host_callbacks = jax_private.has_host_callbacks(lowered)
         self._check_state_types(lowered)
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)

@@ -139,7 +139,9 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
     session.phase("compile")
     struct = batch_struct(batch, examples)
     compiler = runtime.compiler
-    if session.peer_watch is None or not shares_cache_entries(one_host=dist_env.one_host()):
+    if (session.peer_watch is None or compiler.facts.host_callbacks
+            or not shares_cache_entries(one_host=dist_env.one_host())):
+        # (A step with host callbacks: JAX writes no entry to wait for.)
         exe, where = compiler.get(runtime.plan, struct)
         return exe, where == "compiled"
     # One program in one world: the same name in every process (not only its generation: a
@@ -152,6 +154,8 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
         waited = []
 
         def wait() -> bool:
+            if compiler.facts.host_callbacks:  # (told by this compile's lowering)
+                return False  # JAX writes no entry for it: nothing to wait for
             waited.append(True)
             return one.wait()
 

@@ -22,7 +22,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import ExportedSteps, StepCompiler
+from mnemojax._src.compiler import ExportedSteps, StepCompiler, StepFacts
 from mnemojax._src.device_layer import DeviceLayer, JaxDeviceLayer
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy
@@ -97,6 +97,7 @@ class RuntimeBuilder:
         self.exports = ExportedSteps(max(1, 2 * options.compile.max_precompiled)) \
             if export_steps else None
         self.axis_types = dict(axis_types or {})
+        self.facts = StepFacts()  # what every world's compiles learned about the step
         self._pure = pure
         self._specs = list(specs)
         self.leaf_structs: list[LeafStruct] = list(leaf_structs)
@@ -132,7 +133,7 @@ class RuntimeBuilder:
                 check_state=opts.check_state and opts.nonfinite != "ignore",
                 axis_types=self.axis_types, exports=self.exports,
                 switch_interval_s=opts.compile.background_switch_interval_s,
-                leaf_names=self._leaf_names)
+                leaf_names=self._leaf_names, facts=self.facts)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,

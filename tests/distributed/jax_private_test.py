@@ -152,3 +152,17 @@ def test_the_shared_key_holds_the_hosts_cpu(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         compilation_cache.reset_cache()
+
+
+def test_host_callbacks_are_told_from_a_lowered_computation():
+    """`has_host_callbacks` reads a private field of JAX's lowering: a step with
+    `jax.debug.print` has them (JAX writes no cache entry for it), a plain one has none."""
+    import jax
+    import jax.numpy as jnp
+
+    def printing(x):
+        jax.debug.print("{}", x.sum())
+        return x * 2
+
+    assert jax_private.has_host_callbacks(jax.jit(printing).lower(jnp.ones(3))) is True
+    assert jax_private.has_host_callbacks(jax.jit(lambda x: x * 2).lower(jnp.ones(3))) is False

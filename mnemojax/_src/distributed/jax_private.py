@@ -367,6 +367,16 @@ def _install_miss_hook() -> None:
     compiler._cache_read = cache_read
 
 
+def has_host_callbacks(lowered: Any) -> bool | None:
+    """Whether a lowered computation (`jax.stages.Lowered`) calls back to the host: JAX
+    writes no persistent-cache entry for such an executable. None where it cannot be told
+    (the private field is gone)."""
+    try:
+        return bool(lowered._lowering.compile_args["host_callbacks"])
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
 def export_without_vjp(exported: Any) -> Any:
     """A `jax.export.Exported` without its VJP closure, which holds the traced function
     and its concrete devices (and so their client) alive; such an export can be called,
