@@ -180,7 +180,9 @@ class ExportedSteps:
             self.refused = why
         if first:
             log.warning("mnemojax: the step cannot be exported (%s); a new world after a "
-                        "process loss traces it again on the recovery path", why)
+                        "process loss traces it again on the recovery path (and compiles it "
+                        "there too if it calls back to the host: JAX caches no executable "
+                        "of such a step)", why)
 
     def __len__(self) -> int:
         with self._lock:
