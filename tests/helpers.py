@@ -21,6 +21,14 @@ loss_fn = classification_loss
 train_step = mlp_train_step
 
 
+def printing_train_step(model, optimizer, batch):
+    """`train_step` that prints its loss every step (`jax.debug.print`: a host callback,
+    whose executables JAX writes to no persistent cache)."""
+    metrics = train_step(model, optimizer, batch)
+    jax.debug.print("mnemojax test job: loss {loss}", loss=metrics["loss"])
+    return metrics
+
+
 def noisy_train_step(model, optimizer, batch, key):
     """The test step on inputs jittered by a PRNG key folded with the optimizer's step
     count: a step whose math depends on a replicated key input (the Flax dropout guide's

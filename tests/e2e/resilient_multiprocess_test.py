@@ -140,6 +140,21 @@ def test_a_batch_array_over_other_processes_devices_is_refused(tmp_path):
     assert not (tmp_path / "final.npz").exists()
 
 
+def test_a_step_with_host_callbacks_compiles_nothing_ahead_and_recovers_exact(
+        tmp_path, reference):
+    """The step prints its loss (`jax.debug.print`), with the persistent cache on: JAX
+    writes no entry for an executable with host callbacks, so no process compiles a
+    candidate world ahead (nobody could load it) and, after worker 1 is killed, the new
+    world compiles on its path without waiting for another process's entry; it ends
+    exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 3)],
+                  extra=("--debug-print", "--precompile-cache", str(tmp_path / "xla")))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["executable"] == "compiled" and not rec["from_export"], rec
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["precompiled_meshes"] == 0 and stats["exports_taken"] == 0, stats
+
+
 def _rows_read(out, worker: int) -> dict[int, int]:
     with open(f"{out}/rows-w{worker}.json") as f:
         return {int(k): n for k, n in json.load(f).items()}

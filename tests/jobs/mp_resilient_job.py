@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--key-seed", type=int, default=None, metavar="S",
                         help="train tests.helpers.noisy_train_step, given jax.random.key(S) "
                              "every step (a replicated key input)")
+    parser.add_argument("--debug-print", action="store_true",
+                        help="train tests.helpers.printing_train_step (a host callback)")
     parser.add_argument("--global-array-batch", action="store_true",
                         help="pass the batch as a jax.Array built from each process's own "
                              "rows (jax.make_array_from_process_local_data)")
@@ -94,6 +96,8 @@ def main() -> None:
         extra_opts["snapshot"] = mnemojax.SnapshotOptions(
             hold_live_replicas=not args.no_held_replicas, replicate_in_series=args.in_series)
     train_step = h.train_step if args.key_seed is None else h.noisy_train_step
+    if args.debug_print:
+        train_step = h.printing_train_step
     seed = None if args.key_seed is None else args.key_seed + me * args.key_per_process
     inputs = () if seed is None else (jax.random.key(seed),)
     step = mnemojax.resilient(train_step, mesh=mesh, fault_injector=faults,
