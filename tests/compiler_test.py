@@ -465,6 +465,21 @@ def test_a_step_that_reads_its_world_while_tracing_is_not_exported(read, caplog)
         compiler.close()
 
 
+@pytest.mark.parametrize("read", [None, "process_count"])
+def test_process_0s_first_compile_is_the_watched_trace(read):
+    """Process 0 exports the candidates for every process: its first trace, the world's
+    first compile, is the one watched for world reads (a watch slows a trace ~2.4x), so its
+    first export, on the candidates' path, is not; a read found there refuses exports."""
+    exports = ExportedSteps()
+    compiler = _compiler(_Counting(reads_world=read), exports=exports)
+    try:
+        exe, _ = compiler.get(_plan((4, 2)), BATCH)
+        assert exports.watched and not exe.exported
+        assert (exports.refused is None) == (read is None), exports.refused
+    finally:
+        compiler.close()
+
+
 def test_exported_steps_keep_the_newest_entries():
     with pytest.raises(ValueError, match="max_entries must be >= 1, got 0"):
         ExportedSteps(max_entries=0)

@@ -158,7 +158,9 @@ class ExportedSteps:
         self._lock = threading.Lock()
         self.refused: str | None = None
         self.taken = 0  # exports taken from the exporting process (`ExportSharing`)
-        self.watched = False  # the first export was traced under `_world_reads_while`
+        # The step's first trace was watched (`_world_reads_while`): process 0's first
+        # compile, or else the first export.
+        self.watched = False
 
     def get(self, key: tuple) -> jax_export.Exported | None:
         with self._lock:
@@ -531,7 +533,29 @@ class StepCompiler:
             except Exception as e:  # noqa: BLE001 - never worse than tracing
                 log.warning("mnemojax: lowering the step for mesh %s from its export failed "
                             "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
+        exports = self._exports
+        if (exports is not None and not exports.watched and exports.refused is None
+                and jax.process_index() == 0):
+            # Process 0 exports the candidates for every process (`ExportSharing`): its
+            # first trace, the world's first compile, is watched here, off the
+            # candidates' path (the watch makes a trace ~2.4x slower).
+            # (A read refuses exports; the lowering itself is right for this world.)
+            step = jit(self._checked_for(mesh))  # (outside: mnemojax's own reads)
+            lowered, _ = self._watched(exports, lambda: step.lower(*args))
+            return lowered, False
         return jit(self._checked_for(mesh)).lower(*args), False
+
+    @staticmethod
+    def _watched(exports: ExportedSteps, trace: Callable[[], Any]) -> tuple[Any, bool]:
+        """``trace()`` (the step's first trace with `exports`) watched for reads of its
+        world (`_world_reads_while`); returns its result and whether none was seen (with
+        one, exports are refused for the run)."""
+        exports.watched = True
+        traced, reads = _world_reads_while(trace)
+        if reads:
+            exports.refuse("it reads its world while tracing, which an export would fix at "
+                           "this world's value: " + "; ".join(sorted(set(reads))[:3]))
+        return traced, not reads
 
     def _exported(self, jit, mesh: Mesh, args, key: tuple, ahead: bool):
         """The step's export for `key`: kept, or (`ahead`, with `exports`) made now; None
@@ -546,13 +570,8 @@ class StepCompiler:
                 if exports.watched:
                     exported = export(*args)
                 else:  # the step's first export: does it read the world while tracing?
-                    exports.watched = True
-                    exported, reads = _world_reads_while(lambda: export(*args))
-                    if reads:
-                        exported = None
-                        exports.refuse("it reads its world while tracing, which an export "
-                                       "would fix at this world's value: "
-                                       + "; ".join(sorted(set(reads))[:3]))
+                    exported, clean = self._watched(exports, lambda: export(*args))
+                    exported = exported if clean else None
                 if exported is not None:
                     exports.put(key, exported)
             except Exception as e:  # noqa: BLE001 - e.g. a host callback: not exportable
