@@ -1099,12 +1099,17 @@ def _refuse_arrays_of_other_processes(inputs: Any) -> None:
     Raises:
         BatchSplitError: naming the first such input, its shape and sharding.
     """
+    def foreign(x) -> bool:
+        return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+    if not any(foreign(x) for x in jax.tree.leaves(inputs)):  # every step: the cheap look
+        return
     for path, x in jax.tree_util.tree_flatten_with_path(inputs)[0]:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if foreign(x):
             raise BatchSplitError(
                 f"the step input {jax.tree_util.keystr(path).lstrip('.') or 'batch'} is a "
-                f"jax.Array of "
-                f"shape {tuple(x.shape)} over devices of other processes ({x.sharding}): "
+                f"jax.Array of shape {tuple(x.shape)} over devices of other processes "
+                f"({x.sharding}): "
                 "its rows from other processes are lost with them, so a recovery could "
                 "neither replay the step nor place the batch on a new mesh. Pass host "
                 "numpy instead: the same global batch in every process, or only this "
