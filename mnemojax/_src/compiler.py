@@ -285,8 +285,13 @@ def shares_cache_entries(*, one_host: bool) -> bool:
     """Whether every process of this world loads what any of them compiled: several
     processes on one host (one cache directory), CPU devices (the key every process
     shares, `jax_private.cache_entries_from_this_process`) and a persistent cache on."""
-    return (jax.process_count() > 1 and one_host
-            and jax_private.shared_key_platform(jax.devices())
+    return jax.process_count() > 1 and one_host and _keys_shared()
+
+
+def _keys_shared() -> bool:
+    """A persistent cache is on, under keys every process computes alike (CPU devices,
+    `jax_private.shared_key_platform`): any process's entry serves every process."""
+    return (jax_private.shared_key_platform(jax.devices())
             and bool(getattr(jax.config, _CACHE_ON_FLAG)) and bool(getattr(jax.config, _CACHE_FLAG)))
 
 
@@ -304,10 +309,8 @@ def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
     compilation cache is on."""
     n = jax.process_count()
     compilers = ahead_compilers if ahead_compilers is not None else (1 if one_host else n)
-    if compilers >= n or not jax_private.shared_key_platform(jax.devices()):
-        return True
-    if not (getattr(jax.config, _CACHE_ON_FLAG) and getattr(jax.config, _CACHE_FLAG)):
-        return True  # no persistent cache: nothing to load another process's compile from
+    if compilers >= n or not _keys_shared():
+        return True  # (no cache or per-process keys: nothing to load another's compile from)
     return jax.process_index() in ahead_compiler_ranks(n, compilers)
 
 
@@ -386,7 +389,7 @@ class StepCompiler:
         self._donate = donate
         self._check_state = check_state
         self._ready: dict[tuple, Executable] = {}
-        self._has_callbacks: bool | None = None  # does the step call back to the host?
+        self._said_not_warmed = False  # (`warm_one`, once: a step with host callbacks)
         self.facts = facts if facts is not None else StepFacts()
         self.warmed = 0
         self._futures: dict[tuple, concurrent.futures.Future] = {}
@@ -804,16 +807,17 @@ class StepCompiler:
             return False
         key, exe = cold[0]
         exe.warm = True
-        if self._has_callbacks is None:
+        if self.facts.host_callbacks is None:  # its lowering could not tell: read the HLO
             try:
                 text = exe.compiled.as_text()
             except Exception:  # noqa: BLE001 - unreadable: assume callbacks (never warm)
                 text = None
-            self._has_callbacks = text is None or "callback" in text
-            if self._has_callbacks:
+            self.facts.host_callbacks = text is None or "callback" in text
+        if self.facts.host_callbacks:
+            if not self._said_not_warmed:
+                self._said_not_warmed = True
                 log.info("mnemojax: the step calls back to the host (or its HLO cannot be "
                          "read): fallback executables are not warmed")
-        if self._has_callbacks:
             return False
         try:  # dispatched on this (the training) thread: its order on every device
             state = [_zeros(shape, dtype, sh) for (shape, dtype), sh in

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import jax_private
@@ -260,18 +261,13 @@ class SharedExports:
         traces the step itself."""
         client = _client()
         key = f"{self._prefix}/{name}"
-        while True:
-            try:
-                header = json.loads(client.key_value_try_get(f"{key}/header"))
-                break
-            except Exception as e:  # noqa: BLE001 - NOT_FOUND until the peer publishes
-                if "NOT_FOUND" not in str(e):  # e.g. the service going away with its world
-                    logger.debug("mnemojax: looking for a peer's export %s: %s", name, e)
-            if cancelled() or (self._stop is not None and self._stop()):
-                return Fetched(None, given_up=True)
-            if time.monotonic() > self._deadline:
-                return None
-            time.sleep(self._poll_s)
+        found = _poll_key(client, f"{key}/header", deadline=self._deadline, poll_s=self._poll_s,
+                          stop=lambda: cancelled() or (self._stop is not None and self._stop()))
+        if found is _STOPPED:
+            return Fetched(None, given_up=True)
+        if found is None:
+            return None
+        header = json.loads(found)
         if header["refused"] is not None or header["crc32c"] is None:
             return Fetched(None, header["refused"])  # nothing to take: trace it here
         payload = b"".join(client.key_value_try_get_bytes(f"{key}/piece/{i}")
@@ -341,18 +337,10 @@ class OneCompile:
     def wait(self) -> bool:
         """A process that did not claim, on a cache miss: True once the claimer's entry is in
         the cache (read it again), False to compile here. Never raises."""
-        deadline = time.monotonic() + self._timeout_s
         try:
-            client = _client()
-            while True:
-                try:
-                    return client.key_value_try_get(f"{self._prefix}/done") == "entry"
-                except Exception as e:  # noqa: BLE001 - NOT_FOUND until the claimer is done
-                    if "NOT_FOUND" not in str(e):
-                        logger.debug("mnemojax: waiting for the step's compile: %s", e)
-                if (self._stop is not None and self._stop()) or time.monotonic() > deadline:
-                    return False
-                time.sleep(self._poll_s)
+            return _poll_key(_client(), f"{self._prefix}/done",
+                             deadline=time.monotonic() + self._timeout_s, poll_s=self._poll_s,
+                             stop=lambda: self._stop is not None and self._stop()) == "entry"
         except Exception as e:  # noqa: BLE001 - no store: compile here
             logger.info("mnemojax: waiting for the step's compile failed (%s); compiling it "
                         "here", e)
@@ -364,6 +352,28 @@ class OneCompile:
             return _client().key_value_try_get(key)
         except Exception:  # noqa: BLE001 - gone: compile here
             return None
+
+
+_STOPPED = object()  # `_poll_key`: its ``stop()`` came true first
+
+
+def _poll_key(client, key: str, *, stop: Callable[[], bool], deadline: float,
+              poll_s: float) -> Any:
+    """The value under ``key`` in the coordination service's store once it is set;
+    `_STOPPED` if ``stop()`` is true first; None once ``deadline`` (monotonic) has passed.
+    Any error other than NOT_FOUND (the service going away with its world) is logged at
+    DEBUG and polling goes on, within the same bounds."""
+    while True:
+        try:
+            return client.key_value_try_get(key)
+        except Exception as e:  # noqa: BLE001 - NOT_FOUND until a peer sets it
+            if "NOT_FOUND" not in str(e):
+                logger.debug("mnemojax: looking for %s: %s", key, e)
+        if stop():
+            return _STOPPED
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
 
 
 def _client():
