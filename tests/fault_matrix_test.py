@@ -9,6 +9,7 @@ Cells already covered elsewhere (named here so the matrix is complete):
   snapshot budget exceeded -> snapshots off + warning -> tests/snapshot_test.py
   preemption (SIGTERM), memory pressure               -> tests/persistent_test.py
   NaN loss -> NonFiniteLossError (default)            -> tests/api_test.py
+  device lost during guarded work (an eval)           -> tests/guard_test.py
 """
 
 import numpy as np

@@ -48,6 +48,23 @@ def make_batches(n: int, seed: int = 0, batch: int = BATCH):
              "y": rng.integers(0, DOUT, size=(batch,)).astype(np.int32)} for _ in range(n)]
 
 
+# The eval batch of the jobs' and tests' eval steps (`ResilientStep.guard`).
+EVAL_BATCH = make_batches(1, seed=7)[0]
+
+
+def reference_evals(batches) -> list[float]:
+    """The loss on `EVAL_BATCH` after each of `batches` in the failure-free plain Flax run
+    (one device)."""
+    model, optimizer = make_mlp()
+    step = nnx.jit(train_step)
+    evaluate = nnx.jit(loss_fn)
+    out = []
+    for b in batches:
+        step(model, optimizer, b)
+        out.append(float(evaluate(model, EVAL_BATCH)))
+    return out
+
+
 def _host(x) -> np.ndarray:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)

@@ -69,7 +69,15 @@ from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
 from mnemojax._src.statistics import RecoveryRecord, Statistics
-from mnemojax._src.step_forms import CallInputs, Convention, StepForm, batch_splits, form_for
+from mnemojax._src.step_forms import (
+    CallInputs,
+    Convention,
+    NnxForm,
+    StepForm,
+    batch_splits,
+    form_for,
+    no_objects_to_write_back,
+)
 from mnemojax._src.topology import (
     MeshPlan,
     ShapeRules,
@@ -86,6 +94,8 @@ REPLICATED_COMPARE_S = 60.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
+P2 = ParamSpec("P2")
+R2 = TypeVar("R2")
 
 
 class _StepBudget:
@@ -139,6 +149,7 @@ class _Pending:
     record: RecoveryRecord
     t_fault: float
     replay_s: float = 0.0
+    closed: bool = False  # recorded (`ResilientStep._close_recovery`, once)
 
 
 class ResilientStep(Generic[P, R]):
@@ -353,6 +364,75 @@ class ResilientStep(Generic[P, R]):
                 out, timeout_s=timeout_s, step=self._step))
         return result
 
+    def guard(self, fn: Callable[P2, R2]) -> Callable[P2, R2]:
+        """`fn` (JAX work on the training state beside this step: an eval step, a metrics
+        gather) made to survive what this step survives.
+
+        ``eval_step = train_step.guard(eval_step)`` (or ``@train_step.guard`` over
+        ``@nnx.jit``) calls `fn` with the same arguments and waits for every array in its
+        result. When that fails because devices or a peer process were lost, the
+        training state is recovered as for a failed step (the same budgets; under
+        ``mnemojax launch`` together with the other survivors, wherever each met the
+        failure), written back into this step's NNX objects on the new mesh (`mesh`), and
+        `fn` runs again with the same arguments. Any other error is raised as it is.
+
+        `fn` must not change the training state (only this step does), may run more than
+        once, and places the arrays it makes on `mesh` at each call (give it host data,
+        not arrays of an earlier mesh). Before this step's first call it runs unguarded.
+        Its results are waited for without a hang timeout unless
+        ``RecoveryOptions.hang_timeout_s`` is set (an eval may take many step-times); a
+        peer's death heard of ends the wait at once.
+
+        Raises:
+            UnsupportedStateError: the step's state is a pytree it returns (the pure
+                form), which only its caller holds.
+            LeftJobExit: this process left the job.
+        """
+
+        @functools.wraps(fn)
+        def guarded(*args: P2.args, **kwargs: P2.kwargs) -> R2:
+            return self._guarded(functools.partial(fn, *args, **kwargs))
+
+        return guarded
+
+    def _guarded(self, work: Callable[[], R2]) -> R2:
+        b = self._built
+        if b is None:  # nothing to recover to yet
+            return work()
+        form = b.form
+        if not isinstance(form, NnxForm):  # only NNX objects can take the state back
+            raise no_objects_to_write_back(form.kind)
+        if (left := b.session.left if b.session is not None else None) is not None:
+            raise LeftJobExit(left.message, step=left.step, generation=left.generation)
+        leaves = b.last_written
+        if leaves is None:  # (the state the objects hold, on the current mesh)
+            leaves = b.last_written = self._place_state(b, form.state_of(form.objects))
+        return self._run(self._step + 1, leaves, None, beside=work)[1]
+
+    def _run_beside(self, work: Callable[[], Any], after_step: int) -> Any:
+        """Runs guarded work after step `after_step` and waits for the arrays of its
+        result (`guard`); a peer's death already heard of fails it before it starts."""
+        b = self._require_built()
+        if (error := peer_watch.known_death()) is not None:
+            raise error
+        out = work()
+        arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+        if arrays:
+            b.runtime.proxy.await_beside(arrays, after_step=after_step,
+                                         timeout_s=self.options.recovery.hang_timeout_s)
+        return out
+
+    def _write_back(self, leaves: list) -> None:
+        """After a recovery in guarded work: the state goes back into the step's objects,
+        and the new mesh's step is the current one (as after a step's own recovery: no
+        compile barrier at the next call, which peers that recovered in their step do not
+        reach)."""
+        b = self._require_built()
+        b.form.write_back(leaves)
+        b.last_written = leaves
+        b.precompile_due = True
+        self._executable_now()
+
     def restore(self, *args: Any, **kwargs: Any) -> Any:
         """Restores the newest persistent checkpoint (e.g. after a preemption) and sets
         the step counter to its step. In a process that ``mnemojax launch`` restarted into
@@ -496,8 +576,8 @@ class ResilientStep(Generic[P, R]):
 
     # -- one step -------------------------------------------------------------------------
     def _run(self, step: int, leaves: list, batch: Any,
-             barrier: dist_session.DistributedSession | None = None
-             ) -> tuple[list, Any, Any, list]:
+             barrier: dist_session.DistributedSession | None = None, *,
+             beside: Callable[[], Any] | None = None) -> tuple[list, Any, Any, list]:
         """Runs `step` on `leaves` (the state of step - 1) and returns (new leaves,
         metrics, finiteness flags, the state it finally ran on). ``barrier``: first wait
         at that session's compile barrier (after the first compile), in the same
@@ -506,6 +586,11 @@ class ResilientStep(Generic[P, R]):
         On a failure, a recovery returns a runtime and an older or equal state; the loop
         replays the steps since with their kept batches, then runs `step` again. Transient
         errors are retried in place. One `_StepBudget` bounds all of it, replays included.
+
+        ``beside`` (`guard`): at `step`, run this instead of a training step, on the
+        committed state of step - 1 (`leaves`, which the step's NNX objects hold); after
+        a recovery (and the replays up to step - 1) that state is written back into the
+        objects before it runs again. Returns (that state, its result, None, that state).
         """
         b = self._require_built()
         budget = _StepBudget(self.options.recovery, step, self._run_recoveries)
@@ -515,6 +600,27 @@ class ResilientStep(Generic[P, R]):
         try:
             while True:
                 run_step = state_step + 1
+                if beside is not None and run_step == step:
+                    try:
+                        if pending is not None:  # recovered: the objects get the new state
+                            self._write_back(leaves)
+                        t_run = time.perf_counter()
+                        out = self._run_beside(beside, step - 1)
+                    except Exception as exc:
+                        t_fault = time.perf_counter()
+                        budget.start()
+                        resumed = self._recover_after(exc, t_fault, step, state_step, leaves,
+                                                      pending, budget)
+                        del exc  # hold nothing of the old world (see recover_world)
+                        if resumed is not None:  # (None: retried in place)
+                            resumed.record.guarded = True
+                            leaves, state_step = resumed.leaves, resumed.state_step
+                            publish_replayed = resumed.publish_replayed
+                            pending = _Pending(resumed.record, t_fault)
+                        continue
+                    t_end = time.perf_counter()
+                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
+                    return leaves, out, None, leaves
                 run_batch = batch if run_step == step else self._batches.batch(run_step)
                 exe = self._executable_now(run_batch)
                 try:
@@ -529,30 +635,13 @@ class ResilientStep(Generic[P, R]):
                 except Exception as exc:
                     t_fault = time.perf_counter()
                     budget.start()
-                    if self._is_peer_failure(exc):
-                        reason = f"{type(exc).__name__}: {exc}"
-                        regrow = bool(getattr(exc, "mnemojax_regrow", False))
-                        del exc  # hold nothing of the old world (see recover_world)
-                        self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
-                        pending = None
-                        resumed = self._recover_world(
-                            step, reason, t_fault, budget, charge=not regrow,
-                            live=None if regrow else (state_step, leaves))
-                    else:
-                        verdict = b.runtime.proxy.classify(exc)
-                        if verdict.kind == "user":
-                            raise
-                        if verdict.kind == "transient":  # retried in place
-                            self._retry_transient(run_step, exc, budget)
-                            continue
-                        self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
-                        pending = None
-                        resumed = self._recover_devices(step, state_step, leaves, verdict, exc,
-                                                        budget)
-                    self._adopt(resumed)
-                    leaves, state_step = resumed.leaves, resumed.state_step
-                    publish_replayed = resumed.publish_replayed
-                    pending = _Pending(resumed.record, t_fault)
+                    resumed = self._recover_after(exc, t_fault, step, state_step, leaves,
+                                                  pending, budget)
+                    del exc  # hold nothing of the old world (see recover_world)
+                    if resumed is not None:  # (None: retried in place)
+                        leaves, state_step = resumed.leaves, resumed.state_step
+                        publish_replayed = resumed.publish_replayed
+                        pending = _Pending(resumed.record, t_fault)
                     continue
                 t_end = time.perf_counter()
                 if run_step < step or pending is None:  # not a first run on a new mesh
@@ -575,13 +664,44 @@ class ResilientStep(Generic[P, R]):
             self._close_recovery(pending, time.perf_counter())  # recorded as it stands
             raise
 
+    def _recover_after(self, exc: BaseException, t_fault: float, step: int, state_step: int,
+                       leaves: list, pending: _Pending | None, budget: _StepBudget
+                       ) -> Resumed | None:
+        """`_run`'s answer to ``exc``, raised by the run after `state_step` (whose state is
+        `leaves`) on its way to `step`: re-raises an error of the user's, retries a
+        transient one in place (returns None), or records the recovery in progress
+        (`pending`), recovers and continues on the new runtime (returns its `Resumed`)."""
+        b = self._require_built()
+        run_step = state_step + 1
+        if self._is_peer_failure(exc):
+            reason = f"{type(exc).__name__}: {exc}"
+            regrow = bool(getattr(exc, "mnemojax_regrow", False))
+            _drop_frames(exc)  # hold nothing of the old world (see recover_world)
+            del exc
+            self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
+            resumed = self._recover_world(
+                step, reason, t_fault, budget, charge=not regrow,
+                live=None if regrow else (state_step, leaves))
+        else:
+            verdict = b.runtime.proxy.classify(exc)
+            if verdict.kind == "user":
+                raise exc
+            if verdict.kind == "transient":
+                self._retry_transient(run_step, exc, budget)
+                return None
+            self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
+            resumed = self._recover_devices(step, state_step, leaves, verdict, exc, budget)
+        self._adopt(resumed)
+        return resumed
+
     def _close_recovery(self, pending: _Pending | None, t_end: float, *,
                         failed_in_replay: bool = False, failed_step_s: float = 0.0) -> None:
         """Records the recovery in progress, if any: when its failed step has run again
         (in `failed_step_s`), or when a failure or an error ends it early. Its replay
         phase is the replayed steps plus the failed step's run."""
-        if pending is None:
+        if pending is None or pending.closed:
             return
+        pending.closed = True
         b = self._require_built()
         record = pending.record
         self._statistics.faults_during_recovery += int(failed_in_replay)
@@ -1145,6 +1265,17 @@ class _Built:
     # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Lets go of the frames ``exc`` (and the exceptions it chains) keep alive: their
+    locals hold arrays of a world about to be torn down."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
 
 
 def _all_true(flags: Any) -> bool:

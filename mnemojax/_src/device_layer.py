@@ -38,6 +38,12 @@ class DeviceLayer(Protocol):
         """Waits for `outputs`; raises what the device raised."""
         ...
 
+    def wait_beside(self, outputs: Any, *, after_step: int, devices: Collection[int]) -> Any:
+        """Waits for the outputs of work run beside the steps, after step `after_step`
+        (`ResilientStep.guard`: the user's eval on the training state); raises what the
+        device raised."""
+        ...
+
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         """Places a host value on devices."""
         ...
@@ -89,6 +95,10 @@ class JaxDeviceLayer:
 
     def block(self, outputs: Any, *, step: int, devices: Collection[int]) -> Any:
         del step, devices
+        return jax.block_until_ready(outputs)
+
+    def wait_beside(self, outputs: Any, *, after_step: int, devices: Collection[int]) -> Any:
+        del after_step, devices
         return jax.block_until_ready(outputs)
 
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -28,8 +28,8 @@ log = logging.getLogger("mnemojax")
 
 @dataclasses.dataclass
 class _Event:
-    kind: Literal["lose_devices", "lose_during_recovery", "transient", "memory_pressure",
-                  "hang", "corrupt_snapshot", "oom"]
+    kind: Literal["lose_devices", "lose_during_recovery", "lose_beside", "transient",
+                  "memory_pressure", "hang", "corrupt_snapshot", "oom"]
     at_step: int
     device_ids: tuple[int, ...] = ()
     surface: Surface = "dispatch"
@@ -100,6 +100,17 @@ class FaultInjector:
                 f"surface={surface!r} is invalid: expected 'dispatch' or 'block'")
         self._events.append(_Event("lose_devices", at_step, tuple(int(d) for d in device_ids),
                                    surface))
+        return self
+
+    def lose_devices_beside(self, after_step: int,
+                            device_ids: Collection[int]) -> FaultInjector:
+        """Devices `device_ids` die while work beside the steps runs after step
+        `after_step` (a function run through `ResilientStep.guard`, such as an eval): the
+        wait for its results fails, and so does everything that touches them later."""
+        if after_step < 1:
+            raise InvalidOptionError(f"after_step={after_step!r} is invalid: expected >= 1")
+        self.lose_devices(after_step, device_ids)
+        self._events[-1].kind = "lose_beside"
         return self
 
     def lose_devices_during_recovery(self, at_step: int,
@@ -176,7 +187,7 @@ class FaultInjector:
 
     def _fire(self, ev: _Event, step: int) -> None:
         ev.fired_at = time.perf_counter()
-        if ev.kind in ("lose_devices", "lose_during_recovery"):
+        if ev.kind in ("lose_devices", "lose_during_recovery", "lose_beside"):
             self._dead.update(ev.device_ids)
         elif ev.kind == "hang":
             self._dead.update(ev.device_ids)
@@ -258,6 +269,14 @@ class _InterposedLayer:
             self._inj._failure_surfaced = True
             raise _device_error(self._dead_among(devices), f"waiting for step {step}")
         return self._inner.block(outputs, step=step, devices=devices)
+
+    def wait_beside(self, outputs: Any, *, after_step: int, devices: Collection[int]) -> Any:
+        self._inj._fire_due(after_step, ("lose_beside",))
+        dead = self._dead_among(devices)
+        if dead:
+            self._inj._failure_surfaced = True
+            raise _device_error(dead, f"waiting for work beside step {after_step}")
+        return self._inner.wait_beside(outputs, after_step=after_step, devices=devices)
 
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         if self._inj._failure_surfaced:

@@ -45,7 +45,7 @@ def check_unclaimed(owner: object, form: Form) -> None:
                 f"state {'/'.join(key)} is already carried by another resilient step "
                 f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
                 "a model: call other.close() first, or run the second computation (an eval "
-                "step, say) with plain nnx.jit on train_step.mesh")
+                "step, say) through the first: train_step.guard(eval_step)")
 
 
 def claim(owner: object, form: Form) -> None:

@@ -55,6 +55,8 @@ class RecoveryRecord:
         from_export: multi-process: the new world lowered the step from the `jax.export`
             made when its mesh was compiled ahead, instead of tracing it again
             (`compiler.ExportedSteps`).
+        guarded: the failure surfaced in work beside the steps (`ResilientStep.guard`),
+            after step ``step - 1``; the replayed "failed step" is that work.
     """
 
     step: int
@@ -83,6 +85,7 @@ class RecoveryRecord:
     left_processes: tuple[int, ...] = ()
     agreement_rounds: int = 0
     from_export: bool = False
+    guarded: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -494,6 +494,16 @@ class StepForm(abc.ABC):
     def restored(self, state_args: Sequence[Any], leaves: list, step: int) -> Any:
         """What `ResilientStep.restore` returns once `leaves` (of `step`) are restored."""
 
+    def write_back(self, leaves: list) -> None:
+        """Writes `leaves` into the objects that carry the state (`ResilientStep.guard`,
+        after a recovery). Only the NNX form carries its state in objects; the pure
+        form's state is what its caller holds.
+
+        Raises:
+            UnsupportedStateError: this form has no objects to write into.
+        """
+        raise no_objects_to_write_back(self.kind)
+
     def mutable_objects(self) -> Sequence[object]:
         """The user's objects the step updates in place, one per leaf where it has them
         (a step that carries them is their only owner)."""
@@ -742,6 +752,9 @@ class NnxForm(StepForm):
         self._write(leaves)
         return step
 
+    def write_back(self, leaves):
+        self._write(leaves)
+
     def forget_arrays(self, structs):
         for var, (shape, dtype) in zip(self.live_vars, structs, strict=True):
             var.set_value(np.zeros(shape, dtype))
@@ -862,6 +875,15 @@ class PytreeForm(StepForm):
 
 def _arraylike(x) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or type(x) in _PY_NUMBERS
+
+
+def no_objects_to_write_back(kind: str) -> UnsupportedStateError:
+    """The refusal of guarded work (`ResilientStep.guard`) on a step of form `kind` whose
+    state only its caller holds."""
+    return UnsupportedStateError(
+        "guarded work (ResilientStep.guard) recovers the state into the step's NNX "
+        f"objects; this step's state is a {kind} pytree that only its caller holds: run "
+        "the work unguarded, and call the step again after a failure (it recovers)")
 
 
 def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = None,

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -320,3 +321,32 @@ def test_a_fresh_process_whose_copy_holders_died_leaves_the_job(monkeypatch):
     assert info.value.code == 0 and info.value.step == 4
     assert [c[0] for c in calls] == ["detach", "leave"] and calls[1][1] == 1
     assert session.resume is None and session.left is info.value
+
+
+@pytest.mark.parametrize(("error", "hinted"), [
+    (jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Connection reset by peer"),
+     True),
+    (ValueError("bad eval batch"), False),
+    (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"), False),
+])
+def test_an_uncaught_error_a_lost_peer_explains_points_to_guard(monkeypatch, capsys, error,
+                                                               hinted):
+    """The uncaught-exception hook tells the launcher why the worker ends; a gloo
+    collective's error outside the resilient step (an unguarded eval) names `guard`."""
+    import sys
+    import types
+
+    from mnemojax._src.distributed.worker import session as session_mod
+
+    reported = []
+    coordinator = types.SimpleNamespace(
+        report_failure=lambda generation, reason: reported.append((generation, reason)))
+    fake = types.SimpleNamespace(coordinator=coordinator,
+                                 world=types.SimpleNamespace(generation=2))
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: None)
+    session_mod._report_uncaught_exceptions(fake)  # type: ignore[arg-type]
+    sys.excepthook(type(error), error, None)
+    [(generation, reason)] = reported
+    assert generation == 2 and reason.startswith(session_mod.UNCAUGHT + type(error).__name__)
+    assert ("step.guard(fn)" in reason) is hinted
+    assert ("step.guard(fn)" in capsys.readouterr().err) is hinted

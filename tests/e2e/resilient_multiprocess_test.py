@@ -85,6 +85,27 @@ def test_kill_worker(tmp_path, reference, victim, host_data):
             assert sorted(rows) == list(range(1, STEPS + 1))
 
 
+def test_a_worker_killed_during_a_guarded_eval_is_recovered_and_every_eval_is_exact(
+        tmp_path, reference):
+    """The job evaluates after every step through ``step.guard`` (its loss a mean over a
+    batch placed across the processes); worker 1 dies inside the eval after step 3. The
+    survivors recover there, run that eval again on the new mesh and go on: every eval
+    and the final state equal the failure-free plain run's. (Unguarded, the same kill
+    ended the job: gloo's error left the eval in every survivor.)"""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 3)],
+                  extra=("--guarded-eval", "--eval-slow-after", "3"))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["guarded"] and rec["step"] == 4 and rec["failed_processes"] == [1]
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2} and rec["steps_lost"] == 0
+    want = h.reference_evals(h.make_batches(STEPS))
+    for w in (0, 2):
+        with open(tmp_path / f"evals-w{w}.json") as f:
+            got = json.load(f)
+        assert sorted(map(int, got)) == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
     and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed

@@ -4,7 +4,7 @@ python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
     [--transient-worker W --transient-at-step K] [--host-data] [--restore] [--in-series]
-    [--key-seed S]
+    [--key-seed S] [--guarded-eval [--eval-slow-after K]]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
@@ -75,6 +75,13 @@ def main() -> None:
     parser.add_argument("--key-per-process", action="store_true",
                         help="with --key-seed: seed S + this worker's id, another key in each "
                              "process (a mistake the step must refuse)")
+    parser.add_argument("--guarded-eval", action="store_true",
+                        help="after each step, evaluate on tests.helpers.EVAL_BATCH placed "
+                             "over the data axis (a collective across the processes) through "
+                             "step.guard; writes DIR/evals-wI.json (step -> loss)")
+    parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
+                        help="with --guarded-eval: the first eval after step K sleeps 2 s "
+                             "before it starts (a kill at K lands inside it)")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -108,6 +115,7 @@ def main() -> None:
                                       directory=args.ckpt, every_steps=args.ckpt_every),
                                   **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
+    evaluate, evals = _guarded_eval(step, args.eval_slow_after), {}
     loader = None
     if args.host_data:
         import grain  # noqa: PLC0415
@@ -142,11 +150,35 @@ def main() -> None:
             with open(os.path.join(args.out, f"error-w{me}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
+        if args.guarded_eval:
+            evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
         time.sleep(args.step_sleep_s)
+    if args.guarded_eval:
+        with open(os.path.join(args.out, f"evals-w{me}.json"), "w") as f:
+            json.dump(evals, f)
     if loader is not None:
         with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
+
+
+def _guarded_eval(step, slow_after: int):
+    """The eval a user writes beside the train step: the batch placed over the data axis
+    of the step's current mesh at each call, the loss a mean across processes."""
+    loss = nnx.jit(lambda model, batch: {"loss": h.loss_fn(model, batch)})
+    slept = []
+
+    @step.guard
+    def evaluate(model, batch):
+        if step.step_count == slow_after and not slept:
+            slept.append(True)
+            time.sleep(2.0)
+        mesh = step.mesh
+        rows = jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0]))
+        with jax.set_mesh(mesh):
+            return loss(model, {k: jax.device_put(v, rows) for k, v in batch.items()})
+
+    return evaluate
 
 
 if __name__ == "__main__":

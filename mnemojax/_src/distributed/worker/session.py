@@ -46,7 +46,7 @@ from mnemojax._src.distributed.env import (
     world_from_env,
 )
 from mnemojax._src.distributed.shm import agent_peak_bytes, nbytes_of
-from mnemojax._src.distributed.worker import coordination, state_transfer
+from mnemojax._src.distributed.worker import coordination, peer_watch, state_transfer
 from mnemojax._src.distributed.worker.agent_client import AgentClient
 from mnemojax._src.distributed.worker.coordinator_client import LauncherCoordinator
 from mnemojax._src.distributed.worker.peer_watch import PeerWatch
@@ -75,6 +75,10 @@ _current: DistributedSession | None = None
 # A `wire.ReportFailure` whose reason starts so is a user's exception, not a peer failure:
 # the launcher ends the job with it (`launcher.launcher.UNCAUGHT`, the same text).
 UNCAUGHT = "uncaught exception: "
+# Said with an uncaught runtime error that a lost peer explains (`_report_uncaught_...`).
+GUARD_HINT = ("JAX work outside the resilient step met a lost peer: run it through "
+              "step.guard(fn) (an eval, a metrics gather), which recovers the world and runs "
+              "it again")
 
 # How long a publish may wait for the buddy to hold the last snapshot (the agent bounds it
 # further, to half its hang floor). A copy slower than this per snapshot cannot keep up
@@ -556,11 +560,24 @@ def _report_uncaught_exceptions(session: DistributedSession) -> None:
 
     def hook(kind, value, tb) -> None:
         previous(kind, value, tb)
+        text = f"{kind.__name__}: {value}"
+        if _lost_peer_explains(value):
+            text = f"{text[:300]} [{GUARD_HINT}]"
+            print(f"mnemojax: {GUARD_HINT}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             coordinator.report_failure(generation=session.world.generation,
-                                       reason=f"{UNCAUGHT}{kind.__name__}: {value}"[:500])
+                                       reason=f"{UNCAUGHT}{text}"[:500])
 
     sys.excepthook = hook
+
+
+def _lost_peer_explains(exc: BaseException) -> bool:
+    """A runtime error (not mnemojax's own) raised where a peer's death is heard of, or a
+    gloo collective's (a dead peer's connection): JAX work outside the resilient step."""
+    import jax  # noqa: PLC0415 - loaded by then: the error is JAX's
+
+    return (isinstance(exc, jax.errors.JaxRuntimeError)
+            and (peer_watch.known_death() is not None or "gloo" in str(exc).lower()))
 
 
 def current() -> DistributedSession | None:
