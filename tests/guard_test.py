@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 import mnemojax
-from mnemojax.errors import UnsupportedStateError
 from tests import helpers as h
 
 pytestmark = pytest.mark.needs8
@@ -77,18 +76,58 @@ def test_a_guarded_functions_own_error_is_raised_as_it_is_and_recovers_nothing()
         step.close()
 
 
-def test_guarding_a_step_whose_state_only_the_caller_holds_is_refused():
-    def pure_step(state, batch):
-        return jax.tree.map(lambda w: w - 0.1 * jnp.mean(batch["x"]), state), {"loss": 0.0}
+def _pure_step(state, batch):
+    def loss(params):
+        return jnp.mean((batch["x"] @ params["w"] - batch["t"]) ** 2)
 
-    step = mnemojax.resilient(pure_step, mesh=h.mesh_of((1, 1)), options=h.no_precompile(
-        nonfinite="ignore"))
-    guarded = step.guard(lambda state: state["w"].sum())
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads)
+    return {"params": params, "count": state["count"] + 1}, {"loss": value}
+
+
+def _pure_eval(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["t"]) ** 2)
+
+
+def test_a_pure_steps_guarded_eval_runs_again_on_the_recovered_state():
+    """The pure form: the caller holds the state. Device 6 dies during the eval after
+    step 3, which is given a part of the state (``state["params"]``): it runs again on the
+    recovered arrays, and the caller's old state passed to the next step stands for the
+    recovered one; the run ends equal to plain ``jax.jit``."""
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.normal(size=(24, 8)).astype(np.float32),
+                "t": rng.normal(size=(24, 2)).astype(np.float32)} for _ in range(STEPS)]
+    fresh = {"params": {"w": np.zeros((8, 2), np.float32)}, "count": np.zeros((), np.int32)}
+    plain_step, plain_eval = jax.jit(_pure_step), jax.jit(_pure_eval)
+    state, want_evals = fresh, []
+    for b in batches:
+        state, _ = plain_step(state, b)
+        want_evals.append(float(plain_eval(state["params"], batches[0])))
+    want = state
+
+    step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((8,), ("data",)),
+                              options=h.no_precompile(),
+                              fault_injector=mnemojax.testing.FaultInjector()
+                              .lose_devices_beside(3, [6]))
+    seen = []
+
+    @step.guard
+    def evaluate(params, batch):
+        seen.append({d.id for d in params["w"].sharding.device_set})
+        return plain_eval(params, batch)
+
     try:
-        state = {"w": np.ones((4,), np.float32)}
-        assert float(guarded(state)) == 4.0  # before the first step: unguarded
-        state, _ = step(state, h.make_batches(1)[0])
-        with pytest.raises(UnsupportedStateError, match="pytree that only its caller holds"):
-            guarded(state)
+        state, evals = fresh, []
+        for b in batches:
+            state, _ = step(state, b)
+            evals.append(float(evaluate(state["params"], batches[0])))
     finally:
         step.close()
+    np.testing.assert_allclose(evals, want_evals, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-5, atol=1e-5), state, want)
+    assert int(state["count"]) == STEPS
+    [rec] = step.statistics.recoveries
+    assert rec.guarded and rec.failed_devices == (6,) and rec.steps_lost == 0
+    # The eval after step 3 ran on the old mesh, then again on the recovered arrays.
+    assert [6 in s for s in seen] == [True] * 3 + [False] * (STEPS - 2)

@@ -76,7 +76,6 @@ from mnemojax._src.step_forms import (
     StepForm,
     batch_splits,
     form_for,
-    no_objects_to_write_back,
 )
 from mnemojax._src.topology import (
     MeshPlan,
@@ -313,6 +312,8 @@ class ResilientStep(Generic[P, R]):
                 "step.restore(...) with the state before the first step, and start the loop "
                 "at the step it returns")
         state_args, user_batch = b.form.split_call(args, kwargs)
+        if b.superseded is not None:
+            state_args = self._recovered_state_args(b, state_args)
         b.durability.check_preemption(self._step, b.last_written)
         leaves = b.form.state_of(state_args)
         _refuse_arrays_of_other_processes(user_batch)
@@ -340,12 +341,13 @@ class ResilientStep(Generic[P, R]):
         if not accepted:  # nonfinite="skip_batch"
             self._batches.pop()
             # ``ran_on`` is the state of step - 1: the recovered one, if a recovery ran.
-            b.last_written = ran_on
+            b.last_written, b.superseded = ran_on, None
             return b.form.result(state_args, ran_on, metrics)
         self._commit(step, new_leaves, metrics)
         b.durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
         self._after_commit(step, new_leaves)
         result = b.form.result(state_args, new_leaves, metrics)
+        b.superseded = None  # the caller holds the new state
         if b.precompile_due:
             # Last, once the step is fully committed: background lowering and compiling
             # contend with the training thread (GIL, compile locks) and would otherwise
@@ -374,40 +376,51 @@ class ResilientStep(Generic[P, R]):
         training state is recovered as for a failed step (the same budgets; under
         ``mnemojax launch`` together with the other survivors, wherever each met the
         failure), written back into this step's NNX objects on the new mesh (`mesh`), and
-        `fn` runs again with the same arguments. Any other error is raised as it is.
+        `fn` runs again with the same arguments. Any other error is raised as it is. A pure
+        step's state is the caller's: there `fn` runs again with the recovered arrays in
+        place of the caller's state's (passed whole or in parts), and until the step hands
+        out a new state, the caller's old one stands for the recovered one in its calls.
 
         `fn` must not change the training state (only this step does), may run more than
         once, and places the arrays it makes on `mesh` at each call (give it host data,
-        not arrays of an earlier mesh). Before this step's first call it runs unguarded.
+        not arrays of an earlier mesh). Before this step's first commit it runs unguarded.
         Its results are waited for without a hang timeout unless
         ``RecoveryOptions.hang_timeout_s`` is set (an eval may take many step-times); a
         peer's death heard of ends the wait at once.
 
         Raises:
-            UnsupportedStateError: the step's state is a pytree it returns (the pure
-                form), which only its caller holds.
             LeftJobExit: this process left the job.
         """
 
         @functools.wraps(fn)
         def guarded(*args: P2.args, **kwargs: P2.kwargs) -> R2:
-            return self._guarded(functools.partial(fn, *args, **kwargs))
+            return self._guarded(fn, args, kwargs)
 
         return guarded
 
-    def _guarded(self, work: Callable[[], R2]) -> R2:
+    def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any]) -> R2:
         b = self._built
-        if b is None:  # nothing to recover to yet
-            return work()
-        form = b.form
-        if not isinstance(form, NnxForm):  # only NNX objects can take the state back
-            raise no_objects_to_write_back(form.kind)
+        if b is None or b.last_written is None:  # no committed state on the devices yet
+            return fn(*args, **kwargs)
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
-        leaves = b.last_written
-        if leaves is None:  # (the state the objects hold, on the current mesh)
-            leaves = b.last_written = self._place_state(b, form.state_of(form.objects))
-        return self._run(self._step + 1, leaves, None, beside=work)[1]
+        if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
+            work = functools.partial(fn, *args, **kwargs)
+        else:
+            work = functools.partial(self._on_recovered_state, fn, args, kwargs)
+        return self._run(self._step + 1, b.last_written, None, beside=work)[1]
+
+    def _on_recovered_state(self, fn: Callable[..., R2], args: tuple,
+                            kwargs: dict[str, Any]) -> R2:
+        """The pure form's guarded work: after a recovery in guarded work, the leaves of
+        the caller's state (and of its parts) in the arguments are the recovered ones."""
+        b = self._require_built()
+        old = b.superseded
+        if old is None:
+            return fn(*args, **kwargs)
+        new = dict(zip(map(id, old), jax.tree.leaves(b.form.last_state), strict=True))
+        current = functools.partial(_substitute, new)
+        return fn(*jax.tree.map(current, args), **jax.tree.map(current, kwargs))
 
     def _run_beside(self, work: Callable[[], Any], after_step: int) -> Any:
         """Runs guarded work after step `after_step` and waits for the arrays of its
@@ -428,6 +441,8 @@ class ResilientStep(Generic[P, R]):
         compile barrier at the next call, which peers that recovered in their step do not
         reach)."""
         b = self._require_built()
+        if not isinstance(b.form, NnxForm) and b.superseded is None:
+            b.superseded = jax.tree.leaves(b.form.last_state)  # what the caller holds
         b.form.write_back(leaves)
         b.last_written = leaves
         b.precompile_due = True
@@ -997,6 +1012,16 @@ class ResilientStep(Generic[P, R]):
                 f"{self._step + 1}: start the loader at the step restore() returned "
                 "(HostBatches(..., start=step.restore(...)))")
 
+    @staticmethod
+    def _recovered_state_args(b: _Built, state_args: Sequence[Any]) -> Sequence[Any]:
+        """The pure form after a recovery in guarded work: the state the caller held
+        before it (every leaf the same object) stands for the recovered one (`guard`)."""
+        given, old = jax.tree.leaves(state_args[0]), b.superseded
+        if old is not None and len(given) == len(old) and all(
+                x is y for x, y in zip(given, old, strict=True)):
+            return (b.form.last_state,)
+        return state_args
+
     def _place_state(self, b: _Built, leaves: list) -> list:
         last = b.last_written
         if last is not None and len(leaves) == len(last) and all(
@@ -1253,6 +1278,9 @@ class _Built:
     last_written: list | None = None  # the leaves the user's state holds (identity check)
     exe: Executable | None = None
     exe_sig: tuple | None = None
+    # The pure form after a recovery in guarded work, until the caller has a new state: the
+    # leaves of the state it held before (`guard`); that state stands for the recovered one.
+    superseded: list | None = None
     batch_size: int | None = None  # examples in the global batch
     examples: int | None = None  # examples the current mesh's step uses
     snapshot_every: int | None = None  # chosen per mesh, see _snapshot_cadence
@@ -1265,6 +1293,11 @@ class _Built:
     # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
+
+
+def _substitute(new: dict[int, Any], x: Any) -> Any:
+    """``new``'s value for ``x`` (keyed by ``id``; the old objects are alive), else x."""
+    return new.get(id(x), x)
 
 
 def _drop_frames(exc: BaseException) -> None:

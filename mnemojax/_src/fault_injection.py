@@ -284,6 +284,10 @@ class _InterposedLayer:
         dead = self._dead_among(d.id for d in sharding.device_set)
         if dead:
             raise _device_error(dead, "host-to-device transfer")
+        if isinstance(value, jax.Array) and not value.is_deleted():  # a device-side source
+            gone = self._dead_among(d.id for d in value.sharding.device_set)
+            if gone:
+                raise _device_error(gone, "device-to-device transfer")
         return self._inner.put(value, sharding)
 
     def fetch(self, shard: jax.Shard) -> np.ndarray:

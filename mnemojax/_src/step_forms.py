@@ -342,6 +342,8 @@ class StepForm(abc.ABC):
         specs: per leaf, its partition spec.
         key_impls: per leaf, the PRNG impl if the leaf is a typed key, else None.
         donates_state: a donated argument holds state (the runtime donates all of it).
+        last_state: the pure form: the state pytree last handed to the caller (None in
+            the NNX form, whose objects hold the state).
     """
 
     kind: str
@@ -351,6 +353,7 @@ class StepForm(abc.ABC):
     specs: list[PartitionSpec]
     key_impls: list[Any]
     donates_state: bool = False
+    last_state: Any = None
 
     def __init__(self, fn: Callable, convention: Convention):
         self.fn = fn
@@ -494,15 +497,11 @@ class StepForm(abc.ABC):
     def restored(self, state_args: Sequence[Any], leaves: list, step: int) -> Any:
         """What `ResilientStep.restore` returns once `leaves` (of `step`) are restored."""
 
+    @abc.abstractmethod
     def write_back(self, leaves: list) -> None:
-        """Writes `leaves` into the objects that carry the state (`ResilientStep.guard`,
-        after a recovery). Only the NNX form carries its state in objects; the pure
-        form's state is what its caller holds.
-
-        Raises:
-            UnsupportedStateError: this form has no objects to write into.
-        """
-        raise no_objects_to_write_back(self.kind)
+        """After a recovery in guarded work (`ResilientStep.guard`): the state the
+        caller's objects hold becomes `leaves` (NNX: written into the objects; the pure
+        form: `last_state`, a new state pytree, rebuilt from them)."""
 
     def mutable_objects(self) -> Sequence[object]:
         """The user's objects the step updates in place, one per leaf where it has them
@@ -866,24 +865,19 @@ class PytreeForm(StepForm):
         return [_to_raw(jnp.asarray(x)) for x in new], metrics
 
     def result(self, state_args, leaves, out):
-        state = self._unflatten(leaves)
+        state = self.last_state = self._unflatten(leaves)
         return state if self._state_only else (state, out)
 
     def restored(self, state_args, leaves, step):
-        return self._unflatten(leaves), step
+        self.last_state = self._unflatten(leaves)
+        return self.last_state, step
+
+    def write_back(self, leaves):
+        self.last_state = self._unflatten(leaves)
 
 
 def _arraylike(x) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or type(x) in _PY_NUMBERS
-
-
-def no_objects_to_write_back(kind: str) -> UnsupportedStateError:
-    """The refusal of guarded work (`ResilientStep.guard`) on a step of form `kind` whose
-    state only its caller holds."""
-    return UnsupportedStateError(
-        "guarded work (ResilientStep.guard) recovers the state into the step's NNX "
-        f"objects; this step's state is a {kind} pytree that only its caller holds: run "
-        "the work unguarded, and call the step again after a failure (it recovers)")
 
 
 def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
