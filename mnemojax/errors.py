@@ -8,6 +8,7 @@ from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchEr
 from mnemojax._src.errors import CheckpointSaveError as CheckpointSaveError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
 from mnemojax._src.errors import DistributedError as DistributedError
+from mnemojax._src.errors import GuardSkippedError as GuardSkippedError
 from mnemojax._src.errors import InvalidOptionError as InvalidOptionError
 from mnemojax._src.errors import LeftJobExit as LeftJobExit
 from mnemojax._src.errors import LossCheckWarning as LossCheckWarning
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointSaveError",
     "DeviceFailureError",
     "DistributedError",
+    "GuardSkippedError",
     "InvalidOptionError",
     "LeftJobExit",
     "LossCheckWarning",

@@ -131,3 +131,108 @@ def test_a_pure_steps_guarded_eval_runs_again_on_the_recovered_state():
     assert rec.guarded and rec.failed_devices == (6,) and rec.steps_lost == 0
     # The eval after step 3 ran on the old mesh, then again on the recovered arrays.
     assert [6 in s for s in seen] == [True] * 3 + [False] * (STEPS - 2)
+
+
+def test_a_guard_inside_guarded_work_runs_plainly_and_the_outer_one_recovers():
+    """The README's pattern: the function that places the eval batch on the step's mesh
+    is guarded, and so is the jitted eval it calls. The outer guard recovers and runs
+    the whole again (the batch placed on the new mesh); the inner one runs plainly."""
+    batches = h.make_batches(STEPS)
+    want_evals = h.reference_evals(batches)
+    faults = mnemojax.testing.FaultInjector().lose_devices_beside(3, [5])
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), fault_injector=faults,
+                              options=h.no_precompile())
+    eval_step = step.guard(nnx.jit(_eval))
+
+    @step.guard
+    def evaluate(model, host_batch):
+        mesh = step.mesh
+        rows = jax.sharding.NamedSharding(mesh, jax.P("data"))
+        with jax.set_mesh(mesh):
+            return eval_step(model, jax.tree.map(lambda v: jax.device_put(v, rows),
+                                                 host_batch))
+
+    try:
+        evals = []
+        for b in batches:
+            step(model, optimizer, b)
+            evals.append(float(evaluate(model, EVAL)["loss"]))
+    finally:
+        step.close()
+    np.testing.assert_allclose(evals, want_evals, rtol=1e-5, atol=1e-5)
+    [rec] = step.statistics.recoveries
+    assert rec.guarded and rec.failed_devices == (5,)
+
+
+def test_guarded_work_does_not_run_again_in_a_world_that_processes_joined(monkeypatch):
+    """A world recovered with joiners (spares, a world grown back) starts them at the next
+    step: the guarded work raises `GuardSkippedError` instead of running again, with the
+    state recovered, and the run goes on exact. (One process stands in for it: the
+    recovery's record names a joiner.)"""
+    from mnemojax._src.api import ResilientStep
+
+    recover = ResilientStep._recover_after
+
+    def with_a_joiner(self, *args, **kwargs):
+        resumed = recover(self, *args, **kwargs)
+        if resumed is not None:
+            resumed.record.joined_processes = (9,)
+        return resumed
+
+    monkeypatch.setattr(ResilientStep, "_recover_after", with_a_joiner)
+    batches = h.make_batches(STEPS)
+    want, want_evals = h.reference_run(batches), h.reference_evals(batches)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                              fault_injector=mnemojax.testing.FaultInjector()
+                              .lose_devices_beside(3, [5]))
+    eval_step = step.guard(nnx.jit(_eval))
+    try:
+        losses, evals = [], []
+        for k, b in enumerate(batches, start=1):
+            losses.append(float(step(model, optimizer, b)["loss"]))
+            try:
+                evals.append(float(eval_step(model, EVAL)["loss"]))
+            except mnemojax.errors.GuardSkippedError as e:
+                assert k == 3 and e.after_step == 3 and e.joined == (9,)
+                evals.append(None)
+                after_3 = h.host_state(model, optimizer)  # the recovered state, written back
+    finally:
+        step.close()
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)
+    assert evals[2] is None
+    np.testing.assert_allclose([e for e in evals if e is not None],
+                               want_evals[:2] + want_evals[3:], rtol=1e-5, atol=1e-5)
+    for got, ref in zip(after_3, h.reference_run(batches[:3]).state, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    [rec] = step.statistics.recoveries
+    assert rec.guarded and rec.joined_processes == (9,)
+
+
+def test_a_nan_after_a_recovery_leaves_the_objects_with_the_recovered_state():
+    """nonfinite='raise': device 5 dies in step 3, whose batch is NaN. The recovery's replay
+    raises `NonFiniteLossError`; the model and optimizer hold the state of step 2 on the
+    new mesh (not the arrays of the mesh that lost a device), so the run goes on from it
+    with the clean batch and ends exact."""
+    batches = h.make_batches(STEPS)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)),
+                              options=h.no_precompile(nonfinite="raise"),
+                              fault_injector=mnemojax.testing.FaultInjector()
+                              .lose_devices(3, [5]))
+    try:
+        losses = []
+        for k, b in enumerate(batches, start=1):
+            if k == 3:
+                with pytest.raises(mnemojax.errors.NonFiniteLossError):
+                    step(model, optimizer, {"x": np.full_like(b["x"], np.nan), "y": b["y"]})
+                assert all(5 not in {d.id for d in x.sharding.device_set}
+                           for x in jax.tree.leaves(nnx.state((model, optimizer))))
+            losses.append(float(step(model, optimizer, b)["loss"]))
+    finally:
+        step.close()
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
+                      h.reference_run(batches))
+    [rec] = step.statistics.recoveries
+    assert rec.failed_devices == (5,)

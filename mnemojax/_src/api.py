@@ -42,6 +42,7 @@ from mnemojax._src.errors import (
     BatchSplitError,
     DeviceFailureError,
     DistributedError,
+    GuardSkippedError,
     InvalidOptionError,
     LeftJobExit,
     LossCheckWarning,
@@ -211,6 +212,7 @@ class ResilientStep(Generic[P, R]):
                                          self.options.persistent.every_steps, 1) + 1)
         self._built: _Built | None = None
         self._warned_no_loss = False
+        self._guarding = False  # guarded work runs (`guard`): a guard inside runs plainly
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -334,7 +336,12 @@ class ResilientStep(Generic[P, R]):
                 compile_for_world(barrier, b.runtime, batch, b.examples,
                                   timeout_s=compiled_barrier_s(b.builder))
             new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch, barrier)
-            accepted = self._accept(step, metrics, finite)
+            try:
+                accepted = self._accept(step, metrics, finite)
+            except NonFiniteLossError:
+                if ran_on is not leaves:  # recovered: the caller gets step - 1's state back
+                    self._write_back(ran_on)
+                raise
         except BaseException:
             self._batches.pop()  # a call that raised leaves no trace for a later replay
             raise
@@ -400,7 +407,9 @@ class ResilientStep(Generic[P, R]):
 
     def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any]) -> R2:
         b = self._built
-        if b is None or b.last_written is None:  # no committed state on the devices yet
+        if (b is None or b.last_written is None  # no committed state on the devices yet
+                or not len(self._batches)  # (restored: no batch to compile a new mesh for)
+                or self._guarding):  # inside guarded work: the outer guard recovers
             return fn(*args, **kwargs)
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
@@ -408,7 +417,11 @@ class ResilientStep(Generic[P, R]):
             work = functools.partial(fn, *args, **kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
-        return self._run(self._step + 1, b.last_written, None, beside=work)[1]
+        self._guarding = True
+        try:
+            return self._run(self._step + 1, b.last_written, None, beside=work)[1]
+        finally:
+            self._guarding = False
 
     def _on_recovered_state(self, fn: Callable[..., R2], args: tuple,
                             kwargs: dict[str, Any]) -> R2:
@@ -424,16 +437,45 @@ class ResilientStep(Generic[P, R]):
 
     def _run_beside(self, work: Callable[[], Any], after_step: int) -> Any:
         """Runs guarded work after step `after_step` and waits for the arrays of its
-        result (`guard`); a peer's death already heard of fails it before it starts."""
+        result (`guard`), unbounded (an eval may take many step-times) but ended by a
+        peer's death; a death already heard of fails it before it starts (a collective
+        started in that world could read a dead peer's leftovers, `known_death`)."""
         b = self._require_built()
         if (error := peer_watch.known_death()) is not None:
             raise error
         out = work()
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
-        if arrays:
-            b.runtime.proxy.await_beside(arrays, after_step=after_step,
-                                         timeout_s=self.options.recovery.hang_timeout_s)
+        try:
+            if arrays:
+                b.runtime.proxy.await_beside(arrays, after_step=after_step, timeout_s=None)
+        except jax.errors.JaxRuntimeError as exc:
+            # The news of a death that came after the work was done everywhere (its
+            # results are ready): the peers that saw it done go on to the next step.
+            if not (getattr(exc, "mnemojax_peer_watch", False)
+                    and all(_is_ready(x) for x in arrays)):
+                raise
+            jax.block_until_ready(arrays)  # (ready: raises at once if one failed)
         return out
+
+    def _check_no_joiners(self, record: RecoveryRecord, after_step: int) -> None:
+        """Guarded work runs again only if every process of the new world is at it: the
+        processes that joined it (spares, a world grown back) start at the next step.
+
+        Raises:
+            GuardSkippedError: the new world has joiners (the state is recovered).
+        """
+        if record.joined_processes:
+            log.warning("mnemojax: workers %s joined world %d at step %d: the guarded work "
+                        "after step %d does not run again (GuardSkippedError)",
+                        list(record.joined_processes), record.generation, after_step + 1,
+                        after_step)
+            raise GuardSkippedError(
+                f"guarded work after step {after_step} met a failure; the state is "
+                f"recovered, but workers {list(record.joined_processes)} joined world "
+                f"{record.generation} and start at step {after_step + 1}: the work does not "
+                "run again (its collectives would meet theirs); catch "
+                "mnemojax.errors.GuardSkippedError to skip it", after_step=after_step,
+                joined=record.joined_processes)
 
     def _write_back(self, leaves: list) -> None:
         """After a recovery in guarded work: the state goes back into the step's objects,
@@ -619,6 +661,7 @@ class ResilientStep(Generic[P, R]):
                     try:
                         if pending is not None:  # recovered: the objects get the new state
                             self._write_back(leaves)
+                            self._check_no_joiners(pending.record, step - 1)
                         t_run = time.perf_counter()
                         out = self._run_beside(beside, step - 1)
                     except Exception as exc:
@@ -1293,6 +1336,12 @@ class _Built:
     # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
+
+
+def _is_ready(x: jax.Array) -> bool:
+    """Whether ``x``'s value is computed (or failed): `jax.Array.is_ready`, which the
+    type stubs of `jax.Array` leave out."""
+    return bool(x.is_ready())  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _substitute(new: dict[int, Any], x: Any) -> Any:

@@ -95,6 +95,23 @@ class RecoveryExhaustedError(MnemojaxError):
         self.last_error = last_error
 
 
+class GuardSkippedError(MnemojaxError):
+    """Guarded work (`ResilientStep.guard`) met a failure and the training state was
+    recovered, but the new world has processes that joined it (spares, a world grown
+    back): they start at the next step, so the work (whose collectives need every process)
+    does not run again. Catch it to skip that work; the next step goes on.
+
+    Attributes:
+        after_step: the step the work ran after.
+        joined: the worker ids that joined the new world.
+    """
+
+    def __init__(self, message: str, *, after_step: int, joined: tuple[int, ...]):
+        super().__init__(message)
+        self.after_step = after_step
+        self.joined = joined
+
+
 class SnapshotCorruptError(MnemojaxError):
     """A snapshot failed its CRC32C check, or changed while it was read; it is never
     restored.

@@ -469,7 +469,7 @@ class ProcessRecovery:
             math_changed=plan.math_changed, failed_processes=dead,
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
-            from_export=exe.exported)
+            from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)))
         log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d processes, mesh %s, "
                     "resuming from step %d after %.2f s (%s; executable %s): %d step(s) "
                     "replayed before step %d", before.generation, rec.world.generation,

@@ -57,6 +57,8 @@ class RecoveryRecord:
             (`compiler.ExportedSteps`).
         guarded: the failure surfaced in work beside the steps (`ResilientStep.guard`),
             after step ``step - 1``; the replayed "failed step" is that work.
+        joined_processes: multi-process: the worker ids that joined the new world (spares
+            that took a dead member's rank, or processes of a world grown back).
     """
 
     step: int
@@ -86,6 +88,7 @@ class RecoveryRecord:
     agreement_rounds: int = 0
     from_export: bool = False
     guarded: bool = False
+    joined_processes: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

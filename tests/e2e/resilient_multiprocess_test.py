@@ -106,6 +106,26 @@ def test_a_worker_killed_during_a_guarded_eval_is_recovered_and_every_eval_is_ex
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_on_together(
+        tmp_path, reference):
+    """An eval with no collective across processes (each computes the whole loss from
+    the host batch): worker 0 pauses before its eval after step 3, worker 1 is killed
+    meanwhile, worker 2 has finished its eval and meets the death in step 4. Worker 0
+    meets it in the guarded eval (the death heard of before it starts), recovers there
+    and runs the eval again; then both run step 4 in the new world, with no compile
+    barrier that only worker 0 would wait at. Every eval and the final state exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 3)],
+                  extra=("--guarded-eval", "--eval-on-host", "--eval-slow-after", "3"))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["guarded"] and rec["step"] == 4  # (worker 0's record: it writes stats.json)
+    want = h.reference_evals(h.make_batches(STEPS))
+    for w in (0, 2):
+        with open(tmp_path / f"evals-w{w}.json") as f:
+            got = json.load(f)
+        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
     and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed

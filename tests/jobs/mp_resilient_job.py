@@ -82,6 +82,12 @@ def main() -> None:
     parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
                         help="with --guarded-eval: the first eval after step K sleeps 2 s "
                              "before it starts (a kill at K lands inside it)")
+    parser.add_argument("--eval-on-host", action="store_true",
+                        help="with --guarded-eval: the eval takes the host batch (each "
+                             "process computes the whole loss: no collective across them), "
+                             "and with --eval-slow-after only worker 0 sleeps, before it "
+                             "calls the guarded eval (it meets the death there, the others "
+                             "in their next step)")
     parser.add_argument("--restore", action="store_true",
                         help="step.restore() first and start the loop at the step it returns "
                              "(a worker the launcher restarts into the running job needs it)")
@@ -115,7 +121,7 @@ def main() -> None:
                                       directory=args.ckpt, every_steps=args.ckpt_every),
                                   **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
-    evaluate, evals = _guarded_eval(step, args.eval_slow_after), {}
+    evaluate, evals = _guarded_eval(step, args.eval_slow_after, args.eval_on_host), {}
     loader = None
     if args.host_data:
         import grain  # noqa: PLC0415
@@ -151,6 +157,8 @@ def main() -> None:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
         if args.guarded_eval:
+            if args.eval_on_host and k == args.eval_slow_after and me == 0:
+                time.sleep(2.0)
             evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
         time.sleep(args.step_sleep_s)
     if args.guarded_eval:
@@ -162,14 +170,17 @@ def main() -> None:
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
 
 
-def _guarded_eval(step, slow_after: int):
+def _guarded_eval(step, slow_after: int, on_host: bool):
     """The eval a user writes beside the train step: the batch placed over the data axis
-    of the step's current mesh at each call, the loss a mean across processes."""
+    of the step's current mesh at each call, the loss a mean across processes (or, with
+    `on_host`, the host batch: the whole loss in every process)."""
     loss = nnx.jit(lambda model, batch: {"loss": h.loss_fn(model, batch)})
     slept = []
 
     @step.guard
     def evaluate(model, batch):
+        if on_host:
+            return loss(model, batch)
         if step.step_count == slow_after and not slept:
             slept.append(True)
             time.sleep(2.0)
