@@ -236,3 +236,30 @@ def test_a_nan_after_a_recovery_leaves_the_objects_with_the_recovered_state():
                       h.reference_run(batches))
     [rec] = step.statistics.recoveries
     assert rec.failed_devices == (5,)
+
+
+def test_a_change_to_the_carried_state_outside_the_step_is_refused_before_guarded_work(
+        caplog):
+    """After a recovery guarded work runs again on the last step's state: a change made
+    to it since, outside the step, would be lost, so the guard refuses it by name. The
+    same arrays replaced by equal values (a jitted call on the model) pass. NNX objects
+    the step does not carry are named in a warning, once."""
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((1, 1)), options=h.no_precompile())
+    evaluate = step.guard(nnx.jit(_eval))
+    try:
+        step(model, optimizer, h.make_batches(1)[0])
+        optimizer.step[...] = optimizer.step[...] + 0  # a new array, the same value
+        outside = nnx.metrics.Average()
+        with caplog.at_level("WARNING", logger="mnemojax"):
+            step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
+            step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
+            assert float(evaluate(model, EVAL)["loss"]) > 0
+        assert [r.message.count("Average that this step does not carry")
+                for r in caplog.records] == [1, 1]  # (two lambdas: each warned once)
+        optimizer.step[...] = optimizer.step[...] + 100
+        with pytest.raises(mnemojax.errors.UnsupportedStateError,
+                           match=r"changed since step 1 outside it \(optimizer/step\)"):
+            evaluate(model, EVAL)
+    finally:
+        step.close()

@@ -37,7 +37,7 @@ ERRORS = {
     "AgreementError", "BaselineError", "BatchSplitError", "CheckpointMismatchError",
     "CheckpointCorruptError", "CheckpointSaveError",
     "DeviceFailureError", "SimulationConfigError",
-    "DistributedError", "InvalidOptionError", "LeftJobExit", "LossCheckWarning", "MathChangedWarning",
+    "DistributedError", "GuardSkippedError", "InvalidOptionError", "LeftJobExit", "LossCheckWarning", "MathChangedWarning",
     "MeshTooSmallError",
     "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",
     "PreemptionExit", "ProtocolError", "RecoveryExhaustedError", "ShardingMismatchError",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -213,6 +214,7 @@ class ResilientStep(Generic[P, R]):
         self._built: _Built | None = None
         self._warned_no_loss = False
         self._guarding = False  # guarded work runs (`guard`): a guard inside runs plainly
+        self._warned_uncarried: set[int] = set()  # guarded functions checked (`guard`)
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -388,14 +390,22 @@ class ResilientStep(Generic[P, R]):
         place of the caller's state's (passed whole or in parts), and until the step hands
         out a new state, the caller's old one stands for the recovered one in its calls.
 
-        `fn` must not change the training state (only this step does), may run more than
-        once, and places the arrays it makes on `mesh` at each call (give it host data,
-        not arrays of an earlier mesh). Before this step's first commit it runs unguarded.
-        Its results are waited for without a hang timeout unless
-        ``RecoveryOptions.hang_timeout_s`` is set (an eval may take many step-times); a
-        peer's death heard of ends the wait at once.
+        `fn` starts from the last step's state and may run more than once: it resets what
+        it shares with the step (metrics) itself, makes the NNX objects the step does not
+        carry (an eval's own metrics) itself, and places its batches on `mesh` at each call
+        (across processes ``jax.device_put`` of host data is a collective: guard the
+        function that does it; a guard inside guarded work runs plainly). Its results are
+        waited for without a hang timeout (an eval may take many step-times); a peer's
+        death heard of ends the wait at once, so return arrays rather than reading them
+        inside `fn`. Before this step's first commit, or after a `restore` and before the
+        next step, it runs unguarded.
 
         Raises:
+            UnsupportedStateError: the state the step carries changed since its last call,
+                outside it (a recovery would lose that change), naming the leaves.
+            GuardSkippedError: the work met a failure and the new world has processes that
+                joined it (they start at the next step): the state is recovered, the work
+                is not run again.
             LeftJobExit: this process left the job.
         """
 
@@ -414,6 +424,8 @@ class ResilientStep(Generic[P, R]):
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
+            self._check_untouched(b, b.form)
+            self._warn_uncarried(fn, (args, kwargs), b.form)
             work = functools.partial(fn, *args, **kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
@@ -422,6 +434,41 @@ class ResilientStep(Generic[P, R]):
             return self._run(self._step + 1, b.last_written, None, beside=work)[1]
         finally:
             self._guarding = False
+
+    def _check_untouched(self, b: _Built, form: NnxForm) -> None:
+        """After a recovery guarded work runs again on the state of the last step: the
+        objects must hold it still. A change made since, outside the step (a shared
+        metrics object reset before the guarded eval), would be lost: refused.
+
+        Raises:
+            UnsupportedStateError: naming the state leaves that changed.
+        """
+        if form.untouched():  # (not replaced since the step: nothing to compare)
+            return
+        now = self._place_state(b, form.state_of(form.objects))
+        same = np.asarray(_leaves_equal(now, b.last_written))
+        if same.all():  # (replaced by equal values: a jitted call on the model)
+            return
+        changed = [form.leaf_paths[i] for i in np.flatnonzero(~same)]
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise UnsupportedStateError(
+            f"the state this step carries changed since step {self._step} outside it "
+            f"({', '.join(changed[:4])}{more}): guarded work runs again on step "
+            f"{self._step}'s state after a recovery, which would lose that change. Make "
+            "the change inside the guarded function (reset shared metrics there: guard the "
+            "whole eval, reset, loop and compute), or inside the step")
+
+    def _warn_uncarried(self, fn: Callable, call: Any, form: NnxForm) -> None:
+        """Once per guarded function: NNX objects it is given that the step does not
+        carry keep the arrays of the mesh before a recovery, on which it fails again."""
+        if id(fn) in self._warned_uncarried:
+            return
+        self._warned_uncarried.add(id(fn))
+        if names := form.uncarried_objects(call):
+            log.warning("mnemojax: guarded %s is given %s that this step does not carry: "
+                        "after a recovery they hold arrays of the mesh before, and the "
+                        "work fails when it runs again; create them inside the guarded "
+                        "function", getattr(fn, "__name__", fn), ", ".join(sorted(set(names))))
 
     def _on_recovered_state(self, fn: Callable[..., R2], args: tuple,
                             kwargs: dict[str, Any]) -> R2:
@@ -1336,6 +1383,12 @@ class _Built:
     # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
+
+
+@jax.jit
+def _leaves_equal(xs: list, ys: list) -> jax.Array:
+    """Per leaf pair, whether the two arrays are equal (NaN equal to NaN)."""
+    return jnp.stack([jnp.array_equal(x, y, equal_nan=True) for x, y in zip(xs, ys, strict=True)])
 
 
 def _is_ready(x: jax.Array) -> bool:

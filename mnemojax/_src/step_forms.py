@@ -650,6 +650,8 @@ class NnxForm(StepForm):
             )
         self.specs = specs
         self._returns_objects = False
+        self._written: list | None = None  # the values `_write` set, in `live_vars` order
+        self._all_nodes: set[int] | None = None  # ids of `objects`' graph nodes
 
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
@@ -701,12 +703,31 @@ class NnxForm(StepForm):
         return [_to_raw(v.get_value()) for v in self.live_vars]
 
     def _write(self, leaves) -> None:
+        written = []
         for var, leaf, impl in zip(self.live_vars, leaves, self.key_impls, strict=True):
             value = leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
             if self._plain:
                 var.set_raw_value(value)
             else:
                 var.set_value(value)
+            written.append(value)
+        self._written = written
+
+    def untouched(self) -> bool:
+        """Whether every variable still holds the value this form last wrote into it
+        (identity: nothing outside the step replaced it; False when unsure)."""
+        written = self._written
+        return self._plain and written is not None and all(
+            var.get_raw_value() is w for var, w in zip(self.live_vars, written, strict=True))
+
+    def uncarried_objects(self, tree: Any) -> list[str]:
+        """The type names of the NNX objects in ``tree`` that hold arrays and are neither
+        carried by the step nor held by an object it carries (an eval's own metrics)."""
+        if self._all_nodes is None:
+            self._all_nodes = {id(n) for _, n in nnx.iter_graph(self.objects)}
+        found = [x for x in jax.tree.leaves(tree, is_leaf=_is_graph) if _is_graph(x)]
+        return [type(x).__name__ for x in found if id(x) not in self._all_nodes and any(
+            isinstance(a, jax.Array) for a in jax.tree.leaves(nnx.state(x)))]
 
     def pure(self, leaves, inputs):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
@@ -755,6 +776,7 @@ class NnxForm(StepForm):
         self._write(leaves)
 
     def forget_arrays(self, structs):
+        self._written = None
         for var, (shape, dtype) in zip(self.live_vars, structs, strict=True):
             var.set_value(np.zeros(shape, dtype))
 

@@ -91,9 +91,11 @@ def test_a_worker_killed_during_a_guarded_eval_is_recovered_and_every_eval_is_ex
     batch placed across the processes); worker 1 dies inside the eval after step 3. The
     survivors recover there, run that eval again on the new mesh and go on: every eval
     and the final state equal the failure-free plain run's. (Unguarded, the same kill
-    ended the job: gloo's error left the eval in every survivor.)"""
+    ended the job: gloo's error left the eval in every survivor.) Before each eval the job
+    replaces the optimizer's step count by an equal array: the guard's comparison of the
+    state with the step's runs across the processes, and passes."""
     report = _run(tmp_path, [ProcessFault("kill", 1, 3)],
-                  extra=("--guarded-eval", "--eval-slow-after", "3"))
+                  extra=("--guarded-eval", "--eval-slow-after", "3", "--touch-before-eval"))
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["guarded"] and rec["step"] == 4 and rec["failed_processes"] == [1]
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2} and rec["steps_lost"] == 0

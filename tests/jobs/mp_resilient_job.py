@@ -82,6 +82,10 @@ def main() -> None:
     parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
                         help="with --guarded-eval: the first eval after step K sleeps 2 s "
                              "before it starts (a kill at K lands inside it)")
+    parser.add_argument("--touch-before-eval", action="store_true",
+                        help="with --guarded-eval: replace the optimizer's step count by an "
+                             "equal new array before each eval (the guard compares the "
+                             "state with the step's by value then)")
     parser.add_argument("--eval-on-host", action="store_true",
                         help="with --guarded-eval: the eval takes the host batch (each "
                              "process computes the whole loss: no collective across them), "
@@ -159,6 +163,8 @@ def main() -> None:
         if args.guarded_eval:
             if args.eval_on_host and k == args.eval_slow_after and me == 0:
                 time.sleep(2.0)
+            if args.touch_before_eval:
+                optimizer.step[...] = optimizer.step[...] + 0
             evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
         time.sleep(args.step_sleep_s)
     if args.guarded_eval:
