@@ -705,10 +705,10 @@ class ResilientStep(Generic[P, R]):
             while True:
                 run_step = state_step + 1
                 if beside is not None and run_step == step:
+                    if pending is not None:  # recovered: the objects get the new state
+                        self._write_back(leaves)
+                        self._check_no_joiners(pending.record, step - 1)
                     try:
-                        if pending is not None:  # recovered: the objects get the new state
-                            self._write_back(leaves)
-                            self._check_no_joiners(pending.record, step - 1)
                         t_run = time.perf_counter()
                         out = self._run_beside(beside, step - 1)
                     except Exception as exc:
