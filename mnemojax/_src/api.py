@@ -482,14 +482,28 @@ class ResilientStep(Generic[P, R]):
         current = functools.partial(_substitute, new)
         return fn(*jax.tree.map(current, args), **jax.tree.map(current, kwargs))
 
-    def _run_beside(self, work: Callable[[], Any], after_step: int) -> Any:
+    def _run_step(self, exe: Executable, leaves: list, batch: Any, step: int,
+                  barrier: dist_session.DistributedSession | None) -> tuple[Any, float]:
+        """Runs `step` on `leaves` and waits for it (`_run`); first, with ``barrier``, at
+        that session's compile barrier. Returns its outputs and when it was launched."""
+        b = self._require_built()
+        if barrier is not None:
+            barrier.compiled(timeout_s=compiled_barrier_s(b.builder))
+        device_batch = b.runtime.proxy.place_batch(batch, exe.batch_shardings, b.examples)
+        t_run = time.perf_counter()
+        return b.runtime.proxy.run(exe.compiled, leaves, device_batch, step,
+                                   timeout_s=self._hang_timeout_s()), t_run
+
+    def _run_beside(self, work: Callable[[], Any], after_step: int) -> tuple[Any, float]:
         """Runs guarded work after step `after_step` and waits for the arrays of its
         result (`guard`), unbounded (an eval may take many step-times) but ended by a
         peer's death; a death already heard of fails it before it starts (a collective
-        started in that world could read a dead peer's leftovers, `known_death`)."""
+        started in that world could read a dead peer's leftovers, `known_death`).
+        Returns its result and when it started."""
         b = self._require_built()
         if (error := peer_watch.known_death()) is not None:
             raise error
+        t_run = time.perf_counter()
         out = work()
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
         try:
@@ -502,7 +516,7 @@ class ResilientStep(Generic[P, R]):
                     and all(_is_ready(x) for x in arrays)):
                 raise
             jax.block_until_ready(arrays)  # (ready: raises at once if one failed)
-        return out
+        return out, t_run
 
     def _check_no_joiners(self, record: RecoveryRecord, after_step: int) -> None:
         """Guarded work runs again only if every process of the new world is at it: the
@@ -704,50 +718,36 @@ class ResilientStep(Generic[P, R]):
         try:
             while True:
                 run_step = state_step + 1
-                if beside is not None and run_step == step:
+                at_work = beside is not None and run_step == step  # guarded work's turn
+                if beside is not None and at_work:
                     if pending is not None:  # recovered: the objects get the new state
                         self._write_back(leaves)
                         self._check_no_joiners(pending.record, step - 1)
-                    try:
-                        t_run = time.perf_counter()
-                        out = self._run_beside(beside, step - 1)
-                    except Exception as exc:
-                        t_fault = time.perf_counter()
-                        budget.start()
-                        resumed = self._recover_after(exc, t_fault, step, state_step, leaves,
-                                                      pending, budget)
-                        del exc  # hold nothing of the old world (see recover_world)
-                        if resumed is not None:  # (None: retried in place)
-                            resumed.record.guarded = True
-                            leaves, state_step = resumed.leaves, resumed.state_step
-                            publish_replayed = resumed.publish_replayed
-                            pending = _Pending(resumed.record, t_fault)
-                        continue
-                    t_end = time.perf_counter()
-                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
-                    return leaves, out, None, leaves
-                run_batch = batch if run_step == step else self._batches.batch(run_step)
-                exe = self._executable_now(run_batch)
+                    run = functools.partial(self._run_beside, beside, step - 1)
+                else:
+                    run_batch = batch if run_step == step else self._batches.batch(run_step)
+                    run = functools.partial(self._run_step, self._executable_now(run_batch),
+                                            leaves, run_batch, run_step, barrier)
+                    barrier = None  # (waited at once, failed or not)
                 try:
-                    if barrier is not None:
-                        barrier, session = None, barrier
-                        session.compiled(timeout_s=compiled_barrier_s(b.builder))
-                    device_batch = b.runtime.proxy.place_batch(run_batch, exe.batch_shardings,
-                                                               b.examples)
-                    t_run = time.perf_counter()
-                    out = b.runtime.proxy.run(exe.compiled, leaves, device_batch, run_step,
-                                              timeout_s=self._hang_timeout_s())
+                    out, t_run = run()
                 except Exception as exc:
                     t_fault = time.perf_counter()
                     budget.start()
+                    del run
                     resumed = self._recover_after(exc, t_fault, step, state_step, leaves,
                                                   pending, budget)
                     del exc  # hold nothing of the old world (see recover_world)
                     if resumed is not None:  # (None: retried in place)
+                        resumed.record.guarded = at_work
                         leaves, state_step = resumed.leaves, resumed.state_step
                         publish_replayed = resumed.publish_replayed
                         pending = _Pending(resumed.record, t_fault)
                     continue
+                if at_work:
+                    t_end = time.perf_counter()
+                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
+                    return leaves, out, None, leaves
                 t_end = time.perf_counter()
                 if run_step < step or pending is None:  # not a first run on a new mesh
                     self._step_times.append(t_end - t_run)
