@@ -63,3 +63,12 @@ __all__ = [
     "UnsupportedStateError",
     "WorldConfigError",
 ]
+
+
+def _as_public() -> None:
+    """Tracebacks name the public module, where users import the classes from."""
+    for name in __all__:
+        globals()[name].__module__ = __name__
+
+
+_as_public()

@@ -243,7 +243,8 @@ def test_a_change_to_the_carried_state_outside_the_step_is_refused_before_guarde
     """After a recovery guarded work runs again on the last step's state: a change made
     to it since, outside the step, would be lost, so the guard refuses it by name. The
     same arrays replaced by equal values (a jitted call on the model) pass. NNX objects
-    the step does not carry are named in a warning, once."""
+    whose variables the step does not carry, given or captured, are named in a warning,
+    once per function (a view of the model shares its variables: none)."""
     model, optimizer = h.make_mlp()
     step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((1, 1)), options=h.no_precompile())
     evaluate = step.guard(nnx.jit(_eval))
@@ -255,11 +256,34 @@ def test_a_change_to_the_carried_state_outside_the_step_is_refused_before_guarde
             step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
             step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
             assert float(evaluate(model, EVAL)["loss"]) > 0
-        assert [r.message.count("Average that this step does not carry")
+        assert [r.getMessage().count("uses Average, whose arrays this step does not carry")
                 for r in caplog.records] == [1, 1]  # (two lambdas: each warned once)
+        caplog.clear()
+        captured = nnx.metrics.Average()
+        with caplog.at_level("WARNING", logger="mnemojax"):  # a view shares the variables
+            step.guard(lambda model: _eval(nnx.view(model), EVAL))(model)
+            step.guard(lambda model: (captured, _eval(model, EVAL))[1])(model)
+        assert [r.getMessage().count("uses Average 'captured'") for r in caplog.records] == [1]
         optimizer.step[...] = optimizer.step[...] + 100
         with pytest.raises(mnemojax.errors.UnsupportedStateError,
-                           match=r"changed since step 1 outside it \(optimizer/step\)"):
+                           match=r"changed since step 1, outside the step \(optimizer/step;"):
             evaluate(model, EVAL)
     finally:
         step.close()
+
+
+def test_place_puts_host_data_on_the_current_mesh_as_the_step_does():
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    try:
+        before = step.place({"x": EVAL["x"], "n": np.float32(3.0)})  # before the first step
+        step(model, optimizer, h.make_batches(1)[0])
+        placed = step.place(EVAL)
+        with pytest.raises(mnemojax.errors.BatchSplitError, match=r"\['x'\] has 6 rows"):
+            step.place({"x": EVAL["x"][:6]})
+    finally:
+        step.close()
+    for got in (before["x"], placed["x"]):
+        assert got.sharding.spec == jax.P("data") and len(got.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(got), EVAL["x"])
+    assert before["n"].sharding.spec == jax.P() and float(before["n"]) == 3.0

@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import statistics
 import time
 import warnings
@@ -23,7 +24,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src import ownership
@@ -35,6 +36,7 @@ from mnemojax._src.compiler import (
     enable_persistent_cache,
 )
 from mnemojax._src.data import HostRows
+from mnemojax._src.device_layer import put_host
 from mnemojax._src.distributed import env as dist_env
 from mnemojax._src.distributed.worker import coordination, peer_watch
 from mnemojax._src.distributed.worker import session as dist_session
@@ -214,7 +216,6 @@ class ResilientStep(Generic[P, R]):
         self._built: _Built | None = None
         self._warned_no_loss = False
         self._guarding = False  # guarded work runs (`guard`): a guard inside runs plainly
-        self._warned_uncarried: set[int] = set()  # guarded functions checked (`guard`)
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -409,13 +410,50 @@ class ResilientStep(Generic[P, R]):
             LeftJobExit: this process left the job.
         """
 
+        checked: list[bool] = []  # its objects were looked at (`_warn_uncarried`, once)
+
         @functools.wraps(fn)
         def guarded(*args: P2.args, **kwargs: P2.kwargs) -> R2:
-            return self._guarded(fn, args, kwargs)
+            return self._guarded(fn, args, kwargs, checked)
 
         return guarded
 
-    def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any]) -> R2:
+    def place(self, batch: Any) -> Any:
+        """`batch` (host arrays: numpy, or `mnemojax.data.HostRows`) on the current mesh
+        (`mesh`), as this step places its own: each array split along the data axis over
+        its leading dimension, 0-d ones whole on every device. Across processes each
+        process puts only the rows its devices hold, with no collective: use it in guarded
+        work, where ``jax.device_put`` of host data would check the value across the
+        processes (a collective, which a peer's death blocks until gloo gives up, ~30 s).
+
+        Raises:
+            BatchSplitError: an array's leading dimension does not split evenly over the
+                data axis (naming it).
+            InvalidOptionError: the step has no mesh yet (give ``mesh=``), or the mesh
+                lacks the data axis.
+        """
+        mesh = self.mesh
+        if mesh is None:
+            raise InvalidOptionError("place() needs the step's mesh: give "
+                                     "mnemojax.resilient(mesh=...), or call the step first")
+        axes = tuple(a for a in self.options.batch_axes_of(mesh.axis_names)
+                     if a in mesh.axis_names)
+        width = math.prod(mesh.shape[a] for a in axes)
+        put = self._built.runtime.layer.put if self._built is not None else put_host
+        host = host_batch(batch)
+
+        def place(path, x, split):
+            spec = shd.batch_spec(mesh, axes, len(x.shape) if split else 0)
+            if spec and x.shape[0] % width:
+                raise BatchSplitError(
+                    f"{jax.tree_util.keystr(path) or 'the array'} has {x.shape[0]} rows, "
+                    f"which the data axis {axes} of width {width} cannot split evenly")
+            return put(x, NamedSharding(mesh, spec))
+
+        return jax.tree_util.tree_map_with_path(place, host, batch_splits(host))
+
+    def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any],
+                 checked: list[bool]) -> R2:
         b = self._built
         if (b is None or b.last_written is None  # no committed state on the devices yet
                 or not len(self._batches)  # (restored: no batch to compile a new mesh for)
@@ -425,7 +463,9 @@ class ResilientStep(Generic[P, R]):
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
             self._check_untouched(b, b.form)
-            self._warn_uncarried(fn, (args, kwargs), b.form)
+            if not checked:
+                checked.append(True)
+                self._warn_uncarried(fn, (args, kwargs), b.form)
             work = functools.partial(fn, *args, **kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
@@ -452,23 +492,22 @@ class ResilientStep(Generic[P, R]):
         changed = [form.leaf_paths[i] for i in np.flatnonzero(~same)]
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UnsupportedStateError(
-            f"the state this step carries changed since step {self._step} outside it "
-            f"({', '.join(changed[:4])}{more}): guarded work runs again on step "
-            f"{self._step}'s state after a recovery, which would lose that change. Make "
-            "the change inside the guarded function (reset shared metrics there: guard the "
-            "whole eval, reset, loop and compute), or inside the step")
+            f"the state this step carries changed since step {self._step}, outside the "
+            f"step ({', '.join(changed[:4])}{more}; before this call, or in guarded work "
+            f"before it): guarded work runs again on step {self._step}'s state after a "
+            "recovery, which would lose that change. Make the change inside the guarded "
+            "function (guard the whole eval: reset, loop and compute), after it, or in the "
+            "step")
 
     def _warn_uncarried(self, fn: Callable, call: Any, form: NnxForm) -> None:
-        """Once per guarded function: NNX objects it is given that the step does not
-        carry keep the arrays of the mesh before a recovery, on which it fails again."""
-        if id(fn) in self._warned_uncarried:
-            return
-        self._warned_uncarried.add(id(fn))
-        if names := form.uncarried_objects(call):
-            log.warning("mnemojax: guarded %s is given %s that this step does not carry: "
-                        "after a recovery they hold arrays of the mesh before, and the "
-                        "work fails when it runs again; create them inside the guarded "
-                        "function", getattr(fn, "__name__", fn), ", ".join(sorted(set(names))))
+        """Warns of the NNX objects a guarded function is given, or reaches through its
+        closure, whose variables the step does not carry: after a recovery they keep the
+        arrays of the mesh before, on which the work fails when it runs again."""
+        if names := form.uncarried_objects(call, fn):
+            log.warning("mnemojax: guarded %s uses %s, whose arrays this step does not "
+                        "carry: after a recovery they stay on the mesh before, and the work "
+                        "fails when it runs again; create them inside the guarded function",
+                        getattr(fn, "__name__", fn), ", ".join(sorted(set(names))))
 
     def _on_recovered_state(self, fn: Callable[..., R2], args: tuple,
                             kwargs: dict[str, Any]) -> R2:

@@ -81,6 +81,20 @@ def _from_callback(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
+def put_host(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host value (numpy, or `HostRows`) placed by `sharding`. Across processes every
+    process holds the same global value (or `HostRows`, which read rows when indexed) and
+    puts only the pieces its own devices hold: no collective, where ``jax.device_put``
+    checks across the processes that they hold the same value (one, which a dead peer
+    blocks)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(np.asarray(value) if isinstance(value, HostRows) else value,
+                              sharding)
+    if not isinstance(value, HostRows):
+        value = np.asarray(value)
+    return _from_callback(value, sharding)
+
+
 class JaxDeviceLayer:
     """The real device layer: plain JAX calls."""
 
@@ -104,13 +118,7 @@ class JaxDeviceLayer:
     def put(self, value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         if isinstance(value, HostBlocks):  # builds only the blocks the devices hold
             return _from_callback(value, sharding)
-        if sharding.is_fully_addressable:
-            return jax.device_put(value, sharding)
-        # Multi-process: every process holds the same global host value (or `HostRows`,
-        # which read rows when indexed) and places only the pieces its own devices hold.
-        if not isinstance(value, HostRows):
-            value = np.asarray(value)
-        return _from_callback(value, sharding)
+        return put_host(value, sharding)
 
     def fetch(self, shard: jax.Shard) -> np.ndarray:
         return np.array(shard.data, copy=True)

@@ -651,7 +651,6 @@ class NnxForm(StepForm):
         self.specs = specs
         self._returns_objects = False
         self._written: list | None = None  # the values `_write` set, in `live_vars` order
-        self._all_nodes: set[int] | None = None  # ids of `objects`' graph nodes
 
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
@@ -720,14 +719,19 @@ class NnxForm(StepForm):
         return self._plain and written is not None and all(
             var.get_raw_value() is w for var, w in zip(self.live_vars, written, strict=True))
 
-    def uncarried_objects(self, tree: Any) -> list[str]:
-        """The type names of the NNX objects in ``tree`` that hold arrays and are neither
-        carried by the step nor held by an object it carries (an eval's own metrics)."""
-        if self._all_nodes is None:
-            self._all_nodes = {id(n) for _, n in nnx.iter_graph(self.objects)}
-        found = [x for x in jax.tree.leaves(tree, is_leaf=_is_graph) if _is_graph(x)]
-        return [type(x).__name__ for x in found if id(x) not in self._all_nodes and any(
-            isinstance(a, jax.Array) for a in jax.tree.leaves(nnx.state(x)))]
+    def uncarried_objects(self, tree: Any, fn: Callable | None = None) -> list[str]:
+        """The NNX objects in ``tree``, or that ``fn`` reaches through its closure, holding
+        arrays in variables the step does not carry (an eval's own metrics; a view of the
+        model, `nnx.view`, shares its variables): their names, for a warning."""
+        carried = {id(v) for v in self.live_vars}
+        found = [(type(x).__name__, x) for x in jax.tree.leaves(tree, is_leaf=_is_graph)
+                 if _is_graph(x)]
+        if fn is not None:
+            found += [(f"{type(x).__name__} {name!r}", x)
+                      for name, x in _closed_over_graph_objects(fn)]
+        return [name for name, x in found if any(
+            isinstance(v.get_raw_value(), jax.Array) and id(v) not in carried
+            for v in jax.tree.leaves(nnx.state(x), is_leaf=_is_var) if _is_var(v))]
 
     def pure(self, leaves, inputs):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))

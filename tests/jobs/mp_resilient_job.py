@@ -178,8 +178,9 @@ def main() -> None:
 
 def _guarded_eval(step, slow_after: int, on_host: bool):
     """The eval a user writes beside the train step: the batch placed over the data axis
-    of the step's current mesh at each call, the loss a mean across processes (or, with
-    `on_host`, the host batch: the whole loss in every process)."""
+    of the step's current mesh at each call (`ResilientStep.place`), the loss a mean
+    across processes (or, with `on_host`, the host batch: the whole loss in every
+    process)."""
     loss = nnx.jit(lambda model, batch: {"loss": h.loss_fn(model, batch)})
     slept = []
 
@@ -190,10 +191,8 @@ def _guarded_eval(step, slow_after: int, on_host: bool):
         if step.step_count == slow_after and not slept:
             slept.append(True)
             time.sleep(2.0)
-        mesh = step.mesh
-        rows = jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0]))
-        with jax.set_mesh(mesh):
-            return loss(model, {k: jax.device_put(v, rows) for k, v in batch.items()})
+        with jax.set_mesh(step.mesh):  # (step.place: no collective, unlike device_put)
+            return loss(model, step.place(batch))
 
     return evaluate
 
