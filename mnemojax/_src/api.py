@@ -775,7 +775,7 @@ class ResilientStep(Generic[P, R]):
                     budget.start()
                     del run
                     resumed = self._recover_after(exc, t_fault, step, state_step, leaves,
-                                                  pending, budget)
+                                                  pending, budget, guarded=at_work)
                     del exc  # hold nothing of the old world (see recover_world)
                     if resumed is not None:  # (None: retried in place)
                         resumed.record.guarded = at_work
@@ -809,16 +809,18 @@ class ResilientStep(Generic[P, R]):
             raise
 
     def _recover_after(self, exc: BaseException, t_fault: float, step: int, state_step: int,
-                       leaves: list, pending: _Pending | None, budget: _StepBudget
-                       ) -> Resumed | None:
+                       leaves: list, pending: _Pending | None, budget: _StepBudget, *,
+                       guarded: bool = False) -> Resumed | None:
         """`_run`'s answer to ``exc``, raised by the run after `state_step` (whose state is
-        `leaves`) on its way to `step`: re-raises an error of the user's, retries a
-        transient one in place (returns None), or records the recovery in progress
-        (`pending`), recovers and continues on the new runtime (returns its `Resumed`)."""
+        `leaves`) on its way to `step` (``guarded``: by guarded work after `state_step`):
+        re-raises an error of the user's, retries a transient one in place (returns None),
+        or records the recovery in progress (`pending`), recovers and continues on the new
+        runtime (returns its `Resumed`)."""
         b = self._require_built()
         run_step = state_step + 1
         if self._is_peer_failure(exc):
-            reason = f"{type(exc).__name__}: {exc}"
+            where = f"in guarded work after step {state_step}: " if guarded else ""
+            reason = f"{where}{type(exc).__name__}: {exc}"
             regrow = bool(getattr(exc, "mnemojax_regrow", False))
             _drop_frames(exc)  # hold nothing of the old world (see recover_world)
             del exc
