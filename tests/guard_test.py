@@ -134,9 +134,10 @@ def test_a_pure_steps_guarded_eval_runs_again_on_the_recovered_state():
 
 
 def test_a_guard_inside_guarded_work_runs_plainly_and_the_outer_one_recovers():
-    """The README's pattern: the function that places the eval batch on the step's mesh
-    is guarded, and so is the jitted eval it calls. The outer guard recovers and runs
-    the whole again (the batch placed on the new mesh); the inner one runs plainly."""
+    """The function that places the eval batch on the step's mesh is guarded, and so is
+    the jitted eval it calls. The outer guard recovers and runs the whole again (the batch
+    placed on the new mesh); the inner one runs plainly (guarding first, it would run
+    again with the batch of the mesh before)."""
     batches = h.make_batches(STEPS)
     want_evals = h.reference_evals(batches)
     faults = mnemojax.testing.FaultInjector().lose_devices_beside(3, [5])

@@ -341,7 +341,7 @@ class ResilientStep(Generic[P, R]):
             new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch, barrier)
             try:
                 accepted = self._accept(step, metrics, finite)
-            except NonFiniteLossError:
+            except BaseException:  # (a NaN raised, a bad loss_key)
                 if ran_on is not leaves:  # recovered: the caller gets step - 1's state back
                     self._write_back(ran_on)
                 raise
@@ -394,8 +394,8 @@ class ResilientStep(Generic[P, R]):
         `fn` starts from the last step's state and may run more than once: it resets what
         it shares with the step (metrics) itself, makes the NNX objects the step does not
         carry (an eval's own metrics) itself, and places its batches on `mesh` at each call
-        (across processes ``jax.device_put`` of host data is a collective: guard the
-        function that does it; a guard inside guarded work runs plainly). Its results are
+        with `place` (across processes ``jax.device_put`` of host data is a collective,
+        which a peer's death blocks; a guard inside guarded work runs plainly). Its results are
         waited for without a hang timeout (an eval may take many step-times); a peer's
         death heard of ends the wait at once, so return arrays rather than reading them
         inside `fn`. Before this step's first commit, or after a `restore` and before the
@@ -462,11 +462,10 @@ class ResilientStep(Generic[P, R]):
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
-            self._check_untouched(b, b.form)
             if not checked:
                 checked.append(True)
                 self._warn_uncarried(fn, (args, kwargs), b.form)
-            work = functools.partial(fn, *args, **kwargs)
+            work = functools.partial(self._on_carried_state, b.form, fn, args, kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
         self._guarding = True
@@ -475,10 +474,18 @@ class ResilientStep(Generic[P, R]):
         finally:
             self._guarding = False
 
+    def _on_carried_state(self, form: NnxForm, fn: Callable[..., R2], args: tuple,
+                          kwargs: dict[str, Any]) -> R2:
+        """The NNX form's guarded work: `_check_untouched`, then `fn` (both inside the
+        work's failure handling: the comparison is a collective across processes)."""
+        self._check_untouched(self._require_built(), form)
+        return fn(*args, **kwargs)
+
     def _check_untouched(self, b: _Built, form: NnxForm) -> None:
         """After a recovery guarded work runs again on the state of the last step: the
         objects must hold it still. A change made since, outside the step (a shared
-        metrics object reset before the guarded eval), would be lost: refused.
+        metrics object reset before the guarded eval), would be lost: refused. Equal
+        values (a jitted call on the model writes back copies) become the reference.
 
         Raises:
             UnsupportedStateError: naming the state leaves that changed.
@@ -487,7 +494,9 @@ class ResilientStep(Generic[P, R]):
             return
         now = self._place_state(b, form.state_of(form.objects))
         same = np.asarray(_leaves_equal(now, b.last_written))
-        if same.all():  # (replaced by equal values: a jitted call on the model)
+        if same.all():  # (replaced by equal values: compared once)
+            b.last_written = now
+            form.mark_written()
             return
         changed = [form.leaf_paths[i] for i in np.flatnonzero(~same)]
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
@@ -547,7 +556,7 @@ class ResilientStep(Generic[P, R]):
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
         try:
             if arrays:
-                b.runtime.proxy.await_beside(arrays, after_step=after_step, timeout_s=None)
+                b.runtime.proxy.await_beside(arrays, after_step=after_step)
         except jax.errors.JaxRuntimeError as exc:
             # The news of a death that came after the work was done everywhere (its
             # results are ready): the peers that saw it done go on to the next step.
@@ -578,7 +587,8 @@ class ResilientStep(Generic[P, R]):
                 joined=record.joined_processes)
 
     def _write_back(self, leaves: list) -> None:
-        """After a recovery in guarded work: the state goes back into the step's objects,
+        """After a recovery in guarded work (or one whose step then raised, so that the
+        caller keeps the recovered state): the state goes back into the step's objects,
         and the new mesh's step is the current one (as after a step's own recovery: no
         compile barrier at the next call, which peers that recovered in their step do not
         reach)."""
@@ -634,7 +644,7 @@ class ResilientStep(Generic[P, R]):
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step
-            b.last_written = None
+            b.last_written = b.superseded = None
             # A restored run's first step is not step 1: the candidate worlds compile after
             # it. A process that joined a running job needs this too: it may be the new
             # world's process 0, which exports the candidates for the others
@@ -778,7 +788,6 @@ class ResilientStep(Generic[P, R]):
                                                   pending, budget, guarded=at_work)
                     del exc  # hold nothing of the old world (see recover_world)
                     if resumed is not None:  # (None: retried in place)
-                        resumed.record.guarded = at_work
                         leaves, state_step = resumed.leaves, resumed.state_step
                         publish_replayed = resumed.publish_replayed
                         pending = _Pending(resumed.record, t_fault)
@@ -818,8 +827,8 @@ class ResilientStep(Generic[P, R]):
         runtime (returns its `Resumed`)."""
         b = self._require_built()
         run_step = state_step + 1
+        where = f"in guarded work after step {state_step}: " if guarded else ""
         if self._is_peer_failure(exc):
-            where = f"in guarded work after step {state_step}: " if guarded else ""
             reason = f"{where}{type(exc).__name__}: {exc}"
             regrow = bool(getattr(exc, "mnemojax_regrow", False))
             _drop_frames(exc)  # hold nothing of the old world (see recover_world)
@@ -836,7 +845,9 @@ class ResilientStep(Generic[P, R]):
                 self._retry_transient(run_step, exc, budget)
                 return None
             self._close_recovery(pending, t_fault, failed_in_replay=run_step < step)
-            resumed = self._recover_devices(step, state_step, leaves, verdict, exc, budget)
+            resumed = self._recover_devices(step, state_step, leaves, verdict, exc, budget,
+                                            where=where)
+        resumed.record.guarded = guarded
         self._adopt(resumed)
         return resumed
 
@@ -869,7 +880,7 @@ class ResilientStep(Generic[P, R]):
         rec.sleep(rec.retry_backoff(retries))
 
     def _recover_devices(self, step: int, state_step: int, leaves: list, verdict: Verdict,
-                         exc: BaseException, budget: _StepBudget) -> Resumed:
+                         exc: BaseException, budget: _StepBudget, *, where: str = "") -> Resumed:
         """`DeviceRecovery.recover` within the budgets; a device failure during the
         recovery itself starts it again, over every device lost so far."""
         b = self._require_built()
@@ -881,7 +892,7 @@ class ResilientStep(Generic[P, R]):
                 failed_devices=sorted(failed), step=step)
             last.__cause__ = exc
             budget.charge_recovery(last)
-            log.warning("mnemojax: step %d: devices %s failed; recovering", step,
+            log.warning("mnemojax: step %d: %sdevices %s failed; recovering", step, where,
                         sorted(failed))
             try:
                 resumed = b.device_recovery.recover(

@@ -130,14 +130,14 @@ class DeviceProxy:
         return self._waiter.wait(lambda out, step, devices: jax.block_until_ready(out),
                                  outputs, step, self._devices, timeout_s)
 
-    def await_beside(self, outputs, *, after_step: int, timeout_s: float | None):
+    def await_beside(self, outputs, *, after_step: int):
         """Waits for the outputs of guarded work run after step `after_step`
         (`ResilientStep.guard`) through the device layer's `wait_beside`, abortable like a
-        step's wait: at most ``timeout_s`` (None: unbounded), then `StepHangError`."""
+        step's wait, unbounded (an eval may take many step-times)."""
         return self._waiter.wait(
             lambda out, step, devices: self.layer.wait_beside(out, after_step=step,
                                                               devices=devices),
-            outputs, after_step, self._devices, timeout_s)
+            outputs, after_step, self._devices, None)
 
     def classify(self, exc: BaseException) -> Verdict:
         """Sorts an exception raised by `run` or a transfer (see module docstring)."""

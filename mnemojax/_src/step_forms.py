@@ -499,9 +499,10 @@ class StepForm(abc.ABC):
 
     @abc.abstractmethod
     def write_back(self, leaves: list) -> None:
-        """After a recovery in guarded work (`ResilientStep.guard`): the state the
-        caller's objects hold becomes `leaves` (NNX: written into the objects; the pure
-        form: `last_state`, a new state pytree, rebuilt from them)."""
+        """After a recovery the caller does not get a new state from (in guarded work,
+        `ResilientStep.guard`, or a step that then raised): the state the caller's objects
+        hold becomes `leaves` (NNX: written into the objects; the pure form: `last_state`,
+        a new state pytree, rebuilt from them)."""
 
     def mutable_objects(self) -> Sequence[object]:
         """The user's objects the step updates in place, one per leaf where it has them
@@ -509,8 +510,10 @@ class StepForm(abc.ABC):
         return ()
 
     def forget_arrays(self, structs: Sequence[tuple[tuple[int, ...], Any]]) -> None:  # noqa: B027
-        """Drops every reference to the state's device arrays the form holds (before the
-        backend that owns them is torn down); `structs` are the leaves' (shape, dtype)."""
+        """Drops every reference to the state's device arrays the form holds in the
+        user's objects (before the backend that owns them is torn down); `structs` are the
+        leaves' (shape, dtype). The pure form keeps `last_state`, which its caller holds
+        too (after a recovery in guarded work, it stands for the recovered state)."""
 
     def _wrap_keys(self, leaves):
         return [leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
@@ -711,6 +714,11 @@ class NnxForm(StepForm):
                 var.set_value(value)
             written.append(value)
         self._written = written
+
+    def mark_written(self) -> None:
+        """The values the variables hold now count as written by the step (`untouched`):
+        they were found equal to the step's."""
+        self._written = [v.get_raw_value() for v in self.live_vars] if self._plain else None
 
     def untouched(self) -> bool:
         """Whether every variable still holds the value this form last wrote into it

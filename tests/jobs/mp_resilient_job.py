@@ -4,7 +4,8 @@ python -m mnemojax launch --nproc 3 --devices-per-proc 2 -- \
     python -m tests.jobs.mp_resilient_job --out DIR [--steps N] [--step-sleep-s S] \
     [--model-axis M] [--ckpt DIR --ckpt-every K] [--nan-at-step K] \
     [--transient-worker W --transient-at-step K] [--host-data] [--restore] [--in-series]
-    [--key-seed S] [--guarded-eval [--eval-slow-after K]]
+    [--key-seed S] [--guarded-eval [--eval-slow-after K] [--touch-before-eval]
+    [--eval-on-host]]
 
 Process 0 of the final world writes DIR/final.npz (the state, gathered) and
 DIR/stats.json (the resilient step's statistics). A typed error ends a worker with exit
