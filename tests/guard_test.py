@@ -288,3 +288,34 @@ def test_place_puts_host_data_on_the_current_mesh_as_the_step_does():
         assert got.sharding.spec == jax.P("data") and len(got.sharding.device_set) == 8
         np.testing.assert_array_equal(np.asarray(got), EVAL["x"])
     assert before["n"].sharding.spec == jax.P() and float(before["n"]) == 3.0
+
+
+def test_a_change_between_steps_is_in_the_snapshot_a_recovery_restores():
+    """One process, donated state (a device loss restores the host snapshot): the
+    optimizer's step count is set back between steps 2 and 3, outside the step, and
+    device 5 dies in step 3. The snapshot restored is of what the objects held at step 3's
+    call, so the run ends equal to a plain run with the same change."""
+    batches = h.make_batches(STEPS)
+    model, optimizer = h.make_mlp()
+    plain = nnx.jit(h.train_step)
+    for k, b in enumerate(batches, start=1):
+        plain(model, optimizer, b)
+        if k == 2:
+            optimizer.step[...] = optimizer.step[...] - 2
+    want = h.host_state(model, optimizer)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), donate_argnums=(0, 1),
+                              options=h.no_precompile(),
+                              fault_injector=mnemojax.testing.FaultInjector()
+                              .lose_devices(3, [5]))
+    try:
+        for k, b in enumerate(batches, start=1):
+            step(model, optimizer, b)
+            if k == 2:
+                optimizer.step[...] = optimizer.step[...] - 2
+    finally:
+        step.close()
+    for got, ref in zip(h.host_state(model, optimizer), want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    [rec] = step.statistics.recoveries
+    assert rec.source_step == 2 and rec.source != "live_replicas"

@@ -329,6 +329,7 @@ class ResilientStep(Generic[P, R]):
         batch = self._batches.append(step, batch)  # our own copy, kept for replay
         try:
             leaves = self._place_state(b, leaves)
+            self._snapshot_outside_change(b, leaves)
             if b.session is not None and self._step == 0:
                 # Before the first compile: a peer lost in it, or in step 1, needs it.
                 self._publish(0, leaves)
@@ -473,6 +474,27 @@ class ResilientStep(Generic[P, R]):
             return self._run(self._step + 1, b.last_written, None, beside=work)[1]
         finally:
             self._guarding = False
+
+    def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
+        """One process: the NNX objects' state changed since the last step, outside it (a
+        metrics reset between steps). A recovery in this step that restores the host
+        snapshot (a shard with no live replica, a donated state) would restore the last
+        step's state without that change: the snapshot is taken again, now, of what the
+        objects hold. (Across processes the agents' copies are the last step's; a change
+        there stays uncovered, see the README.)"""
+        form = b.form
+        if (b.session is not None or not isinstance(form, NnxForm) or form.untouched()
+                or b.last_written is None or not b.snapshot_every):
+            return
+        same = np.asarray(_leaves_equal(leaves, b.last_written))
+        form.mark_written()
+        b.last_written = leaves
+        if same.all():  # (equal values written back by a jitted call: nothing to cover)
+            return
+        rt = b.runtime
+        self._wait_snapshot(rt, self._step)
+        rt.store.submit(self._step, leaves)
+        rt.store.wait_idle()  # (the step may donate these buffers, or lose a device)
 
     def _on_carried_state(self, form: NnxForm, fn: Callable[..., R2], args: tuple,
                           kwargs: dict[str, Any]) -> R2:
