@@ -319,3 +319,38 @@ def test_a_change_between_steps_is_in_the_snapshot_a_recovery_restores():
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     [rec] = step.statistics.recoveries
     assert rec.source_step == 2 and rec.source != "live_replicas"
+
+
+def test_after_a_restore_guarded_work_runs_plainly_until_the_next_step(tmp_path):
+    """A run restored from its checkpoint has no step of its own yet (no state it
+    committed, no batch kept to compile a new mesh for): guarded work before its first
+    step runs plainly; after that step, a device lost during the eval is recovered and
+    the eval runs again."""
+    batches = h.make_batches(4)
+    want_evals = h.reference_evals(batches)
+    opts = h.no_precompile(persistent=mnemojax.PersistentOptions(directory=str(tmp_path),
+                                                                 every_steps=2))
+    model, optimizer = h.make_mlp()
+    first = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts)
+    try:
+        for b in batches[:2]:
+            first(model, optimizer, b)
+    finally:
+        first.close()
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts,
+                              fault_injector=mnemojax.testing.FaultInjector()
+                              .lose_devices_beside(2, [5]))
+    evaluate = step.guard(nnx.jit(_eval))
+    try:
+        assert step.restore(model, optimizer) == 2
+        evals = [float(evaluate(model, EVAL)["loss"])]  # plain: the fault does not fire
+        assert step.statistics.recoveries == []
+        for b in batches[2:]:
+            step(model, optimizer, b)
+            evals.append(float(evaluate(model, EVAL)["loss"]))  # after step 3: recovered
+    finally:
+        step.close()
+    np.testing.assert_allclose(evals, want_evals[1:], rtol=1e-5, atol=1e-5)
+    [rec] = step.statistics.recoveries
+    assert rec.guarded and rec.step == 4 and rec.failed_devices == (5,)
