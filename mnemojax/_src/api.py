@@ -437,8 +437,7 @@ class ResilientStep(Generic[P, R]):
         if mesh is None:
             raise InvalidOptionError("place() needs the step's mesh: give "
                                      "mnemojax.resilient(mesh=...), or call the step first")
-        axes = tuple(a for a in self.options.batch_axes_of(mesh.axis_names)
-                     if a in mesh.axis_names)
+        axes = self.options.batch_axes_of(mesh.axis_names)
         width = math.prod(mesh.shape[a] for a in axes)
         put = self._built.runtime.layer.put if self._built is not None else put_host
         host = host_batch(batch)
@@ -483,14 +482,12 @@ class ResilientStep(Generic[P, R]):
         objects hold. (Across processes the agents' copies are the last step's; a change
         there stays uncovered, see the README.)"""
         form = b.form
-        if (b.session is not None or not isinstance(form, NnxForm) or form.untouched()
-                or b.last_written is None or not b.snapshot_every):
+        if (b.session is not None or not isinstance(form, NnxForm)
+                or b.last_written is None or not b.snapshot_every
+                or not self._changed_leaves(b, form, leaves)):
             return
-        same = np.asarray(_leaves_equal(leaves, b.last_written))
-        form.mark_written()
+        form.mark_written()  # (the step's state now: snapshotted below)
         b.last_written = leaves
-        if same.all():  # (equal values written back by a jitted call: nothing to cover)
-            return
         rt = b.runtime
         self._wait_snapshot(rt, self._step)
         rt.store.submit(self._step, leaves)
@@ -512,15 +509,9 @@ class ResilientStep(Generic[P, R]):
         Raises:
             UnsupportedStateError: naming the state leaves that changed.
         """
-        if form.untouched():  # (not replaced since the step: nothing to compare)
+        changed = [form.leaf_paths[i] for i in self._changed_leaves(b, form)]
+        if not changed:
             return
-        now = self._place_state(b, form.state_of(form.objects))
-        same = np.asarray(_leaves_equal(now, b.last_written))
-        if same.all():  # (replaced by equal values: compared once)
-            b.last_written = now
-            form.mark_written()
-            return
-        changed = [form.leaf_paths[i] for i in np.flatnonzero(~same)]
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UnsupportedStateError(
             f"the state this step carries changed since step {self._step}, outside the "
@@ -529,6 +520,22 @@ class ResilientStep(Generic[P, R]):
             "recovery, which would lose that change. Make the change inside the guarded "
             "function (guard the whole eval: reset, loop and compute), after it, or in the "
             "step")
+
+    def _changed_leaves(self, b: _Built, form: NnxForm, leaves: list | None = None
+                        ) -> list[int]:
+        """The state leaves whose values the objects hold (`leaves`: them, placed) differ
+        from the last step's, compared on device (`_leaves_equal`) only when the objects
+        no longer hold what the step wrote (`NnxForm.untouched`). Equal values become the
+        reference, so each replacement is compared once."""
+        if form.untouched():
+            return []
+        if leaves is None:
+            leaves = self._place_state(b, form.state_of(form.objects))
+        same = np.asarray(_leaves_equal(leaves, b.last_written))
+        if same.all():  # (a jitted call on the model writes back equal copies)
+            b.last_written = leaves
+            form.mark_written()
+        return np.flatnonzero(~same).tolist()
 
     def _warn_uncarried(self, fn: Callable, call: Any, form: NnxForm) -> None:
         """Warns of the NNX objects a guarded function is given, or reaches through its

@@ -99,9 +99,7 @@ class DeviceProxy:
                 raise BatchSplitError(
                     f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[0]} examples, "
                     f"which the data axis of width {width} cannot split evenly")
-            if isinstance(x, HostRows) and sharding.is_fully_addressable:
-                x = np.asarray(x)  # every row is this process's
-            return self.layer.put(x, sharding)
+            return self.layer.put(x, sharding)  # (`put_host`: rows of `HostRows` too)
 
         return jax.tree_util.tree_map_with_path(place, host_batch, shardings,
                                                 batch_splits(host_batch))

@@ -654,6 +654,7 @@ class NnxForm(StepForm):
         self.specs = specs
         self._returns_objects = False
         self._written: list | None = None  # the values `_write` set, in `live_vars` order
+        self._has_keys = any(impl is not None for impl in self.key_impls)
 
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
@@ -705,14 +706,15 @@ class NnxForm(StepForm):
         return [_to_raw(v.get_value()) for v in self.live_vars]
 
     def _write(self, leaves) -> None:
-        written = []
+        written = [] if self._has_keys else leaves  # (a key is wrapped into a new value)
         for var, leaf, impl in zip(self.live_vars, leaves, self.key_impls, strict=True):
             value = leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
             if self._plain:
                 var.set_raw_value(value)
             else:
                 var.set_value(value)
-            written.append(value)
+            if self._has_keys:
+                written.append(value)
         self._written = written
 
     def mark_written(self) -> None:
