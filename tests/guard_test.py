@@ -211,6 +211,55 @@ def test_guarded_work_does_not_run_again_in_a_world_that_processes_joined(monkey
     assert rec.guarded and rec.joined_processes == (9,)
 
 
+def test_a_death_heard_of_once_the_guarded_work_is_done_is_no_failure(monkeypatch):
+    """Under `mnemojax launch` the peer watch fails the wait of guarded work when a peer
+    dies. If every array of the work's result is ready by then, the work was done (its
+    collectives completed everywhere): its result is returned and nothing is recovered;
+    the death is met at the next step. (One process: a watch over a fake launcher, told
+    of the death once the eval's result is ready.)"""
+    import threading
+
+    from mnemojax._src import device_layer
+    from mnemojax._src.distributed import wire
+    from mnemojax._src.distributed.worker import peer_watch
+
+    class _Quiet:  # a launcher that reports no death by itself
+        released = threading.Event()
+
+        def watch(self, *, generation, timeout_s):
+            self.released.wait(timeout_s)
+            return wire.WorldFailed(generation=generation, failed=())
+
+    watch = peer_watch.PeerWatch(_Quiet(), lambda: 0, poll_s=5.0, retry_s=0.01)
+    wait_beside = device_layer.JaxDeviceLayer.wait_beside
+    notices = []
+
+    def heard_once_done(self, outputs, *, after_step, devices):
+        jax.block_until_ready(outputs)
+        notices.append(watch.notify(0, (1,)))  # fails the guard's pending wait
+        return wait_beside(self, outputs, after_step=after_step, devices=devices)
+
+    batches = h.make_batches(2)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((2, 1)), options=h.no_precompile())
+    eval_step = step.guard(nnx.jit(_eval))
+    try:
+        step(model, optimizer, batches[0])
+        watch.start()
+        monkeypatch.setattr(device_layer.JaxDeviceLayer, "wait_beside", heard_once_done)
+        loss = float(eval_step(model, EVAL)["loss"])
+        with pytest.raises(jax.errors.JaxRuntimeError, match="not started"):
+            step(model, optimizer, batches[1])  # the next step meets the death
+    finally:
+        watch.stop()
+        _Quiet.released.set()
+        step.close()
+    [notice] = notices
+    assert notice.aborted == 1  # the guard's wait was failed, and its result kept
+    assert loss == pytest.approx(h.reference_evals(batches[:1])[0], rel=1e-5)
+    assert step.statistics.recoveries == [] and step.step_count == 1
+
+
 def test_a_nan_after_a_recovery_leaves_the_objects_with_the_recovered_state():
     """nonfinite='raise': device 5 dies in step 3, whose batch is NaN. The recovery's replay
     raises `NonFiniteLossError`; the model and optimizer hold the state of step 2 on the
