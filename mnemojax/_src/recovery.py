@@ -120,7 +120,8 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
     durability.emit("recovery", step=record.step, duration_s=record.total_s,
                     steps_lost=record.steps_lost, source=record.source, plan=record.plan_kind,
                     executable=record.executable, new_mesh=record.new_mesh_shape,
-                    bytes_moved=record.bytes_moved, groups_changed=record.groups_changed)
+                    bytes_moved=record.bytes_moved, groups_changed=record.groups_changed,
+                    guarded=record.guarded, joined_processes=list(record.joined_processes))
 
 
 def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,

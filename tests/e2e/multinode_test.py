@@ -163,6 +163,38 @@ def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path, monkeypatch
         _check_spares(out, steps, codes, final, left, answered)
 
 
+@pytest.mark.slow  # ~45 s: the default suite is at its budget
+def test_a_spare_joining_while_the_survivors_are_in_guarded_work_skips_that_work(tmp_path):
+    """The job evaluates after every step through ``step.guard`` (the eval after step 3
+    sleeps 2 s); worker 0's host dies during that eval. The survivors meet the death in
+    the eval and recover with node 0's spare in the new world, which starts at step 4: the
+    eval does not run again (its collectives would meet the spare's step), each survivor's
+    raises `GuardSkippedError` after the state is recovered, and the job goes on. The
+    state ends exact, every other eval too."""
+    steps, out = 8, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster:
+            codes, final, left, _ = two_nodes.run_spares(
+                cluster.url, out, steps=steps, second_kill=False,
+                job_args=("--guarded-eval", "--eval-slow-after", "3"))
+        assert codes == [0, 0]
+        assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3]}
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        want = h.reference_evals(h.make_batches(steps))
+        for w in (1, 2, 3):  # the survivors: every eval but the skipped one, exact
+            with open(f"{out}/evals-w{w}.json") as f:
+                got = {int(k): v for k, v in json.load(f).items()}
+            assert sorted(got) == list(range(1, steps + 1)) and got[3] is None, (w, got)
+            assert all(abs(got[k] - want[k - 1]) <= 1e-5 * (1 + abs(want[k - 1]))
+                       for k in got if k != 3), (w, got, want)
+            [rec] = two_nodes.recoveries(out, w)
+            assert rec["guarded"] and rec["joined_processes"] == [4], rec
+        with open(f"{out}/evals-w4.json") as f:  # the spare: from step 4 on
+            got = {int(k): v for k, v in json.load(f).items()}
+        assert sorted(got) == list(range(4, steps + 1)), got
+        assert left == [], "a process outlived the job"
+
+
 def _check_spares(out, steps, codes, final, left, answered):
     assert answered == []  # every connection without the secret closed unanswered
     assert codes == [0, 0]

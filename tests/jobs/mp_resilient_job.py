@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--guarded-eval", action="store_true",
                         help="after each step, evaluate on tests.helpers.EVAL_BATCH placed "
                              "over the data axis (a collective across the processes) through "
-                             "step.guard; writes DIR/evals-wI.json (step -> loss)")
+                             "step.guard; writes DIR/evals-wI.json (step -> loss, null "
+                             "where GuardSkippedError skipped it)")
     parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
                         help="with --guarded-eval: the first eval after step K sleeps 2 s "
                              "before it starts (a kill at K lands inside it)")
@@ -166,7 +167,11 @@ def main() -> None:
                 time.sleep(2.0)
             if args.touch_before_eval:
                 optimizer.step[...] = optimizer.step[...] + 0
-            evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
+            try:
+                evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
+            except mnemojax.errors.GuardSkippedError as exc:  # spares joined: no eval
+                print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
+                evals[k] = None
         time.sleep(args.step_sleep_s)
     if args.guarded_eval:
         with open(os.path.join(args.out, f"evals-w{me}.json"), "w") as f:

@@ -174,19 +174,21 @@ def recoveries(out: str, worker: int) -> list[dict[str, Any]]:
 
 
 def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 0.3,
-               kills: list[float] | None = None
+               kills: list[float] | None = None, job_args: Sequence[str] = (),
+               second_kill: bool = True
                ) -> tuple[list[int], dict[str, Any], list[int], list[str]]:
     """One spare per node. Kills worker 0's host (agent and worker: it owns every shard
-    of the data-parallel state), then, once the spare that took its place has stepped
-    twice, that spare's host: its state must come from the replica it re-created.
-    Before the first kill, an outsider without the job secret sends forged requests to
-    node 1's launcher (a ``hello``, an ``agree``) and to worker 2's agent (an ``alloc``, a
-    ``get``).
+    of the data-parallel state) once worker 0 has logged step 3, then (``second_kill``),
+    once the spare that took its place has stepped twice, that spare's host: its state
+    must come from the replica it re-created. Before the first kill, an outsider without
+    the job secret sends forged requests to node 1's launcher (a ``hello``, an ``agree``)
+    and to worker 2's agent (an ``alloc``, a ``get``).
 
     Returns both launchers' exit statuses, the final summary, the processes left and what
     the forged requests got back; appends the kills' times to ``kills``."""
     kills = [] if kills is None else kills
-    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=1) as job:
+    with started(cluster_url, out, steps=steps, sleep_s=sleep_s, spares=1,
+                 job_args=job_args) as job:
         agent_pid = {int(w): p for rec in job.nodes.values()
                      for w, p in rec["agent_pids"].items()}
         wait(lambda: len(step_times(out).get(0, ())) >= 3, 120, "three steps")
@@ -198,10 +200,12 @@ def run_spares(cluster_url: str, out: str, *, steps: int = 14, sleep_s: float = 
         kills.append(time.time())
         os.killpg(agent_pid[0], signal.SIGKILL)
         world1 = wait(lambda: job.store.get(job.store.key("world", 1)), 120, "world 1")
-        spare = next(w for w in world1["members"] if w >= 2 * NPROC)
-        wait(lambda: len(step_times(out).get(spare, ())) >= 2, 120, "two steps of the spare")
-        kills.append(time.time())
-        os.killpg(agent_pid[spare], signal.SIGKILL)
+        if second_kill:
+            spare = next(w for w in world1["members"] if w >= 2 * NPROC)
+            wait(lambda: len(step_times(out).get(spare, ())) >= 2, 120,
+                 "two steps of the spare")
+            kills.append(time.time())
+            os.killpg(agent_pid[spare], signal.SIGKILL)
         codes = [p.wait(timeout=240) for p in job.launchers]
         return codes, summary(job.store, NPROC), leftover_pids(job.nodes), answered
 
