@@ -359,6 +359,31 @@ class _SwitchInterval:
 
 _switch_interval = _SwitchInterval()
 
+_export_lowering_warmed = threading.Event()
+
+
+def warm_export_lowering() -> None:
+    """Lowers a trivial deserialised export once in this process (later calls return at
+    once). The first lowering of any `jax.export` artifact in a process costs ~0.2 s more
+    than every later one, whatever the module: one-time set-up, which `jax.clear_caches`
+    keeps (`python -m mnemojax._src.bench.micro 7`). A process that holds the step's
+    export but compiled none (`CompileOptions.ahead_compilers`: another process compiles
+    it) would pay it in the new world's compile phase, on the recovery's critical path;
+    it pays it here instead, on the background thread that took or made the export.
+    Never raises: it saves time only."""
+    if _export_lowering_warmed.is_set():
+        return
+    _export_lowering_warmed.set()
+    t0 = time.perf_counter()
+    try:
+        x = jax.ShapeDtypeStruct((2,), jnp.float32)
+        exported = jax_export.deserialize(jax_export.export(jax.jit(jnp.sin))(x).serialize())
+        jax.jit(exported.call).lower(x)
+    except Exception as e:  # noqa: BLE001 - only a warm-up
+        log.debug("mnemojax: warming up the lowering of exports failed: %s", e)
+        return
+    log.info("mnemojax: warmed up the lowering of exports in %.2fs", time.perf_counter() - t0)
+
 
 class StepCompiler:
     """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch.
@@ -656,7 +681,8 @@ class StepCompiler:
             _switch_interval.enter(self._switch_interval_s)
         try:
             if export_only:
-                self._export(plan, batch_struct)
+                if self._export(plan, batch_struct) is not None:
+                    warm_export_lowering()  # a new world lowers it here: not then
                 exe = None
             else:
                 exe = self._compile(plan, batch_struct, ahead=True)

@@ -30,7 +30,11 @@
    store's two slots). Not used by the runtime yet: a route, measured. The bench's tiny
    GPT (``configs/bench_tiny.toml``), where the step is short.
 
-Sections 1-5: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
+7. The first lowering of the step from a deserialised export in a fresh process, cold and
+   after `compiler.warm_export_lowering` (what a process that compiled no candidate world
+   pays in a new world's compile phase, issue 13): each run in its own process.
+
+Sections 1-5 and 7: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
 
 from __future__ import annotations
@@ -346,11 +350,11 @@ def _host_outputs(mesh, *, rounds: int, block_steps: int) -> list[str]:
     return lines
 
 
-def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
+def _step_to_lower(cfg, mesh, batches):
+    """The tiny GPT's pure step, its shardings on `mesh` and abstract arguments, a lowering
+    of any function of them (a fresh jit each time) and the initial leaves."""
     import jax
-    import numpy as np
     from flax import nnx
-    from jax import export
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -374,6 +378,18 @@ def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
         with jax.set_mesh(mesh):  # a fresh jit each time: nothing cached by the object
             return jax.jit(fn, in_shardings=in_shardings, donate_argnums=(0,)).lower(*args)
 
+    return pure, in_shardings, args, lower, leaves
+
+
+def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
+    import jax
+    import numpy as np
+    from jax import export
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    pure, in_shardings, args, lower, leaves = _step_to_lower(cfg, mesh, batches)
+    rep = NamedSharding(mesh, P())
     t = time.perf_counter()
     with jax.set_mesh(mesh):
         exported = export.export(jax.jit(pure, in_shardings=in_shardings))(*args)
@@ -403,16 +419,61 @@ def _lowering(cfg, mesh, batches, *, rounds: int = 5) -> list[str]:
             f"   the same step computed both ways       {same}"]
 
 
+def _first_export_lowering_child(cfg, mesh, batches, warm: bool) -> float:
+    """In a fresh process: seconds of the first lowering of the step from a deserialised
+    export (as a new world's lowering in a process that compiled none), after
+    `compiler.warm_export_lowering` and `jax.clear_caches` when ``warm``."""
+    import jax
+    from jax import export
+
+    from mnemojax._src import compiler
+
+    pure, in_shardings, args, lower, _ = _step_to_lower(cfg, mesh, batches)
+    with jax.set_mesh(mesh):
+        blob = export.export(jax.jit(pure, in_shardings=in_shardings))(*args).serialize()
+    if warm:
+        compiler.warm_export_lowering()
+        jax.clear_caches()  # as a new world's attach does
+    exported = export.deserialize(blob)
+    t = time.perf_counter()
+    lower(exported.call)
+    return time.perf_counter() - t
+
+
+def _first_export_lowering(*, rounds: int = 3) -> list[str]:
+    import json
+    import subprocess
+    import sys
+
+    times: dict[str, list[float]] = {"cold": [], "warm": []}
+    for _ in range(rounds):
+        for mode in times:  # alternating, each in a fresh process
+            out = subprocess.run([sys.executable, "-m", "mnemojax._src.bench.micro",
+                                  "7", "--first-lowering-child", mode], check=True, timeout=300,
+                                 capture_output=True, text=True).stdout
+            times[mode].append(json.loads(out.strip().splitlines()[-1])["s"])
+    cold, warm = (statistics.median(times[m]) for m in ("cold", "warm"))
+    return [f"7. the first lowering of the step from a deserialised export in a fresh process "
+            f"(median of {rounds}, each in its own process, alternating)",
+            f"   cold                                   {1e3 * cold:8.1f} ms   "
+            + " ".join(f"{1e3 * t:.0f}" for t in times["cold"]),
+            f"   after warm_export_lowering()           {1e3 * warm:8.1f} ms   "
+            + " ".join(f"{1e3 * t:.0f}" for t in times["warm"]),
+            f"   saved                                  {1e3 * (cold - warm):8.1f} ms"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6],
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
                         help="sections 4 and 6: rounds of alternating blocks (default 15)")
     parser.add_argument("--block-steps", type=int, default=10,
                         help="sections 4 and 6: steps per block (default 10)")
+    parser.add_argument("--first-lowering-child", choices=["cold", "warm"],
+                        help=argparse.SUPPRESS)  # section 7's fresh processes
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4, 5, 6]
+    sections = args.sections or [1, 2, 3, 4, 5, 6, 7]
 
     import jax
 
@@ -430,7 +491,15 @@ def main(argv: list[str] | None = None) -> None:
            4: lambda: _snapshot_overhead(cfg, mesh, batches, rounds=args.rounds,
                                          block_steps=args.block_steps),
            5: lambda: _lowering(cfg, mesh, batches),
-           6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps)}
+           6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps),
+           7: lambda: _first_export_lowering()}
+    if args.first_lowering_child is not None:
+        import json
+
+        s = _first_export_lowering_child(cfg, mesh, batches,
+                                         warm=args.first_lowering_child == "warm")
+        print(json.dumps({"s": s}), flush=True)
+        return
     for section in sorted(set(sections)):
         print("\n".join(run[section]()), flush=True)
 
