@@ -305,6 +305,17 @@ class ResilientStep(Generic[P, R]):
 
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        # Under `mnemojax launch` the agent's hang watchdog judges only the time inside
+        # these calls: between them the user's own code runs (an eval, a save).
+        if self._built is not None and self._built.session is not None:
+            self._built.session.in_step(True)
+        try:
+            return self._call(args, kwargs)
+        finally:
+            if self._built is not None and self._built.session is not None:
+                self._built.session.in_step(False)
+
+    def _call(self, args: tuple, kwargs: dict[str, Any]) -> R:
         t_call = time.perf_counter()
         b = self._built if self._built is not None else self._build(args, kwargs)
         if (left := b.session.left if b.session is not None else None) is not None:

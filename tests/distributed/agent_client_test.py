@@ -59,3 +59,46 @@ def test_a_copy_checked_with_another_algorithm_is_refused():
     with pytest.raises(StateUnavailableError, match="CRC32C"):
         fetch_snapshot([address], 0, 3, secret=SECRET, timeout_s=10)
     thread.join(timeout=10)
+
+
+def test_between_calls_of_the_step_the_worker_says_it_is_alive(monkeypatch):
+    """`AgentClient.in_step`: it says where the worker is (`wire.InStep`), and between calls
+    of the step a thread says so again every `PING_S` (the watchdog takes silence there
+    for a frozen process); inside a call it says nothing more."""
+    import time
+
+    from mnemojax._src.distributed.worker import agent_client
+
+    monkeypatch.setattr(agent_client, "PING_S", 0.05)
+    server, address = transport.listen()
+    heard: list[tuple[float, bool]] = []
+
+    def run():
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                transport.server_handshake(conn, SECRET)
+                while True:
+                    try:
+                        message, _ = transport.recv(conn)
+                    except (OSError, ConnectionError):
+                        return
+                    assert isinstance(message, wire.InStep)
+                    heard.append((time.monotonic(), message.inside))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    client = agent_client.AgentClient(address, secret=SECRET)
+    try:
+        client.in_step(False)
+        time.sleep(1.0)  # the user's code: about twenty more words
+        client.in_step(True)
+        inside_from = time.monotonic()
+        time.sleep(0.4)  # a step: nothing more
+    finally:
+        client.close()
+    thread.join(timeout=10)
+    outside = [t for t, inside in heard if not inside]
+    assert [inside for _, inside in heard].count(True) == 1
+    assert len(outside) >= 4 and max(b - a for a, b in zip(outside, outside[1:], strict=False)) < 0.8
+    assert all(t < inside_from for t in outside)

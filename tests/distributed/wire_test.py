@@ -70,6 +70,7 @@ EXAMPLES = [
     wire.Replicated(caught_up=False, detail="buddy unreachable"),
     wire.Hold(step=7, crc=123456),
     wire.Phase(phase="train"),
+    wire.InStep(inside=False),
     wire.Replica(origin=0, step=7, crc=0xFFFFFFFF),
     wire.Get(origin=0, step=7),
     wire.Get(origin=0, step=7, header_only=True),

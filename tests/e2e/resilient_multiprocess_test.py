@@ -128,6 +128,18 @@ def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_o
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_the_users_own_code_between_steps_may_outlast_the_hang_limit(tmp_path, reference):
+    """Every worker spends 22 s in its own code after step 3 (a long eval, a slow save):
+    longer than the agents' hang limit here (20 s: the collective timeout and 10 s). The
+    watchdog judges only the calls of the step, and between them the workers' signs of
+    life: no worker is taken for hung, the job ends exact with no recovery. (Before, every
+    agent killed its worker at 20 s and the job ended with nobody left.)"""
+    report = _run(tmp_path, [], extra=("--pause-after", "3", "--pause-s", "22"))
+    assert report["rc"] == 0, report
+    assert _launcher_events(report, "hang") == []
+    assert _assert_exact(tmp_path, reference)["recoveries"] == []
+
+
 def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
     and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed

@@ -38,6 +38,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--step-sleep-s", type=float, default=0.2)
+    parser.add_argument("--pause-after", type=int, default=-1, metavar="K",
+                        help="every process spends --pause-s seconds in its own code after "
+                             "step K (a long eval, a slow save: no step runs meanwhile)")
+    parser.add_argument("--pause-s", type=float, default=0.0)
     parser.add_argument("--model-axis", type=int, default=2, help="mesh (n / M, M)")
     parser.add_argument("--ckpt", default=None, help="persistent tier directory")
     parser.add_argument("--nan-at-step", type=int, default=-1,
@@ -172,7 +176,7 @@ def main() -> None:
             except mnemojax.errors.GuardSkippedError as exc:  # spares joined: no eval
                 print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
                 evals[k] = None
-        time.sleep(args.step_sleep_s)
+        time.sleep(args.pause_s if k == args.pause_after else args.step_sleep_s)
     if args.guarded_eval:
         with open(os.path.join(args.out, f"evals-w{me}.json"), "w") as f:
             json.dump(evals, f)

@@ -21,7 +21,7 @@ worker -> launcher          Barrier (after each compile)           BarrierReply 
 worker -> launcher          WatchWorld (a long poll, `peer_watch`)  WorldFailed | ErrorReply
 launcher -> agent           HoldingsQuery                          Holdings
 worker -> its agent         Alloc                                  Allocated
-worker -> its agent         Published, Phase                       none
+worker -> its agent         Published, Phase, InStep               none
 worker -> its agent         AwaitReplicated (before a publish)     Replicated
 worker -> its agent         Hold (+ payload, own connection)       Ok | ErrorReply
 agent -> its ring buddy     Replica (+ payload)                    Ok | ErrorReply
@@ -603,6 +603,16 @@ class Phase(Message):
     phase: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InStep(Message):
+    """The worker entered (``inside``) or left a call of its resilient step. Between calls
+    it runs its own code (an eval, a save, a slow input pipeline), which the hang watchdog
+    does not judge however long it takes (`HangWatchdog.step_bounds`)."""
+
+    OP: ClassVar[str] = "in_step"
+    inside: bool
+
+
 # -- snapshots between agents, and to survivors -------------------------------------------------
 
 
@@ -718,7 +728,8 @@ MESSAGES: tuple[type[Message], ...] = (
     ReportFailure, Leave, Agree, AgreementReply, Barrier, BarrierReply, WatchWorld, WorldFailed,
     AwaitJoin, Joined,
     HoldingsQuery, Holdings,
-    Alloc, Allocated, Published, AwaitReplicated, Replicated, Hold, Phase, Replica, Get, Snapshot,
+    Alloc, Allocated, Published, AwaitReplicated, Replicated, Hold, Phase, InStep, Replica, Get,
+    Snapshot,
     AuthChallenge, AuthResponse, AuthAccepted, Ok, ErrorReply)
 _BY_OP: dict[str, type[Message]] = {m.OP: m for m in MESSAGES}
 

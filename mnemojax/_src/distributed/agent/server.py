@@ -100,6 +100,9 @@ class AgentServer:
             return wire.Replicated(caught_up=caught_up, detail=detail), b""
         if isinstance(message, wire.Hold):
             return self._holder.accept_held(message, payload), b""
+        if isinstance(message, wire.InStep):  # (the launcher is not told: two per step)
+            self._watchdog.step_bounds(message.inside, now)
+            return None
         if isinstance(message, wire.Phase):
             self._watchdog.set_phase(message.phase, now)
             self._report(wire.WorkerPhase(worker_id=self.worker_id, phase=message.phase))

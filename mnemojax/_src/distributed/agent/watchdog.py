@@ -13,7 +13,11 @@ class HangWatchdog:
 
     Only the ``train`` phase is watched: compiling and recovering can take far longer than a
     step. The first interval after entering ``train`` is not a step time (it includes the
-    first execution), so the median starts from the second.
+    first execution), so the median starts from the second. Only time inside a call of the
+    step counts (`step_bounds`, from a worker that says so): between calls the worker runs
+    the user's own code (an eval, a save), which is no hang however long it takes; there
+    the worker says it is alive every second or so, and one that stops saying it for
+    ``min_s`` (a frozen process) is hung.
 
     Args:
         factor: multiple of the median step time that counts as a hang.
@@ -28,11 +32,22 @@ class HangWatchdog:
         self.step: int | None = None
         self._last: float | None = None
         self._fresh = True
+        self._inside = True  # in a call of the step (a worker that never says: always)
+        self._seen = 0.0  # its last word between calls (`step_bounds`)
 
     def reset(self) -> None:
         """Forgets everything (a new worker process starts)."""
         self._intervals.clear()
         self.phase, self.step, self._last, self._fresh = "start", None, None, True
+        self._inside = True
+
+    def step_bounds(self, inside: bool, now: float) -> None:
+        """The worker entered (``inside``) or left a call of its step, or says again that
+        it is between calls (alive). The time between calls is not part of the next
+        step's interval."""
+        if inside and not self._inside and self._last is not None:
+            self._last = now
+        self._inside, self._seen = inside, now
 
     def set_phase(self, phase: str, now: float) -> None:
         """Enters a phase (``start``, ``compile``, ``recover``, ``train``)."""
@@ -53,9 +68,15 @@ class HangWatchdog:
         return None if med is None else max(self.factor * med, self.min_s)
 
     def hung(self, now: float) -> float | None:
-        """Seconds without progress if that is a hang now, else None."""
+        """Seconds without progress (in a call of the step) or without a word (between
+        calls) if that is a hang now, else None."""
+        if self.phase != TRAIN:
+            return None
+        if not self._inside:  # the user's code: judged by the worker's signs of life only
+            silent = now - self._seen
+            return silent if silent > self.min_s else None
         limit = self.threshold_s()
-        if self.phase != TRAIN or limit is None or self._last is None:
+        if limit is None or self._last is None:
             return None
         idle = now - self._last
         return idle if idle > limit else None

@@ -9,6 +9,7 @@ triggers buddy replication. No JAX here.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 from mnemojax._src import checksum as checksums
@@ -16,6 +17,10 @@ from mnemojax._src.distributed import transport, wire
 from mnemojax._src.distributed.shm import SLOT_MARGIN, SnapshotBuffer, nbytes_of
 from mnemojax._src.distributed.snapshot_codec import Box
 from mnemojax._src.errors import ProtocolError, SnapshotCorruptError, StateUnavailableError
+
+# Between calls of the step, the worker tells its agent it is alive this often (the hang
+# watchdog's floor is 5 s at least: `HangWatchdog.hung`).
+PING_S = 1.0
 
 
 class AgentClient:
@@ -36,6 +41,9 @@ class AgentClient:
         self._sock = transport.connect(address, secret=secret)
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
+        self._inside, self._last_said = True, time.monotonic()  # (`in_step`)
+        self._pinger: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def _ensure_capacity(self, nbytes: int, budget_bytes: int | None) -> SnapshotBuffer:
         """Slots for a snapshot of ``nbytes``: new ones when these are too small, or more
@@ -113,7 +121,31 @@ class AgentClient:
         with self._lock:
             transport.send(self._sock, wire.Phase(phase=phase))
 
+    def in_step(self, inside: bool) -> None:
+        """Tells the watchdog whether the worker is inside a call of its step
+        (`wire.InStep`). Between calls a thread says so again every `PING_S`: the
+        watchdog takes a worker that stops saying it (a frozen process) for hung."""
+        with self._lock:
+            self._inside, self._last_said = inside, time.monotonic()
+            transport.send(self._sock, wire.InStep(inside=inside))
+        if not inside and self._pinger is None:
+            self._pinger = threading.Thread(target=self._ping, daemon=True,
+                                            name="mnemojax-agent-ping")
+            self._pinger.start()
+
+    def _ping(self) -> None:
+        while not self._closed.wait(PING_S / 2):
+            with self._lock:
+                if self._inside or time.monotonic() - self._last_said < PING_S:
+                    continue
+                try:
+                    transport.send(self._sock, wire.InStep(inside=False))
+                except OSError:  # the connection is gone: the worker's own paths see it
+                    return
+                self._last_said = time.monotonic()
+
     def close(self) -> None:
+        self._closed.set()
         if self.buffer is not None:
             self.buffer.close()
         self._sock.close()

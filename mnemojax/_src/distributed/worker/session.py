@@ -132,6 +132,17 @@ class DistributedSession:
         if self.agent is not None:
             self.agent.phase(name)
 
+    def in_step(self, inside: bool) -> None:
+        """Tells the agent's hang watchdog whether this worker is inside a call of its step
+        (`wire.InStep`): between calls it runs the user's own code (an eval, a save),
+        which is no hang however long it takes. Never raises (an agent gone is found by
+        the step's own paths)."""
+        if self.agent is not None:
+            try:
+                self.agent.in_step(inside)
+            except OSError as e:
+                log.debug("mnemojax: telling the agent about the step's bounds: %s", e)
+
     def compiled(self, timeout_s: float = 300.0) -> None:
         """Barrier after a compile, then tell the watchdog training resumed.
 
