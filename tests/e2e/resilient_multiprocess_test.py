@@ -140,6 +140,19 @@ def test_the_users_own_code_between_steps_may_outlast_the_hang_limit(tmp_path, r
     assert _assert_exact(tmp_path, reference)["recoveries"] == []
 
 
+def test_a_users_thread_asking_jax_during_the_recovery_does_not_break_the_new_world(
+        tmp_path, reference):
+    """A thread of the user's asks ``jax.process_index()`` every 0.5 ms throughout (a
+    logger; Orbax's save thread does it in its error path when the old client goes).
+    Worker 1 dies after step 4. Asked between the old client's shutdown and the new one's
+    connect, JAX made a backend without the distributed client, which stood for the new
+    world's: "process 0 of the new world has 0 devices" in every survivor (a user trial).
+    Now the new world's backend is made after the connect: exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 4)], extra=("--poll-thread",))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["failed_processes"] == [1] and rec["new_mesh_shape"] == {"data": 2, "model": 2}
+
+
 def test_a_survivor_fetches_only_the_regions_its_devices_hold(tmp_path):
     """4 processes x 2 devices on a (2, 4) mesh: each model replica spans two processes,
     and replica 0 (workers 0 and 1) owns every snapshot shard. Workers 0 and 1 are killed

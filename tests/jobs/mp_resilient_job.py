@@ -16,6 +16,7 @@ text in DIR/error-wI.txt.
 import argparse
 import json
 import os
+import threading
 import time
 import warnings
 
@@ -42,6 +43,10 @@ def main() -> None:
                         help="every process spends --pause-s seconds in its own code after "
                              "step K (a long eval, a slow save: no step runs meanwhile)")
     parser.add_argument("--pause-s", type=float, default=0.0)
+    parser.add_argument("--poll-thread", action="store_true",
+                        help="a thread of the user's asks jax.process_index() every 0.5 ms "
+                             "throughout (a logger, or Orbax's save thread), also while a "
+                             "recovery re-initialises jax.distributed")
     parser.add_argument("--model-axis", type=int, default=2, help="mesh (n / M, M)")
     parser.add_argument("--ckpt", default=None, help="persistent tier directory")
     parser.add_argument("--nan-at-step", type=int, default=-1,
@@ -103,6 +108,11 @@ def main() -> None:
                              "(a worker the launcher restarts into the running job needs it)")
     args = parser.parse_args()
     me = session.world.stable_id if session is not None else 0
+    polling = threading.Event()
+    if args.poll_thread:
+        poller = threading.Thread(target=_poll_process_index, args=(polling,), daemon=True)
+        polling.set()
+        poller.start()
     mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
     model, optimizer = h.make_mlp()
     events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
@@ -177,6 +187,9 @@ def main() -> None:
                 print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
                 evals[k] = None
         time.sleep(args.pause_s if k == args.pause_after else args.step_sleep_s)
+    if polling.is_set():  # (a daemon thread in jaxlib at exit aborts the process)
+        polling.clear()
+        poller.join(timeout=10)
     if args.guarded_eval:
         with open(os.path.join(args.out, f"evals-w{me}.json"), "w") as f:
             json.dump(evals, f)
@@ -184,6 +197,15 @@ def main() -> None:
         with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
+
+
+def _poll_process_index(polling: threading.Event) -> None:
+    while polling.is_set():
+        try:
+            jax.process_index()
+        except Exception:  # noqa: BLE001, S110 - a user's logger carries on
+            pass
+        time.sleep(0.0005)
 
 
 def _guarded_eval(step, slow_after: int, on_host: bool):

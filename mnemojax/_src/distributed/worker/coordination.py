@@ -121,7 +121,14 @@ def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120) -> None:
     Barrier: ``connect`` waits for every member of ``world``; it raises ``RuntimeError``
     after ``init_timeout_s`` when one never comes (it died after the agreement).
     """
+    import jax.extend.backend
     _connect(world, init_timeout_s)
+    # A thread of the user's that asked JAX anything since `detach_worker` (a logger's
+    # `jax.process_index()`, Orbax's save thread failing with the old client) made a
+    # backend then: without a distributed client, under the old process id. It would
+    # stand for the new world's (only this process's devices in it). Forgotten here, the
+    # next use makes the new world's, with the client just connected.
+    jax.extend.backend.clear_backends()
     jax_private.reset_live_devices()  # stale device map of the old world
     jax_private.forget_orbax_client()
 
