@@ -14,6 +14,7 @@ text in DIR/error-wI.txt.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -201,10 +202,8 @@ def main() -> None:
 
 def _poll_process_index(polling: threading.Event) -> None:
     while polling.is_set():
-        try:
+        with contextlib.suppress(Exception):  # a user's logger carries on
             jax.process_index()
-        except Exception:  # noqa: BLE001, S110 - a user's logger carries on
-            pass
         time.sleep(0.0005)
 
 
