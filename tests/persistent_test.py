@@ -354,3 +354,31 @@ def test_a_restored_run_compiles_its_fallback_meshes_ahead_after_its_first_step(
         assert again.statistics.precompiled_meshes == 1
     finally:
         again.close()
+
+
+def test_a_save_lost_with_a_peer_is_told_apart_from_one_that_failed():
+    """`lost_to_a_peer`: the error, or one it was raised from or during (Orbax raises a
+    commit thread's error again from its own), is a `PeerLostError` or a collective's
+    ``JaxRuntimeError``: logged, not raised (the step recovers the world). A full disk is
+    raised."""
+    from mnemojax._src.persistent import PeerLostError, lost_to_a_peer
+
+    def chained(outer: BaseException, inner: BaseException, *, cause: bool) -> BaseException:
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                if cause:
+                    raise outer from e
+                raise outer  # noqa: B904 - Orbax raises during the handling, as here
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    assert lost_to_a_peer(PeerLostError("barrier k: a peer process died"))
+    assert lost_to_a_peer(jax.errors.JaxRuntimeError("UNKNOWN: gloo: connection closed"))
+    assert lost_to_a_peer(chained(RuntimeError("finalize failed"), PeerLostError("x"),
+                                  cause=False))
+    assert lost_to_a_peer(chained(ValueError("save"), PeerLostError("x"), cause=True))
+    assert not lost_to_a_peer(OSError(28, "No space left on device"))
+    assert not lost_to_a_peer(chained(RuntimeError("finalize"), OSError(28, "full"),
+                                      cause=False))

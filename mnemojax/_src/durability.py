@@ -43,7 +43,7 @@ from mnemojax._src.errors import (
 )
 from mnemojax._src.events import EventLog
 from mnemojax._src.options import ResilienceOptions
-from mnemojax._src.persistent import PersistentTier, SaveFailure
+from mnemojax._src.persistent import PersistentTier, SaveFailure, lost_to_a_peer
 from mnemojax._src.triggers import MemoryWatch, PreemptionWatch
 
 log = logging.getLogger("mnemojax")
@@ -246,11 +246,12 @@ class Durability:
         failures, self._failed = self._failed, []
         raised = []
         for failure in failures:
-            if isinstance(failure.error, jax.errors.JaxRuntimeError):
-                # A peer process lost inside the save's collective (multi-process): the
-                # step's own collective fails next and recovers the world.
-                log.warning("mnemojax: the checkpoint of step %d failed in a collective "
-                            "(%s); not raised", failure.step, str(failure.error)[:200])
+            if lost_to_a_peer(failure.error):
+                # A peer process lost inside the save's collective or barrier (multi-
+                # process): the step's own collective fails next and recovers the world.
+                log.warning("mnemojax: the checkpoint of step %d was lost with a peer "
+                            "process (%s); not raised", failure.step,
+                            str(failure.error)[:200])
             else:
                 raised.append(failure)
         if not raised:

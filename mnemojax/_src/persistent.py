@@ -22,18 +22,21 @@ so a failure is known as soon as the write ends, without blocking the training t
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from mnemojax._src.distributed import jax_private
+from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import CheckpointMismatchError, CheckpointSaveError
 
 log = logging.getLogger("mnemojax")
@@ -43,6 +46,8 @@ Key = tuple[str, ...]
 # Orbax writes a step into ``<step>.orbax-checkpoint-tmp...`` and renames it on commit.
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _DRAIN_WAITS = 4
+# How often a wait for the save in flight asks whether a peer's death is known (`settle`).
+_SETTLE_POLL_S = 0.05
 
 
 class SaveFailure(NamedTuple):
@@ -94,8 +99,9 @@ class PersistentTier:
         self._keys = [tuple(k) for k in keys]
         self._manager = ocp.CheckpointManager(
             self.directory, item_names=("state", "mnemojax"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                 enable_async_checkpointing=True))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(barrier_sync_fn=_world_barrier())))
         self.last_saved_step: int | None = None
         self._attempts = 0  # saves started; a failure is recorded once per attempt
         self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
@@ -131,6 +137,10 @@ class PersistentTier:
         self._attempts += 1
         attempt = self._attempts
         try:
+            if (death := peer_watch.known_death()) is not None:
+                # Its barriers would wait for the dead peer (Orbax's own timeout, ~10 min)
+                # and this manager's last save never ends: the recovery opens a new one.
+                raise PeerLostError(f"a peer process of this world died: {death}")
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(nest(self._keys, leaves)),
                 mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
@@ -178,10 +188,22 @@ class PersistentTier:
                     self.directory, str(error)[:300])
 
     def settle(self) -> None:
-        """Waits for the save in flight, records its failure and removes what it left."""
+        """Waits for the save in flight, records its failure and removes what it left.
+
+        Under `mnemojax launch` a peer's death heard of ends the wait: the save's commit
+        barrier waits for the dead peer (for Orbax's own timeout, ~10 min), so the save is
+        recorded as failed and left to its thread; the step that follows recovers (it is
+        not started in that world), with a new manager."""
         watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.join()
+        while watcher is not None and watcher.is_alive():
+            watcher.join(_SETTLE_POLL_S)
+            if watcher.is_alive() and (death := peer_watch.known_death()) is not None:
+                in_flight, self._in_flight = self._in_flight, None
+                if in_flight is not None:
+                    self._record(*in_flight, PeerLostError(
+                        f"a peer process died before it was committed: {death}"))
+                    self._mark_dirty(in_flight[0])
+                return
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
@@ -270,6 +292,68 @@ class PersistentTier:
         except Exception as e:  # Orbax may raise the recorded failure once more
             log.info("mnemojax: closing the checkpoint manager: %s", str(e)[:200])
         self._clean_dirty()
+
+
+class PeerLostError(RuntimeError):
+    """A save given up because a peer process of its world died or the world ended
+    (`PersistentTier.settle`, `_world_barrier`): the step's own paths recover the world,
+    so the failure is logged, not raised (`lost_to_a_peer`)."""
+
+
+def lost_to_a_peer(error: BaseException) -> bool:
+    """Whether a save failed because a peer process was lost: its error, or one it was
+    raised from or during, is a `PeerLostError` or a collective's ``JaxRuntimeError``."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, PeerLostError | jax.errors.JaxRuntimeError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _world_barrier() -> Callable[..., None]:
+    """Orbax's barrier for this tier's commits across processes (``AsyncOptions.
+    barrier_sync_fn``): the barrier of the world the manager is made in, waited for on a
+    daemon thread of its own, and given up as soon as a peer's death in that world is
+    heard of (`peer_watch`) or the world is left (another client). Orbax's own waits on
+    its non-daemon thread until its timeout (20 min) when a peer died before arriving: the
+    survivors' commits never ended, and their exit waited for that thread (a user trial:
+    a job checkpointing every step, worker 0 killed, hung)."""
+    client = jax_private.global_state().client
+
+    def barrier(*, key: str, timeout_ms: int) -> None:
+        if client is None:  # (one process: Orbax does not ask)
+            return
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def wait() -> None:
+            try:
+                client.wait_at_barrier(key, timeout_ms)
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)
+
+        waiter = threading.Thread(target=wait, daemon=True, name=f"mnemojax-barrier-{key}")
+        waiter.start()
+        while True:
+            try:
+                return done.result(timeout=_SETTLE_POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            if (death := peer_watch.known_death()) is not None:
+                why = f"a peer process died: {death}"
+            elif jax_private.global_state().client is not client:
+                why = "the world it was in has ended"
+            else:
+                continue
+            # Left blocked in the old world's barrier: joined at exit for a while (a thread
+            # that returns from jaxlib into a finalising interpreter aborts the process).
+            peer_watch.WaitHandle(done, None).leave_behind(waiter)
+            raise PeerLostError(f"barrier {key}: {why}")
+
+    return barrier
 
 
 def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,
