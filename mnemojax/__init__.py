@@ -26,6 +26,7 @@ if _typing.TYPE_CHECKING:
     from mnemojax._src.api import ResilientStep as ResilientStep
     from mnemojax._src.api import resilient as resilient
     from mnemojax._src.distributed.worker.session import initialize as initialize
+    from mnemojax._src.persistent import checkpoint_barrier as checkpoint_barrier
 
 __version__ = "0.1.0.dev0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "ResilientStep",
     "SnapshotOptions",
     "Statistics",
+    "checkpoint_barrier",
     "data",
     "errors",
     "initialize",
@@ -53,6 +55,7 @@ _LAZY: dict[str, str] = {
     "ResilientStep": "mnemojax._src.api",
     "resilient": "mnemojax._src.api",
     "initialize": "mnemojax._src.distributed.worker.session",
+    "checkpoint_barrier": "mnemojax._src.persistent",
 }
 
 

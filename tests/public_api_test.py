@@ -9,8 +9,8 @@ import mnemojax.testing
 EXPECTED = {
     "CompileOptions", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
-    "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "data", "errors",
-    "initialize",
+    "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "checkpoint_barrier",
+    "data", "errors", "initialize",
     "plan_reduced_mesh", "resilient", "retry", "testing",
 }
 

@@ -101,7 +101,7 @@ class PersistentTier:
             self.directory, item_names=("state", "mnemojax"),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, enable_async_checkpointing=True,
-                async_options=ocp.AsyncOptions(barrier_sync_fn=_world_barrier())))
+                async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier())))
         self.last_saved_step: int | None = None
         self._attempts = 0  # saves started; a failure is recorded once per attempt
         self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
@@ -313,14 +313,19 @@ def lost_to_a_peer(error: BaseException) -> bool:
     return False
 
 
-def _world_barrier() -> Callable[..., None]:
-    """Orbax's barrier for this tier's commits across processes (``AsyncOptions.
-    barrier_sync_fn``): the barrier of the world the manager is made in, waited for on a
-    daemon thread of its own, and given up as soon as a peer's death in that world is
-    heard of (`peer_watch`) or the world is left (another client). Orbax's own waits on
-    its non-daemon thread until its timeout (20 min) when a peer died before arriving: the
-    survivors' commits never ended, and their exit waited for that thread (a user trial:
-    a job checkpointing every step, worker 0 killed, hung)."""
+def checkpoint_barrier() -> Callable[..., None]:
+    """A barrier for Orbax's asynchronous commits across the processes of the current
+    world, for ``orbax.checkpoint.AsyncOptions(barrier_sync_fn=...)`` (mnemojax's own
+    checkpoints use it; so should a `CheckpointManager` of yours under ``mnemojax
+    launch``, made again in each new world).
+
+    It waits at the barrier of the world it is made in, on a daemon thread of its own, and
+    gives up (the commit fails, the checkpoint is lost) as soon as a peer's death in that
+    world is heard of or the world is left. Orbax's own barrier waits on a non-daemon
+    thread until its timeout (20 min) when a peer died before arriving: the survivors'
+    commits never end and their exit waits for that thread (a user trial: a job
+    checkpointing every step, worker 0 killed, hung). Without a distributed client (one
+    process) it does nothing, as Orbax asks no barrier then."""
     client = jax_private.global_state().client
 
     def barrier(*, key: str, timeout_ms: int) -> None:

@@ -44,6 +44,12 @@ def main() -> None:
                         help="every process spends --pause-s seconds in its own code after "
                              "step K (a long eval, a slow save: no step runs meanwhile)")
     parser.add_argument("--pause-s", type=float, default=0.0)
+    parser.add_argument("--user-ckpt", default=None, metavar="DIR",
+                        help="the job's own Orbax CheckpointManager (async, every "
+                             "--user-ckpt-every steps) beside mnemojax's, as the README says "
+                             "to keep one: made again when step.mesh changes, saved through "
+                             "step.guard, with mnemojax.checkpoint_barrier()")
+    parser.add_argument("--user-ckpt-every", type=int, default=3)
     parser.add_argument("--poll-thread", action="store_true",
                         help="a thread of the user's asks jax.process_index() every 0.5 ms "
                              "throughout (a logger, or Orbax's save thread), also while a "
@@ -143,6 +149,8 @@ def main() -> None:
                                   **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
     evaluate, evals = _guarded_eval(step, args.eval_slow_after, args.eval_on_host), {}
+    user_save, user_manager = (_user_checkpoints(step, args.user_ckpt, args.user_ckpt_every)
+                               if args.user_ckpt else (None, None))
     loader = None
     if args.host_data:
         import grain  # noqa: PLC0415
@@ -177,6 +185,8 @@ def main() -> None:
             with open(os.path.join(args.out, f"error-w{me}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
+        if user_save is not None:
+            user_save(k, model, optimizer)
         if args.guarded_eval:
             if args.eval_on_host and k == args.eval_slow_after and me == 0:
                 time.sleep(2.0)
@@ -188,6 +198,8 @@ def main() -> None:
                 print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
                 evals[k] = None
         time.sleep(args.pause_s if k == args.pause_after else args.step_sleep_s)
+    if user_manager is not None:
+        user_manager().wait_until_finished()
     if polling.is_set():  # (a daemon thread in jaxlib at exit aborts the process)
         polling.clear()
         poller.join(timeout=10)
@@ -198,6 +210,32 @@ def main() -> None:
         with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
+
+
+def _user_checkpoints(step, directory: str, every: int):
+    """The user's own Orbax checkpoints across processes (README, "Your own Orbax
+    checkpoints"): a manager per world (Orbax keeps the distributed client it was made
+    with), the barrier that gives up on a peer's death, the save guarded (it starts with a
+    collective across the processes)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    made: dict = {"mesh": None, "manager": None}
+
+    def manager():
+        if made["mesh"] is not step.mesh:  # a new world: the old manager is let go
+            made["manager"] = ocp.CheckpointManager(
+                directory, options=ocp.CheckpointManagerOptions(
+                    save_interval_steps=every, max_to_keep=2,
+                    async_options=ocp.AsyncOptions(
+                        barrier_sync_fn=mnemojax.checkpoint_barrier())))
+            made["mesh"] = step.mesh
+        return made["manager"]
+
+    @step.guard
+    def save(k, model, optimizer):
+        manager().save(k, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
+
+    return save, manager
 
 
 def _poll_process_index(polling: threading.Event) -> None:
