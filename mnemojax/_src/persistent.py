@@ -138,7 +138,7 @@ class PersistentTier:
         attempt = self._attempts
         try:
             if (death := peer_watch.known_death()) is not None:
-                # Its barriers would wait for the dead peer (Orbax's own timeout, ~10 min)
+                # Its barriers would wait for the dead peer (Orbax's own timeout, 20 min)
                 # and this manager's last save never ends: the recovery opens a new one.
                 raise PeerLostError(f"a peer process of this world died: {death}")
             self._manager.save(step, args=ocp.args.Composite(
@@ -191,7 +191,7 @@ class PersistentTier:
         """Waits for the save in flight, records its failure and removes what it left.
 
         Under `mnemojax launch` a peer's death heard of ends the wait: the save's commit
-        barrier waits for the dead peer (for Orbax's own timeout, ~10 min), so the save is
+        barrier waits for the dead peer (for Orbax's own timeout, 20 min), so the save is
         recorded as failed and left to its thread; the step that follows recovers (it is
         not started in that world), with a new manager."""
         watcher, self._watcher = self._watcher, None
@@ -296,7 +296,7 @@ class PersistentTier:
 
 class PeerLostError(RuntimeError):
     """A save given up because a peer process of its world died or the world ended
-    (`PersistentTier.settle`, `_world_barrier`): the step's own paths recover the world,
+    (`PersistentTier.settle`, `checkpoint_barrier`): the step's own paths recover the world,
     so the failure is logged, not raised (`lost_to_a_peer`)."""
 
 
