@@ -4,6 +4,7 @@ from mnemojax._src.errors import AgreementError as AgreementError
 from mnemojax._src.errors import BaselineError as BaselineError
 from mnemojax._src.errors import BatchSplitError as BatchSplitError
 from mnemojax._src.errors import CheckpointCorruptError as CheckpointCorruptError
+from mnemojax._src.errors import CheckpointLostError as CheckpointLostError
 from mnemojax._src.errors import CheckpointMismatchError as CheckpointMismatchError
 from mnemojax._src.errors import CheckpointSaveError as CheckpointSaveError
 from mnemojax._src.errors import DeviceFailureError as DeviceFailureError
@@ -36,6 +37,7 @@ __all__ = [
     "BaselineError",
     "BatchSplitError",
     "CheckpointCorruptError",
+    "CheckpointLostError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "DeviceFailureError",

@@ -358,10 +358,11 @@ def test_a_restored_run_compiles_its_fallback_meshes_ahead_after_its_first_step(
 
 def test_a_save_lost_with_a_peer_is_told_apart_from_one_that_failed():
     """`lost_to_a_peer`: the error, or one it was raised from or during (Orbax raises a
-    commit thread's error again from its own), is a `PeerLostError` or a collective's
+    commit thread's error again from its own), is a `CheckpointLostError` or a collective's
     ``JaxRuntimeError``: logged, not raised (the step recovers the world). A full disk is
     raised."""
-    from mnemojax._src.persistent import PeerLostError, lost_to_a_peer
+    from mnemojax._src.persistent import lost_to_a_peer
+    from mnemojax.errors import CheckpointLostError
 
     def chained(outer: BaseException, inner: BaseException, *, cause: bool) -> BaseException:
         try:
@@ -374,11 +375,11 @@ def test_a_save_lost_with_a_peer_is_told_apart_from_one_that_failed():
         except BaseException as e:  # noqa: BLE001
             return e
 
-    assert lost_to_a_peer(PeerLostError("barrier k: a peer process died"))
+    assert lost_to_a_peer(CheckpointLostError("barrier k: a peer process died"))
     assert lost_to_a_peer(jax.errors.JaxRuntimeError("UNKNOWN: gloo: connection closed"))
-    assert lost_to_a_peer(chained(RuntimeError("finalize failed"), PeerLostError("x"),
+    assert lost_to_a_peer(chained(RuntimeError("finalize failed"), CheckpointLostError("x"),
                                   cause=False))
-    assert lost_to_a_peer(chained(ValueError("save"), PeerLostError("x"), cause=True))
+    assert lost_to_a_peer(chained(ValueError("save"), CheckpointLostError("x"), cause=True))
     assert not lost_to_a_peer(OSError(28, "No space left on device"))
     assert not lost_to_a_peer(chained(RuntimeError("finalize"), OSError(28, "full"),
                                       cause=False))

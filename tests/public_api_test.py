@@ -35,7 +35,7 @@ def test_unknown_name_is_an_attribute_error():
 
 ERRORS = {
     "AgreementError", "BaselineError", "BatchSplitError", "CheckpointMismatchError",
-    "CheckpointCorruptError", "CheckpointSaveError",
+    "CheckpointCorruptError", "CheckpointLostError", "CheckpointSaveError",
     "DeviceFailureError", "SimulationConfigError",
     "DistributedError", "GuardSkippedError", "InvalidOptionError", "LeftJobExit", "LossCheckWarning", "MathChangedWarning",
     "MeshTooSmallError",

@@ -172,6 +172,14 @@ class CheckpointSaveError(MnemojaxError):
         self.directory = directory
 
 
+class CheckpointLostError(MnemojaxError):
+    """A checkpoint given up because a peer process of its world died, or the world ended,
+    before it was committed (`mnemojax.checkpoint_barrier`, mnemojax's own checkpoints
+    across processes). Raised to Orbax, which raises it from a user's own manager's
+    ``wait_until_finished()`` or next ``save``; mnemojax's own checkpoints log it instead
+    (the step recovers the world, the next checkpoint is written)."""
+
+
 class CheckpointCorruptError(MnemojaxError, ValueError):
     """No checkpoint in the directory can be read (each was tried, newest first).
 

@@ -37,7 +37,11 @@ import numpy as np
 
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.worker import peer_watch
-from mnemojax._src.errors import CheckpointMismatchError, CheckpointSaveError
+from mnemojax._src.errors import (
+    CheckpointLostError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+)
 
 log = logging.getLogger("mnemojax")
 
@@ -140,7 +144,7 @@ class PersistentTier:
             if (death := peer_watch.known_death()) is not None:
                 # Its barriers would wait for the dead peer (Orbax's own timeout, 20 min)
                 # and this manager's last save never ends: the recovery opens a new one.
-                raise PeerLostError(f"a peer process of this world died: {death}")
+                raise CheckpointLostError(f"a peer process of this world died: {death}")
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(nest(self._keys, leaves)),
                 mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
@@ -200,7 +204,7 @@ class PersistentTier:
             if watcher.is_alive() and (death := peer_watch.known_death()) is not None:
                 in_flight, self._in_flight = self._in_flight, None
                 if in_flight is not None:
-                    self._record(*in_flight, PeerLostError(
+                    self._record(*in_flight, CheckpointLostError(
                         f"a peer process died before it was committed: {death}"))
                     self._mark_dirty(in_flight[0])
                 return
@@ -294,19 +298,13 @@ class PersistentTier:
         self._clean_dirty()
 
 
-class PeerLostError(RuntimeError):
-    """A save given up because a peer process of its world died or the world ended
-    (`PersistentTier.settle`, `checkpoint_barrier`): the step's own paths recover the world,
-    so the failure is logged, not raised (`lost_to_a_peer`)."""
-
-
 def lost_to_a_peer(error: BaseException) -> bool:
     """Whether a save failed because a peer process was lost: its error, or one it was
-    raised from or during, is a `PeerLostError` or a collective's ``JaxRuntimeError``."""
+    raised from or during, is a `CheckpointLostError` or a collective's ``JaxRuntimeError``."""
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
-        if isinstance(e, PeerLostError | jax.errors.JaxRuntimeError):
+        if isinstance(e, CheckpointLostError | jax.errors.JaxRuntimeError):
             return True
         seen.add(id(e))
         e = e.__cause__ or e.__context__
@@ -356,7 +354,7 @@ def checkpoint_barrier() -> Callable[..., None]:
             # Left blocked in the old world's barrier: joined at exit for a while (a thread
             # that returns from jaxlib into a finalising interpreter aborts the process).
             peer_watch.WaitHandle(done, None).leave_behind(waiter)
-            raise PeerLostError(f"barrier {key}: {why}")
+            raise CheckpointLostError(f"barrier {key}: {why}")
 
     return barrier
 

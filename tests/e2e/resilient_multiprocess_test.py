@@ -276,10 +276,14 @@ def test_a_lost_host_with_replication_in_series_resumes_exact_from_its_buddy(
 
 
 @pytest.mark.slow  # ~40 s; hangs in one process: fault_matrix_test, distributed/watchdog_test
-def test_hung_worker_is_treated_as_failed(tmp_path, reference):
+def test_hung_worker_is_treated_as_failed(tmp_path, reference, caplog):
+    """Worker 1 is SIGSTOPped after step 4: its agent's watchdog kills it at the hang limit
+    (the launcher says so), and the others go on without it, exact."""
     report = _run(tmp_path, [ProcessFault("hang", 1, 4)])
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["failed_processes"] == [1]
+    assert [e["worker_id"] for e in _launcher_events(report, "hang")] == [1]
+    assert "worker 1 hung" in caplog.text and "its agent killed it" in caplog.text
 
 
 def test_corrupt_copy_is_never_restored(tmp_path, reference):

@@ -110,6 +110,10 @@ class Launcher:
 
     def agent_event(self, worker_id: int, event: wire.AgentEvent) -> None:
         self._record(event.to_wire())
+        if isinstance(event, wire.Hang):
+            logger.warning("mnemojax launch: worker %d hung (no step done, or between steps "
+                           "no sign of life, for %.0f s; its last step %s): its agent killed "
+                           "it", worker_id, event.idle_s, event.step)
         with self.roster.cv:
             if isinstance(event, wire.WorkerStarted):
                 self.roster.worker_pids[worker_id] = event.pid
