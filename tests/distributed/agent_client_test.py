@@ -62,9 +62,10 @@ def test_a_copy_checked_with_another_algorithm_is_refused():
 
 
 def test_between_calls_of_the_step_the_worker_says_it_is_alive(monkeypatch):
-    """`AgentClient.in_step`: it says where the worker is (`wire.InStep`), and between calls
-    of the step a thread says so again every `PING_S` (the watchdog takes silence there
-    for a frozen process); inside a call it says nothing more."""
+    """`AgentClient.in_step`: a fast loop of calls says nothing (no message per step). A
+    worker between calls for `PING_S` is said to be there, and again every `PING_S` (the
+    watchdog takes silence there for a frozen process); entering the next call is said
+    once; inside a call nothing more."""
     import time
 
     from mnemojax._src.distributed.worker import agent_client
@@ -90,14 +91,21 @@ def test_between_calls_of_the_step_the_worker_says_it_is_alive(monkeypatch):
     thread.start()
     client = agent_client.AgentClient(address, secret=SECRET)
     try:
+        for _ in range(200):  # fast steps
+            client.in_step(True)
+            client.in_step(False)
+        client.in_step(True)
+        time.sleep(0.3)
+        fast_loop_words = len(heard)
         client.in_step(False)
-        time.sleep(1.0)  # the user's code: about twenty more words
+        time.sleep(1.0)  # the user's code: about twenty words
         client.in_step(True)
         inside_from = time.monotonic()
         time.sleep(0.4)  # a step: nothing more
     finally:
         client.close()
     thread.join(timeout=10)
+    assert fast_loop_words == 0
     outside = [t for t, inside in heard if not inside]
     assert [inside for _, inside in heard].count(True) == 1
     assert len(outside) >= 4 and max(b - a for a, b in zip(outside, outside[1:], strict=False)) < 0.8

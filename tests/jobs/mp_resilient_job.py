@@ -26,6 +26,7 @@ import mnemojax
 session = mnemojax.initialize()  # joins the launcher's world: before any JAX use
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -50,6 +51,12 @@ def main() -> None:
                              "to keep one: made again when step.mesh changes, saved through "
                              "step.guard, with mnemojax.checkpoint_barrier()")
     parser.add_argument("--user-ckpt-every", type=int, default=3)
+    parser.add_argument("--long-eval-after", type=int, default=-1, metavar="K",
+                        help="after step K every process dispatches --long-eval-calls calls "
+                             "of a jitted eval (200 losses on a batch placed over the data "
+                             "axis: collectives across the processes) without waiting, then "
+                             "waits for their sum (a user trial's long eval, session 16)")
+    parser.add_argument("--long-eval-calls", type=int, default=70)
     parser.add_argument("--poll-thread", action="store_true",
                         help="a thread of the user's asks jax.process_index() every 0.5 ms "
                              "throughout (a logger, or Orbax's save thread), also while a "
@@ -185,6 +192,8 @@ def main() -> None:
             with open(os.path.join(args.out, f"error-w{me}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
             raise SystemExit(code) from exc
+        if k == args.long_eval_after:
+            _long_eval(step, model, args.long_eval_calls, me)
         if user_save is not None:
             user_save(k, model, optimizer)
         if args.guarded_eval:
@@ -236,6 +245,27 @@ def _user_checkpoints(step, directory: str, every: int):
         manager().save(k, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
 
     return save, manager
+
+
+def _long_eval(step, model, calls: int, me: int) -> None:
+    @nnx.jit
+    def evaluate(model, batch):
+        def body(i, acc):
+            x = batch["x"] * (1.0 + 1e-3 * i)
+            return acc + h.loss_fn(model, {"x": x, "y": batch["y"]})
+        return jax.lax.fori_loop(0, 200, body, jnp.zeros((), jnp.float32)) / 200.0
+
+    rows = h.make_batches(1, seed=11, batch=240)[0]
+    t0 = time.perf_counter()
+    with jax.set_mesh(step.mesh):
+        batch, total = step.place(rows), jnp.zeros((), jnp.float32)
+        for i in range(calls):
+            total = total + evaluate(model, batch)
+            if i % 10 == 9:
+                print(f"mnemojax job: w{me} long eval: {i + 1} calls dispatched at "
+                      f"+{time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"mnemojax job: w{me} long eval: {float(total) / calls:.6f} after "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def _poll_process_index(polling: threading.Event) -> None:

@@ -605,9 +605,10 @@ class Phase(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InStep(Message):
-    """The worker entered (``inside``) or left a call of its resilient step. Between calls
-    it runs its own code (an eval, a save, a slow input pipeline), which the hang watchdog
-    does not judge however long it takes (`HangWatchdog.step_bounds`)."""
+    """The worker has been between calls of its resilient step for a second or more (again
+    every second while it stays there), or entered a call after that (``inside``).
+    Between calls it runs its own code (an eval, a save, a slow input pipeline), which the
+    hang watchdog does not judge however long it takes (`HangWatchdog.step_bounds`)."""
 
     OP: ClassVar[str] = "in_step"
     inside: bool

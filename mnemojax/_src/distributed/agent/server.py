@@ -100,7 +100,7 @@ class AgentServer:
             return wire.Replicated(caught_up=caught_up, detail=detail), b""
         if isinstance(message, wire.Hold):
             return self._holder.accept_held(message, payload), b""
-        if isinstance(message, wire.InStep):  # (the launcher is not told: two per step)
+        if isinstance(message, wire.InStep):  # (not passed on to the launcher)
             self._watchdog.step_bounds(message.inside, now)
             return None
         if isinstance(message, wire.Phase):

@@ -13,9 +13,9 @@ class HangWatchdog:
 
     Only the ``train`` phase is watched: compiling and recovering can take far longer than a
     step. The first interval after entering ``train`` is not a step time (it includes the
-    first execution), so the median starts from the second. Only time inside a call of the
-    step counts (`step_bounds`, from a worker that says so): between calls the worker runs
-    the user's own code (an eval, a save), which is no hang however long it takes; there
+    first execution), so the median starts from the second. Time the worker says it spent
+    between calls of the step (`step_bounds`; it says so after a second there) does not
+    count: the user's own code (an eval, a save) is no hang however long it takes; there
     the worker says it is alive every second or so, and one that stops saying it for
     ``min_s`` (a frozen process) is hung.
 
@@ -39,7 +39,7 @@ class HangWatchdog:
         """Forgets everything (a new worker process starts)."""
         self._intervals.clear()
         self.phase, self.step, self._last, self._fresh = "start", None, None, True
-        self._inside = True
+        self._inside, self._seen = True, 0.0
 
     def step_bounds(self, inside: bool, now: float) -> None:
         """The worker entered (``inside``) or left a call of its step, or says again that

@@ -42,6 +42,7 @@ class AgentClient:
         self._lock = threading.Lock()
         self.buffer: SnapshotBuffer | None = None
         self._inside, self._last_said = True, time.monotonic()  # (`in_step`)
+        self._told_outside = False  # the agent was told the worker is between calls
         self._pinger: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -122,12 +123,17 @@ class AgentClient:
             transport.send(self._sock, wire.Phase(phase=phase))
 
     def in_step(self, inside: bool) -> None:
-        """Tells the watchdog whether the worker is inside a call of its step
-        (`wire.InStep`). Between calls a thread says so again every `PING_S`: the
-        watchdog takes a worker that stops saying it (a frozen process) for hung."""
+        """Says whether the worker is inside a call of its step (`wire.InStep`), lazily:
+        nothing is sent per step. A thread tells the agent that the worker is between
+        calls once it has been there `PING_S`, and again every `PING_S` (the watchdog takes
+        a worker that stops saying it, a frozen process, for hung); entering a call is
+        sent only after that. A fast loop sends nothing: its short time between calls
+        counts as the step's, as it did before the watchdog knew of calls."""
         with self._lock:
             self._inside, self._last_said = inside, time.monotonic()
-            transport.send(self._sock, wire.InStep(inside=inside))
+            if inside and self._told_outside:
+                self._told_outside = False
+                transport.send(self._sock, wire.InStep(inside=True))
         if not inside and self._pinger is None:
             self._pinger = threading.Thread(target=self._ping, daemon=True,
                                             name="mnemojax-agent-ping")
@@ -142,7 +148,7 @@ class AgentClient:
                     transport.send(self._sock, wire.InStep(inside=False))
                 except OSError:  # the connection is gone: the worker's own paths see it
                     return
-                self._last_said = time.monotonic()
+                self._last_said, self._told_outside = time.monotonic(), True
 
     def close(self) -> None:
         self._closed.set()
