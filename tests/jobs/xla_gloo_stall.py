@@ -38,7 +38,8 @@ def _worker(args: argparse.Namespace) -> None:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", args.processes, args.process)
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((args.processes, args.devices), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
