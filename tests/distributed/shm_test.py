@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import subprocess
+import sys
 from multiprocessing import resource_tracker, shared_memory
 
 import pytest
 
 from mnemojax._src.checksum import checksum
+from mnemojax._src.distributed import shm
 from mnemojax._src.distributed.shm import DATA_AT, SnapshotBuffer
 from mnemojax._src.errors import DistributedError, SnapshotCorruptError
 
@@ -143,3 +147,27 @@ def test_segments_are_private_to_the_owner(buffer):
     """Mode 0600: another user can neither read a snapshot nor plant one."""
     mode = os.stat(os.path.join("/dev/shm", buffer.name.lstrip("/"))).st_mode
     assert stat.S_IMODE(mode) == 0o600
+
+
+def test_a_starting_launcher_sweeps_the_segments_of_dead_launchers_only():
+    """A node killed whole (launcher, agents, workers: ``kill -9``) leaves its segments in
+    /dev/shm (a user trial: 3 of 3 such kills); a launcher starting on that host removes
+    them. A name whose launcher pid is alive (a running job, or a reused pid) is kept, and
+    so is what is not a job's segment."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)  # a pid that was a process and is no longer one
+    dead = f"{shm.job_prefix().replace(f'mnjx{os.getpid()}_', f'mnjx{gone.pid}_')}w1_1"
+    live = f"{shm.job_prefix()}w1_1"
+    other = f"mnjxtest{gone.pid}_w1_1"
+    names = [dead, live, other]
+    for name in names:  # (a segment is a file there)
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(b"x")
+    try:
+        removed = shm.sweep_orphans()
+        assert dead in removed and live not in removed and other not in removed
+        assert sorted(n for n in names if os.path.exists(f"/dev/shm/{n}")) == sorted([live, other])
+    finally:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                shm.shm_unlink(name)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import secrets
 import struct
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
@@ -59,6 +61,44 @@ def sweep(prefix: str) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir("/dev/shm"):
             if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    shm_unlink(name)
+                    removed.append(name)
+    return removed
+
+
+# Every segment of a job starts with its launcher's prefix: "mnjx<launcher pid>_<6 hex>_".
+_JOB_PREFIX = re.compile(r"^mnjx(\d+)_[0-9a-f]{6}_")
+
+
+def job_prefix() -> str:
+    """A new prefix for the segments of the job this process launches (`sweep_orphans`
+    reads the launcher's pid back from it)."""
+    return f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_orphans() -> list[str]:
+    """Removes the segments of jobs whose launcher is no longer running; returns their
+    names. A launcher sweeps its own job's at its end, and its agents theirs; a node killed
+    whole (its launcher, agents and workers at once, ``kill -9``) leaves them behind, and a
+    node started again on that host would pile them up. A launcher calls this when it
+    starts. The pid in a name that is alive (a running launcher, or a pid reused since)
+    keeps its segments."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            match = _JOB_PREFIX.match(name)
+            if match is not None and not _alive(int(match.group(1))):
                 with contextlib.suppress(FileNotFoundError):
                     shm_unlink(name)
                     removed.append(name)

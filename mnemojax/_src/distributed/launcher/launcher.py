@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import threading
@@ -21,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mnemojax._src.distributed import auth, wire
+from mnemojax._src.distributed import auth, shm, wire
 from mnemojax._src.distributed.launcher.arbiter import Arbiter, WorldArbiter
 from mnemojax._src.distributed.launcher.control import ControlServer
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
@@ -87,7 +86,10 @@ class Launcher:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
         self.control = self._control.address
-        self.shm_prefix = f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
+        if orphans := shm.sweep_orphans():
+            logger.info("removed %d shared-memory segment(s) of jobs whose launcher is gone: "
+                        "%s", len(orphans), ", ".join(orphans[:4]))
+        self.shm_prefix = shm.job_prefix()
         self.supervisor = AgentSupervisor(options, self.command, control=self.control,
                                           shm_prefix=self.shm_prefix, secret=self.secret)
         self.agents = self.supervisor.agents
