@@ -488,3 +488,44 @@ def test_a_watch_closed_off_the_main_thread_keeps_the_handler_before_it():
         assert got == [signal.SIGUSR1] and not watch.notice.is_set()
     finally:
         signal.signal(signal.SIGUSR1, original)
+
+
+_UNWATCHED_CHILD = """
+import logging, signal, sys, time
+logging.basicConfig(level=logging.WARNING)
+from mnemojax._src import triggers
+triggers.warn_unwatched_stop()
+if sys.argv[1] == "watched":
+    watch = triggers.PreemptionWatch((signal.SIGTERM,))
+print("ready", flush=True)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    if sys.argv[1] == "watched" and watch.notice.is_set():
+        print("noticed", flush=True)
+        watch.close()  # the handler before it (the warning) is back
+        signal.raise_signal(signal.SIGTERM)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("mode", ["unwatched", "watched"])
+def test_a_stop_signal_no_step_watches_says_nothing_is_checkpointed(mode):
+    """Under `mnemojax launch` a worker whose steps keep no checkpoint directory ended at the
+    launcher's SIGTERM without a word (a user trial: Ctrl-C to one launcher, nothing
+    saved, nothing said). It now says so, then ends as before (status -SIGTERM). A
+    `PreemptionWatch` (a step with a directory) takes the signal over while it lives."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", _UNWATCHED_CHILD, mode],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    assert child.returncode == -signal.SIGTERM
+    assert "no resilient step watches it: nothing is checkpointed" in err
+    assert ("noticed" in out) == (mode == "watched")
