@@ -334,3 +334,30 @@ def test_a_member_gone_to_the_agreement_fails_the_barrier_on_every_node(nodes):
         wire.Barrier(worker_id=w, generation=0, name="c", timeout_s=30)), (1, 2, 3))
     assert {r.failed for r in failed.values()} == {(0,)}, failed
     assert 0 not in nodes.arbiters[1].view.dead()  # not evicted: it is at the agreement
+
+
+def test_a_worker_that_left_is_out_of_the_agreement_but_not_reported_dead():
+    """A worker that left the job (no device for it in the new world) is out of the next
+    agreement as a dead member is, but `mnemojax status` and the nodes' logs said "dead" (a
+    user trial): ``left/`` tells them apart."""
+    from mnemojax._src.distributed.launcher import status
+    items = {"world/0": {"members": [0, 1, 2, 3]}, "nodes/0": {"nproc": 2},
+             "nodes/1": {"nproc": 2}, "dead/3": {"by_node": 1}, "dead/2": {"by_node": 1},
+             "left/2": {"by_node": 1}}
+    view = _view(items)
+    assert view.dead() == {2, 3} and view.left() == {2}
+    s = status.summary_of(items)
+    assert s["dead"] == [3] and s["left"] == [2]
+
+
+def test_status_tells_a_finished_job_and_no_job_from_one_still_starting():
+    """A user trial: `mnemojax status` said "no world formed yet" (status 0) for a mistyped
+    job name, and gave no end for a job that had finished."""
+    from mnemojax._src.distributed.launcher import status
+    assert status.summary_of({})["empty"]  # nothing under the name: no such job
+    starting = status.summary_of({"nodes/0": {"nproc": 2}})
+    assert not starting["empty"] and starting["generation"] < 0
+    running = {"world/0": {"members": [0, 1]}, "nodes/0": {"nproc": 2}, "exit/0": 0}
+    assert not status.summary_of(running)["finished"]
+    assert status.summary_of({**running, "exit/1": 0})["finished"]
+    assert not status.summary_of({**running, "exit/1": 1})["finished"]

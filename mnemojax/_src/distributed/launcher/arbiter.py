@@ -43,6 +43,8 @@ class WorldArbiter(Protocol):
 
     def member_died(self, worker_id: int) -> None: ...
 
+    def member_left(self, worker_id: int) -> None: ...
+
     def live_members(self) -> list[int]: ...
 
     def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
@@ -91,6 +93,10 @@ class Arbiter:
         self.end("the launcher is shutting down")
 
     def member_died(self, worker_id: int) -> None:
+        self.book.mark_dead(worker_id)
+
+    def member_left(self, worker_id: int) -> None:
+        """It left the job (`wire.Leave`): out of the agreement as a dead member is."""
         self.book.mark_dead(worker_id)
 
     def live_members(self) -> list[int]:

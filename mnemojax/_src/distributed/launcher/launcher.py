@@ -149,7 +149,7 @@ class Launcher:
                 member = message.worker_id in self.arbiter.live_members()
                 self._departed.add(message.worker_id)
                 self._leave_reasons[message.worker_id] = message.reason
-                self.arbiter.member_died(message.worker_id)
+                self.arbiter.member_left(message.worker_id)
                 if member:  # the others re-form their world: they may block a while
                     self.roster.command_all(wire.PauseWatchdog(), but=message.worker_id)
                 self.roster.cv.notify_all()

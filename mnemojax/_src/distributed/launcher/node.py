@@ -161,10 +161,17 @@ class NodeLauncher(Launcher):
         dead = view.dead()
         if new := dead - self._dead_seen:
             self._dead_seen |= new
-            self._record({"op": "dead", "workers": sorted(new)})
+            left = new & view.left()
+            self._record({"op": "dead", "workers": sorted(new - left),
+                          "left": sorted(left)})
             lost = sorted(view.lost_nodes())
-            logger.warning("mnemojax launch: workers %s dead%s", sorted(new),
-                           f" (nodes {lost} lost)" if lost else "")
+            if new - left:
+                logger.warning("mnemojax launch: workers %s dead%s", sorted(new - left),
+                               f" (nodes {lost} lost)" if lost else "")
+            if left:
+                logger.warning("mnemojax launch: workers %s left the job (no device for them "
+                               "in the new world, or a joiner that could not fetch the "
+                               "state)", sorted(left))
             self.roster.command_all(wire.PauseWatchdog())  # survivors may block a while
             if not o.recover and self._failed_code is None:  # --no-recover: any death ends it
                 self._failed_code = 128 + 9

@@ -236,6 +236,11 @@ class JobView:
     def exits(self) -> dict[int, int]:
         return {int(w): int(c) for w, c in self._under("exit/").items()}
 
+    def left(self) -> set[int]:
+        """Left the job by choice (`EtcdArbiter.member_left`); `dead` includes them (out of
+        the agreement alike)."""
+        return {int(w) for w in self._under("left/")}
+
     def dead(self) -> set[int]:
         """Declared dead, or on a lost node without having exited 0."""
         dead = {int(w) for w in self._under("dead/")} | set(self.local_dead)
@@ -379,6 +384,15 @@ class EtcdArbiter:
             self.view = dataclasses.replace(self.view, local_dead=frozenset(self._local_dead))
             self._write(lambda: self.store.put(self.store.key("dead", worker_id),
                                                {"by_node": self.node_rank}))
+
+    def member_left(self, worker_id: int) -> None:
+        """This node's worker left the job (`wire.Leave`): out of the agreement as a dead
+        member is, and said to be gone by choice (``left/``, written first: the nodes and
+        ``mnemojax status`` tell it from a death)."""
+        if worker_id not in self._local_dead:
+            self._write(lambda: self.store.put(self.store.key("left", worker_id),
+                                               {"by_node": self.node_rank}))
+        self.member_died(worker_id)
 
     def publish_exit(self, worker_id: int, code: int) -> None:
         """This node's worker ``worker_id`` ended with ``code`` (a 0 is not a death when

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from mnemojax._src.distributed.launcher.etcd_store import EtcdStore
+from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
 from mnemojax._src.distributed.launcher.plane import JobView
 
 
 def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
     """The job's state as one dict (``nproc``: workers per node, read from the nodes'
     records when not given)."""
-    items = store.items()
+    return summary_of(store.items(), nproc)
+
+
+def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any]:
+    """`summary` of the job's keys ``items`` (its prefix taken off)."""
     if nproc is None:
         nproc = max((int(v.get("nproc", 0)) for k, v in items.items()
                      if k.startswith("nodes/") and isinstance(v, dict)), default=1) or 1
@@ -26,8 +31,14 @@ def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
             "generation": latest, "members": world.get("members", []),
             "coordinator": world.get("coordinator"), "host_node": world.get("host_node"),
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
-            "dead": sorted(view.dead()), "idle_spares": view.idle_spares(),
-            "exits": view.exits(), "end": view.end()}
+            "dead": sorted(view.dead() - view.left()), "left": sorted(view.left()),
+            "idle_spares": view.idle_spares(),
+            "exits": view.exits(), "end": view.end(),
+            # Every member of the last world exited 0: done (no node writes an end then,
+            # as one node's end is not the job's).
+            "finished": bool(world.get("members")) and all(
+                view.exits().get(w) == 0 for w in world["members"]),
+            "empty": not items}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    s = summary(EtcdStore.from_url(args.rdzv, args.rdzv_id, retry_s=5.0))
+    try:
+        s = summary(EtcdStore.from_url(args.rdzv, args.rdzv_id, retry_s=5.0))
+    except RendezvousError as e:
+        print(f"mnemojax status: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(s, sort_keys=True))
-        return 0
+        return 0 if not s["empty"] else 1
+    if s["empty"]:
+        print(f"mnemojax status: no job {args.rdzv_id!r} in etcd at {args.rdzv} (nothing "
+              "under its name: not started yet, or another --rdzv-id)", file=sys.stderr)
+        return 1
     if s["generation"] < 0:
         print(f"job {args.rdzv_id!r}: no world formed yet; live nodes {s['live_nodes']}")
         return 0
@@ -53,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  idle spares: {s['idle_spares']}")
     if s["dead"]:
         print(f"  dead workers: {s['dead']}")
+    if s["left"]:
+        print(f"  workers that left the job: {s['left']}")
     if s["exits"]:
         print(f"  exits: {s['exits']}")
     if s["end"]:
         print(f"  ended: {s['end'].get('why')}")
+    elif s["finished"]:
+        print(f"  finished: every worker of world {s['generation']} exited 0")
     return 0
