@@ -677,6 +677,11 @@ class ResilientStep(Generic[P, R]):
             restored = b.durability.restore_latest(shardings, b.builder.leaf_structs)
         if joined is not None and b.session is not None:
             b.session.resume = None  # taken (from memory or from the checkpoint)
+            a = joined.agreement
+            self._statistics.joined = {
+                "as": "spare" if dist_session.started_as_spare() else "restart",
+                "generation": a.generation, "resume_step": a.resume_step,
+                "previous_members": list(a.previous_members), "members": list(a.survivors)}
             if restored is None:
                 raise StateUnavailableError(
                     "this process joined a running job, but no copy of the job's state "

@@ -125,6 +125,12 @@ class Statistics:
     exports_taken: int = 0
     math_changed: bool = False
     recoveries: list[RecoveryRecord] = dataclasses.field(default_factory=list)
+    # multi-process: this process was started into a running job (`restore()` took the
+    # agreed state): ``as`` (``spare``, or ``restart``: a survivor started again after its
+    # world's coordination service was lost with its node), ``generation`` (the world it
+    # joined), ``resume_step``, ``previous_members`` and ``members`` (worker ids). Its own
+    # ``recoveries`` are the ones it ran since; the recovery that started it is this.
+    joined: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

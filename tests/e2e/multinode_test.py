@@ -98,12 +98,17 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         ranks = dict(zip(range(o.victim * n, o.victim * n + n), node_spares, strict=True))
         assert o.final["members"] == [ranks.get(w, w) for w in range(2 * n)]
         assert len(restarted) == n and stats["recoveries"] == []
+        # ... but it says how it came into the job (a user trial counted 0 recoveries)
+        first = o.final["members"][0]
+        assert stats["joined"]["as"] == ("spare" if first in node_spares else "restart")
+        assert stats["joined"]["generation"] == 1
+        assert stats["joined"]["members"] == o.final["members"]
         assert len(_launcher_lines(out, survivor, "joined world 1 in place of")) == spares
     else:  # re-initialised in place, the world shrunk to the survivors
         assert o.final["members"] == kept
         assert restarted == []
         [rec] = stats["recoveries"]
-        assert rec["plan_kind"] == "process_loss"
+        assert rec["plan_kind"] == "process_loss" and stats["joined"] is None
     _check_rows_read(out, o.final["members"], width=len(o.final["members"]), steps=STEPS)
     assert o.survivor_shm == [], "the surviving launcher left shared memory behind"
     assert two_nodes.leftover_pids(o.nodes) == [], "a process outlived the job"

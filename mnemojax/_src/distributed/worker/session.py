@@ -501,7 +501,7 @@ def initialize() -> DistributedSession | None:
     global _current
     if _current is not None:
         return _current
-    if os.environ.get(SPARE) == "1":
+    if started_as_spare():
         _current = session = _join_running_job(_await_join())
     elif COORDINATOR not in os.environ and "SLURM_PROCID" not in os.environ:
         return None
@@ -542,6 +542,11 @@ def _await_join() -> Agreement:
                        NUM_PROCESSES: str(agreement.num_processes),
                        GENERATION: str(agreement.generation)})
     return agreement
+
+
+def started_as_spare() -> bool:
+    """This process was started as a spare (it waited, then took a dead member's rank)."""
+    return os.environ.get(SPARE) == "1"
 
 
 def _join_running_job(agreement: Agreement) -> DistributedSession:
