@@ -93,35 +93,6 @@ class _SignalFanout:
 _FANOUT = _SignalFanout()
 
 
-def warn_unwatched_stop(signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-    """Under ``mnemojax launch``: a stop signal no resilient step watches says so, then ends
-    the process as it would have (its default action).
-
-    The launcher forwards SIGTERM / SIGINT to the workers as SIGTERM; a step with
-    ``PersistentOptions(directory=...)`` watches it (`PreemptionWatch` takes the signal
-    over), agrees on a step with its peers, checkpoints it and exits. Without a directory
-    nothing watches it: the worker ended silently and nothing told the user that nothing
-    was kept (a user trial, Ctrl-C to one launcher of a two-node job). Installed only over
-    the default action, from the main thread; a handler of the user's is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in signals:
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, _die_unwatched)
-
-
-def _die_unwatched(signum: int, frame: FrameType | None) -> None:
-    del frame
-    log.warning("mnemojax: %s received (the launcher is stopping the job) and no "
-                "resilient step watches it: nothing is checkpointed (a step with "
-                "PersistentOptions(directory=...) stops at a step agreed with its peers and "
-                "checkpoints it); ending the process", signal.Signals(signum).name)
-    for handler in logging.getLogger("mnemojax").handlers + logging.getLogger().handlers:
-        handler.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
 def host_memory_fraction() -> float | None:
     """This process's resident memory over the limit it runs under (cgroup, else RAM)."""
     try:

@@ -115,3 +115,40 @@ def test_a_job_every_member_left_ends_saying_why(tmp_path, caplog):
     assert end["left"] == {"0": "no copy of worker 7 step 4", "1": "no copy of worker 8 step 4"}
     assert "no member of the job is left" in caplog.text
     assert "worker 1: no copy of worker 8 step 4" in caplog.text
+
+
+STOPPED = """
+import os, signal, sys, time
+w = os.environ["MNEMOJAX_WORKER_ID"]
+if w == "1":  # as a step with PersistentOptions(directory=...): takes SIGTERM, exits 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+open(os.path.join(sys.argv[1], w), "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_says_which_workers_its_stop_signal_ended_with_nothing_kept(tmp_path,
+                                                                                 caplog):
+    """Ctrl-C to a job whose steps keep no checkpoint directory ended every worker by the
+    forwarded SIGTERM, and nothing said that nothing was kept (a user trial, two nodes).
+    The launcher names the workers the signal ended (not one that stopped on its own)."""
+    import signal
+    import threading
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1, stop_grace_s=20),
+                        [sys.executable, "-c", STOPPED, str(tmp_path)])
+
+    def stop_when_started():
+        deadline = time.monotonic() + 40
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler takes it (`run`)
+
+    stopper = threading.Thread(target=stop_when_started, daemon=True)
+    stopper.start()
+    with caplog.at_level("WARNING", logger="mnemojax"):
+        assert launcher.run() == 128 + signal.SIGTERM
+    stopper.join(5)
+    assert launcher.exit_codes == {0: -signal.SIGTERM, 1: 0}
+    [said] = [r.getMessage() for r in caplog.records if "nothing was checkpointed" in r.message]
+    assert said.startswith("mnemojax launch: workers [0] ended by the SIGTERM")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import subprocess
-import sys
 from multiprocessing import resource_tracker, shared_memory
 
 import pytest
@@ -149,25 +147,28 @@ def test_segments_are_private_to_the_owner(buffer):
     assert stat.S_IMODE(mode) == 0o600
 
 
-def test_a_starting_launcher_sweeps_the_segments_of_dead_launchers_only():
+def test_a_starting_launcher_sweeps_the_segments_of_jobs_whose_lock_nobody_holds():
     """A node killed whole (launcher, agents, workers: ``kill -9``) leaves its segments in
     /dev/shm (a user trial: 3 of 3 such kills); a launcher starting on that host removes
-    them. A name whose launcher pid is alive (a running job, or a reused pid) is kept, and
-    so is what is not a job's segment."""
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait(timeout=30)  # a pid that was a process and is no longer one
-    dead = f"{shm.job_prefix().replace(f'mnjx{os.getpid()}_', f'mnjx{gone.pid}_')}w1_1"
-    live = f"{shm.job_prefix()}w1_1"
-    other = f"mnjxtest{gone.pid}_w1_1"
-    names = [dead, live, other]
+    them: those of a job whose `JobLock` nobody holds (its launcher died, however). A job
+    whose lock is held keeps them, whatever its pid; names that are no job's, or a job's
+    without a lock file, are left alone."""
+    dead, live = shm.job_prefix(), shm.job_prefix()
+    dead_lock = shm.JobLock(dead)
+    dead_lock.release()  # as the kernel does when the launcher dies
+    live_lock = shm.JobLock(live)
+    names = [f"{dead}w1_1", f"{dead}w2_1", f"{live}w1_1", "mnjx99999999999999999999_abcdef_w1",
+             f"mnjx{os.getpid()}_0a0b0c_w1_1"]  # no lock file: left alone
     for name in names:  # (a segment is a file there)
         with open(f"/dev/shm/{name}", "wb") as f:
             f.write(b"x")
     try:
         removed = shm.sweep_orphans()
-        assert dead in removed and live not in removed and other not in removed
-        assert sorted(n for n in names if os.path.exists(f"/dev/shm/{n}")) == sorted([live, other])
+        assert sorted(removed) == sorted([f"{dead}w1_1", f"{dead}w2_1", f"{dead}lock"])
+        left = [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+        assert left == names[2:] and os.path.exists(live_lock.path)
     finally:
-        for name in names:
+        live_lock.release()
+        for name in [*names, f"{dead}lock", f"{live}lock"]:
             with contextlib.suppress(FileNotFoundError):
                 shm.shm_unlink(name)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import logging
 import os
 import re
 import secrets
@@ -26,6 +28,8 @@ import numpy as np
 
 from mnemojax._src import checksum as checksums
 from mnemojax._src.errors import DistributedError, SnapshotCorruptError
+
+log = logging.getLogger("mnemojax")
 
 # Version 2: CRC32C payload checksums (version 1 had zlib's CRC32). A segment of the other
 # version is refused by `attach` instead of failing every read as corrupt.
@@ -67,42 +71,83 @@ def sweep(prefix: str) -> list[str]:
     return removed
 
 
-# Every segment of a job starts with its launcher's prefix: "mnjx<launcher pid>_<6 hex>_".
-_JOB_PREFIX = re.compile(r"^mnjx(\d+)_[0-9a-f]{6}_")
+_LOCK = "lock"  # the job's lock file: "/dev/shm/<prefix>lock"
+_LOCK_NAME = re.compile(r"^(mnjx\d+_[0-9a-f]{6}_)lock$")
+
+
+class JobLock:
+    """The segments of a job (every name starting with ``prefix``, `job_prefix`) are alive
+    while its launcher holds this lock: an exclusive ``flock`` on ``/dev/shm/<prefix>lock``,
+    held from the job's start to its end; the kernel lets go of it when the launcher dies,
+    however it dies. `sweep_orphans` removes the segments of jobs whose lock nobody holds.
+    A lock, not the launcher's pid: pids are reused, and containers that share /dev/shm
+    may not share a pid namespace."""
+
+    def __init__(self, prefix: str):
+        self.path = os.path.join("/dev/shm", f"{prefix}{_LOCK}")
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        """Lets go of the lock (the job's own sweep removes the file). Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def job_prefix() -> str:
-    """A new prefix for the segments of the job this process launches (`sweep_orphans`
-    reads the launcher's pid back from it)."""
+    """A new prefix for the segments of the job this process launches."""
     return f"mnjx{os.getpid()}_{secrets.token_hex(3)}_"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
 def sweep_orphans() -> list[str]:
-    """Removes the segments of jobs whose launcher is no longer running; returns their
-    names. A launcher sweeps its own job's at its end, and its agents theirs; a node killed
-    whole (its launcher, agents and workers at once, ``kill -9``) leaves them behind, and a
-    node started again on that host would pile them up. A launcher calls this when it
-    starts. The pid in a name that is alive (a running launcher, or a pid reused since)
-    keeps its segments."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir("/dev/shm"):
-            match = _JOB_PREFIX.match(name)
-            if match is not None and not _alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    shm_unlink(name)
-                    removed.append(name)
+    """Removes the segments of jobs whose launcher is gone (nobody holds their `JobLock`);
+    returns their names. A launcher sweeps its own job's at its end, and its agents theirs;
+    a node killed whole (its launcher, agents and workers at once, ``kill -9``) leaves them
+    behind, and a node started again on that host would pile them up: a launcher calls
+    this when it starts. Only this user's jobs, and only those with a lock file (a job
+    without one is left alone). Never raises: a name it cannot remove is logged."""
+    removed: list[str] = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        match = _LOCK_NAME.match(name)
+        if match is None:
+            continue
+        path = os.path.join("/dev/shm", name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # its launcher runs
+                continue
+            prefix = match.group(1)
+            for other in names:  # the lock file last: a sweep cut short is done again
+                if other.startswith(prefix) and other != name and _unlink_quietly(other):
+                    removed.append(other)
+            if _unlink_quietly(name):
+                removed.append(name)
+        finally:
+            os.close(fd)
     return removed
+
+
+def _unlink_quietly(name: str) -> bool:
+    try:
+        shm_unlink(name)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning("mnemojax: could not remove /dev/shm/%s: %s", name, e)
+        return False
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> memoryview:

@@ -88,8 +88,10 @@ class Launcher:
         self.control = self._control.address
         if orphans := shm.sweep_orphans():
             logger.info("removed %d shared-memory segment(s) of jobs whose launcher is gone: "
-                        "%s", len(orphans), ", ".join(orphans[:4]))
+                        "%s%s", len(orphans), ", ".join(orphans[:4]),
+                        ", ..." if len(orphans) > 4 else "")
         self.shm_prefix = shm.job_prefix()
+        self._job_lock = shm.JobLock(self.shm_prefix)  # the job's segments live while held
         self.supervisor = AgentSupervisor(options, self.command, control=self.control,
                                           shm_prefix=self.shm_prefix, secret=self.secret)
         self.agents = self.supervisor.agents
@@ -322,6 +324,14 @@ class Launcher:
             self.roster.cv.wait(timeout=0.2)
         self._record({"op": "stopped", "signal": first,
                       "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
+        if unwatched := [w for w in running
+                         if self.roster.exit_codes.get(w) == -signal.SIGTERM]:
+            # A step with PersistentOptions(directory=...) takes SIGTERM over and exits 0
+            # after the agreed checkpoint; ended by the signal, nothing watched it.
+            logger.warning("mnemojax launch: workers %s ended by the SIGTERM, not at a step "
+                           "agreed with their peers: nothing was checkpointed (a resilient "
+                           "step with PersistentOptions(directory=...) stops at an agreed "
+                           "step and checkpoints it)", unwatched)
         return 128 + first
 
     def cleanup(self) -> None:
@@ -331,5 +341,6 @@ class Launcher:
         self.roster.command_all(wire.Shutdown())
         self.supervisor.stop()
         self._control.close()
-        self.supervisor.sweep_segments()
+        self.supervisor.sweep_segments()  # (the lock file too: it has the prefix)
+        self._job_lock.release()
         self.services.stop_all()

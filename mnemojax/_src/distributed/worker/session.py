@@ -30,7 +30,6 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from mnemojax._src import triggers
 from mnemojax._src.distributed import auth, snapshot_codec, transport, wire
 from mnemojax._src.distributed.agreement import Agreement, compiled_barrier, held_origin
 from mnemojax._src.distributed.env import (
@@ -511,7 +510,6 @@ def initialize() -> DistributedSession | None:
     else:
         _current = session = DistributedSession(coordination.initialize_worker())
     _report_uncaught_exceptions(session)
-    triggers.warn_unwatched_stop()  # a step with a checkpoint directory takes it over
     if session.coordinator is not None and os.environ.get(PEER_WATCH, "1") != "0":
         session.peer_watch = PeerWatch(
             session.coordinator, lambda: session.world.generation,
