@@ -15,6 +15,7 @@ from mnemojax._src.options import PersistentOptions as PersistentOptions
 from mnemojax._src.options import RecoveryOptions as RecoveryOptions
 from mnemojax._src.options import ResilienceOptions as ResilienceOptions
 from mnemojax._src.options import SnapshotOptions as SnapshotOptions
+from mnemojax._src.statistics import JoinRecord as JoinRecord
 from mnemojax._src.statistics import RecoveryRecord as RecoveryRecord
 from mnemojax._src.statistics import Statistics as Statistics
 from mnemojax._src.topology import MeshPlan as MeshPlan
@@ -32,6 +33,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CompileOptions",
+    "JoinRecord",
     "MeshPlan",
     "PersistentOptions",
     "RecoveryOptions",

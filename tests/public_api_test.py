@@ -7,7 +7,7 @@ import mnemojax.errors
 import mnemojax.testing
 
 EXPECTED = {
-    "CompileOptions", "MeshPlan", "PersistentOptions", "RecoveryOptions",
+    "CompileOptions", "JoinRecord", "MeshPlan", "PersistentOptions", "RecoveryOptions",
     "RecoveryRecord",
     "ResilienceOptions", "ResilientStep", "SnapshotOptions", "Statistics", "checkpoint_barrier",
     "data", "errors", "initialize",

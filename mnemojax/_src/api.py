@@ -72,7 +72,7 @@ from mnemojax._src.recovery import (
 from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
 from mnemojax._src.snapshot import has_single_copy_shards
-from mnemojax._src.statistics import RecoveryRecord, Statistics
+from mnemojax._src.statistics import JoinRecord, RecoveryRecord, Statistics
 from mnemojax._src.step_forms import (
     CallInputs,
     Convention,
@@ -678,10 +678,10 @@ class ResilientStep(Generic[P, R]):
         if joined is not None and b.session is not None:
             b.session.resume = None  # taken (from memory or from the checkpoint)
             a = joined.agreement
-            self._statistics.joined = {
-                "as": "spare" if dist_session.started_as_spare() else "restart",
-                "generation": a.generation, "resume_step": a.resume_step,
-                "previous_members": list(a.previous_members), "members": list(a.survivors)}
+            self._statistics.joined = JoinRecord(
+                how="spare" if dist_session.started_as_spare() else "restart",
+                generation=a.generation, resume_step=a.resume_step,
+                previous_members=tuple(a.previous_members), members=tuple(a.survivors))
             if restored is None:
                 raise StateUnavailableError(
                     "this process joined a running job, but no copy of the job's state "

@@ -94,6 +94,28 @@ class RecoveryRecord:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class JoinRecord:
+    """A process started into a running job (multi-process; `ResilientStep.restore` took
+    the agreed state).
+
+    Attributes:
+        how: ``spare`` (it waited, then took a dead member's rank) or ``restart`` (a
+            survivor started again after its world's coordination service was lost with
+            its node).
+        generation: the world it joined.
+        resume_step: the step whose state it restored.
+        previous_members: the worker ids of the world before.
+        members: the worker ids of the world it joined, in rank order.
+    """
+
+    how: str
+    generation: int
+    resume_step: int
+    previous_members: tuple[int, ...]
+    members: tuple[int, ...]
+
+
 @dataclasses.dataclass
 class Statistics:
     """Live statistics of a `ResilientStep` (``step.statistics``)."""
@@ -125,12 +147,9 @@ class Statistics:
     exports_taken: int = 0
     math_changed: bool = False
     recoveries: list[RecoveryRecord] = dataclasses.field(default_factory=list)
-    # multi-process: this process was started into a running job (`restore()` took the
-    # agreed state): ``as`` (``spare``, or ``restart``: a survivor started again after its
-    # world's coordination service was lost with its node), ``generation`` (the world it
-    # joined), ``resume_step``, ``previous_members`` and ``members`` (worker ids). Its own
-    # ``recoveries`` are the ones it ran since; the recovery that started it is this.
-    joined: dict[str, Any] | None = None
+    # multi-process: how this process came into a running job (its own ``recoveries`` are
+    # the ones it ran since)
+    joined: JoinRecord | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

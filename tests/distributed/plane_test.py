@@ -361,3 +361,23 @@ def test_status_tells_a_finished_job_and_no_job_from_one_still_starting():
     assert not status.summary_of(running)["finished"]
     assert status.summary_of({**running, "exit/1": 0})["finished"]
     assert not status.summary_of({**running, "exit/1": 1})["finished"]
+    stopped = {**running, "exit/1": 0, "end": {"why": "the launcher was signalled (15)"}}
+    assert not status.summary_of(stopped)["finished"]  # stopped, not finished
+
+
+def test_a_member_that_left_is_seen_as_left_by_both_nodes_at_once_with_its_death(nodes):
+    """`EtcdArbiter.member_left`: out of the agreement as a dead member is; its own node's
+    view has it as left as soon as dead (no window in which its node would log a death),
+    and the other node reads ``left/`` with ``dead/``."""
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].member_left(3)
+        view = nodes.arbiters[1].view
+        assert 3 in view.dead() and 3 in view.left()
+    deadline = time.monotonic() + 10
+    while 3 not in nodes.arbiters[0].view.dead() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    other = nodes.arbiters[0].view
+    assert 3 in other.dead() and 3 in other.left()
+    results = nodes.together(lambda w: nodes.of(w).agree(
+        wire.Agree(worker_id=w, generation=0, last_step=7)), (0, 1, 2))
+    assert {results[w].survivors for w in (0, 1, 2)} == {(0, 1, 2)}

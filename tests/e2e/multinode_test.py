@@ -100,7 +100,7 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         assert len(restarted) == n and stats["recoveries"] == []
         # ... but it says how it came into the job (a user trial counted 0 recoveries)
         first = o.final["members"][0]
-        assert stats["joined"]["as"] == ("spare" if first in node_spares else "restart")
+        assert stats["joined"]["how"] == ("spare" if first in node_spares else "restart")
         assert stats["joined"]["generation"] == 1
         assert stats["joined"]["members"] == o.final["members"]
         assert len(_launcher_lines(out, survivor, "joined world 1 in place of")) == spares

@@ -83,12 +83,14 @@ class JobView:
         seen_nodes: every node this launcher has ever seen alive (a node seen and now gone
             is lost).
         local_dead: workers this launcher declared dead whose key may not be read back yet.
+        local_left: of those, the ones that left the job (`EtcdArbiter.member_left`).
     """
 
     items: Mapping[str, Any]
     nproc: int
     seen_nodes: frozenset[int] = frozenset()
     local_dead: frozenset[int] = frozenset()
+    local_left: frozenset[int] = frozenset()
 
     def _under(self, prefix: str) -> dict[str, Any]:
         return {k[len(prefix):]: v for k, v in self.items.items() if k.startswith(prefix)}
@@ -239,7 +241,7 @@ class JobView:
     def left(self) -> set[int]:
         """Left the job by choice (`EtcdArbiter.member_left`); `dead` includes them (out of
         the agreement alike)."""
-        return {int(w) for w in self._under("left/")}
+        return {int(w) for w in self._under("left/")} | set(self.local_left)
 
     def dead(self) -> set[int]:
         """Declared dead, or on a lost node without having exited 0."""
@@ -325,6 +327,7 @@ class EtcdArbiter:
         self._on_view, self._poll_s = on_view, poll_s
         self._seen: set[int] = set()
         self._local_dead: set[int] = set()
+        self._local_left: set[int] = set()
         self.view = JobView({}, nproc)
         self._ending: str | None = None
         self._closed = False
@@ -353,7 +356,7 @@ class EtcdArbiter:
                 live = {int(k.split("/", 1)[1]) for k in items if k.startswith("nodes/")}
                 self._seen |= live
                 self.view = JobView(items, self.nproc, frozenset(self._seen),
-                                    frozenset(self._local_dead))
+                                    frozenset(self._local_dead), frozenset(self._local_left))
                 if self._on_view is not None:
                     self._on_view(self.view)
                 self._roster.cv.notify_all()
@@ -390,6 +393,8 @@ class EtcdArbiter:
         member is, and said to be gone by choice (``left/``, written first: the nodes and
         ``mnemojax status`` tell it from a death)."""
         if worker_id not in self._local_dead:
+            self._local_left.add(worker_id)  # (in the view with the death, at once)
+            self.view = dataclasses.replace(self.view, local_left=frozenset(self._local_left))
             self._write(lambda: self.store.put(self.store.key("left", worker_id),
                                                {"by_node": self.node_rank}))
         self.member_died(worker_id)

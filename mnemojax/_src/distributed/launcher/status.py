@@ -36,7 +36,7 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             "exits": view.exits(), "end": view.end(),
             # Every member of the last world exited 0: done (no node writes an end then,
             # as one node's end is not the job's).
-            "finished": bool(world.get("members")) and all(
+            "finished": view.end() is None and bool(world.get("members")) and all(
                 view.exits().get(w) == 0 for w in world["members"]),
             "empty": not items}
 
@@ -55,11 +55,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(s, sort_keys=True))
-        return 0 if not s["empty"] else 1
     if s["empty"]:
         print(f"mnemojax status: no job {args.rdzv_id!r} in etcd at {args.rdzv} (nothing "
               "under its name: not started yet, or another --rdzv-id)", file=sys.stderr)
         return 1
+    if args.json:
+        return 0
     if s["generation"] < 0:
         print(f"job {args.rdzv_id!r}: no world formed yet; live nodes {s['live_nodes']}")
         return 0
