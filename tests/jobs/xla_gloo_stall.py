@@ -8,24 +8,26 @@ them (``start_new_session``: its own scheduling group under the kernel's autogro
 ``--busy`` CPU busy loops beside them. Each process runs ``--calls`` calls of a jitted MLP
 evaluation (a ``fori_loop`` of 200 forward passes: per pass one all-reduce between the two
 devices of a process, one across the processes), without waiting between calls. It prints
-each process's exit status and the time the calls took. On the 2-core VM of 2026-12-06
-(jax/jaxlib 0.10.2) it failed in each of 4 runs (the defaults twice, ``--no-setsid``,
-``--busy 0``) with gloo's receive timeout ("Timed out waiting 20000ms for recv operation
-to complete"; in the trial's job, gdb showed
-every device thread idle in ``gloo::allreduce``); with
-``--sync`` (wait for each call) it finished (1 run, 33.5 s), and with ``--devices 1``
-(one device per process, so no collective between a process's own devices) too (2 runs).
+each process's exit status, the time the calls took and a verdict (``deadlocked`` when
+gloo's receive timeout, "Timed out waiting 20000ms for recv operation to complete", ended
+the calls). On the 2-core VM of 2026-12-06 (jax/jaxlib 0.10.2) it deadlocked in each of 7
+runs (the defaults 3, ``--no-setsid`` 1, ``--busy 0`` 3; in the trial's job gdb showed
+every device thread idle in ``gloo::allreduce``); with ``--sync`` (wait for each call) it
+ran (2 of 2: 33.5 s, and 54 s beside a helper's jobs), and with ``--devices 1`` (one
+device per process, so no collective between a process's own devices) too (2 of 2).
 Every process it starts is ended, with a timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -78,6 +80,34 @@ def _free_port() -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+"))
+                for _ in range(args.processes)]
+        codes = _run_processes(args, logs)
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+    print(f"exit statuses {codes} (None: still running at {args.timeout_s:.0f} s)")
+    for text in texts:
+        print(*[line for line in text.splitlines() if "calls in" in line])
+    if all(c == 0 for c in codes):
+        print("verdict: ran")
+        return 0
+    timed_out = sum("Timed out waiting" in t and "for recv" in t for t in texts)
+    if timed_out:
+        print(f"verdict: deadlocked (gloo's receive timeout in {timed_out} of "
+              f"{len(texts)} processes)")
+    else:
+        print("verdict: failed otherwise; the last lines of each process:")
+        for text in texts:
+            print("\n".join(text.splitlines()[-5:]))
+    return 1
+
+
+def _run_processes(args: argparse.Namespace, logs: list) -> list[int | None]:
+    """Starts the busy loops and the processes (output to ``logs``), waits for them;
+    their exit statuses. Ends every one of them."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
     port = _free_port()
@@ -90,16 +120,16 @@ def _launch(args: argparse.Namespace) -> int:
                    "--devices", str(args.devices)]
             if args.sync:
                 cmd.append("--sync")
-            procs.append(subprocess.Popen(cmd, start_new_session=not args.no_setsid))
+            procs.append(subprocess.Popen(cmd, start_new_session=not args.no_setsid,
+                                          stdout=logs[p], stderr=subprocess.STDOUT))
         deadline = time.monotonic() + args.timeout_s
-        codes = []
+        codes: list[int | None] = []
         for proc in procs:
             try:
                 codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
-        print(f"exit statuses {codes} (None: still running at {args.timeout_s:.0f} s)")
-        return 0 if all(c == 0 for c in codes) else 1
+        return codes
     finally:
         for proc in procs + busy:
             if proc.poll() is None:
