@@ -102,41 +102,51 @@ def job_prefix() -> str:
 
 def sweep_orphans() -> list[str]:
     """Removes the segments of jobs whose launcher is gone (nobody holds their `JobLock`);
-    returns their names. A launcher sweeps its own job's at its end, and its agents theirs;
-    a node killed whole (its launcher, agents and workers at once, ``kill -9``) leaves them
-    behind, and a node started again on that host would pile them up: a launcher calls
-    this when it starts. Only this user's jobs, and only those with a lock file (a job
-    without one is left alone). Never raises: a name it cannot remove is logged."""
-    removed: list[str] = []
+    returns their names. A launcher sweeps its own job's at its end, and its agents theirs
+    (`sweep_if_orphaned` for the lock file when the launcher died first); a node killed
+    whole (its launcher, agents and workers at once, ``kill -9``) leaves them behind, and
+    a node started again on that host would pile them up: a launcher calls this when it
+    starts. Only this user's jobs, and only those with a lock file (a job without one is
+    left alone). Never raises: a name it cannot remove is logged."""
     try:
         names = os.listdir("/dev/shm")
     except OSError:
-        return removed
+        return []
+    removed: list[str] = []
     for name in names:
-        match = _LOCK_NAME.match(name)
-        if match is None:
-            continue
-        path = os.path.join("/dev/shm", name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:  # gone meanwhile, or another user's
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # its launcher runs
-                continue
-            prefix = match.group(1)
-            for other in names:  # the lock file last: a sweep cut short is done again
-                if other.startswith(prefix) and other != name and _unlink_quietly(other):
-                    removed.append(other)
-            if _unlink_quietly(name):
-                removed.append(name)
-        finally:
-            os.close(fd)
+        if (match := _LOCK_NAME.match(name)) is not None:
+            removed += sweep_if_orphaned(match.group(1), names)
     return removed
+
+
+def sweep_if_orphaned(prefix: str, names: Sequence[str] | None = None) -> list[str]:
+    """Removes every segment of the job ``prefix`` and its lock file if nobody holds its
+    `JobLock` (its launcher is gone) and it is this user's; returns their names. An agent
+    calls it as it ends: when the launcher was killed first, the last agent out removes
+    the lock file. Never raises."""
+    path = os.path.join("/dev/shm", f"{prefix}{_LOCK}")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # none, gone meanwhile, or another user's
+        return []
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return []
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its launcher runs
+            return []
+        if names is None:
+            try:
+                names = os.listdir("/dev/shm")
+            except OSError:
+                return []
+        lock = f"{prefix}{_LOCK}"  # removed last: a sweep cut short is done again
+        removed = [n for n in names if n.startswith(prefix) and n != lock
+                   and _unlink_quietly(n)]
+        return removed + [lock] if _unlink_quietly(lock) else removed
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(name: str) -> bool:

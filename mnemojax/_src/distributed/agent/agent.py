@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from mnemojax._src.distributed import wire
+from mnemojax._src.distributed import shm, wire
 from mnemojax._src.distributed.agent.launcher_link import LauncherLink
 from mnemojax._src.distributed.agent.replication import Replicator
 from mnemojax._src.distributed.agent.server import AgentServer
@@ -59,6 +59,7 @@ class Agent:
         self._stop_requested = False  # set by `stop` (a signal handler): no lock taken
         self.watchdog = HangWatchdog(factor=hang_factor, min_s=hang_min_s)
         self.link = LauncherLink(launcher, on_lost=self._stop.set, secret=secret)
+        self._shm_prefix = shm_prefix
         self.snapshots = SnapshotHolder(worker_id, shm_prefix=shm_prefix,
                                         report=self.link.report)
         self.replicator = Replicator(worker_id, self.snapshots, self._stop, secret=secret)
@@ -108,6 +109,9 @@ class Agent:
             self.worker.kill()
             self.server.close()
             self.snapshots.close()
+            # The launcher killed first (this is its PDEATHSIG): the last agent out removes
+            # what is left of the job's shared memory, its lock file at least.
+            shm.sweep_if_orphaned(self._shm_prefix)
         return 0
 
     def _obey(self, command: wire.Command) -> bool:
