@@ -162,8 +162,7 @@ class NodeLauncher(Launcher):
         if new := dead - self._dead_seen:
             self._dead_seen |= new
             left = new & view.left()
-            self._record({"op": "dead", "workers": sorted(new - left),
-                          "left": sorted(left)})
+            self._record({"op": "dead", "workers": sorted(new - left), "left": sorted(left)})
             lost = sorted(view.lost_nodes())
             if new - left:
                 logger.warning("mnemojax launch: workers %s dead%s", sorted(new - left),
@@ -173,10 +172,11 @@ class NodeLauncher(Launcher):
                                "in the new world, or a joiner that could not fetch the "
                                "state)", sorted(left))
             self.roster.command_all(wire.PauseWatchdog())  # survivors may block a while
-            if not o.recover and self._failed_code is None:  # --no-recover: any death ends it
-                self._failed_code = 128 + 9
-                self.plane.end(f"the job is ending: workers {sorted(new)} died and recovery "
-                               "is off", code=self._failed_code)
+            died = sorted(new - left)
+            if not o.recover and self._failed_code is None and died:
+                self._failed_code = 128 + 9  # --no-recover: any death ends it
+                self.plane.end(f"the job is ending: workers {died} died and recovery is off",
+                               code=self._failed_code)
         for w in dead & set(o.local_agents):  # a spare that joined is a worker like any
             if w not in self.roster.exit_codes and w not in self._killed | self._departed:
                 self._killed.add(w)  # evicted by another node: fence it here
