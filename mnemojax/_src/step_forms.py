@@ -582,6 +582,32 @@ def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> Unsupport
         "train_step(model, optimizer, rngs, batch)")
 
 
+def _variables_of(x: Any) -> list:
+    """The Variables an NNX object (or an `nnx.State`, e.g. of ``nnx.split((model,
+    optimizer))``) holds. ``nnx.state`` of such a State fails in Flax (IndexError), and a
+    warning must never fail the call it warns about."""
+    try:
+        tree = x if isinstance(x, nnx.State) else nnx.state(x)
+        return [v for v in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(v)]
+    except Exception:  # noqa: BLE001 - nothing to warn about then
+        return []
+
+
+def _annotated_or_placed(spec: PartitionSpec, value: Any) -> PartitionSpec:
+    """A variable's partition spec: its sharding annotation, else (none, or a replicated
+    one) the `NamedSharding` its array already has: parameters made as Flax's explicit
+    sharding guide makes them (``jax.random.normal(..., out_sharding=P('fsdp', None))``
+    in an ``nnx.Param`` without sharding metadata) keep their layout, as under
+    ``jax.jit`` (a user trial: they were silently replicated, and a mesh of one device per
+    process failed on them)."""
+    if any(axis is not None for axis in spec):
+        return spec
+    sharding = getattr(value, "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec):
+        return sharding.spec
+    return spec
+
+
 def _closed_over_graph_objects(fn: Callable, depth: int = 0) -> list[tuple[str, Any]]:
     """NNX objects `fn` reaches through its closure, the globals it names and partial
     arguments; also through the plain functions it reaches (two levels)."""
@@ -651,7 +677,8 @@ class NnxForm(StepForm):
                 f"could not read one partition spec per state leaf ({len(specs)} specs for "
                 f"{len(values)} leaves)"
             )
-        self.specs = specs
+        self.specs = [_annotated_or_placed(spec, x) for spec, x in zip(specs, values,
+                                                                        strict=True)]
         self._returns_objects = False
         self._written: list | None = None  # the values `_write` set, in `live_vars` order
         self._has_keys = any(impl is not None for impl in self.key_impls)
@@ -741,7 +768,7 @@ class NnxForm(StepForm):
                       for name, x in _closed_over_graph_objects(fn)]
         return [name for name, x in found if any(
             isinstance(v.get_raw_value(), jax.Array) and id(v) not in carried
-            for v in jax.tree.leaves(nnx.state(x), is_leaf=_is_var) if _is_var(v))]
+            for v in _variables_of(x))]
 
     def pure(self, leaves, inputs):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
@@ -918,8 +945,9 @@ def _arraylike(x) -> bool:
 
 def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
              convention: Convention | None = None, *, restoring: bool = False) -> StepForm:
-    """Picks the step form from a call's arguments (or `ResilientStep.restore`'s): NNX if
-    any argument holds an NNX object, else the pure form with the first argument as state.
+    """Picks the step form from a call's arguments (or `ResilientStep.restore`'s): the pure
+    form if the first argument is an `nnx.State` (``nnx.split``'s), else NNX if any
+    argument holds an NNX object, else the pure form with the first argument as state.
 
     Raises:
         UnsupportedStateError: a pure call without arguments, or a state that is not a
@@ -936,6 +964,12 @@ def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = 
 def _form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               convention: Convention) -> StepForm:
     dyn, dyn_kwargs, _ = convention.split_statics(args, kwargs)
+    if dyn and isinstance(dyn[0], nnx.State) and 0 not in convention.static_argnums:
+        # Flax's functional idiom, ``graphdef, state = nnx.split(...)`` then
+        # ``step(state, batch) -> (state, metrics)``: a pure step whose state is an
+        # `nnx.State`, not NNX objects changed in place (its Variables were taken for
+        # objects: the input State changed under the caller, the loss went unchecked).
+        return PytreeForm(fn, dyn[0], where=0, convention=convention)
     flat = jax.tree_util.tree_flatten_with_path((dyn, dyn_kwargs), is_leaf=_is_graph)[0]
     objects: list[Any] = []
     names: list[str] = []
