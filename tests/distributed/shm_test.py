@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import subprocess
+import sys
 from multiprocessing import resource_tracker, shared_memory
 
 import pytest
@@ -154,8 +156,8 @@ def test_a_starting_launcher_sweeps_the_segments_of_jobs_whose_lock_nobody_holds
     whose lock is held keeps them, whatever its pid; names that are no job's, or a job's
     without a lock file, are left alone."""
     dead, live = shm.job_prefix(), shm.job_prefix()
-    dead_lock = shm.JobLock(dead)
-    dead_lock.release()  # as the kernel does when the launcher dies
+    subprocess.run([sys.executable, "-c", "import os; from mnemojax._src.distributed import "
+                    f"shm; shm.JobLock({dead!r}); os._exit(0)"], check=True, timeout=60)
     live_lock = shm.JobLock(live)
     names = [f"{dead}w1_1", f"{dead}w2_1", f"{live}w1_1", "mnjx99999999999999999999_abcdef_w1",
              f"mnjx{os.getpid()}_0a0b0c_w1_1"]  # no lock file: left alone

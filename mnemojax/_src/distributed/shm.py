@@ -89,8 +89,10 @@ class JobLock:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def release(self) -> None:
-        """Lets go of the lock (the job's own sweep removes the file). Idempotent."""
+        """Removes the lock file and lets go of the lock (the job has ended). Idempotent."""
         if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
             os.close(self._fd)
             self._fd = -1
 

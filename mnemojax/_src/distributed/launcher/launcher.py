@@ -341,6 +341,6 @@ class Launcher:
         self.roster.command_all(wire.Shutdown())
         self.supervisor.stop()
         self._control.close()
-        self.supervisor.sweep_segments()  # (the lock file too: it has the prefix)
         self._job_lock.release()
+        self.supervisor.sweep_segments()
         self.services.stop_all()
