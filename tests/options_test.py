@@ -91,3 +91,10 @@ def test_paths_and_ints_are_accepted_where_a_float_or_path_is_expected(tmp_path)
         persistent=mnemojax.PersistentOptions(directory=tmp_path / "ckpt"),
         recovery=mnemojax.RecoveryOptions(probe_timeout_s=5, hang_floor_s=30))
     assert opts.recovery.probe_timeout_s == 5
+
+
+def test_persistent_none_means_no_persistent_tier():
+    """``persistent=opts if cond else None`` (a user trial: it was refused)."""
+    options = mnemojax.ResilienceOptions(persistent=None)
+    assert options.persistent == mnemojax.PersistentOptions()
+    assert options.persistent.directory is None

@@ -392,7 +392,7 @@ class ResilienceOptions:
         snapshot: host snapshot options.
         recovery: recovery options.
         compile: compile / executable options.
-        persistent: the persistent (Orbax) tier.
+        persistent: the persistent (Orbax) tier (None: none, as ``PersistentOptions()``).
         event_log: path of a JSONL event log to append to (None: no log).
         run_name: the ``run`` field of this step's events.
         data_axis: the mesh axis along which the batch is split and replicas are dropped,
@@ -464,6 +464,8 @@ class ResilienceOptions:
         return self.batch_axes
 
     def __post_init__(self):
+        if self.persistent is None:  # ``X if cond else None``: no persistent tier
+            object.__setattr__(self, "persistent", PersistentOptions())
         _check_types(self)
         for name, cls in (("snapshot", SnapshotOptions), ("recovery", RecoveryOptions),
                           ("compile", CompileOptions), ("persistent", PersistentOptions)):
