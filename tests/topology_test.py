@@ -375,3 +375,20 @@ def test_plans_ahead_only_when_processes_hold_equal_devices_and_two_or_more_are_
     # survivor's devices.
     [plan] = process_loss_plans(grid(1, 4), AXES, world(2, 2), rules())
     assert plan.kind == "shrink_model" and plan.device_ids.tolist() == [[0, 1]]
+
+
+def test_when_no_single_axis_can_shrink_every_axis_narrows():
+    """Three of four devices of a (2, 2) mesh dead (a user trial: two processes of a 4 x 1
+    job killed 0.35 s apart, a healthy one left in the first recovery): no single axis
+    shrinks onto one device, but a (1, 1) mesh keeps the math. It ended the job with
+    MeshTooSmallError."""
+    ids = np.arange(4).reshape(2, 2)
+    plan = plan_reduced_mesh(ids, ("data", "fsdp"), {0, 1, 3}, data_axis="data",
+                             sharded_dims={"fsdp": (64,)}, batch_size=16)
+    assert plan.device_ids.tolist() == [[2]] and plan.kind == "shrink_model"
+    assert plan.examples_per_step == 16 and not plan.math_changed
+    # The bound on how far a sharded axis may narrow still holds.
+    with pytest.raises(MeshTooSmallError):
+        plan_reduced_mesh(np.arange(4).reshape(2, 2), ("data", "fsdp"), {0, 1, 3},
+                          data_axis="data", sharded_dims={"fsdp": (64,)}, batch_size=16,
+                          max_model_shrink=1.5)

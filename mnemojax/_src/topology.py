@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -159,6 +160,8 @@ def plan_reduced_mesh(
        replicas, or FSDP groups whose lost shards come from snapshots); any other axis
        is ``shrink_model``. Every such plan keeps the math (``keep_math``): the same
        global batch and the same parameters, laid out on fewer devices.
+    3. When no single axis can shrink onto the healthy devices (deaths in slices of every
+       axis), every axis narrows at once (`_narrow_every_axis`), with the same rules.
 
     Args:
         device_ids: integer array of device ids, the current mesh.
@@ -253,6 +256,13 @@ def plan_reduced_mesh(
         if plan is not None and (best is None or plan[0].size > best[1].size):
             best = (axis, *plan)
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
+    if best is None and (collapsed := _narrow_every_axis(
+            device_ids, axis_names, failed, healthy_spares, batch_axes, sharded_dims,
+            batch_size, max_model_shrink)) is not None:
+        narrowed_sharded = any(
+            sharded_dims.get(a) and w < n for a, w, n in
+            zip(axis_names, collapsed.shape, device_ids.shape, strict=True))
+        return finish(collapsed, "shrink_model" if narrowed_sharded else "drop_replicas")
     if best is None:
         mesh = dict(zip(axis_names, device_ids.shape, strict=True))
         if too_full:
@@ -270,6 +280,39 @@ def plan_reduced_mesh(
     axis, new_ids, examples, math_changed = best
     return finish(new_ids, "drop_replicas" if axis in batch_axes else "shrink_model",
                   examples=examples, math_changed=math_changed)
+
+
+def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axes,
+                       sharded_dims, batch_size, max_model_shrink) -> np.ndarray | None:
+    """The mesh when no single axis can shrink onto the healthy devices (deaths in slices
+    of every axis: on a (2, 2) mesh, three of four devices): every axis narrowed at once,
+    to the shape with the most devices whose widths divide the dimensions sharded along
+    them (and the global batch, over the batch axes: the math is kept) and respect
+    ``max_model_shrink``; ties keep the non-batch axes wider. The healthy devices fill it
+    in mesh order, then the spares. None when no such shape fits (not even all ones)."""
+    healthy = [int(d) for d in device_ids.flat if int(d) not in failed] + list(healthy_spares)
+    widths = []
+    for axis, n in zip(axis_names, device_ids.shape, strict=True):
+        dims = [d for d in sharded_dims.get(axis, ()) if d]
+        ok = [w for w in range(1, n + 1) if all(d % w == 0 for d in dims)]
+        if dims and max_model_shrink is not None:
+            ok = [w for w in ok if n / w <= max_model_shrink * (1 + 1e-9)]
+        widths.append(ok)
+    best: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    for shape in itertools.product(*widths):
+        size = math.prod(shape)
+        along_batch = math.prod(w for a, w in zip(axis_names, shape, strict=True)
+                                if a in batch_axes)
+        if size > len(healthy) or (batch_size is not None and batch_size % along_batch):
+            continue
+        rank = (size, *(w for a, w in zip(axis_names, shape, strict=True)
+                        if a not in batch_axes))
+        if best is None or rank > best[0]:
+            best = (rank, shape)
+    if best is None:
+        return None
+    shape = best[1]
+    return np.array(healthy[:math.prod(shape)], dtype=np.int64).reshape(shape)
 
 
 def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
