@@ -381,3 +381,11 @@ def test_a_member_that_left_is_seen_as_left_by_both_nodes_at_once_with_its_death
     results = nodes.together(lambda w: nodes.of(w).agree(
         wire.Agree(worker_id=w, generation=0, last_step=7)), (0, 1, 2))
     assert {results[w].survivors for w in (0, 1, 2)} == {(0, 1, 2)}
+
+
+def test_mnemojax_status_of_a_job_name_with_nothing_under_it_fails_saying_so(cluster,
+                                                                               capsys):
+    """A mistyped ``--rdzv-id`` said "no world formed yet" with status 0 (a user trial)."""
+    from mnemojax._src.cli import main
+    assert main(["status", "--rdzv", cluster.url, "--rdzv-id", "no-such-job"]) == 1
+    assert "no job 'no-such-job' in etcd" in capsys.readouterr().err

@@ -59,19 +59,23 @@ def shm_unlink(name: str) -> None:
     os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
 
 
-def sweep(prefix: str) -> list[str]:
-    """Removes every segment whose name starts with ``prefix``; returns their names."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    shm_unlink(name)
-                    removed.append(name)
-    return removed
+_LOCK = "lock"  # a job's lock file: "/dev/shm/<prefix>lock" (`JobLock`)
 
 
-_LOCK = "lock"  # the job's lock file: "/dev/shm/<prefix>lock"
+def sweep(prefix: str, names: Sequence[str] | None = None) -> list[str]:
+    """Removes every segment whose name starts with ``prefix`` (of ``names``, default: what
+    /dev/shm holds), the job's lock file last (a sweep cut short is done again); returns
+    their names. Never raises: a name it cannot remove is logged."""
+    if names is None:
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return []
+    lock = f"{prefix}{_LOCK}"
+    ours = sorted((n for n in names if n.startswith(prefix)), key=lambda n: n == lock)
+    return [n for n in ours if _unlink_quietly(n)]
+
+
 _LOCK_NAME = re.compile(r"^(mnjx\d+_[0-9a-f]{6}_)lock$")
 
 
@@ -138,15 +142,7 @@ def sweep_if_orphaned(prefix: str, names: Sequence[str] | None = None) -> list[s
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # its launcher runs
             return []
-        if names is None:
-            try:
-                names = os.listdir("/dev/shm")
-            except OSError:
-                return []
-        lock = f"{prefix}{_LOCK}"  # removed last: a sweep cut short is done again
-        removed = [n for n in names if n.startswith(prefix) and n != lock
-                   and _unlink_quietly(n)]
-        return removed + [lock] if _unlink_quietly(lock) else removed
+        return sweep(prefix, names)
     finally:
         os.close(fd)
 

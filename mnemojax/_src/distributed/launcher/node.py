@@ -162,17 +162,17 @@ class NodeLauncher(Launcher):
         if new := dead - self._dead_seen:
             self._dead_seen |= new
             left = new & view.left()
-            self._record({"op": "dead", "workers": sorted(new - left), "left": sorted(left)})
+            died = sorted(new - left)
+            self._record({"op": "dead", "workers": died, "left": sorted(left)})
             lost = sorted(view.lost_nodes())
-            if new - left:
-                logger.warning("mnemojax launch: workers %s dead%s", sorted(new - left),
+            if died:
+                logger.warning("mnemojax launch: workers %s dead%s", died,
                                f" (nodes {lost} lost)" if lost else "")
             if left:
                 logger.warning("mnemojax launch: workers %s left the job (no device for them "
                                "in the new world, or a joiner that could not fetch the "
                                "state)", sorted(left))
             self.roster.command_all(wire.PauseWatchdog())  # survivors may block a while
-            died = sorted(new - left)
             if not o.recover and self._failed_code is None and died:
                 self._failed_code = 128 + 9  # --no-recover: any death ends it
                 self.plane.end(f"the job is ending: workers {died} died and recovery is off",

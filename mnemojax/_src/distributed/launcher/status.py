@@ -25,19 +25,19 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
         nproc = max((int(v.get("nproc", 0)) for k, v in items.items()
                      if k.startswith("nodes/") and isinstance(v, dict)), default=1) or 1
     view = JobView(items, nproc)
+    left, exits = view.left(), view.exits()
     latest = view.latest()
     world = view.world(latest) or {}
     return {"live_nodes": sorted(view.live_nodes()),
             "generation": latest, "members": world.get("members", []),
             "coordinator": world.get("coordinator"), "host_node": world.get("host_node"),
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
-            "dead": sorted(view.dead() - view.left()), "left": sorted(view.left()),
-            "idle_spares": view.idle_spares(),
-            "exits": view.exits(), "end": view.end(),
+            "dead": sorted(view.dead() - left), "left": sorted(left),
+            "idle_spares": view.idle_spares(), "exits": exits, "end": view.end(),
             # Every member of the last world exited 0: done (no node writes an end then,
             # as one node's end is not the job's).
             "finished": view.end() is None and bool(world.get("members")) and all(
-                view.exits().get(w) == 0 for w in world["members"]),
+                exits.get(w) == 0 for w in world["members"]),
             "empty": not items}
 
 
@@ -53,14 +53,13 @@ def run(args: argparse.Namespace) -> int:
     except RendezvousError as e:
         print(f"mnemojax status: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(s, sort_keys=True))
     if s["empty"]:
         print(f"mnemojax status: no job {args.rdzv_id!r} in etcd at {args.rdzv} (nothing "
               "under its name: not started yet, or another --rdzv-id)", file=sys.stderr)
-        return 1
     if args.json:
-        return 0
+        print(json.dumps(s, sort_keys=True))
+    if s["empty"] or args.json:
+        return 1 if s["empty"] else 0
     if s["generation"] < 0:
         print(f"job {args.rdzv_id!r}: no world formed yet; live nodes {s['live_nodes']}")
         return 0
