@@ -353,7 +353,7 @@ def checkpoint_barrier() -> Callable[..., None]:
                 continue
             # Left blocked in the old world's barrier: joined at exit for a while (a thread
             # that returns from jaxlib into a finalising interpreter aborts the process).
-            peer_watch.WaitHandle(done, None).leave_behind(waiter)
+            peer_watch.leave_behind(waiter, None)
             raise CheckpointLostError(f"barrier {key}: {why}")
 
     return barrier

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
+import pytest
+
+from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.env import WorldSpec
 from mnemojax._src.distributed.snapshot_codec import pack
@@ -21,6 +26,10 @@ class _Coordinator:
     def report_failure(self, *, generation, reason):
         self.calls.append(("report", generation))
 
+    def watch(self, *, generation, timeout_s):  # no death heard of during a connect
+        time.sleep(timeout_s)
+        return wire.WorldFailed(generation=generation, failed=())
+
     def agree(self, *, generation, last_step, first_replayable=None):
         self.calls.append(("agree", generation))
         members = (0, 1) if generation == 0 else (0,)
@@ -35,7 +44,7 @@ def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
     reports it and agrees again over world 1; world 2 forms."""
     attached = []
 
-    def attach(world, *, init_timeout_s):
+    def attach(world, *, init_timeout_s, cannot_form):
         attached.append((world.generation, init_timeout_s))
         if world.generation == 1:
             raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
@@ -74,7 +83,7 @@ def test_a_survivor_that_cannot_fetch_stays_out_and_agrees_again(monkeypatch):
 
     monkeypatch.setattr(coordination, "detach_worker", lambda: None)
     monkeypatch.setattr(coordination, "attach_worker",
-                        lambda world, *, init_timeout_s: attached.append(world.generation))
+                        lambda world, *, init_timeout_s, cannot_form: attached.append(world.generation))
     monkeypatch.setattr(dist_recovery, "fetch_snapshot", fetch)
     coordinator = Sourced()
     rec = recover_world(coordinator, WorldSpec(coordinator="127.0.0.1:1", process_id=0,
@@ -100,7 +109,7 @@ def test_a_fresh_process_joins_the_given_world_or_agrees_again_tracing_replaceme
 
     agreed = []
 
-    class Again:
+    class Again(_Coordinator):
         def report_failure(self, *, generation, reason):
             agreed.append(("report", generation))
 
@@ -108,7 +117,7 @@ def test_a_fresh_process_joins_the_given_world_or_agrees_again_tracing_replaceme
             agreed.append(("agree", generation, last_step))
             return agreement(2, (5, 1), (4, 1), {5: 4})
 
-    def attach(world, *, init_timeout_s):
+    def attach(world, *, init_timeout_s, cannot_form):
         if world.generation == 1:
             raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
 
@@ -144,3 +153,107 @@ def test_a_recovery_continued_by_another_agreement_keeps_the_world_that_failed()
     assert both.members == (0, 1, 2, 3) and dict(both.replaces) == {6: 1}
     assert both.agreement is later.agreement and both.world is later.world
     assert both.rounds == 3 and both.phases == {"agree": 2.0, "attach": 1.0}
+
+
+def test_a_connect_is_given_up_once_a_member_is_known_dead():
+    """jaxlib's connect to a world of two, whose other member never comes (it died after
+    the decision): once the launcher's word arrives, `attach_worker` gives the connect up
+    at once (`ConnectAbandoned`, its thread left blocked until the connect timeout),
+    adopting no client; without that word it would wait the whole timeout."""
+    import concurrent.futures
+    import socket
+
+    from mnemojax._src.distributed import jax_private
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = jax_private.new_service(f"127.0.0.1:{port}", 2, heartbeat_s=10,
+                                      shutdown_timeout_s=1)
+    world = WorldSpec(coordinator=f"127.0.0.1:{port}", process_id=0, num_processes=2,
+                      generation=3)
+    heard: concurrent.futures.Future = concurrent.futures.Future()
+    timer = threading.Timer(0.3, lambda: heard.set_result("workers [1] died"))
+    timer.start()
+    try:
+        with pytest.raises(coordination.ConnectAbandoned, match=r"world 3 cannot form: "
+                                                                r"workers \[1\] died") as e:
+            coordination.attach_worker(world, init_timeout_s=4, cannot_form=heard)
+        assert e.value.thread.is_alive()  # still in connect: given up, not waited out
+        assert jax_private.global_state().client is None
+        e.value.thread.join(30)  # it ends at the connect timeout
+        assert not e.value.thread.is_alive()
+    finally:
+        timer.cancel()
+        service.shutdown()
+
+
+def test_a_member_known_dead_before_the_world_formed_starts_the_next_round(monkeypatch):
+    """The launcher tells of world 1's member 1 dying before world 1 formed: the
+    survivor's connect is given up (not waited out: the attach timeout is an hour) and it
+    agrees again over world 1, saying why; the abandoned connect is joined at exit."""
+    from mnemojax._src.distributed.worker import peer_watch
+
+    left_behind = []
+
+    class Told(_Coordinator):
+        def __init__(self):
+            super().__init__()
+            self.reasons = []
+
+        def report_failure(self, *, generation, reason):
+            super().report_failure(generation=generation, reason=reason)
+            self.reasons.append(reason)
+
+        def watch(self, *, generation, timeout_s):
+            if generation == 1:
+                return wire.WorldFailed(generation=1, failed=(1,))
+            return super().watch(generation=generation, timeout_s=timeout_s)
+
+    def attach(world, *, init_timeout_s, cannot_form):
+        if world.generation == 1:  # the connect would block for the timeout
+            raise coordination.ConnectAbandoned(
+                f"world 1 cannot form: {cannot_form.result(timeout=10)}", threading.Thread())
+
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker", attach)
+    monkeypatch.setattr(peer_watch, "leave_behind",
+                        lambda thread, generation: left_behind.append(generation))
+    coordinator = Told()
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
+                      attach_timeout_s=3600)
+    rec = recover_world(coordinator, world, last_step=4, reason="peer died")
+    assert rec.rounds == 2 and rec.world.generation == 2 and left_behind == [1]
+    assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
+    assert "workers [1] died before it formed (told by the launcher)" in coordinator.reasons[1]
+
+
+def test_stopping_a_world_service_that_never_formed_does_not_block_the_launcher():
+    """The launcher stops world g's service when it decides world g+1. A service with a
+    client still in its connect barrier (the world never formed: a member died after its
+    decision) takes seconds to shut down (5 s measured): it stops on a thread, so the
+    decision's reply does not wait; `stop_all` (the launcher's exit) waits for it."""
+    from mnemojax._src.distributed.launcher.services import ServiceHost
+
+    host = ServiceHost(heartbeat_s=10)
+    service = host.start(1, 2)
+    world = WorldSpec(coordinator=service.address, process_id=0, num_processes=2, generation=1)
+    errors = []
+
+    def connect():
+        try:
+            coordination._connected_client(world, 4)
+        except RuntimeError as e:
+            errors.append(e)
+
+    client = threading.Thread(target=connect, daemon=True)
+    client.start()
+    try:
+        time.sleep(0.5)  # in the connect barrier
+        assert host.stop(1) and not host.stop(1)
+        [stopping] = host._stopping
+        assert stopping.is_alive()  # still shutting down, on its thread
+    finally:
+        host.stop_all()
+        client.join(30)
+    assert not stopping.is_alive() and not client.is_alive() and len(errors) == 1

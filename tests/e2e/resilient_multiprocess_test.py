@@ -303,13 +303,20 @@ def test_corrupt_copy_is_never_restored(tmp_path, reference):
 @pytest.mark.slow  # ~40 s; second rounds are unit-tested in tests/distributed/recovery_test.py
 def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, reference):
     """Worker 1 dies; worker 2 dies as soon as the launcher has decided a world with it.
-    That world never forms: the others' connect times out and they agree again without
-    it (round 2), then end exact on a (2, 2) mesh."""
+    That world never forms: the others give up connecting to it once the launcher tells
+    them of the death (not at the connect timeout) and agree again without it (round 2),
+    then end exact on a (2, 2) mesh."""
     report = _run(tmp_path, [ProcessFault("kill", 1, 4),
                              ProcessFault("kill_after_decision", 2)],
                   nproc=4, agree_timeout_s=20)
     rec = _one_recovery(tmp_path, reference, report, nproc=4)
     assert rec["failed_processes"] == [1, 2] and rec["agreement_rounds"] == 2
+    again = [e["reason"] for e in _launcher_events(report, "report_failure")
+             if e["generation"] == 1]
+    assert sorted(e["worker_id"] for e in _launcher_events(report, "report_failure")
+                  if e["generation"] == 1) == [0, 3], again
+    assert all("workers [2] died before it formed (told by the launcher)" in r
+               for r in again), again
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
     decided = _launcher_events(report, "decided")
     assert [d["survivors"] for d in decided] == [[0, 2, 3], [0, 3]]

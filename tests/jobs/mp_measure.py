@@ -1,12 +1,14 @@
 """Measures multi-process recovery of the resilient job: kill -> detection -> next good step.
 
 python -m tests.jobs.mp_measure --fault kill --victim 1 --collective-timeout-s 10 [--nproc 3]
-    [--no-peer-watch] [--step-sleep-s S]
+    [--no-peer-watch] [--step-sleep-s S] [--then-after-decision W]
 
 Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
 published --at-step, and prints, in seconds from the kill: when the launcher knew (its
 agent saw the exit), when each survivor's step failed (detection), and when each survivor
 finished its first good step in the new world; plus each survivor's recovery phases.
+With --then-after-decision W, worker W is killed too, as soon as the launcher has decided
+the world that follows the first death (it never joins it: a death during the recovery).
 """
 
 import argparse
@@ -22,14 +24,17 @@ from mnemojax.testing import ProcessFault, run_scenario
 
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             at_step: int = 4, steps: int = 10, peer_watch: bool = True,
-            step_sleep_s: float = 0.2, precompile: bool = False) -> dict:
+            step_sleep_s: float = 0.2, precompile: bool = False,
+            then_after_decision: int | None = None) -> dict:
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--step-sleep-s", str(step_sleep_s)]
     if precompile:  # a fresh cache: only what this job's worlds wrote
         cmd += ["--precompile-cache", tempfile.mkdtemp(prefix="mnemojax-xla-")]
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2,
-                          faults=[ProcessFault(fault, victim, at_step)],
+                          faults=[ProcessFault(fault, victim, at_step)] + (
+                              [] if then_after_decision is None else
+                              [ProcessFault("kill_after_decision", then_after_decision)]),
                           collective_timeout_s=collective_timeout_s, job_timeout_s=280,
                           extra_env=None if peer_watch else {PEER_WATCH: "0"})
     t_kill = report["t0"]
@@ -119,12 +124,15 @@ def main() -> int:
     p.add_argument("--compare-precompile", type=int, default=0, metavar="R",
                    help="R pairs of runs, without and with --precompile, alternated; "
                         "prints the medians side by side")
+    p.add_argument("--then-after-decision", type=int, metavar="W",
+                   help="also kill worker W once the world after the first death is decided")
     p.add_argument("--json", help="also write the result here (workers share stdout)")
     args = p.parse_args()
     kwargs = dict(fault=args.fault, victim=args.victim, nproc=args.nproc,
                   collective_timeout_s=args.collective_timeout_s,
                   peer_watch=not args.no_peer_watch, step_sleep_s=args.step_sleep_s,
-                  at_step=args.at_step, steps=args.steps)
+                  at_step=args.at_step, steps=args.steps,
+                  then_after_decision=args.then_after_decision)
     if args.compare_precompile:
         return _compare(args.compare_precompile, kwargs)
     r = measure(**kwargs, precompile=args.precompile)

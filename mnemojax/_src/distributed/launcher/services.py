@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from typing import Any
 
 from mnemojax._src.distributed import jax_private, transport
@@ -56,11 +58,14 @@ class ServiceHost:
     Args:
         heartbeat_s: heartbeat timeout of every service started.
         host: the address they listen on (loopback unless the job spans several nodes).
+        exit_wait_s: how long `stop_all` waits for the services being stopped.
     """
 
-    def __init__(self, *, heartbeat_s: int, host: str = "127.0.0.1"):
-        self.heartbeat_s, self.host = heartbeat_s, host
+    def __init__(self, *, heartbeat_s: int, host: str = "127.0.0.1",
+                 exit_wait_s: float = 60.0):
+        self.heartbeat_s, self.host, self.exit_wait_s = heartbeat_s, host, exit_wait_s
         self._services: dict[int, CoordinationService] = {}
+        self._stopping: list[threading.Thread] = []
 
     def start(self, generation: int, num_processes: int) -> CoordinationService:
         """Starts world ``generation``'s service on a free port."""
@@ -70,14 +75,33 @@ class ServiceHost:
         return service
 
     def stop(self, generation: int) -> bool:
-        """Stops world ``generation``'s service; False if it had none (or it was stopped)."""
+        """Stops world ``generation``'s service, on a thread of its own; False if it had
+        none (or it was stopped).
+
+        Not blocking: the old world's service stops when the next world is decided, and a
+        service stopped while clients are still in its connect barrier (the world never
+        formed: a member died after its decision) takes seconds to shut down (measured: 5 s,
+        jaxlib 0.10); the decision's reply must not wait for it.
+        """
         service = self._services.pop(generation, None)
         if service is None:
             return False
-        service.shutdown()
+        thread = threading.Thread(target=service.shutdown, daemon=True,
+                                  name=f"mnemojax-stop-service-{generation}")
+        thread.start()
+        self._stopping = [t for t in self._stopping if t.is_alive()] + [thread]
         return True
 
     def stop_all(self) -> None:
+        """Stops every service, and waits (at most ``exit_wait_s``) for those being stopped:
+        a thread that returns from jaxlib into a finalising interpreter aborts the
+        process."""
         for service in list(self._services.values()):
             service.shutdown()
         self._services.clear()
+        deadline = time.monotonic() + self.exit_wait_s
+        for thread in self._stopping:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("a coordination service still stopping after %.0f s (%s)",
+                               self.exit_wait_s, thread.name)

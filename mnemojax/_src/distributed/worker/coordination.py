@@ -9,10 +9,12 @@ sequence of DESIGN §4 is `detach_worker` (clients first), the agreement
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,10 +55,10 @@ def _client_error(*status: object) -> None:
     logger.warning("coordination client error: %s", status)
 
 
-def _connect(world: WorldSpec, init_timeout_s: int) -> None:
-    state = jax_private.global_state()
-    if state.client is not None:
-        raise DistributedError("this process already has a distributed client")
+def _connected_client(world: WorldSpec, init_timeout_s: int) -> Any:
+    """A client of ``world``'s coordination service, connected (``connect`` is a barrier
+    over every process of the world; it raises ``RuntimeError`` after ``init_timeout_s``).
+    Touches no global state: it may run on a thread that is abandoned."""
     # With any error callback set, a failed connect (a member of the new world died after
     # the agreement) raises in Python instead of aborting the process (the default callback
     # is a fatal log). jaxlib 0.10 cannot pass the absl status to Python (the call fails
@@ -65,12 +67,77 @@ def _connect(world: WorldSpec, init_timeout_s: int) -> None:
                                     init_timeout_s=init_timeout_s,
                                     heartbeat_s=world.heartbeat_s, on_error=_client_error)
     client.connect()
+    return client
+
+
+def _adopt(world: WorldSpec, client: Any) -> None:
+    """Makes ``client`` (connected) this process's distributed client."""
+    state = jax_private.global_state()
+    if state.client is not None:
+        raise DistributedError("this process already has a distributed client")
     # The fields jax.distributed.initialize would set; no preemption sync manager (it
     # depends on the client and would have to be rebuilt on every re-initialisation).
     state.client = client
     state.process_id = world.process_id
     state.num_processes = world.num_processes
     state.coordinator_address = world.coordinator
+
+
+def _connect(world: WorldSpec, init_timeout_s: int) -> None:
+    if jax_private.global_state().client is not None:
+        raise DistributedError("this process already has a distributed client")
+    _adopt(world, _connected_client(world, init_timeout_s))
+
+
+class ConnectAbandoned(DistributedError):
+    """`attach_worker` gave up joining a world that cannot form (a member died, or left
+    for a new agreement, before it connected). ``thread`` is still blocked in jaxlib's
+    ``connect`` (it cannot be cancelled); it ends at the connect timeout."""
+
+    def __init__(self, message: str, thread: threading.Thread):
+        super().__init__(message)
+        self.thread = thread
+
+
+def _connect_unless(world: WorldSpec, init_timeout_s: int,
+                    cannot_form: concurrent.futures.Future) -> Any:
+    """``_connected_client`` on a thread, given up as soon as ``cannot_form`` completes
+    (its result says why) before the connect did (`ConnectAbandoned`)."""
+    connected: concurrent.futures.Future = concurrent.futures.Future()
+    lock, abandoned = threading.Lock(), []
+
+    def run() -> None:
+        client, error = None, None
+        try:
+            client = _connected_client(world, init_timeout_s)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, or dropped
+            error = e
+        with lock:
+            if not abandoned:
+                if error is None:
+                    connected.set_result(client)
+                else:
+                    connected.set_exception(error)
+                return
+        if client is not None:  # connected after all, too late: its world goes on without
+            try:                # this process (the others are told of it by the launcher)
+                client.shutdown()
+            except Exception as e:  # noqa: BLE001 - a dead member fails the shutdown
+                logger.info("abandoned client of world %d: shutdown reported %s",
+                            world.generation, e)
+
+    thread = threading.Thread(target=run, daemon=True,
+                              name=f"mnemojax-connect-{world.generation}")
+    thread.start()
+    concurrent.futures.wait([connected, cannot_form],
+                            return_when=concurrent.futures.FIRST_COMPLETED)
+    with lock:
+        if not connected.done():
+            abandoned.append(True)
+    if connected.done():
+        return connected.result()
+    raise ConnectAbandoned(f"world {world.generation} cannot form: {cannot_form.result()}",
+                           thread)
 
 
 def initialize_worker(world: WorldSpec | None = None, *, init_timeout_s: int = 120) -> WorldSpec:
@@ -115,14 +182,30 @@ def detach_worker() -> None:
     jax.clear_caches()
 
 
-def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120) -> None:
+def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120,
+                  cannot_form: concurrent.futures.Future | None = None) -> None:
     """Joins a new world after `detach_worker` (step 5-6 of DESIGN §4).
 
     Barrier: ``connect`` waits for every member of ``world``; it raises ``RuntimeError``
     after ``init_timeout_s`` when one never comes (it died after the agreement).
+
+    Args:
+        cannot_form: completes (with the reason) once the world is known not to form (the
+            launcher heard of a member's death): the connect is then given up at once
+            rather than at its timeout.
+
+    Raises:
+        RuntimeError: the connect timed out.
+        ConnectAbandoned: ``cannot_form`` completed first.
     """
     import jax.extend.backend
-    _connect(world, init_timeout_s)
+    if jax_private.global_state().client is not None:
+        raise DistributedError("this process already has a distributed client")
+    if cannot_form is None:
+        client = _connected_client(world, init_timeout_s)
+    else:
+        client = _connect_unless(world, init_timeout_s, cannot_form)
+    _adopt(world, client)
     # A thread of the user's that asked JAX anything since `detach_worker` (a logger's
     # `jax.process_index()`, Orbax's save thread failing with the old client) made a
     # backend then: without a distributed client, under the old process id. It would

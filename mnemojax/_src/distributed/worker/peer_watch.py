@@ -121,9 +121,7 @@ class WaitHandle:
         world's collective until gloo gives up: joined at exit (see `_join_left_behind`).
         It must end once that collective returns."""
         if thread is not None:
-            with _pending.lock:
-                _pending.left_behind = [t for t in _pending.left_behind if t[0].is_alive()]
-                _pending.left_behind.append((thread, self._generation, time.monotonic()))
+            leave_behind(thread, self._generation)
 
     @property
     def aborted(self) -> bool:
@@ -163,6 +161,18 @@ def known_death() -> BaseException | None:
         generation = _pending.generation()
         heard = _pending.failed.get(generation)
     return None if heard is None else heard.error(generation, started=False)
+
+
+def leave_behind(thread: threading.Thread, generation: int | None) -> None:
+    """``thread`` stays blocked in jaxlib (an abandoned collective of world ``generation``,
+    an abandoned connect) until that call gives up: it is joined at exit, at most
+    ``exit_wait_s`` from now (see `_join_left_behind`). It must end once that call
+    returns."""
+    with _pending.lock:
+        _pending.left_behind = [t for t in _pending.left_behind if t[0].is_alive()]
+        _pending.left_behind.append((thread, generation, time.monotonic()))
+    atexit.unregister(_join_left_behind)  # registered once, whoever left a thread first
+    atexit.register(_join_left_behind)
 
 
 def _join_left_behind() -> None:

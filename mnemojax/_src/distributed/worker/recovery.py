@@ -13,8 +13,10 @@ parts of the copies its own devices hold (`AgreedCopies.fetch`), not the whole s
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -23,7 +25,7 @@ import numpy as np
 from mnemojax._src.distributed import snapshot_codec
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, snapshots_first
 from mnemojax._src.distributed.env import WorldSpec
-from mnemojax._src.distributed.worker import coordination
+from mnemojax._src.distributed.worker import coordination, peer_watch
 from mnemojax._src.distributed.worker.agent_client import fetch_snapshot
 from mnemojax._src.distributed.worker.coordinator_client import Coordinator
 from mnemojax._src.errors import AgreementError, StateUnavailableError
@@ -171,18 +173,63 @@ def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, fl
             continue
         phases["fetch"] += time.perf_counter() - t
         t = time.perf_counter()
+        watch = _MembersWatch(coordinator, world.generation)
         try:
-            coordination.attach_worker(world, init_timeout_s=world.attach_timeout_s)
+            coordination.attach_worker(world, init_timeout_s=world.attach_timeout_s,
+                                       cannot_form=watch.heard)
             phases["attach"] += time.perf_counter() - t
             break
+        except coordination.ConnectAbandoned as e:  # a member died before it connected
+            phases["attach"] += time.perf_counter() - t
+            peer_watch.leave_behind(e.thread, world.generation)
+            _next_round(coordinator, world, str(e))
         except RuntimeError as e:  # a member of the new world never came (connect timed out)
             phases["attach"] += time.perf_counter() - t
             _next_round(coordinator, world, f"world did not form within "
                                             f"{world.attach_timeout_s} s: {e}")
+        finally:
+            watch.stop()
     logger.info("world %d: ranks %s, resume from step %d after %d round(s) (%s)",
                 agreement.generation, agreement.survivors, agreement.resume_step, rounds,
                 ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()))
     return WorldRecovery(agreement, world, state, phases, rounds, members, replaces)
+
+
+class _MembersWatch:
+    """While this process connects to world ``generation``, a thread long-polls the
+    launcher (`Coordinator.watch`) for a member of it that died or left for a new agreement
+    before connecting: the world can then never form, and ``heard`` completes (with what
+    was heard) so that the connect is given up at once, not at its timeout. A death is
+    known to the launcher within milliseconds (its agent saw the exit); a slow member is
+    never reported, so the connect timeout stays the bound for what the launcher cannot
+    see. The launcher unreachable: the watch retries, and the timeout decides."""
+
+    POLL_S = 2.0  # one long poll: the thread outlives a successful connect by at most this
+
+    def __init__(self, coordinator: Coordinator, generation: int):
+        self.heard: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._coordinator, self._generation = coordinator, generation
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True,
+                         name=f"mnemojax-members-watch-{generation}").start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reply = self._coordinator.watch(generation=self._generation,
+                                                timeout_s=self.POLL_S)
+            except Exception as e:  # noqa: BLE001 - the launcher restarting: ask again
+                logger.debug("members watch of world %d: %s", self._generation, e)
+                self._stop.wait(0.2)
+                continue
+            if reply.failed or reply.left:
+                what = (f"workers {list(reply.failed)} died" if reply.failed else
+                        f"workers {list(reply.left)} left it for a new agreement")
+                self.heard.set_result(f"{what} before it formed ({peer_watch.TOLD_BY_LAUNCHER})")
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class CopiesUnreachableError(StateUnavailableError):
