@@ -95,10 +95,11 @@ def recover_world(coordinator: Coordinator, world: WorldSpec, *, last_step: int,
     arrived (or was declared dead); every survivor gets the same agreement or an
     `AgreementError`. The agreed copies' headers are read, then the new world is joined,
     which is a second barrier (``connect``): when a member of the new world died after the
-    decision, or could not read a copy (its sources died since), it times out
-    (``world.attach_timeout_s``) for every survivor alike, and they agree again over the new
-    world (another round). The copies' regions are fetched later, on restore
-    (`AgreedCopies.fetch`).
+    decision, or could not read a copy (its sources died since), that world cannot form,
+    and the survivors agree again over it (another round). They give the connect up as soon
+    as the launcher tells of that member (`_MembersWatch`: within milliseconds of its death,
+    or of its own next agreement), else at ``world.attach_timeout_s`` (what the launcher
+    cannot see). The copies' regions are fetched later, on restore (`AgreedCopies.fetch`).
 
     When ``agreement.resume_step == -1`` (no step's state survives, `Agreement.lost`), the
     new world is joined but nothing is read: the caller falls back or raises.
