@@ -383,3 +383,44 @@ def test_a_save_lost_with_a_peer_is_told_apart_from_one_that_failed():
     assert not lost_to_a_peer(OSError(28, "No space left on device"))
     assert not lost_to_a_peer(chained(RuntimeError("finalize"), OSError(28, "full"),
                                       cause=False))
+
+
+def test_orbax_logs_a_commit_lost_to_a_peer_in_one_line(monkeypatch, caplog):
+    """Under a distributed client, `checkpoint_barrier` quiets Orbax's error records of a
+    commit it gave up: each keeps its message and names the CheckpointLostError in one line,
+    without the traceback (raised during the handling, as Orbax's finalize thread does).
+    Orbax's other errors keep theirs."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    from mnemojax._src.distributed import jax_private
+    from mnemojax._src.persistent import _ONE_LINE, checkpoint_barrier
+    from mnemojax.errors import CheckpointLostError
+
+    class Client:  # a distributed client (the barrier is not called here)
+        pass
+
+    monkeypatch.setattr(jax_private.global_state(), "client", Client())
+    checkpoint_barrier()
+    try:
+        caplog.set_level(logging.ERROR, logger="absl")
+        try:
+            try:
+                raise CheckpointLostError("barrier _async_write_complete.3: a peer process died")
+            except CheckpointLostError:
+                raise RuntimeError("Save Finalize thread failed")  # noqa: B904
+        except RuntimeError:
+            absl_logging.exception("[process=1] Failed to run %d Handler Commit operations", 4)
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            absl_logging.exception("[process=1] Failed to write")
+        lost, full = [r for r in caplog.records if r.name == "absl"]
+        assert lost.exc_info is None and lost.getMessage() == (
+            "[process=1] Failed to run 4 Handler Commit operations (CheckpointLostError: "
+            "barrier _async_write_complete.3: a peer process died)")
+        assert full.exc_info is not None and full.getMessage() == "[process=1] Failed to write"
+        assert "Traceback" not in caplog.text.split("Failed to write")[0]
+    finally:
+        logging.getLogger("absl").removeFilter(_ONE_LINE)

@@ -301,14 +301,37 @@ class PersistentTier:
 def lost_to_a_peer(error: BaseException) -> bool:
     """Whether a save failed because a peer process was lost: its error, or one it was
     raised from or during, is a `CheckpointLostError` or a collective's ``JaxRuntimeError``."""
+    return _in_chain(error, CheckpointLostError | jax.errors.JaxRuntimeError) is not None
+
+
+def _in_chain(error: BaseException | None, kind: Any) -> BaseException | None:
+    """The first of ``error`` and the errors it was raised from or during that is a
+    ``kind``."""
     seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        if isinstance(e, CheckpointLostError | jax.errors.JaxRuntimeError):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _LostCheckpointsInOneLine(logging.Filter):
+    """Orbax's threads log a commit that `checkpoint_barrier` gave up (a peer died) as an
+    error with its whole traceback, once per thread it passes through: that record keeps
+    its message and says why in one line, without the traceback (mnemojax warns of the
+    lost checkpoint itself). Every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lost = _in_chain(record.exc_info[1], CheckpointLostError) if record.exc_info else None
+        if lost is not None:
+            record.msg = f"{record.getMessage()} (CheckpointLostError: {lost})"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_ONE_LINE = _LostCheckpointsInOneLine()
 
 
 def checkpoint_barrier() -> Callable[..., None]:
@@ -325,6 +348,8 @@ def checkpoint_barrier() -> Callable[..., None]:
     checkpointing every step, worker 0 killed, hung). Without a distributed client (one
     process) it does nothing, as Orbax asks no barrier then."""
     client = jax_private.global_state().client
+    if client is not None:
+        logging.getLogger("absl").addFilter(_ONE_LINE)  # (once: a filter is added once)
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         if client is None:  # (one process: Orbax does not ask)
