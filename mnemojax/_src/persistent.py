@@ -347,7 +347,7 @@ def checkpoint_barrier() -> Callable[..., None]:
     commits never end and their exit waits for that thread (a user trial: a job
     checkpointing every step, worker 0 killed, hung). Without a distributed client (one
     process) it does nothing, as Orbax asks no barrier then."""
-    client = jax_private.global_state().client
+    client: Any = jax_private.global_state().client
     if client is not None:
         logging.getLogger("absl").addFilter(_ONE_LINE)  # (once: a filter is added once)
 
