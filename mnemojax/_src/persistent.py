@@ -347,18 +347,19 @@ def checkpoint_barrier() -> Callable[..., None]:
     commits never end and their exit waits for that thread (a user trial: a job
     checkpointing every step, worker 0 killed, hung). Without a distributed client (one
     process) it does nothing, as Orbax asks no barrier then."""
-    client: Any = jax_private.global_state().client
+    client = jax_private.global_state().client
     if client is not None:
         logging.getLogger("absl").addFilter(_ONE_LINE)  # (once: a filter is added once)
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         if client is None:  # (one process: Orbax does not ask)
             return
+        world = client
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def wait() -> None:
             try:
-                client.wait_at_barrier(key, timeout_ms)
+                world.wait_at_barrier(key, timeout_ms)
                 done.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 done.set_exception(e)
