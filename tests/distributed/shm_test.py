@@ -174,3 +174,31 @@ def test_a_starting_launcher_sweeps_the_segments_of_jobs_whose_lock_nobody_holds
         for name in [*names, f"{dead}lock", f"{live}lock"]:
             with contextlib.suppress(FileNotFoundError):
                 shm.shm_unlink(name)
+
+
+def test_a_lock_file_swept_before_it_was_locked_is_made_again(monkeypatch):
+    """Another launcher's sweep may take a fresh lock file's lock before its job does, and
+    remove it (nobody held it yet): the job's `JobLock` then makes the file again and
+    holds that one, so later sweeps see a live job (a lock on a removed file would leave
+    the job's segments to leak at its death)."""
+    import fcntl
+
+    prefix = shm.job_prefix()
+    real_flock, swept = fcntl.flock, []
+
+    def flock(fd, op):
+        if not swept:  # the sweep wins the race once: it removes the file
+            swept.append(None)
+            swept[0] = shm.sweep_if_orphaned(prefix)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    lock = shm.JobLock(prefix)
+    monkeypatch.undo()
+    try:
+        assert swept == [[f"{prefix}lock"]]
+        assert os.path.exists(lock.path)
+        assert shm.sweep_if_orphaned(prefix) == [] and os.path.exists(lock.path)  # held
+    finally:
+        lock.release()
+    assert not os.path.exists(lock.path)

@@ -89,8 +89,18 @@ class JobLock:
 
     def __init__(self, prefix: str):
         self.path = os.path.join("/dev/shm", f"{prefix}{_LOCK}")
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        while True:
+            self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            # A sweep in another launcher may have taken the fresh file's lock before this
+            # one did, and removed the file: the lock would then hold nothing that sweeps
+            # can see. Held only once the path still names the file locked.
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    return
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
 
     def release(self) -> None:
         """Removes the lock file and lets go of the lock (the job has ended). Idempotent."""
