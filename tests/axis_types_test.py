@@ -178,3 +178,55 @@ def test_nnx_objects_whose_arrays_carry_the_sharding_keep_it():
     assert model.w1[...].sharding.spec == P("fsdp", None)
     assert optimizer.opt_state[0].mu["w1"][...].sharding.spec == P("fsdp", None)
     train_step.close()
+
+
+class _NarrowHead(nnx.Module):
+    """Flax's FSDP example's MLP: the head ``w2`` (32, 1) is annotated ``(None, 'model')``,
+    which a 4-wide ``model`` axis cannot divide; JAX leaves it replicated."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w1 = nnx.Param(init(rngs.params(), (1, 32)), out_sharding=(None, "model"))
+        self.w2 = nnx.Param(init(rngs.params(), (32, 1)), out_sharding=(None, "model"))
+
+    def __call__(self, x):
+        return nnx.relu(x @ self.w1) @ self.w2
+
+
+def test_an_annotation_that_does_not_divide_keeps_the_layout_jax_gave(caplog):
+    """Flax's FSDP example runs unchanged (a user trial: it was refused with
+    ShardingMismatchError): a variable whose annotation does not divide its array over the
+    mesh keeps the layout JAX gave that array, with a warning naming it; one step equals
+    plain ``nnx.jit``'s (allclose: the batch is split here)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8],
+                         axis_types=(AxisType.Auto, AxisType.Auto))
+
+    @nnx.jit
+    def create():
+        return _NarrowHead(nnx.Rngs(0))
+
+    with jax.set_mesh(mesh):
+        model, plain = create(), create()
+    assert model.w2[...].sharding.spec == P() and model.w1[...].sharding.spec == P(None, "model")
+
+    def step(model, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param),
+                                       grads))
+        return loss
+
+    x = np.linspace(-2, 2, 32, dtype=np.float32)[:, None]
+    y = 0.8 * x ** 2
+    with caplog.at_level("WARNING", logger="mnemojax"):
+        train_step = mnemojax.resilient(step, mesh=mesh, options=h.no_precompile())
+        loss = train_step(model, x, y)
+    with jax.set_mesh(mesh):
+        want = nnx.jit(step)(plain, x, y)
+    assert "model/w2: its sharding annotation P(None, 'model') does not " \
+           "divide its shape (32, 1)" in caplog.text and "model/w1" not in caplog.text
+    # (The batch is split over "data" here, not in the plain call: sums in another order.)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.w2[...]), np.asarray(plain.w2[...]),
+                               atol=1e-6)
+    assert model.w1[...].sharding.spec == P(None, "model")
+    train_step.close()

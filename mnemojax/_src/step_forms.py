@@ -41,6 +41,7 @@ import abc
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -51,7 +52,10 @@ from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mnemojax._src import sharding as shd
 from mnemojax._src.errors import BatchSplitError, InvalidOptionError, UnsupportedStateError
+
+log = logging.getLogger("mnemojax")
 
 _PY_NUMBERS = (bool, int, float, complex)
 
@@ -593,19 +597,45 @@ def _variables_of(x: Any) -> list:
         return []
 
 
-def _annotated_or_placed(spec: PartitionSpec, value: Any) -> PartitionSpec:
+def _annotated_or_placed(spec: PartitionSpec, value: Any, path: str = "") -> PartitionSpec:
     """A variable's partition spec: its sharding annotation, else (none, or a replicated
     one) the `NamedSharding` its array already has: parameters made as Flax's explicit
     sharding guide makes them (``jax.random.normal(..., out_sharding=P('fsdp', None))``
     in an ``nnx.Param`` without sharding metadata) keep their layout, as under
     ``jax.jit`` (a user trial: they were silently replicated, and a mesh of one device per
-    process failed on them)."""
-    if any(axis is not None for axis in spec):
-        return spec
+    process failed on them).
+
+    An annotation that does not divide the array over the mesh its array is placed on
+    (Flax's FSDP example shards a (32, 1) kernel's last dimension over a 4-wide axis)
+    yields to that placement (JAX left such a kernel replicated), with a warning: the
+    program runs as it does without mnemojax (a user trial: it was refused)."""
     sharding = getattr(value, "sharding", None)
-    if isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec):
-        return sharding.spec
+    placed = sharding if isinstance(sharding, NamedSharding) else None
+    if any(axis is not None for axis in spec):
+        if placed is not None and not _fits(spec, np.shape(value), placed.mesh.shape):
+            log.warning(
+                "mnemojax: %s: its sharding annotation %s does not divide its shape %s over "
+                "the mesh %s; it keeps the layout JAX gave its array, %s",
+                path or "a state variable", spec, tuple(np.shape(value)),
+                dict(placed.mesh.shape), placed.spec)
+            return placed.spec
+        return spec
+    if placed is not None and any(a is not None for a in placed.spec):
+        return placed.spec
     return spec
+
+
+def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Any) -> bool:
+    """Whether ``spec`` shards ``shape`` evenly over ``mesh_shape`` (an axis the mesh
+    lacks: not judged here, `sharding.validate_specs` names it)."""
+    if len(spec) > len(shape):
+        return True
+    for dim, names in shd.spec_axes(spec):
+        if any(n not in mesh_shape for n in names):
+            return True
+        if shape[dim] % int(np.prod([mesh_shape[n] for n in names])):
+            return False
+    return True
 
 
 def _closed_over_graph_objects(fn: Callable, depth: int = 0) -> list[tuple[str, Any]]:
@@ -677,8 +707,8 @@ class NnxForm(StepForm):
                 f"could not read one partition spec per state leaf ({len(specs)} specs for "
                 f"{len(values)} leaves)"
             )
-        self.specs = [_annotated_or_placed(spec, x) for spec, x in zip(specs, values,
-                                                                        strict=True)]
+        self.specs = [_annotated_or_placed(spec, x, path) for spec, x, path in
+                      zip(specs, values, self.leaf_paths, strict=True)]
         self._returns_objects = False
         self._written: list | None = None  # the values `_write` set, in `live_vars` order
         self._has_keys = any(impl is not None for impl in self.key_impls)
