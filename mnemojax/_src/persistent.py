@@ -318,14 +318,19 @@ def _in_chain(error: BaseException | None, kind: Any) -> BaseException | None:
 
 class _LostCheckpointsInOneLine(logging.Filter):
     """Orbax's threads log a commit that `checkpoint_barrier` gave up (a peer died) as an
-    error with its whole traceback, once per thread it passes through: that record keeps
-    its message and says why in one line, without the traceback (mnemojax warns of the
-    lost checkpoint itself). Every other record passes unchanged."""
+    error with its whole traceback, once per thread it passes through: such a record of
+    Orbax's keeps its message and says, in one line, what was raised and the lost
+    checkpoint it came from, without the traceback (mnemojax warns of the lost checkpoint
+    itself). A record is one only if it comes from Orbax's code and its error is the
+    `CheckpointLostError` or was raised from or during it; every other record passes
+    unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        lost = _in_chain(record.exc_info[1], CheckpointLostError) if record.exc_info else None
-        if lost is not None:
-            record.msg = f"{record.getMessage()} (CheckpointLostError: {lost})"
+        error = record.exc_info[1] if record.exc_info else None
+        lost = _in_chain(error, CheckpointLostError)
+        if lost is not None and f"{os.sep}orbax{os.sep}" in record.pathname:
+            raised = "" if error is lost else f"{type(error).__name__}: {error}; from "
+            record.msg = f"{record.getMessage()} ({raised}CheckpointLostError: {lost})"
             record.args = None
             record.exc_info = record.exc_text = None
         return True
@@ -348,8 +353,9 @@ def checkpoint_barrier() -> Callable[..., None]:
     checkpointing every step, worker 0 killed, hung). Without a distributed client (one
     process) it does nothing, as Orbax asks no barrier then."""
     client = jax_private.global_state().client
-    if client is not None:
-        logging.getLogger("absl").addFilter(_ONE_LINE)  # (once: a filter is added once)
+    if client is not None:  # (absl's own logger: made by absl, not here; a filter is
+        from absl import logging as absl_logging  # added once)
+        absl_logging.get_absl_logger().addFilter(_ONE_LINE)
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         if client is None:  # (one process: Orbax does not ask)
@@ -379,7 +385,7 @@ def checkpoint_barrier() -> Callable[..., None]:
                 continue
             # Left blocked in the old world's barrier: joined at exit for a while (a thread
             # that returns from jaxlib into a finalising interpreter aborts the process).
-            peer_watch.leave_behind(waiter, None)
+            peer_watch.leave_behind(waiter, None, what=f"Orbax's barrier {key}")
             raise CheckpointLostError(f"barrier {key}: {why}")
 
     return barrier

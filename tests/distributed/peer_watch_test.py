@@ -163,8 +163,8 @@ def test_the_step_waiter_gives_up_its_stuck_thread(world):
     with pytest.raises(jax.errors.JaxRuntimeError, match=TOLD_BY_LAUNCHER):
         waiter.wait(block, "old arrays", 5, (0,), timeout_s=30)
     assert waiter._thread is None
-    [(left, generation, _)] = peer_watch._pending.left_behind[-1:]
-    assert left.is_alive() and generation == 0
+    [(left, what, _)] = peer_watch._pending.left_behind[-1:]
+    assert left.is_alive() and what == "a collective of world 0"
     stuck.set()  # the old collective gives up: the thread it held ends
     assert finished.wait(5)
     peer_watch._join_left_behind()  # what runs at exit

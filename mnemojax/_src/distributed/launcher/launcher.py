@@ -41,8 +41,8 @@ class Launcher:
 
     Events are dicts with an ``op``: the agents' `wire.AgentEvent` s and the workers'
     requests as sent (`wire.Message.to_wire`), and the launcher's own (``agent_lost``,
-    ``evicted``, ``corrupt_copy``, ``decided``, ``old_service_stopped``, ``job_timeout``,
-    ``worker_error``).
+    ``evicted``, ``corrupt_copy``, ``decided``, ``old_service_stopped`` (its shutdown
+    started, on a thread: `ServiceHost.stop`), ``job_timeout``, ``worker_error``).
 
     A worker killed by a signal (negative exit status) is a crash: the survivors recover.
     A worker that leaves (`wire.Leave`: a recovery gave its process no device, or it joined

@@ -53,7 +53,7 @@ def start_service(port: int, num_processes: int, *, heartbeat_s: int = 10,
 
 
 class ServiceHost:
-    """The services of the worlds that are live: ``generation -> service``.
+    """The services of the worlds that are live: ``generation -> service``. Thread-safe.
 
     Args:
         heartbeat_s: heartbeat timeout of every service started.
@@ -64,43 +64,57 @@ class ServiceHost:
     def __init__(self, *, heartbeat_s: int, host: str = "127.0.0.1",
                  exit_wait_s: float = 60.0):
         self.heartbeat_s, self.host, self.exit_wait_s = heartbeat_s, host, exit_wait_s
+        self._lock = threading.Lock()
         self._services: dict[int, CoordinationService] = {}
         self._stopping: list[threading.Thread] = []
+        self._closed = False  # `stop_all` ran: what stops later stops at once
 
     def start(self, generation: int, num_processes: int) -> CoordinationService:
         """Starts world ``generation``'s service on a free port."""
         service = start_service(transport.free_port(self.host), num_processes,
                                 heartbeat_s=self.heartbeat_s, host=self.host)
-        self._services[generation] = service
+        with self._lock:
+            if not self._closed:
+                self._services[generation] = service
+                return service
+        service.shutdown()  # the host closed meanwhile
         return service
 
     def stop(self, generation: int) -> bool:
-        """Stops world ``generation``'s service, on a thread of its own; False if it had
-        none (or it was stopped).
+        """Starts stopping world ``generation``'s service, on a thread of its own; False if
+        it had none (or it was stopped).
 
         Not blocking: the old world's service stops when the next world is decided, and a
         service stopped while clients are still in its connect barrier (the world never
         formed: a member died after its decision) takes seconds to shut down (measured: 5 s,
-        jaxlib 0.10); the decision's reply must not wait for it.
+        jaxlib 0.10); the decision's reply must not wait for it. After `stop_all`, it
+        stops at once, on the caller's thread.
         """
-        service = self._services.pop(generation, None)
-        if service is None:
-            return False
-        thread = threading.Thread(target=service.shutdown, daemon=True,
-                                  name=f"mnemojax-stop-service-{generation}")
-        thread.start()
-        self._stopping = [t for t in self._stopping if t.is_alive()] + [thread]
+        with self._lock:
+            service = self._services.pop(generation, None)
+            if service is None:
+                return False
+            if not self._closed:
+                thread = threading.Thread(target=service.shutdown, daemon=True,
+                                          name=f"mnemojax-stop-service-{generation}")
+                self._stopping = [t for t in self._stopping if t.is_alive()] + [thread]
+                thread.start()
+                return True
+        service.shutdown()
         return True
 
     def stop_all(self) -> None:
         """Stops every service, and waits (at most ``exit_wait_s``) for those being stopped:
         a thread that returns from jaxlib into a finalising interpreter aborts the
         process."""
-        for service in list(self._services.values()):
+        with self._lock:
+            self._closed = True
+            services, self._services = list(self._services.values()), {}
+            stopping = list(self._stopping)
+        for service in services:
             service.shutdown()
-        self._services.clear()
         deadline = time.monotonic() + self.exit_wait_s
-        for thread in self._stopping:
+        for thread in stopping:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning("a coordination service still stopping after %.0f s (%s)",

@@ -22,6 +22,7 @@ from typing import Any
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.env import WorldSpec, world_from_env
+from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import DistributedError
 
 logger = logging.getLogger("mnemojax")
@@ -89,20 +90,42 @@ def _connect(world: WorldSpec, init_timeout_s: int) -> None:
     _adopt(world, _connected_client(world, init_timeout_s))
 
 
+# How long after its timeout a connect that never completes returns (measured: 6-9 s,
+# jaxlib 0.10, whatever the heartbeat timeout).
+CONNECT_OVERRUN_S = 15
+
+
 class ConnectAbandoned(DistributedError):
     """`attach_worker` gave up joining a world that cannot form (a member died, or left
-    for a new agreement, before it connected). ``thread`` is still blocked in jaxlib's
-    ``connect`` (it cannot be cancelled); it ends at the connect timeout."""
+    for a new agreement, before it connected). ``thread`` (None if it never started) is
+    still blocked in jaxlib's ``connect``, which cannot be cancelled (nor ended by a
+    shutdown of its client or service): it returns some seconds after the connect timeout
+    (`CONNECT_OVERRUN_S`), and is joined at exit until then (`peer_watch.leave_behind`)."""
 
-    def __init__(self, message: str, thread: threading.Thread):
+    def __init__(self, message: str, thread: threading.Thread | None):
         super().__init__(message)
         self.thread = thread
+
+
+def _why(cannot_form: concurrent.futures.Future) -> str:
+    try:
+        return str(cannot_form.result(timeout=0))
+    except BaseException as e:  # noqa: BLE001 - failed or cancelled: say so
+        return f"its watch ended with {type(e).__name__}: {e}"
 
 
 def _connect_unless(world: WorldSpec, init_timeout_s: int,
                     cannot_form: concurrent.futures.Future) -> Any:
     """``_connected_client`` on a thread, given up as soon as ``cannot_form`` completes
-    (its result says why) before the connect did (`ConnectAbandoned`)."""
+    (its result says why) before the connect did (`ConnectAbandoned`), or when this wait
+    is interrupted (the thread is abandoned alike, the interruption raised).
+
+    Rarely, the world forms although the word came: the member told of connected before
+    dying. The connect that then completes late is shut down on its thread; the others,
+    who joined it, are told this process left (`peer_watch`) and agree again too."""
+    if cannot_form.done():
+        raise ConnectAbandoned(f"world {world.generation} cannot form: {_why(cannot_form)}",
+                               None)
     connected: concurrent.futures.Future = concurrent.futures.Future()
     lock, abandoned = threading.Lock(), []
 
@@ -119,8 +142,8 @@ def _connect_unless(world: WorldSpec, init_timeout_s: int,
                 else:
                     connected.set_exception(error)
                 return
-        if client is not None:  # connected after all, too late: its world goes on without
-            try:                # this process (the others are told of it by the launcher)
+        if client is not None:  # connected after all, too late (see above)
+            try:
                 client.shutdown()
             except Exception as e:  # noqa: BLE001 - a dead member fails the shutdown
                 logger.info("abandoned client of world %d: shutdown reported %s",
@@ -129,14 +152,20 @@ def _connect_unless(world: WorldSpec, init_timeout_s: int,
     thread = threading.Thread(target=run, daemon=True,
                               name=f"mnemojax-connect-{world.generation}")
     thread.start()
-    concurrent.futures.wait([connected, cannot_form],
-                            return_when=concurrent.futures.FIRST_COMPLETED)
-    with lock:
-        if not connected.done():
-            abandoned.append(True)
+    try:
+        concurrent.futures.wait([connected, cannot_form],
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+    finally:
+        with lock:
+            if not connected.done():
+                abandoned.append(True)
+        if abandoned:  # joined at exit (a thread returning from jaxlib then would abort)
+            peer_watch.leave_behind(thread, world.generation,
+                                    what=f"a connect to world {world.generation}",
+                                    wait_s=init_timeout_s + CONNECT_OVERRUN_S)
     if connected.done():
         return connected.result()
-    raise ConnectAbandoned(f"world {world.generation} cannot form: {cannot_form.result()}",
+    raise ConnectAbandoned(f"world {world.generation} cannot form: {_why(cannot_form)}",
                            thread)
 
 

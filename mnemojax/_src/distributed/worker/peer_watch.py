@@ -72,9 +72,11 @@ class _Pending:
         # it fails gets an error of its own (`_Heard.error`): one raised instance would
         # keep, in its traceback, the frames (and the old world's arrays) of every raise.
         self.failed: dict[int, _Heard] = {}
-        # Blocked in an abandoned collective: (thread, its world, when it was abandoned).
-        self.left_behind: list[tuple[threading.Thread, int | None, float]] = []
+        # Blocked in jaxlib, abandoned: (thread, what it is blocked in, joined until when
+        # (monotonic)).
+        self.left_behind: list[tuple[threading.Thread, str, float]] = []
         self.exit_wait_s = 30.0
+        self.exit_join = False  # `_join_left_behind` is registered with atexit
 
     def abort(self, generation: int, heard: _Heard) -> int:
         with self.lock:
@@ -163,32 +165,41 @@ def known_death() -> BaseException | None:
     return None if heard is None else heard.error(generation, started=False)
 
 
-def leave_behind(thread: threading.Thread, generation: int | None) -> None:
-    """``thread`` stays blocked in jaxlib (an abandoned collective of world ``generation``,
-    an abandoned connect) until that call gives up: it is joined at exit, at most
-    ``exit_wait_s`` from now (see `_join_left_behind`). It must end once that call
+def leave_behind(thread: threading.Thread, generation: int | None, *, what: str | None = None,
+                 wait_s: float | None = None) -> None:
+    """``thread`` stays blocked in jaxlib (``what``: by default an abandoned collective of
+    world ``generation``; an abandoned connect, a checkpoint barrier) until that call gives
+    up: it is joined at exit, at most ``wait_s`` from now (default ``exit_wait_s``: the
+    collective timeout and a margin), see `_join_left_behind`. It must end once that call
     returns."""
+    what = what or f"a collective of world {generation}"
+    wait_s = _pending.exit_wait_s if wait_s is None else wait_s
     with _pending.lock:
         _pending.left_behind = [t for t in _pending.left_behind if t[0].is_alive()]
-        _pending.left_behind.append((thread, generation, time.monotonic()))
-    atexit.unregister(_join_left_behind)  # registered once, whoever left a thread first
+        _pending.left_behind.append((thread, what, time.monotonic() + wait_s))
+    _ensure_exit_join()
+
+
+def _ensure_exit_join() -> None:
+    with _pending.lock:
+        if _pending.exit_join:
+            return
+        _pending.exit_join = True
     atexit.register(_join_left_behind)
 
 
 def _join_left_behind() -> None:
     """At exit (an ``atexit`` hook, run before the interpreter finalises): waits for the
-    threads left blocked in abandoned collectives, each at most ``exit_wait_s`` (the
-    collective timeout and a margin) after it was abandoned. Such a thread that returned
-    from C++ while the interpreter finalises would be ended by a forced unwind that
-    jaxlib's frames do not let through: the process aborts (measured: exit status 134
-    instead of the job's own)."""
+    threads left blocked in jaxlib, each until its bound (`leave_behind`). Such a thread
+    that returned from C++ while the interpreter finalises would be ended by a forced
+    unwind that jaxlib's frames do not let through: the process aborts (measured: exit
+    status 134 instead of the job's own)."""
     with _pending.lock:
         threads = list(_pending.left_behind)
-    for thread, generation, since in threads:
-        thread.join(max(0.0, since + _pending.exit_wait_s - time.monotonic()))
+    for thread, what, until in threads:
+        thread.join(max(0.0, until - time.monotonic()))
         if thread.is_alive():
-            log.warning("mnemojax: a collective of world %s abandoned %.0f s ago is still "
-                        "blocked at exit", generation, time.monotonic() - since)
+            log.warning("mnemojax: %s, abandoned earlier, is still blocked at exit", what)
 
 
 def peer_died_error(generation: int, failed: tuple[int, ...], *, regrow: bool = False,
@@ -243,7 +254,7 @@ class PeerWatch:
             _pending.generation = self._generation
             _pending.failed.clear()
             _pending.exit_wait_s = self._exit_wait_s
-        atexit.register(_join_left_behind)  # once: `stop` unregisters it
+        _ensure_exit_join()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="mnemojax-peer-watch")
         self._thread.start()
@@ -252,10 +263,12 @@ class PeerWatch:
     def stop(self) -> None:
         """Stops watching (the thread ends after its current poll; it is a daemon)."""
         self._stop.set()
-        atexit.unregister(_join_left_behind)
         with _pending.lock:
             if _pending.generation is self._generation:
                 _pending.generation = None
+            if _pending.exit_join and not any(t.is_alive() for t, _, _ in _pending.left_behind):
+                _pending.exit_join = False  # nothing left to join at exit
+                atexit.unregister(_join_left_behind)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -182,7 +182,6 @@ def _form_world(coordinator: Coordinator, world: WorldSpec, phases: dict[str, fl
             break
         except coordination.ConnectAbandoned as e:  # a member died before it connected
             phases["attach"] += time.perf_counter() - t
-            peer_watch.leave_behind(e.thread, world.generation)
             _next_round(coordinator, world, str(e))
         except RuntimeError as e:  # a member of the new world never came (connect timed out)
             phases["attach"] += time.perf_counter() - t
@@ -205,7 +204,7 @@ class _MembersWatch:
     never reported, so the connect timeout stays the bound for what the launcher cannot
     see. The launcher unreachable: the watch retries, and the timeout decides."""
 
-    POLL_S = 2.0  # one long poll: the thread outlives a successful connect by at most this
+    POLL_S = 2.0  # one long poll (the thread ends after the one in flight)
 
     def __init__(self, coordinator: Coordinator, generation: int):
         self.heard: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -216,6 +215,7 @@ class _MembersWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            asked = time.monotonic()
             try:
                 reply = self._coordinator.watch(generation=self._generation,
                                                 timeout_s=self.POLL_S)
@@ -228,6 +228,9 @@ class _MembersWatch:
                         f"workers {list(reply.left)} left it for a new agreement")
                 self.heard.set_result(f"{what} before it formed ({peer_watch.TOLD_BY_LAUNCHER})")
                 return
+            # Nothing heard: a long poll that came back early (a regrow asked for, which
+            # does not keep the world from forming; a launcher closing) waits out its time.
+            self._stop.wait(max(0.0, asked + self.POLL_S - time.monotonic()))
 
     def stop(self) -> None:
         self._stop.set()
