@@ -225,3 +225,23 @@ def test_exit_waits_for_a_left_behind_thread_at_most_exit_wait_s_after_it_was_le
     release.set()
     thread.join(5)
     peer_watch._pending.left_behind.clear()
+
+
+def test_exit_says_what_it_waits_for(caplog):
+    """A connect abandoned during a recovery may keep the exit waiting some seconds (a
+    user trial: 14 s with only jaxlib's lines to show for it): the wait is announced,
+    naming what was abandoned; it ends as soon as the thread does."""
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(10,), daemon=True)
+    thread.start()
+    peer_watch.leave_behind(thread, 1, what="a connect to world 1", wait_s=5.0)
+    threading.Timer(0.2, release.set).start()
+    try:
+        with caplog.at_level("WARNING", logger="mnemojax"):
+            peer_watch._join_left_behind()
+        assert not thread.is_alive()
+        assert "waiting at exit, at most 5 s, for a connect to world 1 that was abandoned" \
+            in caplog.text and "still blocked" not in caplog.text
+    finally:
+        release.set()
+        peer_watch._pending.left_behind.clear()

@@ -37,6 +37,16 @@ class _Coordinator:
                          sources={}, lost=(2,), why="test")
 
 
+def _recover(monkeypatch, coordinator, attach, *, attach_timeout_s):
+    """`recover_world` of process 0 of a world of 3 after a failure, with ``attach`` for
+    `coordination.attach_worker`."""
+    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
+    monkeypatch.setattr(coordination, "attach_worker", attach)
+    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
+                      attach_timeout_s=attach_timeout_s)
+    return recover_world(coordinator, world, last_step=4, reason="peer died")
+
+
 def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
     """connect of world 1 times out (a member died after the decision): the survivor
     reports it and agrees again over world 1; world 2 forms."""
@@ -47,12 +57,8 @@ def test_a_world_that_does_not_form_is_agreed_again(monkeypatch):
         if world.generation == 1:
             raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
 
-    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
-    monkeypatch.setattr(coordination, "attach_worker", attach)
     coordinator = _Coordinator()
-    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
-                      attach_timeout_s=7)
-    rec = recover_world(coordinator, world, last_step=4, reason="peer died")
+    rec = _recover(monkeypatch, coordinator, attach, attach_timeout_s=7)
     assert rec.rounds == 2 and rec.world.generation == 2 and rec.world.num_processes == 1
     assert rec.members == (0, 1, 2)  # the world that failed, not the one that never formed
     assert attached == [(1, 7), (2, 7)]
@@ -177,16 +183,11 @@ def test_a_member_known_dead_before_the_world_formed_starts_the_next_round(monke
             raise coordination.ConnectAbandoned(
                 f"world 1 cannot form: {cannot_form.result(timeout=10)}", threading.Thread())
 
-    monkeypatch.setattr(coordination, "detach_worker", lambda: None)
-    monkeypatch.setattr(coordination, "attach_worker", attach)
     coordinator = Told()
-    world = WorldSpec(coordinator="127.0.0.1:1", process_id=0, num_processes=3,
-                      attach_timeout_s=3600)
-    rec = recover_world(coordinator, world, last_step=4, reason="peer died")
+    rec = _recover(monkeypatch, coordinator, attach, attach_timeout_s=3600)
     assert rec.rounds == 2 and rec.world.generation == 2
     assert coordinator.calls == [("report", 0), ("agree", 0), ("report", 1), ("agree", 1)]
     assert "workers [1] died before it formed (told by the launcher)" in coordinator.reasons[1]
-
 
 
 def test_the_members_watch_waits_out_a_poll_that_heard_nothing():

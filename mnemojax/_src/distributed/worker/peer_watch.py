@@ -197,6 +197,10 @@ def _join_left_behind() -> None:
     with _pending.lock:
         threads = list(_pending.left_behind)
     for thread, what, until in threads:
+        if thread.is_alive() and (wait_s := until - time.monotonic()) > 1.0:
+            log.warning("mnemojax: waiting at exit, at most %.0f s, for %s that was "
+                        "abandoned (jaxlib cannot cancel it, and its thread must not return "
+                        "into a finalising interpreter)", wait_s, what)
         thread.join(max(0.0, until - time.monotonic()))
         if thread.is_alive():
             log.warning("mnemojax: %s, abandoned earlier, is still blocked at exit", what)
