@@ -53,7 +53,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
-from mnemojax._src.errors import BatchSplitError, InvalidOptionError, UnsupportedStateError
+from mnemojax._src.errors import (
+    BatchSplitError,
+    InvalidOptionError,
+    ShardingMismatchError,
+    UnsupportedStateError,
+)
 
 log = logging.getLogger("mnemojax")
 
@@ -626,15 +631,16 @@ def _annotated_or_placed(spec: PartitionSpec, value: Any, path: str = "") -> Par
 
 
 def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: Any) -> bool:
-    """Whether ``spec`` shards ``shape`` evenly over ``mesh_shape`` (an axis the mesh
-    lacks: not judged here, `sharding.validate_specs` names it)."""
-    if len(spec) > len(shape):
+    """Whether ``spec`` shards ``shape`` evenly over ``mesh_shape`` (a spec that names an
+    axis the mesh lacks, or more dimensions than the array has, is not judged here:
+    `sharding.validate_specs` names it later)."""
+    if len(spec) > len(shape) or any(n not in mesh_shape for _, names in shd.spec_axes(spec)
+                                     for n in names):
         return True
-    for dim, names in shd.spec_axes(spec):
-        if any(n not in mesh_shape for n in names):
-            return True
-        if shape[dim] % int(np.prod([mesh_shape[n] for n in names])):
-            return False
+    try:
+        shd.validate_specs([spec], [shape], [""], mesh_shape)
+    except ShardingMismatchError:
+        return False
     return True
 
 
