@@ -12,6 +12,7 @@ from mnemojax._src.topology import (
     collective_groups,
     plan_after_process_loss,
     plan_reduced_mesh,
+    plans_ahead,
     process_loss_plans,
     renumber_devices,
     single_failure_plans,
@@ -365,6 +366,26 @@ def test_the_worlds_one_process_loss_forms_are_one_plan_over_the_first_processes
                                         new_world_devices(len(survivors), per_process)),
             rules())
         assert actual.key == plan.key
+
+
+def test_plans_ahead_cover_a_second_loss_after_the_first():
+    """A world compiles ahead the world one loss forms, then the one a second loss forms
+    from it: each as the actual losses give it (any victims), over the ids of the first
+    processes; none when only one process would be left."""
+    ids, places, members = grid(4, 2), world(4, 2), (0, 1, 2, 3)
+    [only] = plans_ahead(ids, AXES, places, rules())  # (the default: one loss)
+    first, second = plans_ahead(ids, AXES, places, rules(), losses=2)
+    assert only.key == first.key
+    assert first.shape == {"data": 3, "model": 2} and second.shape == {"data": 2, "model": 2}
+    survivors = (0, 2, 3)
+    one = plan_after_process_loss(ids, AXES, renumber_devices(
+        places, members, survivors, new_world_devices(3, 2)), rules())
+    then = plan_after_process_loss(one.device_ids, AXES, renumber_devices(
+        world(3, 2), (0, 1, 2), (0, 2), new_world_devices(2, 2)), rules())
+    assert (one.key, then.key) == (first.key, second.key)
+    assert [p.shape for p in plans_ahead(grid(2, 2), AXES, world(2, 2), rules(),
+                                         losses=2)] == [
+        {"data": 1, "model": 2}]
 
 
 def test_plans_ahead_only_when_processes_hold_equal_devices_and_two_or_more_are_left():

@@ -84,7 +84,7 @@ from mnemojax._src.step_forms import (
 from mnemojax._src.topology import (
     MeshPlan,
     ShapeRules,
-    process_loss_plans,
+    plans_ahead,
     single_failure_plans,
 )
 
@@ -1395,14 +1395,15 @@ class ResilientStep(Generic[P, R]):
                          "recovery compiles the step on its path)")
             return
         if b.session is not None:
-            # The worlds one process's loss forms: compiled over this world's devices of the
-            # ids they will have, by `ahead_compilers` of the processes (the others keep
+            # The worlds one process's loss forms (and a second's: `ahead_losses`): compiled
+            # over this world's devices of the ids they will have, by `ahead_compilers` of
+            # the processes (the others keep
             # the step's export); each writes its persistent-cache entry under a key every
             # process shares, and the new world's compile loads it (`compiler`,
             # `jax_private`). Process 0 (always a compiler) traces and exports the step
             # and the others take its export (`coordination.SharedExports`).
-            plans = process_loss_plans(proxy.plan.device_ids, proxy.plan.axis_names,
-                                       proxy.device_places(), rules)
+            plans = plans_ahead(proxy.plan.device_ids, proxy.plan.axis_names,
+                                proxy.device_places(), rules, losses=copts.ahead_losses)
             export_only = not compiles_ahead_here(copts.ahead_compilers,
                                                   one_host=dist_env.one_host())
             if b.builder.exports is not None:

@@ -459,6 +459,31 @@ def process_loss_plans(device_ids: np.ndarray, axis_names: Sequence[str],
     return _distinct_plans(plan_without, picks)
 
 
+def plans_ahead(device_ids: np.ndarray, axis_names: Sequence[str],
+                places: Mapping[int, Place], rules: ShapeRules, *,
+                losses: int = 1) -> list[MeshPlan]:
+    """What a world compiles ahead across processes: the worlds the loss of any one process
+    forms (`process_loss_plans`), then, with ``losses=2``, those that a second loss forms
+    from each, distinct, in that order (`CompileOptions.ahead_losses`). Both are over
+    devices of this world's processes (the first n-1, the first n-2) with the ids they
+    will have: a second death soon after the first (during its recovery, or before the
+    new world has compiled its own candidates) then finds its world's step compiled too.
+    A first-level world that leaves a process idle is not followed (its survivors would
+    be numbered otherwise)."""
+    first = process_loss_plans(device_ids, axis_names, places, rules)
+    seen, plans = {p.key for p in first}, list(first)
+    for plan in first if losses >= 2 else ():
+        if plan.idle:
+            continue
+        processes = {places[int(d)][0] for d in plan.device_ids.flat}
+        inner = {d: place for d, place in places.items() if place[0] in processes}
+        for nxt in process_loss_plans(plan.device_ids, axis_names, inner, rules):
+            if nxt.key not in seen:
+                seen.add(nxt.key)
+                plans.append(nxt)
+    return plans
+
+
 def plan_after_process_loss(
     device_ids: np.ndarray,
     axis_names: Sequence[str],

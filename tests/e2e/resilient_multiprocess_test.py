@@ -322,6 +322,23 @@ def test_survivor_dying_after_the_decision_means_a_second_round(tmp_path, refere
     assert [d["survivors"] for d in decided] == [[0, 2, 3], [0, 3]]
 
 
+@pytest.mark.slow  # ~45 s; the plans are unit-tested in topology_test.py
+def test_a_second_death_right_after_the_decision_finds_its_world_compiled_ahead(
+        tmp_path, reference):
+    """`CompileOptions(ahead_losses=2)`: world 0 compiles ahead the world one loss forms
+    and the one a second loss forms. Worker 1 dies after step 15, worker 2 right after the
+    decision: the world of the two left loads its step from the persistent cache (no
+    compile on the recovery path), exact."""
+    report = _run(tmp_path, [ProcessFault("kill", 1, 15),
+                             ProcessFault("kill_after_decision", 2)], nproc=4,
+                  extra=("--steps", "25", "--precompile-cache", str(tmp_path / "xla"),
+                         "--ahead-losses", "2", "--step-sleep-s", "0.2"))
+    assert report["rc"] == 0, report
+    [rec] = h.assert_job_exact(tmp_path, h.reference_run(h.make_batches(25)), 25)["recoveries"]
+    assert rec["failed_processes"] == [1, 2] and rec["executable"] == "cached"
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}
+
+
 def _no_replica_double_loss(tmp_path, extra=(), **kw) -> dict:
     """Hosts 0 and 1 die together on a (1, 8) mesh over 4 processes: no device holds a
     replica, so worker 0's shards were only on its agent and on its buddy, agent 1 (worker

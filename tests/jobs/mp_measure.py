@@ -2,6 +2,7 @@
 
 python -m tests.jobs.mp_measure --fault kill --victim 1 --collective-timeout-s 10 [--nproc 3]
     [--no-peer-watch] [--step-sleep-s S] [--then-after-decision W]
+    [--precompile [--ahead-losses 2]]
 
 Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
 published --at-step, and prints, in seconds from the kill: when the launcher knew (its
@@ -25,12 +26,13 @@ from mnemojax.testing import ProcessFault, run_scenario
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             at_step: int = 4, steps: int = 10, peer_watch: bool = True,
             step_sleep_s: float = 0.2, precompile: bool = False,
-            then_after_decision: int | None = None) -> dict:
+            then_after_decision: int | None = None, ahead_losses: int = 1) -> dict:
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
            "--steps", str(steps), "--step-sleep-s", str(step_sleep_s)]
     if precompile:  # a fresh cache: only what this job's worlds wrote
-        cmd += ["--precompile-cache", tempfile.mkdtemp(prefix="mnemojax-xla-")]
+        cmd += ["--precompile-cache", tempfile.mkdtemp(prefix="mnemojax-xla-"),
+                "--ahead-losses", str(ahead_losses)]
     report = run_scenario(cmd, nproc=nproc, devices_per_proc=2,
                           faults=[ProcessFault(fault, victim, at_step)] + (
                               [] if then_after_decision is None else
@@ -126,13 +128,16 @@ def main() -> int:
                         "prints the medians side by side")
     p.add_argument("--then-after-decision", type=int, metavar="W",
                    help="also kill worker W once the world after the first death is decided")
+    p.add_argument("--ahead-losses", type=int, default=1,
+                   help="with --precompile: CompileOptions(ahead_losses=N)")
     p.add_argument("--json", help="also write the result here (workers share stdout)")
     args = p.parse_args()
     kwargs = dict(fault=args.fault, victim=args.victim, nproc=args.nproc,
                   collective_timeout_s=args.collective_timeout_s,
                   peer_watch=not args.no_peer_watch, step_sleep_s=args.step_sleep_s,
                   at_step=args.at_step, steps=args.steps,
-                  then_after_decision=args.then_after_decision)
+                  then_after_decision=args.then_after_decision,
+                  ahead_losses=args.ahead_losses)
     if args.compare_precompile:
         return _compare(args.compare_precompile, kwargs)
     r = measure(**kwargs, precompile=args.precompile)

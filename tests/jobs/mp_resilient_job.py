@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--precompile-cache", default=None, metavar="DIR",
                         help="compile the next worlds ahead, with JAX's persistent "
                              "compilation cache in DIR (default: neither)")
+    parser.add_argument("--ahead-losses", type=int, default=1,
+                        help="CompileOptions(ahead_losses=N), with --precompile-cache")
     parser.add_argument("--no-held-replicas", action="store_true",
                         help="SnapshotOptions(hold_live_replicas=False): a lost state comes "
                              "from the snapshots alone")
@@ -134,7 +136,8 @@ def main() -> None:
     if me == args.transient_worker:
         faults = mnemojax.testing.FaultInjector().transient_error(args.transient_at_step)
     extra_opts = {} if args.precompile_cache is None else {
-        "compile": mnemojax.CompileOptions(precompile=True, cache_dir=args.precompile_cache)}
+        "compile": mnemojax.CompileOptions(precompile=True, cache_dir=args.precompile_cache,
+                                           ahead_losses=args.ahead_losses)}
     recovery = {"min_devices": args.min_devices}
     if args.run_recoveries is not None:
         recovery["run_stop"] = mnemojax.retry.stop_after_attempt(args.run_recoveries)
