@@ -1,7 +1,7 @@
 """The bench's run (e) alone: mnemojax under the launcher, 4 processes x 2 CPU devices, the
 tiny preset's GPT, worker 1 SIGKILLed after step 15, a fresh compilation cache per run.
 
-    PYTHONPATH=. python -m tests.jobs.e_alone [--runs N] [--tag T]
+    PYTHONPATH=. python -m tests.jobs.e_alone [--runs N] [--tag T] [--ahead-losses 2]
 
 Prints, per run and as medians, kill -> next good step, -> back past the killed step and
 -> 10 steps past it (the bench's figures), and the recovery's phases: for comparing two
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.jobs.e_alone")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tag", default="e", help="a label for the printed lines")
+    p.add_argument("--ahead-losses", type=int, default=1,
+                   help="the workers' CompileOptions(ahead_losses=N)")
     args = p.parse_args(argv)
     cfg = load_preset("tiny")
     runs = []
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg, preset="tiny", out_dir=out / "e", nproc=cfg.processes,
             devices_per_proc=cfg.devices_per_process, victim=cfg.process_victim,
             kill_after_step=cfg.process_kill_after_step, compile_cache=str(out / "cache"),
-            timeout_s=cfg.worker_timeout_s)
+            timeout_s=cfg.worker_timeout_s,
+            worker_args=("--ahead-losses", str(args.ahead_losses)))
         phases = {k: round(v, 3) for k, v in e.get("recovery_phases_s", {}).items()}
         print(args.tag, i, json.dumps({k: round(e[k], 2) for k in FIGURES if k in e}),
               "phases", json.dumps(phases), flush=True)

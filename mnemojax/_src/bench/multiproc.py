@@ -118,12 +118,13 @@ def launch_resilient_workers(*, preset: str, steps: int, out: Path, run: str, np
 def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int,
                      devices_per_proc: int, victim: int, kill_after_step: int,
                      compile_cache: str | None, collective_timeout_s: int | None = None,
-                     timeout_s: float = 600.0) -> dict:
+                     timeout_s: float = 600.0, worker_args: Sequence[str] = ()) -> dict:
     """Runs (e) and returns its figures; the final state is ``out_dir/final.npz``.
 
     Args:
         collective_timeout_s: None: the launcher's default (`LaunchOptions`); every other
             launch option is the launcher's default.
+        worker_args: added to each worker's command (`mp_resilient_worker`'s options).
 
     Raises:
         BaselineError: the job did not end with status 0, the kill did not fire, or a
@@ -141,7 +142,8 @@ def run_mnemojax_job(cfg, *, preset: str, out_dir: str | os.PathLike, nproc: int
     report = launch_resilient_workers(
         preset=preset, steps=cfg.steps, out=out, run=RUN_E, nproc=nproc,
         devices_per_proc=devices_per_proc, faults=[ProcessFault("kill", victim, kill_after_step)],
-        compile_cache=compile_cache, collective_timeout_s=timeout, timeout_s=timeout_s)
+        compile_cache=compile_cache, collective_timeout_s=timeout, timeout_s=timeout_s,
+        worker_args=worker_args)
     left = [p for p in report["pids"] if _alive(p)]
     fired = report["fired"]
     if report["rc"] != 0 or len(fired) != 1 or "error" in fired[0] or left or \
