@@ -1397,11 +1397,11 @@ class ResilientStep(Generic[P, R]):
         if b.session is not None:
             # The worlds one process's loss forms (and a second's: `ahead_losses`): compiled
             # over this world's devices of the ids they will have, by `ahead_compilers` of
-            # the processes (the others keep
-            # the step's export); each writes its persistent-cache entry under a key every
-            # process shares, and the new world's compile loads it (`compiler`,
-            # `jax_private`). Process 0 (always a compiler) traces and exports the step
-            # and the others take its export (`coordination.SharedExports`).
+            # the processes (the others keep the step's export); each writes its
+            # persistent-cache entry under a key every process shares, and the new world's
+            # compile loads it (`compiler`, `jax_private`). Process 0 (always a compiler)
+            # traces and exports the step and the others take its export
+            # (`coordination.SharedExports`).
             plans = plans_ahead(proxy.plan.device_ids, proxy.plan.axis_names,
                                 proxy.device_places(), rules, losses=copts.ahead_losses)
             export_only = not compiles_ahead_here(copts.ahead_compilers,

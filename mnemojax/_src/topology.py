@@ -471,17 +471,16 @@ def plans_ahead(device_ids: np.ndarray, axis_names: Sequence[str],
     A first-level world that leaves a process idle is not followed (its survivors would
     be numbered otherwise)."""
     first = process_loss_plans(device_ids, axis_names, places, rules)
-    seen, plans = {p.key for p in first}, list(first)
-    for plan in first if losses >= 2 else ():
-        if plan.idle:
-            continue
+    if losses < 2:
+        return first
+
+    def after(plan: MeshPlan) -> list[MeshPlan]:
         processes = {places[int(d)][0] for d in plan.device_ids.flat}
         inner = {d: place for d, place in places.items() if place[0] in processes}
-        for nxt in process_loss_plans(plan.device_ids, axis_names, inner, rules):
-            if nxt.key not in seen:
-                seen.add(nxt.key)
-                plans.append(nxt)
-    return plans
+        return process_loss_plans(plan.device_ids, axis_names, inner, rules)
+
+    second = [nxt for plan in first if not plan.idle for nxt in after(plan)]
+    return _distinct_plans(lambda plan: plan, [*first, *second])
 
 
 def plan_after_process_loss(

@@ -202,3 +202,21 @@ def test_a_lock_file_swept_before_it_was_locked_is_made_again(monkeypatch):
     finally:
         lock.release()
     assert not os.path.exists(lock.path)
+
+
+def test_a_launcher_sweeps_its_segments_before_it_lets_go_of_its_lock():
+    """The launcher's own sweep at its end keeps the lock file (`with_lock=False`) for
+    `JobLock.release` after it: killed in between, it leaves a lock file the next
+    launcher's orphan sweep finds, never segments without one."""
+    prefix = shm.job_prefix()
+    lock = shm.JobLock(prefix)
+    with open(f"/dev/shm/{prefix}w0_1", "wb") as f:
+        f.write(b"x")
+    try:
+        assert shm.sweep(prefix, with_lock=False) == [f"{prefix}w0_1"]
+        assert os.path.exists(lock.path)
+    finally:
+        lock.release()
+        with contextlib.suppress(FileNotFoundError):
+            shm.shm_unlink(f"{prefix}w0_1")
+    assert not os.path.exists(lock.path)

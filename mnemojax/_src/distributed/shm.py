@@ -62,17 +62,20 @@ def shm_unlink(name: str) -> None:
 _LOCK = "lock"  # a job's lock file: "/dev/shm/<prefix>lock" (`JobLock`)
 
 
-def sweep(prefix: str, names: Sequence[str] | None = None) -> list[str]:
+def sweep(prefix: str, names: Sequence[str] | None = None, *,
+          with_lock: bool = True) -> list[str]:
     """Removes every segment whose name starts with ``prefix`` (of ``names``, default: what
-    /dev/shm holds), the job's lock file last (a sweep cut short is done again); returns
-    their names. Never raises: a name it cannot remove is logged."""
+    /dev/shm holds), the job's lock file last (a sweep cut short is done again; not with
+    ``with_lock=False``: its holder removes it, `JobLock.release`); returns their names.
+    Never raises: a name it cannot remove is logged."""
     if names is None:
         try:
             names = os.listdir("/dev/shm")
         except OSError:
             return []
     lock = f"{prefix}{_LOCK}"
-    ours = sorted((n for n in names if n.startswith(prefix)), key=lambda n: n == lock)
+    ours = sorted((n for n in names if n.startswith(prefix) and (with_lock or n != lock)),
+                  key=lambda n: n == lock)
     return [n for n in ours if _unlink_quietly(n)]
 
 

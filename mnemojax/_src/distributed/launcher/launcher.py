@@ -341,6 +341,9 @@ class Launcher:
         self.roster.command_all(wire.Shutdown())
         self.supervisor.stop()
         self._control.close()
-        self._job_lock.release()
+        # Segments first, then the lock: a launcher killed in between leaves its lock file,
+        # which the next launcher's sweep on this host finds (segments without one it
+        # would leave alone).
         self.supervisor.sweep_segments()
+        self._job_lock.release()
         self.services.stop_all()

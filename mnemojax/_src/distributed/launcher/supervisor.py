@@ -84,6 +84,7 @@ class AgentSupervisor:
             deadline = time.monotonic() + self.options.grace_s
 
     def sweep_segments(self) -> None:
-        """Removes the job's leftover segments (of agents that were SIGKILLed)."""
-        for name in sweep(self.shm_prefix):
+        """Removes the job's leftover segments (of agents that were SIGKILLed), not its
+        lock file (the launcher releases it after)."""
+        for name in sweep(self.shm_prefix, with_lock=False):
             logger.info("removed leftover shared memory %s", name)

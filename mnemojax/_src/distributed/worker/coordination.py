@@ -74,8 +74,6 @@ def _connected_client(world: WorldSpec, init_timeout_s: int) -> Any:
 def _adopt(world: WorldSpec, client: Any) -> None:
     """Makes ``client`` (connected) this process's distributed client."""
     state = jax_private.global_state()
-    if state.client is not None:
-        raise DistributedError("this process already has a distributed client")
     # The fields jax.distributed.initialize would set; no preemption sync manager (it
     # depends on the client and would have to be rebuilt on every re-initialisation).
     state.client = client
@@ -84,10 +82,14 @@ def _adopt(world: WorldSpec, client: Any) -> None:
     state.coordinator_address = world.coordinator
 
 
-def _connect(world: WorldSpec, init_timeout_s: int) -> None:
+def _connect(world: WorldSpec, init_timeout_s: int,
+             cannot_form: concurrent.futures.Future | None = None) -> None:
+    """Connects to ``world`` (given up when ``cannot_form`` completes first:
+    `_connect_unless`) and makes that client this process's."""
     if jax_private.global_state().client is not None:
         raise DistributedError("this process already has a distributed client")
-    _adopt(world, _connected_client(world, init_timeout_s))
+    _adopt(world, _connected_client(world, init_timeout_s) if cannot_form is None
+           else _connect_unless(world, init_timeout_s, cannot_form))
 
 
 # How long after its timeout a connect that never completes returns (measured: 6-9 s,
@@ -228,13 +230,7 @@ def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120,
         ConnectAbandoned: ``cannot_form`` completed first.
     """
     import jax.extend.backend
-    if jax_private.global_state().client is not None:
-        raise DistributedError("this process already has a distributed client")
-    if cannot_form is None:
-        client = _connected_client(world, init_timeout_s)
-    else:
-        client = _connect_unless(world, init_timeout_s, cannot_form)
-    _adopt(world, client)
+    _connect(world, init_timeout_s, cannot_form)
     # A thread of the user's that asked JAX anything since `detach_worker` (a logger's
     # `jax.process_index()`, Orbax's save thread failing with the old client) made a
     # backend then: without a distributed client, under the old process id. It would
