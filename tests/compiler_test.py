@@ -18,7 +18,12 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from mnemojax._src.compiler import ExportedSteps, StepCompiler, enable_persistent_cache
+from mnemojax._src.compiler import (
+    ExportedSteps,
+    LeftCompiles,
+    StepCompiler,
+    enable_persistent_cache,
+)
 from mnemojax._src.topology import MeshPlan
 
 pytestmark = pytest.mark.needs8
@@ -275,6 +280,107 @@ def test_cancel_pending_keeps_the_running_compile():
         assert compiler.pending() == 1
         gate.release.set()
         assert compiler.wait_precompiled(timeout_s=120)
+        assert compiler.compiled_ahead == 1
+    finally:
+        gate.release.set()
+        compiler.close()
+
+
+class _HeldXla:
+    """Holds the first XLA compile (`compiler._compile_lowered`) until released; `inside`
+    is set once it waits there; `beside` counts the compiles started while it is held."""
+
+    def __init__(self, monkeypatch):
+        from mnemojax._src import compiler as compiler_mod
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.beside = 0
+        original = compiler_mod._compile_lowered
+
+        def held(lowered):
+            if not self.inside.is_set():
+                self.inside.set()
+                assert self.release.wait(60)
+            elif not self.release.is_set():
+                self.beside += 1
+            return original(lowered)
+
+        monkeypatch.setattr(compiler_mod, "_compile_lowered", held)
+
+
+@pytest.mark.parametrize("leavable", [True, False])
+def test_a_worlds_end_leaves_only_a_second_loss_compile_running(monkeypatch, caplog, leavable):
+    """`close(leave_running=True)` (the world ends) does not wait for the XLA compile of a
+    plan queued ``leavable`` (a world only a second loss forms): it runs to its end and
+    its executable is dropped. Any other running compile is waited for."""
+    held = _HeldXla(monkeypatch)
+    compiler = _compiler()
+    try:
+        [future] = compiler.precompile([_plan((2, 2))], BATCH, leavable=leavable)
+        assert held.inside.wait(60)
+        closing = threading.Thread(target=compiler.close, kwargs={"leave_running": True})
+        with caplog.at_level(logging.INFO, logger="mnemojax"):
+            closing.start()
+            closing.join(timeout=5 if leavable else 1)
+        assert closing.is_alive() is not leavable
+        held.release.set()
+        closing.join(timeout=120)
+        assert not closing.is_alive()
+        assert future.result(timeout=120) is not None and compiler.compiled_ahead == 1
+        _, where = compiler.get(_plan((2, 2)), BATCH)
+        assert where == ("compiled" if leavable else "ready")
+        left = [r.getMessage() for r in caplog.records if "left the compile" in r.getMessage()]
+        assert len(left) == int(leavable)
+    finally:
+        held.release.set()
+        compiler.close()
+
+
+def test_the_next_world_waits_for_the_compile_left_running_rather_than_compiling_beside_it(
+        monkeypatch, caplog):
+    """A later world's compiler of the same step (sharing `LeftCompiles`) that needs the
+    plan an ended world left compiling waits for that compile (whose persistent-cache
+    entry it then loads) instead of starting a second one beside it."""
+    from mnemojax._src import compiler as compiler_mod
+    monkeypatch.setattr(compiler_mod, "cache_dir", lambda: "/a/cache")  # (only its "on")
+    held = _HeldXla(monkeypatch)
+    left = LeftCompiles()
+    old = _compiler(left=left)
+    new = _compiler(left=left)
+    try:
+        [future] = old.precompile([_plan((2, 2))], BATCH, leavable=True)
+        assert held.inside.wait(60)
+        old.close(leave_running=True)
+        asking = threading.Thread(target=new.get, args=(_plan((2, 2)), BATCH))
+        with caplog.at_level(logging.INFO, logger="mnemojax"):
+            asking.start()
+            asking.join(timeout=1)
+            assert asking.is_alive()
+            held.release.set()
+            asking.join(timeout=120)
+        assert not asking.is_alive() and new.compiles == 1 and held.beside == 0
+        assert future.result(timeout=120) is not None
+        assert any("an ended world left running" in r.getMessage() for r in caplog.records)
+    finally:
+        held.release.set()
+        old.close()
+        new.close()
+
+
+def test_a_worlds_end_waits_for_the_trace_of_a_leavable_compile():
+    """Only XLA's part is left running: a leavable compile still tracing (Python, JAX's
+    caches, which the world's end clears) is waited for."""
+    gate = _Gate()
+    compiler = _compiler(gate)
+    try:
+        compiler.precompile([_plan((2, 2))], BATCH, leavable=True)
+        assert gate.tracing.wait(60)
+        closing = threading.Thread(target=compiler.close, kwargs={"leave_running": True})
+        closing.start()
+        closing.join(timeout=1)
+        assert closing.is_alive()
+        gate.release.set()
+        closing.join(timeout=120)
+        assert not closing.is_alive() and compiler.left_running is None
         assert compiler.compiled_ahead == 1
     finally:
         gate.release.set()

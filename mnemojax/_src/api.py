@@ -1034,7 +1034,7 @@ class ResilientStep(Generic[P, R]):
         b = self._require_built()
         b.last_written = None
         b.exe = b.exe_sig = None
-        b.runtime.close()
+        b.runtime.close(leave_compiles=True)  # (not a second loss's world: `close`)
         b.form.forget_arrays(b.builder.leaf_structs)
 
     def _adopt(self, resumed: Resumed) -> None:
@@ -1385,7 +1385,7 @@ class ResilientStep(Generic[P, R]):
             return
         proxy = b.runtime.proxy
         rules = self._rules()
-        export_only, sharing = False, None
+        export_only, sharing, leavable = False, None, set()
         if b.session is not None and b.builder.facts.host_callbacks:
             if not b.skipped_precompile:
                 b.skipped_precompile = True
@@ -1402,8 +1402,13 @@ class ResilientStep(Generic[P, R]):
             # compile loads it (`compiler`, `jax_private`). Process 0 (always a compiler)
             # traces and exports the step and the others take its export
             # (`coordination.SharedExports`).
-            plans = plans_ahead(proxy.plan.device_ids, proxy.plan.axis_names,
-                                proxy.device_places(), rules, losses=copts.ahead_losses)
+            first, second = plans_ahead(
+                proxy.plan.device_ids, proxy.plan.axis_names, proxy.device_places(), rules,
+                losses=copts.ahead_losses)
+            plans = [*first, *second]
+            # A second loss's worlds: this world's end does not wait for their compile (a
+            # single loss, the likely case, does not need them: `StepCompiler.close`).
+            leavable = {plan.key for plan in second}
             export_only = not compiles_ahead_here(copts.ahead_compilers,
                                                   one_host=dist_env.one_host())
             if b.builder.exports is not None:
@@ -1417,7 +1422,8 @@ class ResilientStep(Generic[P, R]):
         batch = self._batches.last
         for plan in plans[:copts.max_precompiled]:
             b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step),
-                                          export_only=export_only, sharing=sharing)
+                                          export_only=export_only, sharing=sharing,
+                                          leavable=plan.key in leavable)
 
 
 _build_numbers = itertools.count()

@@ -385,6 +385,40 @@ def warm_export_lowering() -> None:
     log.info("mnemojax: warmed up the lowering of exports in %.2fs", time.perf_counter() - t0)
 
 
+class LeftCompiles:
+    """The XLA compiles that ended worlds left running (`StepCompiler.close`), by key,
+    shared by one step's compilers of every world (`runtime.RuntimeBuilder`): a later
+    world's compile of the same plan (the same ids: `topology.plans_ahead`) waits for the
+    one left running, then loads the persistent-cache entry it wrote, rather than
+    compiling the plan a second time beside it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: dict[tuple, threading.Event] = {}
+
+    def leave(self, key: tuple) -> None:
+        with self._lock:
+            self._running[key] = threading.Event()
+
+    def done(self, key: tuple) -> None:
+        with self._lock:
+            ended = self._running.pop(key, None)
+        if ended is not None:
+            ended.set()
+
+    def wait(self, key: tuple, *, give_up: Callable[[], bool] = lambda: False) -> float:
+        """Waits for the compile of `key` left running, if there is one, unless
+        ``give_up()`` turns true first; returns the seconds waited."""
+        with self._lock:
+            ended = self._running.get(key)
+        if ended is None:
+            return 0.0
+        t0 = time.perf_counter()
+        while not ended.wait(0.2) and not give_up():
+            pass
+        return time.perf_counter() - t0
+
+
 class StepCompiler:
     """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch.
 
@@ -402,8 +436,9 @@ class StepCompiler:
                  exports: ExportedSteps | None = None,
                  switch_interval_s: float | None = None,
                  leaf_names: Sequence[str] | None = None,
-                 facts: StepFacts | None = None):
+                 facts: StepFacts | None = None, left: LeftCompiles | None = None):
         self._pure = pure
+        self._left = left if left is not None else LeftCompiles()
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
         self._switch_interval_s = switch_interval_s
         self._exports = exports
@@ -422,6 +457,9 @@ class StepCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mnemojax-compile")
         self._closing = threading.Event()  # ends a wait for a peer's export
+        self._leavable: set[tuple] = set()  # `precompile(leavable=True)`: `close` may leave
+        self._in_xla: tuple | None = None  # (key, mesh shape) whose XLA compile runs
+        self.left_running: tuple | None = None  # the compile `close` left running
         self.compiles = 0
         self.compiled_ahead = 0
 
@@ -486,11 +524,17 @@ class StepCompiler:
         return mesh, state_sh, batch_sh, jit, args
 
     def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
+        key = self.key(plan, batch_struct)
+        if cache_dir():  # (without a persistent cache the one left running gives nothing)
+            waited = self._left.wait(key, give_up=self._closing.is_set)
+            if waited:
+                log.info("mnemojax: waited %.2fs for the compile for mesh %s an ended world "
+                         "left running (its persistent-cache entry is loaded now)", waited,
+                         plan.shape)
         mesh, state_sh, batch_sh, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            lowered, exported = self._lower(jit, mesh, args, self.key(plan, batch_struct),
-                                            ahead)
+            lowered, exported = self._lower(jit, mesh, args, key, ahead)
         t1 = time.perf_counter()
         if self.facts.host_callbacks is None:
             self.facts.host_callbacks = jax_private.has_host_callbacks(lowered)
@@ -498,26 +542,45 @@ class StepCompiler:
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
         try:
-            compiled = _compile_lowered(lowered)
+            compiled = self._xla_compile(lowered, key, plan.shape, ahead)
         except Exception as e:
-            if not exported:
+            if not exported or self.left_running == key:  # (left: its world has ended)
                 raise
             log.warning("mnemojax: compiling the step for mesh %s from its export failed "
                         "(%s: %s); tracing it", plan.shape, type(e).__name__, e)
             with jax.set_mesh(mesh):
                 lowered, exported = jit(self._checked_for(mesh)).lower(*args), False
-            compiled = _compile_lowered(lowered)
+            compiled = self._xla_compile(lowered, key, plan.shape, ahead)
         t2 = time.perf_counter()
         from_cache = getattr(_hits, "count", 0) > hits
         with self._lock:
             self.compiles += 1
             self.compiled_ahead += int(ahead)
-        log.info("mnemojax: compiled step for mesh %s (%s%s%s): lower %.2fs compile %.2fs",
+            left = self.left_running == key
+        log.info("mnemojax: compiled step for mesh %s (%s%s%s): lower %.2fs compile %.2fs%s",
                  plan.shape, "ahead of time" if ahead else "on demand",
                  ", from its export" if exported else "",
-                 ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1)
+                 ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1,
+                 "; its world had ended, only its persistent-cache entry is kept" if left
+                 else "")
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
                           from_cache, exported)
+
+    def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> Any:
+        """XLA's compile of ``lowered``; ahead of time, marked as one `close` may leave
+        running (no Python state of this world is touched inside it)."""
+        if not ahead:
+            return _compile_lowered(lowered)
+        with self._lock:
+            self._in_xla = (key, shape)
+        try:
+            return _compile_lowered(lowered)
+        finally:
+            with self._lock:
+                self._in_xla = None
+                left = self.left_running == key
+            if left:
+                self._left.done(key)
 
     def _check_state_types(self, lowered) -> None:
         """The step must return each state leaf with the shape and dtype it was given: the
@@ -634,8 +697,8 @@ class StepCompiler:
         return exe, "cached" if exe.from_cache else "compiled"
 
     def precompile(self, plans: Sequence[MeshPlan], batch_struct, *,
-                   export_only: bool = False, sharing: ExportSharing | None = None
-                   ) -> list[concurrent.futures.Future]:
+                   export_only: bool = False, sharing: ExportSharing | None = None,
+                   leavable: bool = False) -> list[concurrent.futures.Future]:
         """Compiles `plans` in the background, in order; already known ones are skipped.
 
         With ``export_only`` (multi-process, `CompileOptions.ahead_compilers`) each is only
@@ -666,6 +729,8 @@ class StepCompiler:
                 future = self._pool.submit(self._background, k, plan, batch_struct,
                                            export_only, take)
                 self._futures[k] = future
+                if leavable:
+                    self._leavable.add(k)
             futures.append(future)
         return futures
 
@@ -694,7 +759,7 @@ class StepCompiler:
             if self._switch_interval_s is not None:
                 _switch_interval.exit()
         with self._lock:
-            if exe is not None:
+            if exe is not None and self.left_running != k:  # (an ended world's: dropped)
                 self._ready[k] = exe
             self._futures.pop(k, None)
         return exe
@@ -880,7 +945,27 @@ class StepCompiler:
                 if k != keep and f.cancel():
                     self._futures.pop(k, None)
 
-    def close(self) -> None:
+    def close(self, *, leave_running: bool = False) -> None:
+        """Cancels the background compiles not started and waits for the running one.
+
+        With ``leave_running`` (the world ends: `api.ResilientStep._forget_world`), a
+        running XLA compile of a plan queued ``leavable`` (one that a second loss forms,
+        `CompileOptions.ahead_losses`: not the world one loss forms) is not waited for:
+        an XLA compile cannot be cancelled, and a single loss does not need it. It runs on
+        to its end in XLA, holding no Python state of this world (the old client is kept
+        alive by it), writes its persistent-cache entry (a later world may load it) and
+        drops the executable; the interpreter's exit joins its thread (a pool's). Its
+        Python part (tracing, lowering, an export) is always waited for: it reads JAX's
+        caches, which the world's end clears."""
         self._closing.set()
-        self.cancel_pending()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # nothing else starts
+        with self._lock:
+            running = self._in_xla
+            if leave_running and running is not None and running[0] in self._leavable:
+                self.left_running = running[0]
+                self._left.leave(running[0])
+        if running is not None and self.left_running == running[0]:
+            log.info("mnemojax: left the compile ahead for mesh %s running (a world a second "
+                     "loss forms; this world's end does not wait for it)", running[1])
+            return
+        self._pool.shutdown(wait=True)

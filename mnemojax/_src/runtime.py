@@ -22,7 +22,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from mnemojax._src import sharding as shd
-from mnemojax._src.compiler import ExportedSteps, StepCompiler, StepFacts
+from mnemojax._src.compiler import ExportedSteps, LeftCompiles, StepCompiler, StepFacts
 from mnemojax._src.device_layer import DeviceLayer, JaxDeviceLayer
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy
@@ -58,10 +58,11 @@ class Runtime:
     def mesh(self) -> Mesh:
         return self.proxy.mesh
 
-    def close(self) -> None:
-        """Stops the background threads (result waiter, compiler, snapshot copiers)."""
+    def close(self, *, leave_compiles: bool = False) -> None:
+        """Stops the background threads (result waiter, compiler, snapshot copiers);
+        ``leave_compiles``: `StepCompiler.close`'s ``leave_running`` (the world ends)."""
         self.proxy.close()
-        self.compiler.close()
+        self.compiler.close(leave_running=leave_compiles)
         self.store.close()
         if self.grads_store is not None:
             self.grads_store.close()
@@ -98,6 +99,7 @@ class RuntimeBuilder:
             if export_steps else None
         self.axis_types = dict(axis_types or {})
         self.facts = StepFacts()  # what every world's compiles learned about the step
+        self.left_compiles = LeftCompiles()  # what ended worlds left compiling
         self._pure = pure
         self._specs = list(specs)
         self.leaf_structs: list[LeafStruct] = list(leaf_structs)
@@ -133,7 +135,7 @@ class RuntimeBuilder:
                 check_state=opts.check_state and opts.nonfinite != "ignore",
                 axis_types=self.axis_types, exports=self.exports,
                 switch_interval_s=opts.compile.background_switch_interval_s,
-                leaf_names=self._leaf_names, facts=self.facts)
+                leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,

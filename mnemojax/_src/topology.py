@@ -461,26 +461,29 @@ def process_loss_plans(device_ids: np.ndarray, axis_names: Sequence[str],
 
 def plans_ahead(device_ids: np.ndarray, axis_names: Sequence[str],
                 places: Mapping[int, Place], rules: ShapeRules, *,
-                losses: int = 1) -> list[MeshPlan]:
-    """What a world compiles ahead across processes: the worlds the loss of any one process
-    forms (`process_loss_plans`), then, with ``losses=2``, those that a second loss forms
-    from each, distinct, in that order (`CompileOptions.ahead_losses`). Both are over
-    devices of this world's processes (the first n-1, the first n-2) with the ids they
-    will have: a second death soon after the first (during its recovery, or before the
-    new world has compiled its own candidates) then finds its world's step compiled too.
-    A first-level world that leaves a process idle is not followed (its survivors would
-    be numbered otherwise)."""
+                losses: int = 1) -> tuple[list[MeshPlan], list[MeshPlan]]:
+    """What a world compiles ahead across processes, in that order: the worlds the loss of
+    any one process forms (`process_loss_plans`), and (else empty), with ``losses=2``,
+    those that a second loss forms from each, distinct and not among the first
+    (`CompileOptions.ahead_losses`). Both are over devices of this
+    world's processes (the first n-1, the first n-2) with the ids they will have: a
+    second death soon after the first (during its recovery, or before the new world has
+    compiled its own candidates) then finds its world's step compiled too. A first-level
+    world that leaves a process idle is not followed (its survivors would be numbered
+    otherwise)."""
     first = process_loss_plans(device_ids, axis_names, places, rules)
     if losses < 2:
-        return first
+        return first, []
 
     def after(plan: MeshPlan) -> list[MeshPlan]:
         processes = {places[int(d)][0] for d in plan.device_ids.flat}
         inner = {d: place for d, place in places.items() if place[0] in processes}
         return process_loss_plans(plan.device_ids, axis_names, inner, rules)
 
-    second = [nxt for plan in first if not plan.idle for nxt in after(plan)]
-    return _distinct_plans(lambda plan: plan, [*first, *second])
+    known = {plan.key for plan in first}
+    second = _distinct_plans(lambda plan: plan, (nxt for plan in first if not plan.idle
+                                                 for nxt in after(plan)))
+    return first, [plan for plan in second if plan.key not in known]
 
 
 def plan_after_process_loss(
