@@ -303,9 +303,11 @@ class CompileOptions:
             death during or right after a recovery then finds its step compiled: kill ->
             next good step 0.52 s against 1.25 s, `python -m tests.jobs.mp_measure --nproc
             4 --at-step 15 --steps 25 --then-after-decision 2 --precompile --ahead-losses
-            2`). Its cost: one more background compile per world, and a single fault that
-            lands while it runs waits for the rest of it (an XLA compile cannot be
-            cancelled).
+            2`). Its cost: one more background compile per world. A single fault that
+            lands in it does not wait for it (a world's end leaves such a compile running:
+            an XLA compile cannot be cancelled; it writes its persistent-cache entry, which
+            a later world needing that plan waits for rather than compiling it again), but
+            on a host with few cores it slows the recovery beside it.
         ahead_compilers: under several processes, how many of them compile each candidate
             world's step ahead (spread over the ranks: 0, n/k, ...); the others keep its
             export, and when that world forms they load the executable from the
