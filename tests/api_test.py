@@ -7,6 +7,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -528,3 +529,57 @@ def test_a_donated_state_rolls_back_to_its_snapshot_and_recovers_exact():
     assert [r.steps_lost for r in recs] == [1, 3]  # steps 1, then 1-3, replayed
     h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
                       h.reference_run(batches))
+
+
+class _ArrayLeavesMLP(nnx.Module):
+    """Flax's `nnx_toy_examples/07_array_leaves.py`: plain array attributes, no Variables,
+    and a call counter the forward pass bumps."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.count = jnp.array(0)
+        self.w1 = jax.random.normal(rngs.params(), (1, 16))
+        self.b1 = jnp.zeros((16,))
+        self.w2 = jax.random.normal(rngs.params(), (16, 1))
+
+    def __call__(self, x):
+        self.count += 1
+        return nnx.relu(x @ self.w1 + self.b1) @ self.w2
+
+
+def _array_leaves_step(model, optimizer, batch):
+    def is_param(path, value):
+        return path[-1] in ("w1", "b1", "w2")
+
+    def loss_fn(model):
+        return jnp.mean((batch["y"] - model(batch["x"])) ** 2)
+
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, is_param))(model)
+    optimizer.update(model, grads)
+
+
+def test_a_model_of_plain_arrays_recovers_a_device_loss_like_its_plain_run():
+    """The example's step, decorated unchanged: the arrays and the counter are carried,
+    restored and written back; a device loss ends where the plain `nnx.jit` run ends."""
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.uniform(size=(16, 1)).astype(np.float32),
+                "y": rng.uniform(size=(16, 1)).astype(np.float32)} for _ in range(6)]
+
+    def run(step):
+        model = _ArrayLeavesMLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1),
+                                  wrt=lambda path, _: path[-1] in ("w1", "b1", "w2"))
+        for batch in batches:
+            step(model, optimizer, batch)
+        return model
+
+    want = run(nnx.jit(_array_leaves_step))
+    step = mnemojax.resilient(_array_leaves_step, mesh=h.mesh_of((8,), ("data",)),
+                              options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(3, [5]))
+    got = run(step)
+    [rec] = step.statistics.recoveries
+    assert rec.step == 3 and int(got.count) == int(want.count) == 6
+    for name in ("w1", "b1", "w2"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)),
+                                   np.asarray(getattr(want, name)), atol=1e-6)
+    step.close()

@@ -73,6 +73,50 @@ def test_nnx_form_forgets_its_device_arrays():
         assert isinstance(x, np.ndarray) and not x.any()
 
 
+class _ArrayLeaves(nnx.Module):
+    """Flax's array leaves (`nnx_toy_examples/07_array_leaves.py`): arrays an NNX object
+    holds without a Variable, as attributes and in containers, beside a Param."""
+
+    def __init__(self):
+        self.count = jnp.array(0)
+        self.w = jnp.ones((2, 3))
+        self.items = nnx.List([jnp.zeros(3)])
+        self.table = nnx.Dict(b=jnp.zeros(3))
+        self.plain = nnx.data({"c": jnp.zeros(3)})
+        self.p = nnx.Param(jnp.ones(3))
+
+
+def _counting_step(m, batch):
+    m.count += 1
+    m.w = m.w * 2.0
+
+
+def test_arrays_held_without_variables_are_state_written_back_in_place():
+    m = _ArrayLeaves()
+    form = form_for(_counting_step, (m, None))
+    assert sorted(form.leaf_paths) == ["m/count", "m/items/0", "m/p", "m/plain/c",
+                                       "m/table/b", "m/w"]
+    leaves = form.state_of((m,))
+    form.result((m,), [x + 1 for x in leaves], None)
+    assert int(m.count) == 1 and float(m.w[0, 0]) == 2.0 and float(m.p[0]) == 2.0
+    assert float(m.items[0][0]) == float(m.table["b"][0]) == float(m.plain["c"][0]) == 1.0
+    assert form.untouched()  # (what it wrote is what the objects hold)
+    state_args, inputs = form.split_call((m, None))
+    new, _ = form.pure(form.state_of(state_args), host_batch(inputs))
+    assert int(new[form.leaf_paths.index("m/count")]) == 2  # the step ran on them
+    form.forget_arrays([(np.shape(x), x.dtype) for x in leaves])
+    assert all(isinstance(x, np.ndarray) and not x.any() for x in form.state_of((m,)))
+
+
+def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
+    class InATuple(nnx.Module):
+        def __init__(self):
+            self.pair = nnx.data((jnp.ones(1), jnp.ones(2)))
+
+    with pytest.raises(UnsupportedStateError, match=r"m/pair/0 is a jax.Array inside a tuple"):
+        form_for(_counting_step, (InATuple(), None))
+
+
 def test_typed_prng_keys_travel_as_raw_key_data():
     model, _ = h.make_mlp(dropout=0.5)
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

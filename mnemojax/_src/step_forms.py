@@ -42,7 +42,8 @@ import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -106,11 +107,69 @@ def _key_part(k) -> str:
     return str(k)
 
 
-def _hookless(var: nnx.Variable) -> bool:
+def _hookless(var: nnx.Variable | _ArrayLeaf) -> bool:
     """True if `var`'s value accessors reduce to reading/writing its raw array."""
     meta = var.get_metadata()
     return ("on_get_value" not in meta and "on_set_value" not in meta
             and isinstance(var.get_raw_value(), jax.Array))
+
+
+def _raw_key(k) -> Any:
+    """A path entry's key as the node holds it (an int for an `nnx.List`'s items)."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, str) and not isinstance(node, Mapping):
+        return getattr(node, key)
+    return node[key]
+
+
+class _ArrayLeaf:
+    """A `jax.Array` an NNX object holds as a plain attribute or item, not in an
+    `nnx.Variable` (Flax's array leaves: ``self.w = jnp.zeros(...)`` in a Module, or in an
+    `nnx.List`/`nnx.Dict`/dict), read and written in place through its owner, with the
+    accessors of a hookless Variable that `NnxForm` uses. One per (owner, key) while it
+    lives (`at`), so that two steps carrying it are told apart (`ownership`)."""
+
+    _live: weakref.WeakValueDictionary[tuple[int, Any], _ArrayLeaf] = \
+        weakref.WeakValueDictionary()
+
+    def __init__(self, owner: Any, key: Any, path: str):
+        impl = nnx.graph.get_node_impl(owner)
+        set_key = getattr(impl, "set_key", None)
+        if set_key is None:
+            raise UnsupportedStateError(
+                f"state {path} is a jax.Array inside a {type(owner).__name__}, which cannot "
+                "be written in place: hold it in an nnx.Variable (or an nnx.List, nnx.Dict "
+                "or dict)")
+        self.owner, self.key, self._set = owner, key, set_key
+
+    @classmethod
+    def at(cls, root: Any, keys: Sequence[Any], path: str) -> _ArrayLeaf:
+        owner = root
+        for key in keys[:-1]:
+            owner = _child(owner, key)
+        ident = (id(owner), keys[-1])
+        leaf = cls._live.get(ident)
+        if leaf is None or leaf.owner is not owner:
+            leaf = cls(owner, keys[-1], path)
+            cls._live[ident] = leaf
+        return leaf
+
+    def get_raw_value(self) -> Any:
+        return _child(self.owner, self.key)
+
+    def set_raw_value(self, value: Any) -> None:
+        self._set(self.owner, self.key, value)
+
+    get_value, set_value = get_raw_value, set_raw_value
+
+    def get_metadata(self) -> dict:
+        return {}
 
 
 def _entry_of(var) -> str:
@@ -700,8 +759,11 @@ class NnxForm(StepForm):
         self.graphdef, state = nnx.split(self.objects)
         self.treedef = jax.tree.structure(state)
         flat = jax.tree_util.tree_flatten_with_path(nnx.state(self.objects), is_leaf=_is_var)[0]
-        self.live_vars: list[nnx.Variable] = [v for _, v in flat]
         self.leaf_paths = [_path_name(names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
+        # (an array held without a Variable is written back through its owner)
+        self.live_vars: list[nnx.Variable | _ArrayLeaf] = [
+            v if _is_var(v) else _ArrayLeaf.at(self.objects, [_raw_key(k) for k in p], path)
+            for (p, v), path in zip(flat, self.leaf_paths, strict=True)]
         self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
         self.leaf_entries = [_entry_of(v) for _, v in flat]
         values = [v.get_value() for v in self.live_vars]
