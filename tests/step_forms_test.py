@@ -108,6 +108,26 @@ def test_arrays_held_without_variables_are_state_written_back_in_place():
     assert all(isinstance(x, np.ndarray) and not x.any() for x in form.state_of((m,)))
 
 
+def test_numbers_and_numpy_held_as_state_become_jax_arrays_as_under_nnx_jit():
+    """``nnx.Variable(0)``, ``nnx.Variable(1.5)`` and numpy arrays (in a Variable or as a
+    plain attribute) are state; they are held as JAX arrays from the build on (a Python
+    number weakly typed), as ``nnx.jit`` leaves them after its first call."""
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.calls = nnx.Variable(0)
+            self.scale = nnx.Variable(1.5)
+            self.table = nnx.Variable(np.arange(3.0, dtype=np.float32))
+            self.raw = np.ones(2, np.float32)
+
+    m = Counted()
+    form = form_for(_counting_step, (m, None))
+    assert sorted(form.leaf_paths) == ["m/calls", "m/raw", "m/scale", "m/table"]
+    assert all(isinstance(x, jax.Array) for x in form.state_of((m,)))
+    assert m.calls.get_raw_value().weak_type and m.scale.get_raw_value().weak_type
+    assert not m.table.get_raw_value().weak_type and isinstance(m.raw, jax.Array)
+    assert int(m.calls.value) == 0 and float(m.scale.value) == 1.5
+
+
 def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
     class InATuple(nnx.Module):
         def __init__(self):

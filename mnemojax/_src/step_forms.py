@@ -114,6 +114,15 @@ def _hookless(var: nnx.Variable | _ArrayLeaf) -> bool:
             and isinstance(var.get_raw_value(), jax.Array))
 
 
+def _number_to_array(var: nnx.Variable | _ArrayLeaf) -> None:
+    """A Python number or a numpy array held as state (``nnx.Variable(0)``) is held as a
+    JAX array from now on, as after the first call of an ``nnx.jit`` step (a Python number
+    weakly typed, as JAX traces it)."""
+    value = var.get_raw_value()
+    if isinstance(value, (bool, int, float, complex, np.ndarray, np.generic)):
+        var.set_raw_value(jnp.asarray(value))
+
+
 def _raw_key(k) -> Any:
     """A path entry's key as the node holds it (an int for an `nnx.List`'s items)."""
     for attr in ("key", "idx", "name"):
@@ -756,14 +765,16 @@ class NnxForm(StepForm):
             convention.arg_name(i) for i in range(len(self.objects))]
         self.object_names = names
         self.donates_state = any(donated)
-        self.graphdef, state = nnx.split(self.objects)
-        self.treedef = jax.tree.structure(state)
         flat = jax.tree_util.tree_flatten_with_path(nnx.state(self.objects), is_leaf=_is_var)[0]
         self.leaf_paths = [_path_name(names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
         # (an array held without a Variable is written back through its owner)
         self.live_vars: list[nnx.Variable | _ArrayLeaf] = [
             v if _is_var(v) else _ArrayLeaf.at(self.objects, [_raw_key(k) for k in p], path)
             for (p, v), path in zip(flat, self.leaf_paths, strict=True)]
+        for var in self.live_vars:
+            _number_to_array(var)
+        self.graphdef, state = nnx.split(self.objects)
+        self.treedef = jax.tree.structure(state)
         self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
         self.leaf_entries = [_entry_of(v) for _, v in flat]
         values = [v.get_value() for v in self.live_vars]
