@@ -387,6 +387,41 @@ def test_a_worlds_end_waits_for_the_trace_of_a_leavable_compile():
         compiler.close()
 
 
+_EXIT_SCRIPT = """
+import logging, os, sys, threading, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from tests import compiler_test as t
+traced = threading.Event()
+
+def slow(leaves, batch):  # each compile ahead traces for 1 s
+    traced.set()
+    time.sleep(1.0)
+    return t._pure(leaves, batch)
+
+compiler = t._compiler(slow)
+compiler.precompile([t._plan((4, 2)), t._plan((3, 2)), t._plan((2, 2)), t._plan((1, 2))],
+                    t.BATCH)
+assert traced.wait(60)
+print("EXITING", flush=True)
+"""
+
+
+def test_exit_drops_the_compiles_ahead_not_started():
+    """A process that ends without closing its step waits for the compile ahead in flight
+    only, not for every queued one (`concurrent.futures` would run them all first)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EXITING" in out.stdout
+    compiled = out.stdout.count("compiled step for mesh")
+    assert compiled == 1, out.stdout[-2000:]
+    assert "at exit, waiting for the compile ahead in flight" in out.stdout
+
+
 def test_the_persistent_cache_is_announced_once_and_the_users_setting_wins(tmp_path, caplog):
     flag = "jax_compilation_cache_dir"
     before = getattr(jax.config, flag)
