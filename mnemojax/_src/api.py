@@ -913,6 +913,10 @@ class ResilientStep(Generic[P, R]):
                               duration_s=pending.replay_s)
         finish_recovery(record, t_fault=pending.t_fault, t_end=t_end,
                         statistics=self._statistics, durability=b.durability)
+        if record.plan_kind in ("process_loss", "grow_back"):  # (across processes)
+            log.warning("mnemojax: step %d ran in world %d: the recovery took %.2f s in all "
+                        "(replay %.2f s)", record.step, record.generation, record.total_s,
+                        record.phases_s["replay"])
 
     def _retry_transient(self, run_step: int, exc: BaseException, budget: _StepBudget) -> None:
         b = self._require_built()

@@ -472,12 +472,14 @@ class ProcessRecovery:
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
             from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)))
         log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d processes, mesh %s, "
-                    "resuming from step %d after %.2f s (%s; executable %s): %d step(s) "
-                    "replayed before step %d", before.generation, rec.world.generation,
+                    "ready to resume from step %d after %.2f s (%s; executable %s): %d "
+                    "step(s) to replay before step %d (the recovery's total, logged once "
+                    "step %d has run, counts them and that step's run)",
+                    before.generation, rec.world.generation,
                     list(dead), f", {sorted(left)} left the job" if left else "",
                     rec.world.num_processes, plan.shape, resume, sum(phases.values()),
                     ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v >= 0.005),
-                    record.executable, record.steps_lost, step)
+                    record.executable, record.steps_lost, step, step)
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
 
     def _without_idle(self, rec: WorldRecovery, idle: Sequence[int], workers: Sequence[int],
