@@ -1,7 +1,7 @@
 """Micro-benchmarks behind design decisions in WORKSPACE_NOTES.md, side by side in one run.
 
     python -m mnemojax._src.bench.micro            # all sections
-    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-5)
+    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-8)
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
@@ -34,7 +34,14 @@
    after `compiler.warm_export_lowering` (what a process that compiled no candidate world
    pays in a new world's compile phase, issue 13): each run in its own process.
 
-Sections 1-5 and 7: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
+8. A second device loss right after a recovery (issue 13, item 5: "a fault soon after a
+   recovery costs no more than one cold compile"): device 3 lost in step 8 (its mesh
+   compiled ahead), device 5 in step 9, while the new mesh's candidates compile in the
+   background; no persistent cache. The second recovery's compile phase and total
+   against one cold compile of the same mesh's step alone (caches cleared, nothing in
+   the background).
+
+Sections 1-5, 7 and 8: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
 
 from __future__ import annotations
@@ -176,6 +183,43 @@ def _recovery_call(cfg, mesh, batches) -> list[str]:
             f"{1e3 * max(calls[1:7]):.1f} ms",
             f"     steps 9-14 without a warm-up (median) {1e3 * steady:.1f} ms"]
     return lines
+
+
+def _loss_after_recovery(cfg, mesh, batches) -> list[str]:
+    import jax
+
+    import mnemojax
+    from mnemojax._src.replay import batch_struct
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+    from mnemojax.testing import FaultInjector
+
+    m, o = build_gpt(cfg)
+    faults = FaultInjector().lose_devices(8, [3]).lose_devices(9, [5])
+    step = mnemojax.resilient(
+        lm_train_step, mesh=mesh, fault_injector=faults,
+        options=mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(cache_dir=None)))
+    for i, batch in enumerate(batches[:11]):
+        step(m, o, batch)
+        if i == 0:
+            step.wait_precompiled()
+    first, second = step.statistics.recoveries
+    runtime = step._require_built().runtime
+    compiler, plan = runtime.compiler, runtime.proxy.plan
+    step.wait_precompiled()
+    jax.clear_caches()
+    t = time.perf_counter()
+    compiler._compile(plan, batch_struct(step._batches.last, plan.examples_per_step),
+                      ahead=False)
+    cold = time.perf_counter() - t
+    step.close()
+    return [
+        "8. a second device loss right after a recovery (no persistent cache)",
+        f"   first recovery (step 8)    total {first.total_s:6.2f} s, compile "
+        f"{first.phases_s.get('compile', 0.0):.2f} s, executable {first.executable}",
+        f"   second recovery (step 9)   total {second.total_s:6.2f} s, compile "
+        f"{second.phases_s.get('compile', 0.0):.2f} s, executable {second.executable}",
+        f"   one cold compile of mesh {dict(plan.shape)} alone: {cold:.2f} s; second "
+        f"recovery / cold compile = x{second.total_s / cold:.2f}"]
 
 
 def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> list[str]:
@@ -464,7 +508,7 @@ def _first_export_lowering(*, rounds: int = 3) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7],
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7, 8],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
                         help="sections 4 and 6: rounds of alternating blocks (default 15)")
@@ -473,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-lowering-child", choices=["cold", "warm"],
                         help=argparse.SUPPRESS)  # section 7's fresh processes
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4, 5, 6, 7]
+    sections = args.sections or [1, 2, 3, 4, 5, 6, 7, 8]
 
     import jax
 
@@ -492,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
                                          block_steps=args.block_steps),
            5: lambda: _lowering(cfg, mesh, batches),
            6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps),
-           7: lambda: _first_export_lowering()}
+           7: lambda: _first_export_lowering(),
+           8: lambda: _loss_after_recovery(cfg, mesh, batches)}
     if args.first_lowering_child is not None:
         import json
 
