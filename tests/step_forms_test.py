@@ -125,7 +125,7 @@ def test_numbers_and_numpy_held_as_state_become_jax_arrays_as_under_nnx_jit():
     assert all(isinstance(x, jax.Array) for x in form.state_of((m,)))
     assert m.calls.get_raw_value().weak_type and m.scale.get_raw_value().weak_type
     assert not m.table.get_raw_value().weak_type and isinstance(m.raw, jax.Array)
-    assert int(m.calls.value) == 0 and float(m.scale.value) == 1.5
+    assert int(m.calls[...]) == 0 and float(m.scale[...]) == 1.5
 
 
 def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
