@@ -994,6 +994,7 @@ class StepCompiler:
         Python part (tracing, lowering, an export) is always waited for: it reads JAX's
         caches, which the world's end clears."""
         self._closing.set()
+        self.cancel_pending()
         self._pool.shutdown(wait=False, cancel_futures=True)  # nothing else starts
         with self._lock:
             running = self._in_xla
