@@ -296,13 +296,13 @@ class _HeldXla:
         self.beside = 0
         original = compiler_mod._compile_lowered
 
-        def held(lowered):
+        def held(lowered, distributed):
             if not self.inside.is_set():
                 self.inside.set()
                 assert self.release.wait(60)
             elif not self.release.is_set():
                 self.beside += 1
-            return original(lowered)
+            return original(lowered, distributed)
 
         monkeypatch.setattr(compiler_mod, "_compile_lowered", held)
 
@@ -312,6 +312,8 @@ def test_a_worlds_end_leaves_only_a_second_loss_compile_running(monkeypatch, cap
     """`close(leave_running=True)` (the world ends) does not wait for the XLA compile of a
     plan queued ``leavable`` (a world only a second loss forms): it runs to its end and
     its executable is dropped. Any other running compile is waited for."""
+    from mnemojax._src import compiler as compiler_mod
+    monkeypatch.setattr(compiler_mod, "_keys_shared", lambda: True)  # (CPU, a cache on)
     held = _HeldXla(monkeypatch)
     compiler = _compiler()
     try:
@@ -341,7 +343,7 @@ def test_the_next_world_waits_for_the_compile_left_running_rather_than_compiling
     plan an ended world left compiling waits for that compile (whose persistent-cache
     entry it then loads) instead of starting a second one beside it."""
     from mnemojax._src import compiler as compiler_mod
-    monkeypatch.setattr(compiler_mod, "cache_dir", lambda: "/a/cache")  # (only its "on")
+    monkeypatch.setattr(compiler_mod, "_keys_shared", lambda: True)  # (CPU, a cache on)
     held = _HeldXla(monkeypatch)
     left = LeftCompiles()
     old = _compiler(left=left)
@@ -366,9 +368,39 @@ def test_the_next_world_waits_for_the_compile_left_running_rather_than_compiling
         new.close()
 
 
-def test_a_worlds_end_waits_for_the_trace_of_a_leavable_compile():
+def test_a_compile_waiting_for_one_left_running_compiles_nothing_once_its_world_ends(
+        monkeypatch):
+    """The next world queues the plan an ended world left compiling and ends (a second
+    loss) while it waits for it: it gives the wait up and compiles nothing beside it;
+    its end does not wait for the left compile either."""
+    from mnemojax._src import compiler as compiler_mod
+    monkeypatch.setattr(compiler_mod, "_keys_shared", lambda: True)
+    held = _HeldXla(monkeypatch)
+    left = LeftCompiles()
+    old, new = _compiler(left=left), _compiler(left=left)
+    try:
+        [left_running] = old.precompile([_plan((2, 2))], BATCH, leavable=True)
+        assert held.inside.wait(60)
+        old.close(leave_running=True)
+        [waiting] = new.precompile([_plan((2, 2))], BATCH)
+        closing = threading.Thread(target=new.close, kwargs={"leave_running": True})
+        closing.start()
+        closing.join(timeout=5)
+        assert not closing.is_alive() and waiting.result(timeout=5) is None
+        assert new.compiles == 0 and held.beside == 0
+        held.release.set()
+        assert left_running.result(timeout=120) is not None
+    finally:
+        held.release.set()
+        old.close()
+        new.close()
+
+
+def test_a_worlds_end_waits_for_the_trace_of_a_leavable_compile(monkeypatch):
     """Only XLA's part is left running: a leavable compile still tracing (Python, JAX's
     caches, which the world's end clears) is waited for."""
+    from mnemojax._src import compiler as compiler_mod
+    monkeypatch.setattr(compiler_mod, "_keys_shared", lambda: True)
     gate = _Gate()
     compiler = _compiler(gate)
     try:

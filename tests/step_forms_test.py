@@ -108,10 +108,11 @@ def test_arrays_held_without_variables_are_state_written_back_in_place():
     assert all(isinstance(x, np.ndarray) and not x.any() for x in form.state_of((m,)))
 
 
-def test_numbers_and_numpy_held_as_state_become_jax_arrays_as_under_nnx_jit():
-    """``nnx.Variable(0)``, ``nnx.Variable(1.5)`` and numpy arrays (in a Variable or as a
-    plain attribute) are state; they are held as JAX arrays from the build on (a Python
-    number weakly typed), as ``nnx.jit`` leaves them after its first call."""
+def test_numbers_held_as_state_become_arrays_and_numpy_stays_on_the_host():
+    """``nnx.Variable(0)`` and ``nnx.Variable(1.5)`` are state, held as 0-d JAX arrays of
+    JAX's dtype for them from the build on (strongly typed, as the compiled step sees
+    them); numpy arrays (in a Variable or as a plain attribute) stay numpy until the step
+    places them."""
     class Counted(nnx.Module):
         def __init__(self):
             self.calls = nnx.Variable(0)
@@ -122,10 +123,25 @@ def test_numbers_and_numpy_held_as_state_become_jax_arrays_as_under_nnx_jit():
     m = Counted()
     form = form_for(_counting_step, (m, None))
     assert sorted(form.leaf_paths) == ["m/calls", "m/raw", "m/scale", "m/table"]
-    assert all(isinstance(x, jax.Array) for x in form.state_of((m,)))
-    assert m.calls.get_raw_value().weak_type and m.scale.get_raw_value().weak_type
-    assert not m.table.get_raw_value().weak_type and isinstance(m.raw, jax.Array)
-    assert int(m.calls[...]) == 0 and float(m.scale[...]) == 1.5
+    calls, scale = m.calls.get_raw_value(), m.scale.get_raw_value()
+    assert isinstance(calls, jax.Array) and calls.dtype == jnp.int32 and not calls.weak_type
+    assert scale.dtype == jnp.float32 and not scale.weak_type and float(scale) == 1.5
+    assert isinstance(m.table.get_raw_value(), np.ndarray) and isinstance(m.raw, np.ndarray)
+
+
+def test_an_object_of_arrays_the_step_does_not_carry_is_named_for_the_warning():
+    """Guarded work warns of NNX objects whose arrays the step does not carry: array
+    leaves count as Variables do (`uncarried_objects`)."""
+    m = _ArrayLeaves()
+    form = form_for(_counting_step, (m, None))
+    assert form.uncarried_objects((m, m.items)) == []
+    assert form.uncarried_objects((_ArrayLeaves(),)) == ["_ArrayLeaves"]
+
+    class OnlyArrays(nnx.Module):
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+    assert form.uncarried_objects((OnlyArrays(),)) == ["OnlyArrays"]
 
 
 def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():

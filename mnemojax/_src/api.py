@@ -839,7 +839,7 @@ class ResilientStep(Generic[P, R]):
                     continue
                 if at_work:
                     t_end = time.perf_counter()
-                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
+                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run, ran=True)
                     return leaves, out, None, leaves
                 t_end = time.perf_counter()
                 if run_step < step or pending is None:  # not a first run on a new mesh
@@ -853,7 +853,7 @@ class ResilientStep(Generic[P, R]):
                         self._step = run_step
                     continue
                 if pending is not None:
-                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run)
+                    self._close_recovery(pending, t_end, failed_step_s=t_end - t_run, ran=True)
                     pending = None
                     b.precompile_due = True
                 new_leaves, metrics, finite = out
@@ -897,10 +897,11 @@ class ResilientStep(Generic[P, R]):
         return resumed
 
     def _close_recovery(self, pending: _Pending | None, t_end: float, *,
-                        failed_in_replay: bool = False, failed_step_s: float = 0.0) -> None:
+                        failed_in_replay: bool = False, failed_step_s: float = 0.0,
+                        ran: bool = False) -> None:
         """Records the recovery in progress, if any: when its failed step has run again
-        (in `failed_step_s`), or when a failure or an error ends it early. Its replay
-        phase is the replayed steps plus the failed step's run."""
+        (in `failed_step_s`; ``ran``), or when a failure or an error ends it early. Its
+        replay phase is the replayed steps plus the failed step's run."""
         if pending is None or pending.closed:
             return
         pending.closed = True
@@ -913,7 +914,7 @@ class ResilientStep(Generic[P, R]):
                               duration_s=pending.replay_s)
         finish_recovery(record, t_fault=pending.t_fault, t_end=t_end,
                         statistics=self._statistics, durability=b.durability)
-        if record.plan_kind in ("process_loss", "grow_back"):  # (across processes)
+        if ran and record.plan_kind in ("process_loss", "grow_back"):  # (across processes)
             log.warning("mnemojax: step %d ran in world %d: the recovery took %.2f s in all "
                         "(replay %.2f s)", record.step, record.generation, record.total_s,
                         record.phases_s["replay"])

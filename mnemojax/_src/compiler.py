@@ -315,11 +315,17 @@ def compiles_ahead_here(ahead_compilers: int | None, *, one_host: bool) -> bool:
     return jax.process_index() in ahead_compiler_ranks(n, compilers)
 
 
-def _compile_lowered(lowered) -> Any:
-    # Under `jax.distributed` (a world of one after losses too, which loads what a
-    # bigger world compiled ahead for it): a later world's process of any index may need
-    # the entry, under the key every process computes.
-    if jax.process_count() > 1 or jax_private.global_state().client is not None:
+def _distributed() -> bool:
+    """Under `jax.distributed` (a world of one after losses too, which loads what a bigger
+    world compiled ahead for it)."""
+    return jax.process_count() > 1 or jax_private.global_state().client is not None
+
+
+def _compile_lowered(lowered, distributed: bool) -> Any:
+    # ``distributed`` (`_distributed`, read by the caller before a compile that its
+    # world's end may leave running): a later world's process of any index may need the
+    # entry, under the key every process computes.
+    if distributed:
         with jax_private.cache_entries_from_this_process():
             return lowered.compile()
     return lowered.compile()
@@ -411,11 +417,8 @@ def _hook_exit() -> None:
     pool's was registered when its module was imported, before any compiler existed)."""
     if not _exit_hooked.acquire(blocking=False):
         return
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # (not CPython >= 3.9: atexit runs later, still cancels the rest)
-        import atexit
-        atexit.register(_drop_queued_compiles_at_exit)
-    else:
+    register = getattr(threading, "_register_atexit", None)  # (CPython >= 3.9)
+    if register is not None:
         register(_drop_queued_compiles_at_exit)
 
 
@@ -432,7 +435,7 @@ class LeftCompiles:
 
     def leave(self, key: tuple) -> None:
         with self._lock:
-            self._running[key] = threading.Event()
+            self._running.setdefault(key, threading.Event())
 
     def done(self, key: tuple) -> None:
         with self._lock:
@@ -440,17 +443,24 @@ class LeftCompiles:
         if ended is not None:
             ended.set()
 
-    def wait(self, key: tuple, *, give_up: Callable[[], bool] = lambda: False) -> float:
+    def wait(self, key: tuple, *, give_up: Callable[[], bool] = lambda: False
+             ) -> tuple[float, bool]:
         """Waits for the compile of `key` left running, if there is one, unless
-        ``give_up()`` turns true first; returns the seconds waited."""
+        ``give_up()`` turns true first; returns the seconds waited and whether it ended
+        (True without one)."""
         with self._lock:
             ended = self._running.get(key)
         if ended is None:
-            return 0.0
+            return 0.0, True
         t0 = time.perf_counter()
-        while not ended.wait(0.2) and not give_up():
-            pass
-        return time.perf_counter() - t0
+        while not ended.wait(0.2):
+            if give_up():
+                return time.perf_counter() - t0, False
+        return time.perf_counter() - t0, True
+
+
+class _GivenUp(Exception):
+    """A background compile's world ended while it waited: it compiles nothing."""
 
 
 class StepCompiler:
@@ -561,8 +571,10 @@ class StepCompiler:
 
     def _compile(self, plan: MeshPlan, batch_struct, ahead: bool) -> Executable:
         key = self.key(plan, batch_struct)
-        if cache_dir():  # (without a persistent cache the one left running gives nothing)
-            waited = self._left.wait(key, give_up=self._closing.is_set)
+        if _keys_shared():  # (else none is left running: `close`)
+            waited, ended = self._left.wait(key, give_up=self._closing.is_set)
+            if not ended:
+                raise _GivenUp(plan.shape)
             if waited:
                 log.info("mnemojax: waited %.2fs for the compile for mesh %s an ended world "
                          "left running (its persistent-cache entry is loaded now)", waited,
@@ -603,14 +615,15 @@ class StepCompiler:
                           from_cache, exported)
 
     def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> Any:
-        """XLA's compile of ``lowered``; ahead of time, marked as one `close` may leave
-        running (no Python state of this world is touched inside it)."""
+        """The compile of ``lowered``; ahead of time, marked as one `close` may leave
+        running (what it reads of this world is read before)."""
+        distributed = _distributed()
         if not ahead:
-            return _compile_lowered(lowered)
+            return _compile_lowered(lowered, distributed)
         with self._lock:
             self._in_xla = (key, shape)
         try:
-            return _compile_lowered(lowered)
+            return _compile_lowered(lowered, distributed)
         finally:
             with self._lock:
                 self._in_xla = None
@@ -787,6 +800,10 @@ class StepCompiler:
                 exe = None
             else:
                 exe = self._compile(plan, batch_struct, ahead=True)
+        except _GivenUp:
+            with self._lock:
+                self._futures.pop(k, None)
+            return None
         except Exception:
             with self._lock:
                 self._futures.pop(k, None)
@@ -985,17 +1002,21 @@ class StepCompiler:
         """Cancels the background compiles not started and waits for the running one.
 
         With ``leave_running`` (the world ends: `api.ResilientStep._forget_world`), a
-        running XLA compile of a plan queued ``leavable`` (one that a second loss forms,
-        `CompileOptions.ahead_losses`: not the world one loss forms) is not waited for:
-        an XLA compile cannot be cancelled, and a single loss does not need it. It runs on
-        to its end in XLA, holding no Python state of this world (the old client is kept
-        alive by it), writes its persistent-cache entry (a later world may load it) and
-        drops the executable; the interpreter's exit joins its thread (a pool's). Its
-        Python part (tracing, lowering, an export) is always waited for: it reads JAX's
-        caches, which the world's end clears."""
+        running compile of a plan queued ``leavable`` (a world only a second loss forms,
+        `CompileOptions.ahead_losses`: a single loss does not need it) is not waited for
+        once it is inside JAX's compile: an XLA compile cannot be cancelled. It runs to its
+        end, writes its persistent-cache entry (a later world of this step that needs the
+        plan waits for it: `LeftCompiles`) and its executable is dropped; the interpreter's
+        exit joins its thread (a pool's). Its trace, lowering or export is always waited
+        for. JAX's own Python around the compile (its cache write, the executable's set-up)
+        then runs after the world's end and keeps the old client alive, through JAX's
+        caches, until the next world change clears them: so only where the persistent
+        cache's keys are shared (CPU devices, a cache on: `_keys_shared`); on an
+        accelerator the old client's memory must be freed before the new world's."""
         self._closing.set()
         self.cancel_pending()
         self._pool.shutdown(wait=False, cancel_futures=True)  # nothing else starts
+        leave_running = leave_running and bool(self._leavable) and _keys_shared()
         with self._lock:
             running = self._in_xla
             if leave_running and running is not None and running[0] in self._leavable:

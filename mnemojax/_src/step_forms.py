@@ -115,12 +115,13 @@ def _hookless(var: nnx.Variable | _ArrayLeaf) -> bool:
 
 
 def _number_to_array(var: nnx.Variable | _ArrayLeaf) -> None:
-    """A Python number or a numpy array held as state (``nnx.Variable(0)``) is held as a
-    JAX array from now on, as after the first call of an ``nnx.jit`` step (a Python number
-    weakly typed, as JAX traces it)."""
+    """A Python number held as state (``nnx.Variable(0)``) is held as a 0-d JAX array of
+    JAX's dtype for it from now on (numpy state stays on the host until the step places
+    it). Strongly typed, unlike ``nnx.jit``, which keeps it weakly typed: mixed with a
+    lower-precision array (bfloat16) it promotes (README, "Known limits")."""
     value = var.get_raw_value()
-    if isinstance(value, (bool, int, float, complex, np.ndarray, np.generic)):
-        var.set_raw_value(jnp.asarray(value))
+    if isinstance(value, (bool, int, float, complex)):
+        var.set_raw_value(jnp.asarray(value, dtype=jnp.asarray(value).dtype))
 
 
 def _raw_key(k) -> Any:
@@ -670,6 +671,26 @@ def _variables_of(x: Any) -> list:
         return []
 
 
+def _array_leaves_of(x: Any) -> list[tuple[int, Any]]:
+    """The arrays an NNX object holds without a Variable, as (id of their owner, key)
+    (`_ArrayLeaf`); never fails."""
+    if isinstance(x, nnx.State):
+        return []
+    try:
+        flat = jax.tree_util.tree_flatten_with_path(nnx.state(x), is_leaf=_is_var)[0]
+        found = []
+        for path, v in flat:
+            if isinstance(v, jax.Array):
+                keys = [_raw_key(k) for k in path]
+                owner = x
+                for key in keys[:-1]:
+                    owner = _child(owner, key)
+                found.append((id(owner), keys[-1]))
+        return found
+    except Exception:  # noqa: BLE001 - nothing to warn about then
+        return []
+
+
 def _annotated_or_placed(spec: PartitionSpec, value: Any, path: str = "") -> PartitionSpec:
     """A variable's partition spec: its sharding annotation, else (none, or a replicated
     one) the `NamedSharding` its array already has: parameters made as Flax's explicit
@@ -870,6 +891,8 @@ class NnxForm(StepForm):
         arrays in variables the step does not carry (an eval's own metrics; a view of the
         model, `nnx.view`, shares its variables): their names, for a warning."""
         carried = {id(v) for v in self.live_vars}
+        carried_arrays = {(id(v.owner), v.key) for v in self.live_vars
+                          if isinstance(v, _ArrayLeaf)}
         found = [(type(x).__name__, x) for x in jax.tree.leaves(tree, is_leaf=_is_graph)
                  if _is_graph(x)]
         if fn is not None:
@@ -877,7 +900,7 @@ class NnxForm(StepForm):
                       for name, x in _closed_over_graph_objects(fn)]
         return [name for name, x in found if any(
             isinstance(v.get_raw_value(), jax.Array) and id(v) not in carried
-            for v in _variables_of(x))]
+            for v in _variables_of(x)) or not carried_arrays.issuperset(_array_leaves_of(x))]
 
     def pure(self, leaves, inputs):
         state = jax.tree.unflatten(self.treedef, self._wrap_keys(leaves))
