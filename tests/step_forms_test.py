@@ -149,7 +149,7 @@ def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
         def __init__(self):
             self.pair = nnx.data((jnp.ones(1), jnp.ones(2)))
 
-    with pytest.raises(UnsupportedStateError, match=r"m/pair/0 is a jax.Array inside a tuple"):
+    with pytest.raises(UnsupportedStateError, match=r"m/pair/0 is held inside a tuple"):
         form_for(_counting_step, (InATuple(), None))
 
 

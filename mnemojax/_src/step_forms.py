@@ -153,9 +153,9 @@ class _ArrayLeaf:
         set_key = getattr(impl, "set_key", None)
         if set_key is None:
             raise UnsupportedStateError(
-                f"state {path} is a jax.Array inside a {type(owner).__name__}, which cannot "
-                "be written in place: hold it in an nnx.Variable (or an nnx.List, nnx.Dict "
-                "or dict)")
+                f"state {path} is held inside a {type(owner).__name__}, which cannot be "
+                "written in place: hold it in an nnx.Variable (or an nnx.List, nnx.Dict or "
+                "dict)")
         self.owner, self.key, self._set = owner, key, set_key
 
     @classmethod
