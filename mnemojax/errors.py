@@ -27,6 +27,7 @@ from mnemojax._src.errors import SimulationConfigError as SimulationConfigError
 from mnemojax._src.errors import SnapshotBudgetWarning as SnapshotBudgetWarning
 from mnemojax._src.errors import SnapshotCorruptError as SnapshotCorruptError
 from mnemojax._src.errors import StateUnavailableError as StateUnavailableError
+from mnemojax._src.errors import StepCompileError as StepCompileError
 from mnemojax._src.errors import StepHangError as StepHangError
 from mnemojax._src.errors import UnsupportedJaxVersionError as UnsupportedJaxVersionError
 from mnemojax._src.errors import UnsupportedStateError as UnsupportedStateError
@@ -60,6 +61,7 @@ __all__ = [
     "SnapshotBudgetWarning",
     "SnapshotCorruptError",
     "StateUnavailableError",
+    "StepCompileError",
     "StepHangError",
     "UnsupportedJaxVersionError",
     "UnsupportedStateError",

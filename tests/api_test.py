@@ -1,5 +1,6 @@
 """The resilient step's contract: error classification, budgets, forms, statistics."""
 
+import logging
 import signal
 import types
 import warnings
@@ -583,3 +584,88 @@ def test_a_model_of_plain_arrays_recovers_a_device_loss_like_its_plain_run():
         np.testing.assert_allclose(np.asarray(getattr(got, name)),
                                    np.asarray(getattr(want, name)), atol=1e-6)
     step.close()
+
+
+def test_a_step_that_cannot_compile_for_a_recovery_mesh_is_warned_of_early_then_typed(
+        tmp_path, caplog):
+    """A `jax.shard_map` made once outside the step keeps the mesh of its first call: the
+    step compiles on the first mesh only. Its compile ahead for the other meshes fails,
+    which is said at once (no fault yet); a device loss then ends with a typed
+    `StepCompileError` naming the recovery's mesh (the cause chained), and a `fault`
+    event."""
+    from jax.sharding import PartitionSpec as P
+
+    from mnemojax._src.events import read_events
+    from mnemojax.errors import StepCompileError
+
+    doubled = jax.shard_map(lambda x: x * 2.0, in_specs=P("data"), out_specs=P("data"),
+                            check_vma=False)
+
+    def step(model, optimizer, batch):
+        return h.train_step(model, optimizer, {**batch, "x": doubled(batch["x"])})
+
+    model, optimizer = h.make_mlp()
+    events = tmp_path / "events.jsonl"
+    step = mnemojax.resilient(
+        step, mesh=h.mesh_of((4, 2)),
+        options=mnemojax.ResilienceOptions(
+            compile=mnemojax.CompileOptions(cache_dir=None, max_precompiled=1),
+            event_log=str(events)),
+        fault_injector=FaultInjector().lose_devices(3, [5]))
+    batches = h.make_batches(3)
+    with caplog.at_level(logging.WARNING, logger="mnemojax"):
+        step(model, optimizer, batches[0])
+        step.wait_precompiled()
+        assert any("compiling the step ahead of time for mesh" in r.getMessage()
+                   for r in caplog.records)
+        step(model, optimizer, batches[1])
+        with pytest.raises(StepCompileError, match="recovery's mesh") as raised:
+            step(model, optimizer, batches[2])
+    assert raised.value.mesh_shape != {"data": 4, "model": 2}
+    assert isinstance(raised.value.__cause__, ValueError)
+    faults = [e for e in read_events(events) if e["kind"] == "fault"]
+    assert any(e.get("classification") == "step_compile" for e in faults), faults
+    step.close()
+
+
+def test_a_step_written_for_pmap_fails_its_trace_with_a_note_on_what_to_do():
+    """A collective over a named axis (``lax.pmean(g, 'batch')``, written for
+    ``jax.pmap``) fails under jit with JAX's error, raised as it is with a note."""
+    def pmap_style(model, optimizer, batch):
+        metrics = h.train_step(model, optimizer, batch)
+        return {"loss": jax.lax.pmean(metrics["loss"], "batch")}
+
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(pmap_style, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    with pytest.raises(NameError, match="unbound axis name") as raised:
+        step(model, optimizer, h.make_batches(1)[0])
+    assert any("A step written for jax.pmap" in n for n in raised.value.__notes__)
+    step.close()
+
+
+def test_a_step_input_of_an_ended_world_is_said_once(caplog):
+    """After a world change, a step input computed on the ended world's devices (a key
+    split outside the step) is warned of, once per input; host inputs and arrays of the
+    current world are not."""
+    from mnemojax._src.api import _say_inputs_of_ended_worlds
+    from mnemojax._src.step_forms import form_for
+
+    model, optimizer = h.make_mlp()
+    batch = h.make_batches(1)[0]
+    batch = {"x": jnp.asarray(batch["x"]), "y": batch["y"]}  # an array, and host numpy
+    _, inputs = form_for(h.train_step, (model, optimizer, None)).split_call(
+        (model, optimizer, batch))
+
+    def built(client):
+        mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(client=client)]))
+        return types.SimpleNamespace(runtime=types.SimpleNamespace(mesh=mesh),
+                                     old_world_inputs=set())
+
+    with caplog.at_level(logging.WARNING, logger="mnemojax"):
+        _say_inputs_of_ended_worlds(built(jax.devices()[0].client), inputs)
+        assert not caplog.records
+        ended = built(object())  # (the current world's client is another)
+        _say_inputs_of_ended_worlds(ended, inputs)
+        _say_inputs_of_ended_worlds(ended, inputs)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "batch['x']" in said[0] and "world that ended" in said[0]

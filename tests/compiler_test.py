@@ -451,7 +451,7 @@ def test_exit_drops_the_compiles_ahead_not_started():
     assert "EXITING" in out.stdout
     compiled = out.stdout.count("compiled step for mesh")
     assert compiled == 1, out.stdout[-2000:]
-    assert "at exit, waiting for the compile ahead in flight" in out.stdout
+    assert "at exit, waiting for the compile ahead of time in flight" in out.stdout
 
 
 def test_the_persistent_cache_is_announced_once_and_the_users_setting_wins(tmp_path, caplog):

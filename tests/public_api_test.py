@@ -41,7 +41,7 @@ ERRORS = {
     "MeshTooSmallError",
     "MnemojaxError", "MnemojaxWarning", "NonFiniteLossError", "NonFiniteSkipWarning",
     "PreemptionExit", "ProtocolError", "RecoveryExhaustedError", "ShardingMismatchError",
-    "SnapshotBudgetWarning", "SnapshotCorruptError", "StateUnavailableError", "StepHangError",
+    "SnapshotBudgetWarning", "SnapshotCorruptError", "StateUnavailableError", "StepCompileError", "StepHangError",
     "UnsupportedJaxVersionError", "UnsupportedStateError", "WorldConfigError",
 }
 

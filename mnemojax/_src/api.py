@@ -333,6 +333,8 @@ class ResilientStep(Generic[P, R]):
         b.durability.check_preemption(self._step, b.last_written)
         leaves = b.form.state_of(state_args)
         _refuse_arrays_of_other_processes(user_batch)
+        if b.session is not None and b.session.world.generation > 0:
+            _say_inputs_of_ended_worlds(b, user_batch)
         batch = host_batch(user_batch)
         self._check_batch(b, batch)
         self._compare_replicated_inputs(b, batch)
@@ -1434,6 +1436,27 @@ class ResilientStep(Generic[P, R]):
 _build_numbers = itertools.count()
 
 
+def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:
+    """Warns, once per input, of a step input that is an array of a world a recovery
+    ended (made before it, on that world's devices: a PRNG key split each step outside
+    the step). Computing on such an array waits behind that world's abandoned
+    collectives, up to the collective timeout (a user trial's eager `jax.random.split`
+    stalled 18 s right after a recovery), and it keeps that world's client alive. It is
+    still a valid input: the step copies it."""
+    client = b.runtime.mesh.devices.flat[0].client
+    for name, x in zip(inputs.layout.names, inputs.leaves, strict=True):
+        if (isinstance(x, jax.Array) and name not in b.old_world_inputs
+                and next(iter(x.devices())).client is not client):
+            b.old_world_inputs.add(name)
+            log.warning(
+                "mnemojax: the step input %s is an array of a world that ended at a "
+                "recovery (computed on that world's devices, e.g. a key split each step "
+                "outside the step): computing on it waited for that world's abandoned "
+                "collectives (up to the collective timeout), and it keeps that world's "
+                "client alive. Make such inputs from host values (numpy) or inside the step "
+                "(an nnx.Rngs in the model; a key folded with the step number)", name)
+
+
 def _refuse_arrays_of_other_processes(inputs: Any) -> None:
     """A step input that is a `jax.Array` spanning other processes' devices (built with
     ``jax.make_array_from_process_local_data`` or ``host_local_array_to_global_array``)
@@ -1492,6 +1515,7 @@ class _Built:
     # comparisons this build made (part of each one's key).
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
+    old_world_inputs: set = dataclasses.field(default_factory=set)  # (said once per input)
 
 
 @jax.jit

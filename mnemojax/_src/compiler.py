@@ -30,6 +30,7 @@ load the entry a compiling process wrote under the key every process shares.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -392,6 +393,26 @@ def warm_export_lowering() -> None:
     log.info("mnemojax: warmed up the lowering of exports in %.2fs", time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def _pmap_style_told(mesh: Mesh) -> Iterator[None]:
+    """A step written for ``jax.pmap`` (a collective over a named axis, ``lax.pmean(g,
+    'batch')``, ``BatchNorm(axis_name='batch')``) fails its trace under ``jax.jit`` with
+    JAX's "unbound axis name": the error is raised as it is, with a note on what to do."""
+    try:
+        yield
+    except NameError as e:
+        if "unbound axis name" in str(e):
+            e.add_note(
+                "mnemojax runs the step under jax.jit over the global batch (mesh "
+                f"{dict(mesh.shape)}), not once per device as jax.pmap does: either drop "
+                "the collectives (jit already computes over the whole batch), or keep the "
+                "step as written for pmap by building jax.shard_map(step, "
+                "in_specs=(P(), P(axis)), out_specs=(P(), P()), check_vma=False) inside "
+                "the function you decorate, over a mesh whose data axis has that name "
+                "(README: 'A step written for jax.pmap')")
+        raise
+
+
 _live_compilers: weakref.WeakSet[StepCompiler] = weakref.WeakSet()
 _exit_hooked = threading.Lock()
 
@@ -407,8 +428,10 @@ def _drop_queued_compiles_at_exit() -> None:
         compiler.cancel_pending()
         compiler._pool.shutdown(wait=False, cancel_futures=True)
         if compiler.pending():
-            log.info("mnemojax: at exit, waiting for the compile ahead in flight (an XLA "
-                     "compile cannot be cancelled); the others queued are dropped")
+            log.warning("mnemojax: at exit, waiting for the compile ahead of time in flight "
+                        "(an XLA compile cannot be cancelled; the ones queued are dropped): "
+                        "close() the resilient step when its training ends to wait for it "
+                        "then")
 
 
 def _hook_exit() -> None:
@@ -581,7 +604,7 @@ class StepCompiler:
                          plan.shape)
         mesh, state_sh, batch_sh, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), _pmap_style_told(mesh):
             lowered, exported = self._lower(jit, mesh, args, key, ahead)
         t1 = time.perf_counter()
         if self.facts.host_callbacks is None:
@@ -804,9 +827,14 @@ class StepCompiler:
             with self._lock:
                 self._futures.pop(k, None)
             return None
-        except Exception:
+        except Exception as e:
             with self._lock:
                 self._futures.pop(k, None)
+            if not self._closing.is_set():  # (said now: no fault has come yet)
+                log.warning("mnemojax: compiling the step ahead of time for mesh %s failed "
+                            "(%s: %s): a recovery onto that mesh would fail the same way "
+                            "(StepCompileError)", plan.shape, type(e).__name__,
+                            str(e)[:500])
             raise
         finally:
             if self._switch_interval_s is not None:

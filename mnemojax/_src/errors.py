@@ -81,6 +81,20 @@ class MeshTooSmallError(MnemojaxError):
         self.required = required
 
 
+class StepCompileError(MnemojaxError):
+    """The step cannot be compiled for the mesh a recovery needs (it traced or compiled on
+    the first mesh). Raised from the recovery, with the cause chained; its compile ahead
+    of time failed the same way and was logged then, before any fault.
+
+    Attributes:
+        mesh_shape: the recovery's mesh, axis name -> size.
+    """
+
+    def __init__(self, message: str, *, mesh_shape: dict[str, int]):
+        super().__init__(message)
+        self.mesh_shape = dict(mesh_shape)
+
+
 class RecoveryExhaustedError(MnemojaxError):
     """The recovery or retry budget ran out.
 

@@ -18,12 +18,13 @@ agree, plan, reshard/restore, compile, replay) and recorded (`RecoveryRecord`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -40,8 +41,10 @@ from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     DistributedError,
     MeshTooSmallError,
+    MnemojaxError,
     RecoveryExhaustedError,
     StateUnavailableError,
+    StepCompileError,
 )
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.persistent import PersistentTier
@@ -122,6 +125,25 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
                     executable=record.executable, new_mesh=record.new_mesh_shape,
                     bytes_moved=record.bytes_moved, groups_changed=record.groups_changed,
                     guarded=record.guarded, joined_processes=list(record.joined_processes))
+
+
+@contextlib.contextmanager
+def compiling_for(plan: MeshPlan) -> Iterator[None]:
+    """A recovery's compile of the step for ``plan``: an error of the step's own trace or
+    compile there (it compiled on the first mesh) is a `StepCompileError` naming the
+    mesh, the cause chained; a runtime error (a device failing meanwhile) and mnemojax's
+    own errors pass unchanged."""
+    try:
+        yield
+    except (jax.errors.JaxRuntimeError, MnemojaxError):
+        raise
+    except Exception as e:
+        raise StepCompileError(
+            f"the step cannot be compiled for the recovery's mesh {plan.shape} "
+            f"({type(e).__name__}: {str(e)[:500]}); it compiled for the first mesh, so "
+            "it depends on the mesh's shape (a jax.shard_map made once, outside the step, "
+            "keeps the mesh of its first call: make it inside the step)",
+            mesh_shape=plan.shape) from e
 
 
 def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
@@ -266,8 +288,14 @@ class DeviceRecovery:
             unavailable = exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
         t = time.perf_counter()
-        exe, how = runtime.compiler.get(
-            plan, batch_struct(self._batches.last, plan.examples_per_step))
+        try:
+            with compiling_for(plan):
+                exe, how = runtime.compiler.get(
+                    plan, batch_struct(self._batches.last, plan.examples_per_step))
+        except StepCompileError as e:
+            self._durability.emit("fault", step=step, classification="step_compile",
+                                  mesh=plan.shape, detail=str(e.__cause__)[:200])
+            raise
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
         if host is None:
@@ -425,9 +453,10 @@ class ProcessRecovery:
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
-        exe, compiled_now = compile_for_world(session, runtime, self._batches.last,
-                                              plan.examples_per_step,
-                                              timeout_s=compiled_barrier_s(self._builder))
+        with compiling_for(plan):
+            exe, compiled_now = compile_for_world(
+                session, runtime, self._batches.last, plan.examples_per_step,
+                timeout_s=compiled_barrier_s(self._builder))
         compile_s = time.perf_counter() - t
         t = time.perf_counter()
         shardings = exe.state_shardings
