@@ -138,6 +138,15 @@ def _child(node: Any, key: Any) -> Any:
     return node[key]
 
 
+def _owner_of(root: Any, keys: Sequence[Any]) -> Any:
+    """What holds the leaf at path ``keys`` under ``root`` (the path's last key names it
+    there)."""
+    owner = root
+    for key in keys[:-1]:
+        owner = _child(owner, key)
+    return owner
+
+
 class _ArrayLeaf:
     """A `jax.Array` an NNX object holds as a plain attribute or item, not in an
     `nnx.Variable` (Flax's array leaves: ``self.w = jnp.zeros(...)`` in a Module, or in an
@@ -160,9 +169,7 @@ class _ArrayLeaf:
 
     @classmethod
     def at(cls, root: Any, keys: Sequence[Any], path: str) -> _ArrayLeaf:
-        owner = root
-        for key in keys[:-1]:
-            owner = _child(owner, key)
+        owner = _owner_of(root, keys)
         ident = (id(owner), keys[-1])
         leaf = cls._live.get(ident)
         if leaf is None or leaf.owner is not owner:
@@ -682,10 +689,7 @@ def _array_leaves_of(x: Any) -> list[tuple[int, Any]]:
         for path, v in flat:
             if isinstance(v, jax.Array):
                 keys = [_raw_key(k) for k in path]
-                owner = x
-                for key in keys[:-1]:
-                    owner = _child(owner, key)
-                found.append((id(owner), keys[-1]))
+                found.append((id(_owner_of(x, keys)), keys[-1]))
         return found
     except Exception:  # noqa: BLE001 - nothing to warn about then
         return []
