@@ -1045,13 +1045,18 @@ class StepCompiler:
         self.cancel_pending()
         self._pool.shutdown(wait=False, cancel_futures=True)  # nothing else starts
         leave_running = leave_running and bool(self._leavable) and _keys_shared()
+        newly_left = False
         with self._lock:
             running = self._in_xla
-            if leave_running and running is not None and running[0] in self._leavable:
+            if (leave_running and running is not None and running[0] in self._leavable
+                    and self.left_running != running[0]):
                 self.left_running = running[0]
                 self._left.leave(running[0])
-        if running is not None and self.left_running == running[0]:
-            log.info("mnemojax: left the compile ahead for mesh %s running (a world a second "
-                     "loss forms; this world's end does not wait for it)", running[1])
+                newly_left = True
+        if running is not None and self.left_running == running[0]:  # (also a second close)
+            if newly_left:
+                log.info("mnemojax: left the compile ahead for mesh %s running (a world a "
+                         "second loss forms; this world's end does not wait for it)",
+                         running[1])
             return
         self._pool.shutdown(wait=True)
