@@ -609,15 +609,18 @@ def test_a_step_that_cannot_compile_for_a_recovery_mesh_is_warned_of_early_then_
     step = mnemojax.resilient(
         step, mesh=h.mesh_of((4, 2)),
         options=mnemojax.ResilienceOptions(
-            compile=mnemojax.CompileOptions(cache_dir=None, max_precompiled=1),
+            compile=mnemojax.CompileOptions(cache_dir=None),
             event_log=str(events)),
         fault_injector=FaultInjector().lose_devices(3, [5]))
     batches = h.make_batches(3)
     with caplog.at_level(logging.WARNING, logger="mnemojax"):
         step(model, optimizer, batches[0])
         step.wait_precompiled()
-        assert any("compiling the step ahead of time for mesh" in r.getMessage()
-                   for r in caplog.records)
+        said = [r.getMessage() for r in caplog.records
+                if "compiling the step ahead of time for mesh" in r.getMessage()]
+        # Once per mesh shape, though several candidates of one shape failed.
+        shapes = [m.split("mesh ")[1].split(" failed")[0] for m in said]
+        assert said and len(shapes) == len(set(shapes)), said
         step(model, optimizer, batches[1])
         with pytest.raises(StepCompileError, match="recovery's mesh") as raised:
             step(model, optimizer, batches[2])
@@ -643,7 +646,7 @@ def test_a_step_written_for_pmap_fails_its_trace_with_a_note_on_what_to_do():
     step.close()
 
 
-def test_a_step_input_of_an_ended_world_is_said_once(caplog):
+def test_a_step_input_of_an_ended_world_is_said_once(caplog, monkeypatch):
     """After a world change, a step input computed on the ended world's devices (a key
     split outside the step) is warned of, once per input; host inputs and arrays of the
     current world are not."""
@@ -652,20 +655,22 @@ def test_a_step_input_of_an_ended_world_is_said_once(caplog):
 
     model, optimizer = h.make_mlp()
     batch = h.make_batches(1)[0]
-    batch = {"x": jnp.asarray(batch["x"]), "y": batch["y"]}  # an array, and host numpy
+    # An array, host numpy, and a typed key (whose raw data the call carries).
+    batch = {"x": jnp.asarray(batch["x"]), "y": batch["y"], "k": jax.random.key(0)}
     _, inputs = form_for(h.train_step, (model, optimizer, None)).split_call(
         (model, optimizer, batch))
 
-    def built(client):
-        mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(client=client)]))
-        return types.SimpleNamespace(runtime=types.SimpleNamespace(mesh=mesh),
-                                     old_world_inputs=set())
+    def built():
+        return types.SimpleNamespace(old_world_inputs=set())
 
     with caplog.at_level(logging.WARNING, logger="mnemojax"):
-        _say_inputs_of_ended_worlds(built(jax.devices()[0].client), inputs)
+        _say_inputs_of_ended_worlds(built(), inputs)
         assert not caplog.records
-        ended = built(object())  # (the current world's client is another)
+        ended = built()
+        new_client = types.SimpleNamespace(client=object())  # (a world change's backend)
+        monkeypatch.setattr(jax, "devices", lambda platform=None: [new_client])
         _say_inputs_of_ended_worlds(ended, inputs)
         _say_inputs_of_ended_worlds(ended, inputs)
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "batch['x']" in said[0] and "world that ended" in said[0]
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert len(said) == 2 and all("world that ended" in m for m in said)
+    assert "batch['k']" in said[0] and "batch['x']" in said[1]

@@ -9,8 +9,13 @@ from jax.sharding import PartitionSpec as P
 import mnemojax
 from mnemojax._src import sharding as shd
 from mnemojax._src.durability import Durability
-from mnemojax._src.errors import DeviceFailureError, RecoveryExhaustedError, StateUnavailableError
-from mnemojax._src.recovery import DeviceRecovery, ShapeRules, check_budget
+from mnemojax._src.errors import (
+    DeviceFailureError,
+    RecoveryExhaustedError,
+    StateUnavailableError,
+    StepCompileError,
+)
+from mnemojax._src.recovery import DeviceRecovery, ShapeRules, check_budget, compiling_for
 from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.retry import stop_after_attempt, stop_after_delay
 from mnemojax._src.runtime import RuntimeBuilder
@@ -175,3 +180,18 @@ def test_a_process_the_new_mesh_leaves_idle_leaves_and_the_others_agree_again(pr
     assert calls == [("recover", 5, 4)] and events == []
     assert rec.members == (0, 1, 2, 3) and rec.agreement is later.agreement
     assert rec.rounds == 2 and rec.phases["agree"] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("error", [ValueError("mesh mismatch"), NameError("unbound"),
+                                   OSError("agent gone"), MemoryError()])
+def test_only_the_steps_own_compile_errors_become_step_compile_errors(error):
+    """`compiling_for`: an error of the step's trace or compile on the recovery's mesh is
+    a `StepCompileError` naming the mesh (the cause chained); the host's errors pass."""
+    plan = MeshPlan(np.arange(6).reshape(3, 2), ("data", "model"), "unchanged")
+    steps_own = isinstance(error, (ValueError, NameError))
+    with pytest.raises(StepCompileError if steps_own else type(error)) as raised, \
+            compiling_for(plan):
+        raise error
+    if steps_own:
+        assert raised.value.mesh_shape == {"data": 3, "model": 2}
+        assert raised.value.__cause__ is error

@@ -1443,10 +1443,11 @@ def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:
     collectives, up to the collective timeout (a user trial's eager `jax.random.split`
     stalled 18 s right after a recovery), and it keeps that world's client alive. It is
     still a valid input: the step copies it."""
-    client = b.runtime.mesh.devices.flat[0].client
     for name, x in zip(inputs.layout.names, inputs.leaves, strict=True):
-        if (isinstance(x, jax.Array) and name not in b.old_world_inputs
-                and next(iter(x.devices())).client is not client):
+        if not isinstance(x, jax.Array) or name in b.old_world_inputs:
+            continue
+        device = next(iter(x.devices()))
+        if device.client is not jax.devices(device.platform)[0].client:  # (not a live one)
             b.old_world_inputs.add(name)
             log.warning(
                 "mnemojax: the step input %s is an array of a world that ended at a "

@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
 from mnemojax._src.distributed import jax_private
-from mnemojax._src.errors import UnsupportedStateError
+from mnemojax._src.errors import MnemojaxError, UnsupportedStateError
 from mnemojax._src.step_forms import batch_splits
 from mnemojax._src.topology import MeshPlan
 
@@ -427,7 +427,10 @@ def _drop_queued_compiles_at_exit() -> None:
         compiler._closing.set()
         compiler.cancel_pending()
         compiler._pool.shutdown(wait=False, cancel_futures=True)
-        if compiler.pending():
+        if compiler.left_running is not None:
+            log.info("mnemojax: at exit, waiting for the compile an ended world left running "
+                     "(an XLA compile cannot be cancelled)")
+        elif compiler.pending():
             log.warning("mnemojax: at exit, waiting for the compile ahead of time in flight "
                         "(an XLA compile cannot be cancelled; the ones queued are dropped): "
                         "close() the resilient step when its training ends to wait for it "
@@ -482,8 +485,9 @@ class LeftCompiles:
         return time.perf_counter() - t0, True
 
 
-class _GivenUp(Exception):
-    """A background compile's world ended while it waited: it compiles nothing."""
+class GivenUp(Exception):
+    """A compile's world ended while it waited for one left running: it compiles
+    nothing."""
 
 
 class StepCompiler:
@@ -529,6 +533,7 @@ class StepCompiler:
         self._leavable: set[tuple] = set()  # `precompile(leavable=True)`: `close` may leave
         self._in_xla: tuple | None = None  # (key, mesh shape) whose XLA compile runs
         self.left_running: tuple | None = None  # the compile `close` left running
+        self._said_failed: set[str] = set()  # mesh shapes whose compile ahead failed
         self.compiles = 0
         self.compiled_ahead = 0
 
@@ -597,7 +602,7 @@ class StepCompiler:
         if _keys_shared():  # (else none is left running: `close`)
             waited, ended = self._left.wait(key, give_up=self._closing.is_set)
             if not ended:
-                raise _GivenUp(plan.shape)
+                raise GivenUp(plan.shape)
             if waited:
                 log.info("mnemojax: waited %.2fs for the compile for mesh %s an ended world "
                          "left running (its persistent-cache entry is loaded now)", waited,
@@ -823,16 +828,19 @@ class StepCompiler:
                 exe = None
             else:
                 exe = self._compile(plan, batch_struct, ahead=True)
-        except _GivenUp:
+        except GivenUp:
             with self._lock:
                 self._futures.pop(k, None)
             return None
         except Exception as e:
             with self._lock:
                 self._futures.pop(k, None)
-            if not self._closing.is_set():  # (said now: no fault has come yet)
+                said = str(plan.shape) in self._said_failed
+                self._said_failed.add(str(plan.shape))
+            theirs = isinstance(e, (jax.errors.JaxRuntimeError, MnemojaxError))  # (not the step's)
+            if not (self._closing.is_set() or said or theirs):  # (said now, once: no fault yet)
                 log.warning("mnemojax: compiling the step ahead of time for mesh %s failed "
-                            "(%s: %s): a recovery onto that mesh would fail the same way "
+                            "(%s: %s): a recovery onto such a mesh would fail the same way "
                             "(StepCompileError)", plan.shape, type(e).__name__,
                             str(e)[:500])
             raise

@@ -83,8 +83,9 @@ class MeshTooSmallError(MnemojaxError):
 
 class StepCompileError(MnemojaxError):
     """The step cannot be compiled for the mesh a recovery needs (it traced or compiled on
-    the first mesh). Raised from the recovery, with the cause chained; its compile ahead
-    of time failed the same way and was logged then, before any fault.
+    the first mesh). Raised from the recovery, with the cause chained; where a mesh of
+    that shape was compiled ahead of time, that failed the same way and was logged then,
+    before any fault.
 
     Attributes:
         mesh_shape: the recovery's mesh, axis name -> size.

@@ -16,7 +16,8 @@ kind                   category / meaning
 ``checkpoint_save``    badput: the blocking part of a persistent checkpoint save
 ``checkpoint_restore`` badput: restoring a persistent checkpoint
 ``fault``              a failure seen (``failed_devices``, ``classification``; also
-                       ``snapshot_budget`` and ``left_job``: the new mesh gave this
+                       ``snapshot_budget``, ``step_compile``: the step does not compile
+                       for a recovery's mesh, and ``left_job``: the new mesh gave this
                        process no device, and it left the job)
 ``recovery_phase``     badput: infrastructure recovery (``phase``: detect/plan/...)
 ``recovery``           summary of one recovery (``total_s``, ``steps_lost``, ...)

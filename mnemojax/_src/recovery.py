@@ -31,7 +31,13 @@ import jax
 import numpy as np
 
 from mnemojax._src import monitoring
-from mnemojax._src.compiler import Executable, cache_dir, export_name, shares_cache_entries
+from mnemojax._src.compiler import (
+    Executable,
+    GivenUp,
+    cache_dir,
+    export_name,
+    shares_cache_entries,
+)
 from mnemojax._src.distributed import env as dist_env
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.worker import coordination, peer_watch, state_transfer
@@ -135,8 +141,8 @@ def compiling_for(plan: MeshPlan) -> Iterator[None]:
     own errors pass unchanged."""
     try:
         yield
-    except (jax.errors.JaxRuntimeError, MnemojaxError):
-        raise
+    except (jax.errors.JaxRuntimeError, MnemojaxError, OSError, MemoryError, GivenUp):
+        raise  # (a device, mnemojax's own, the host's, the world ending)
     except Exception as e:
         raise StepCompileError(
             f"the step cannot be compiled for the recovery's mesh {plan.shape} "

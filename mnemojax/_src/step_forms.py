@@ -472,7 +472,7 @@ class StepForm(abc.ABC):
                 x = host_scalar(x)
             elif _is_key(x):  # travels as its raw data, a plain array (wrapped when traced)
                 impl = jax.random.key_impl(x)
-                x = np.asarray(jax.random.key_data(x))
+                x = jax.random.key_data(x)  # (read to the host with the other inputs)
             elif not (hasattr(x, "shape") and hasattr(x, "dtype")):
                 self._bad_input(dyn, dyn_kwargs, len(inputs), x)
             weak.append(number)
