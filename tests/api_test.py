@@ -674,3 +674,24 @@ def test_a_step_input_of_an_ended_world_is_said_once(caplog, monkeypatch):
     said = sorted(r.getMessage() for r in caplog.records)
     assert len(said) == 2 and all("world that ended" in m for m in said)
     assert "batch['k']" in said[0] and "batch['x']" in said[1]
+
+
+def test_nnx_cached_partial_of_a_resilient_step_runs_like_the_plain_one():
+    """Flax's `02_lifted_transforms`: ``nnx.cached_partial(train_step, model, optimizer)``
+    calls the step with a traversal cache for an NNX transform to take (Flax raises when
+    none does); the resilient step takes it, and trains the objects as `nnx.jit` does."""
+    batches = h.make_batches(3)
+
+    def run(step):
+        model, optimizer = h.make_mlp()
+        cached = nnx.cached_partial(step, model, optimizer)
+        for batch in batches:
+            cached(batch)
+        return h.host_state(model, optimizer)
+
+    want = run(nnx.jit(h.train_step))
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    got = run(step)
+    step.close()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5)

@@ -144,6 +144,28 @@ def test_an_object_of_arrays_the_step_does_not_carry_is_named_for_the_warning():
     assert form.uncarried_objects((OnlyArrays(),)) == ["OnlyArrays"]
 
 
+def test_a_train_state_holding_nnx_states_is_a_pure_state():
+    """Flax's `03_train_state`: a Linen `TrainState` whose fields are `nnx.State`s (their
+    leaves Variables) and a graphdef is the pure form's state, not NNX objects changed in
+    place; NNX objects elsewhere in the call still select the NNX form."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        counts: nnx.State
+        graphdef: nnx.GraphDef
+
+    model, optimizer = h.make_mlp()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = TrainState.create(apply_fn=None, graphdef=graphdef, params=params,
+                              tx=optax.sgd(0.1), counts=rest)
+
+    def step(state, batch):
+        return state, {}
+
+    assert form_for(step, (state, None)).kind == "pytree"
+    assert form_for(step, (state, model)).kind == "nnx"
+
+
 def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
     class InATuple(nnx.Module):
         def __init__(self):

@@ -79,6 +79,7 @@ from mnemojax._src.step_forms import (
     NnxForm,
     StepForm,
     batch_splits,
+    consume_flax_static_cache,
     form_for,
 )
 from mnemojax._src.topology import (
@@ -317,6 +318,7 @@ class ResilientStep(Generic[P, R]):
 
     def _call(self, args: tuple, kwargs: dict[str, Any]) -> R:
         t_call = time.perf_counter()
+        consume_flax_static_cache()
         b = self._built if self._built is not None else self._build(args, kwargs)
         if (left := b.session.left if b.session is not None else None) is not None:
             # This process left the job (the exit was caught, then the step called again).

@@ -432,9 +432,8 @@ def _drop_queued_compiles_at_exit() -> None:
                      "(an XLA compile cannot be cancelled)")
         elif compiler.pending():
             log.warning("mnemojax: at exit, waiting for the compile ahead of time in flight "
-                        "(an XLA compile cannot be cancelled; the ones queued are dropped): "
-                        "close() the resilient step when its training ends to wait for it "
-                        "then")
+                        "(it cannot be cancelled; step.close() at the end of training waits "
+                        "for it there)")
 
 
 def _hook_exit() -> None:

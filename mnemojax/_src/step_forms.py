@@ -1097,13 +1097,41 @@ def form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any] | None = 
     return form
 
 
+def consume_flax_static_cache() -> None:
+    """`nnx.cached_partial(train_step, model, optimizer)` calls the step with a cache of
+    the cached objects' traversal for the next NNX transform to take, and Flax raises when
+    none took it. A resilient step carries those objects (clones sharing their Variables)
+    itself: it takes the cache and leaves it unused."""
+    context = getattr(nnx.graph, "GRAPH_CONTEXT", None)
+    if context is not None and getattr(context, "tmp_static_cache", None) is not None:
+        context.tmp_static_cache = None
+
+
+def _holds_states_only(first: Any, dyn: Sequence[Any], dyn_kwargs: dict[str, Any]) -> bool:
+    """Whether the call's first argument is an `nnx.State` or holds some, and no NNX
+    object is in the call outside `nnx.State`s (their Variables are a pure state's
+    data, not objects changed in place)."""
+    def state_or_graph(x) -> bool:
+        return isinstance(x, nnx.State) or _is_graph(x)
+
+    if isinstance(first, nnx.State):
+        return True
+    if _is_graph(first) or not any(isinstance(x, nnx.State) for x in
+                                   jax.tree.leaves(first, is_leaf=state_or_graph)):
+        return False
+    return not any(_is_graph(x) and not isinstance(x, nnx.State) for x in
+                   jax.tree.leaves((dyn, dyn_kwargs), is_leaf=state_or_graph))
+
+
 def _form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               convention: Convention) -> StepForm:
     dyn, dyn_kwargs, _ = convention.split_statics(args, kwargs)
-    if dyn and isinstance(dyn[0], nnx.State) and 0 not in convention.static_argnums:
+    if dyn and 0 not in convention.static_argnums and _holds_states_only(dyn[0], dyn,
+                                                                          dyn_kwargs):
         # Flax's functional idiom, ``graphdef, state = nnx.split(...)`` then
         # ``step(state, batch) -> (state, metrics)``: a pure step whose state is an
-        # `nnx.State`, not NNX objects changed in place (its Variables were taken for
+        # `nnx.State`, or a pytree of them (a TrainState whose params are one: Flax's
+        # 03_train_state), not NNX objects changed in place (its Variables were taken for
         # objects: the input State changed under the caller, the loss went unchecked).
         return PytreeForm(fn, dyn[0], where=0, convention=convention)
     flat = jax.tree_util.tree_flatten_with_path((dyn, dyn_kwargs), is_leaf=_is_graph)[0]
