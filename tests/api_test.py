@@ -692,6 +692,14 @@ def test_nnx_cached_partial_of_a_resilient_step_runs_like_the_plain_one():
     want = run(nnx.jit(h.train_step))
     step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
     got = run(step)
-    step.close()
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-5)
+    # The step takes the objects themselves too (a restore, a call outside the loop): the
+    # clones share their Variables.
+    model, optimizer = h.make_mlp()
+    other = step.with_options()
+    other.restore(model, optimizer)
+    nnx.cached_partial(other, model, optimizer)(batches[0])
+    other(model, optimizer, batches[1])
+    step.close()
+    other.close()

@@ -163,7 +163,9 @@ def test_a_train_state_holding_nnx_states_is_a_pure_state():
         return state, {}
 
     assert form_for(step, (state, None)).kind == "pytree"
-    assert form_for(step, (state, model)).kind == "nnx"
+    assert form_for(step, (), {"state": state, "batch": None}).kind == "pytree"
+    with pytest.raises(UnsupportedStateError, match=r"pure state .*\(MLP\)"):
+        form_for(step, (state, model))  # (carried in place beside a pure state: refused)
 
 
 def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():

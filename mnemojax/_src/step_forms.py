@@ -786,6 +786,7 @@ class NnxForm(StepForm):
         super().__init__(fn, convention)
         self.objects = tuple(objects)
         self._found = {id(obj): i for i, obj in enumerate(self.objects)}
+        self._aliases: list[Any] = []  # clones taken for carried objects (`_clone_index`)
         names = list(names) if names is not None else [
             convention.arg_name(i) for i in range(len(self.objects))]
         self.object_names = names
@@ -830,6 +831,24 @@ class NnxForm(StepForm):
 
     def _is_state_leaf(self, x) -> bool:
         return _is_graph(x)
+
+    def _state_index(self, x) -> int | None:
+        index = super()._state_index(x) if id(x) in self._found or not _is_graph(x) \
+            else self._clone_index(x)
+        return index
+
+    def _clone_index(self, x) -> int | None:
+        """The index of the carried object ``x`` stands for: one holding the same Variables
+        (`nnx.cached_partial` calls the step with clones sharing the objects' Variables,
+        the objects themselves may come in other calls); else refused."""
+        held = frozenset(id(v) for v in _variables_of(x))
+        for i, obj in enumerate(self.objects):
+            if held and held == frozenset(id(v) for v in _variables_of(obj)):
+                self._found[id(x)] = i
+                self._aliases.append(x)  # (its id stays its own while it is a key)
+                return i
+        self._unknown_state(x)
+        return None
 
     def _unknown_state(self, x) -> None:
         raise UnsupportedStateError(
@@ -1107,33 +1126,52 @@ def consume_flax_static_cache() -> None:
         context.tmp_static_cache = None
 
 
-def _holds_states_only(first: Any, dyn: Sequence[Any], dyn_kwargs: dict[str, Any]) -> bool:
-    """Whether the call's first argument is an `nnx.State` or holds some, and no NNX
-    object is in the call outside `nnx.State`s (their Variables are a pure state's
-    data, not objects changed in place)."""
+def _pure_state_of(convention: Convention, dyn: Sequence[Any],
+                   dyn_kwargs: dict[str, Any]) -> tuple[Any, int | str] | None:
+    """The call's first argument and where it is, when it is an `nnx.State` or holds some
+    (Flax's functional idiom: their Variables are a pure state's data, not objects changed
+    in place); None otherwise.
+
+    Raises:
+        UnsupportedStateError: NNX objects are in the call beside such a state (a step
+            carries a pure state or objects changed in place, not both).
+    """
+    if dyn and 0 not in convention.static_argnums:
+        first, where = dyn[0], 0
+    elif (name := convention.arg_name(0) if convention.positional_names else None) \
+            and name in dyn_kwargs:
+        first, where = dyn_kwargs[name], name
+    else:
+        return None
+
     def state_or_graph(x) -> bool:
         return isinstance(x, nnx.State) or _is_graph(x)
 
-    if isinstance(first, nnx.State):
-        return True
-    if _is_graph(first) or not any(isinstance(x, nnx.State) for x in
-                                   jax.tree.leaves(first, is_leaf=state_or_graph)):
-        return False
-    return not any(_is_graph(x) and not isinstance(x, nnx.State) for x in
-                   jax.tree.leaves((dyn, dyn_kwargs), is_leaf=state_or_graph))
+    if not isinstance(first, nnx.State) and (_is_graph(first) or not any(
+            isinstance(x, nnx.State) for x in jax.tree.leaves(first, is_leaf=state_or_graph))):
+        return None
+    beside = sorted({type(x).__name__ for x in jax.tree.leaves((dyn, dyn_kwargs),
+                                                                is_leaf=state_or_graph)
+                     if _is_graph(x) and not isinstance(x, nnx.State)})
+    if beside:
+        raise UnsupportedStateError(
+            "this step's first argument is a pure state (it holds nnx.State, Flax's "
+            f"functional idiom), and the call also passes NNX objects ({', '.join(beside)}) "
+            "to change in place: a resilient step carries one or the other. Put their "
+            "state in the pure state (nnx.split), or pass the objects themselves instead")
+    return first, where
 
 
 def _form_for(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               convention: Convention) -> StepForm:
     dyn, dyn_kwargs, _ = convention.split_statics(args, kwargs)
-    if dyn and 0 not in convention.static_argnums and _holds_states_only(dyn[0], dyn,
-                                                                          dyn_kwargs):
+    if (pure := _pure_state_of(convention, dyn, dyn_kwargs)) is not None:
         # Flax's functional idiom, ``graphdef, state = nnx.split(...)`` then
         # ``step(state, batch) -> (state, metrics)``: a pure step whose state is an
         # `nnx.State`, or a pytree of them (a TrainState whose params are one: Flax's
         # 03_train_state), not NNX objects changed in place (its Variables were taken for
         # objects: the input State changed under the caller, the loss went unchecked).
-        return PytreeForm(fn, dyn[0], where=0, convention=convention)
+        return PytreeForm(fn, pure[0], where=pure[1], convention=convention)
     flat = jax.tree_util.tree_flatten_with_path((dyn, dyn_kwargs), is_leaf=_is_graph)[0]
     objects: list[Any] = []
     names: list[str] = []
