@@ -833,9 +833,9 @@ class NnxForm(StepForm):
         return _is_graph(x)
 
     def _state_index(self, x) -> int | None:
-        index = super()._state_index(x) if id(x) in self._found or not _is_graph(x) \
-            else self._clone_index(x)
-        return index
+        if id(x) in self._found or not _is_graph(x):
+            return super()._state_index(x)
+        return self._clone_index(x)
 
     def _clone_index(self, x) -> int | None:
         """The index of the carried object ``x`` stands for: one holding the same Variables
