@@ -703,3 +703,44 @@ def test_nnx_cached_partial_of_a_resilient_step_runs_like_the_plain_one():
     other(model, optimizer, batches[1])
     step.close()
     other.close()
+
+
+class _MeanOverLength(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((1, 1)))
+
+    def __call__(self, x):
+        return jnp.mean(x, axis=1, keepdims=True) @ self.w[...]
+
+
+def _bucketed_step(model, optimizer, batch):
+    def loss_fn(model):
+        return jnp.mean((model(batch["x"]) - 1.0) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+@pytest.mark.parametrize("layouts", [1, 2])
+def test_the_worlds_a_loss_forms_are_compiled_ahead_for_each_recent_batch_layout(layouts):
+    """Bucketed batches (sequence lengths 4 and 8, alternating): with
+    ``ahead_layouts=2`` a device loss in a step of length 8 finds its mesh's step
+    compiled ahead (``ready``); with 1, only the layout of the batch at the first step
+    (length 4) was."""
+    model = _MeanOverLength()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = mnemojax.resilient(
+        _bucketed_step, mesh=h.mesh_of((8,), ("data",)),
+        options=mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
+            cache_dir=None, max_precompiled=1, ahead_layouts=layouts)),
+        fault_injector=FaultInjector().lose_devices(6, [0]))
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        length = 4 if i % 2 == 0 else 8  # step 1 (i = 0): 4, ..., step 6: 8
+        step(model, optimizer, {"x": rng.normal(size=(16, length)).astype(np.float32)})
+        if i == 2:
+            step.wait_precompiled()  # (both lengths seen: their compiles ahead done)
+    [rec] = step.statistics.recoveries
+    assert rec.executable == ("ready" if layouts == 2 else "compiled"), rec.executable
+    step.close()

@@ -23,6 +23,7 @@ from mnemojax.errors import InvalidOptionError
     (mnemojax.CompileOptions, "max_precompiled", -1, ">= 0"),
     (mnemojax.CompileOptions, "ahead_compilers", 0, "None or >= 1"),
     (mnemojax.CompileOptions, "ahead_losses", 3, "1 or 2"),
+    (mnemojax.CompileOptions, "ahead_layouts", 0, ">= 1"),
     (mnemojax.ResilienceOptions, "nonfinite", "skip", "'skip_batch'"),
     (mnemojax.ResilienceOptions, "data_axis", "", "non-empty"),
     (mnemojax.ResilienceOptions, "snapshot", 5, "SnapshotOptions"),

@@ -341,6 +341,8 @@ class ResilientStep(Generic[P, R]):
         self._check_batch(b, batch)
         self._compare_replicated_inputs(b, batch)
         step = self._step + 1
+        if self.options.compile.ahead_layouts > 1:
+            self._note_layout(b, batch)
         batch = self._batches.append(step, batch)  # our own copy, kept for replay
         try:
             leaves = self._place_state(b, leaves)
@@ -1387,6 +1389,18 @@ class ResilientStep(Generic[P, R]):
         self._statistics.snapshot_every_steps = every
         return every
 
+    def _note_layout(self, b: _Built, batch: Any) -> None:
+        """Keeps the newest `CompileOptions.ahead_layouts` batch layouts; a new one after
+        the first step schedules the compiles ahead for it."""
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        known = key in b.layouts
+        b.layouts[key] = b.layouts.pop(key, None) or batch_struct(batch, None)
+        while len(b.layouts) > self.options.compile.ahead_layouts:
+            b.layouts.pop(next(iter(b.layouts)))
+        if not known and self._step >= 1:
+            b.precompile_due = True
+
     def _schedule_precompile(self) -> None:
         b = self._require_built()
         copts = self.options.compile
@@ -1428,11 +1442,13 @@ class ResilientStep(Generic[P, R]):
         else:
             plans = single_failure_plans(proxy.plan.device_ids, proxy.plan.axis_names,
                                          spares=proxy.spares, **rules.as_kwargs())
-        batch = self._batches.last
-        for plan in plans[:copts.max_precompiled]:
-            b.runtime.compiler.precompile([plan], batch_struct(batch, plan.examples_per_step),
-                                          export_only=export_only, sharing=sharing,
-                                          leavable=plan.key in leavable)
+        # The newest batch's layout first, then the others kept, newest first.
+        batches = [self._batches.last, *reversed(list(b.layouts.values())[:-1])]
+        for batch in batches:
+            for plan in plans[:copts.max_precompiled]:
+                b.runtime.compiler.precompile(
+                    [plan], batch_struct(batch, plan.examples_per_step),
+                    export_only=export_only, sharing=sharing, leavable=plan.key in leavable)
 
 
 _build_numbers = itertools.count()
@@ -1519,6 +1535,8 @@ class _Built:
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
     old_world_inputs: set = dataclasses.field(default_factory=set)  # (said once per input)
+    # Batch layout -> its shapes and dtypes, the newest last (`CompileOptions.ahead_layouts`).
+    layouts: dict = dataclasses.field(default_factory=dict)
 
 
 @jax.jit

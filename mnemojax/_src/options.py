@@ -308,6 +308,12 @@ class CompileOptions:
             an XLA compile cannot be cancelled; it writes its persistent-cache entry, which
             a later world needing that plan waits for rather than compiling it again), but
             on a host with few cores it slows the recovery beside it.
+        ahead_layouts: for how many batch layouts (the inputs' shapes and dtypes: bucketed
+            sequence lengths, say) the candidate worlds are compiled ahead: 1, the newest
+            batch's; N, also those of the N-1 layouts seen most recently before it, each
+            compiled once first seen (N times the background compiles). A recovery in a
+            step of a layout not compiled ahead compiles on its path (a user trial's
+            bucketed sst2: 4.0-9.2 s).
         ahead_compilers: under several processes, how many of them compile each candidate
             world's step ahead (spread over the ranks: 0, n/k, ...); the others keep its
             export, and when that world forms they load the executable from the
@@ -346,6 +352,7 @@ class CompileOptions:
     background_switch_interval_s: float | None = 0.0005
     ahead_compilers: int | None = None
     ahead_losses: int = 1
+    ahead_layouts: int = 1
     warm_fallbacks: bool = False
 
     def __post_init__(self):
@@ -354,6 +361,7 @@ class CompileOptions:
         _check(self.ahead_compilers is None or self.ahead_compilers >= 1, "ahead_compilers",
                self.ahead_compilers, "None or >= 1")
         _check(self.ahead_losses in (1, 2), "ahead_losses", self.ahead_losses, "1 or 2")
+        _check(self.ahead_layouts >= 1, "ahead_layouts", self.ahead_layouts, ">= 1")
         _check(self.background_switch_interval_s is None
                or self.background_switch_interval_s > 0, "background_switch_interval_s",
                self.background_switch_interval_s, "None or > 0")
