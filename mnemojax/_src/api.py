@@ -34,6 +34,7 @@ from mnemojax._src.compiler import (
     ExportSharing,
     compiles_ahead_here,
     enable_persistent_cache,
+    layout_key,
 )
 from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import put_host
@@ -1392,8 +1393,7 @@ class ResilientStep(Generic[P, R]):
     def _note_layout(self, b: _Built, batch: Any) -> None:
         """Keeps the newest `CompileOptions.ahead_layouts` batch layouts; a new one after
         the first step schedules the compiles ahead for it."""
-        leaves, treedef = jax.tree.flatten(batch)
-        key = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        key = layout_key(batch)
         known = key in b.layouts
         b.layouts[key] = b.layouts.pop(key, None) or batch_struct(batch, None)
         while len(b.layouts) > self.options.compile.ahead_layouts:

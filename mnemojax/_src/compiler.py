@@ -413,6 +413,13 @@ def _pmap_style_told(mesh: Mesh) -> Iterator[None]:
         raise
 
 
+def layout_key(batch) -> tuple:
+    """A batch's layout, hashable: its leaves' shapes and dtypes, and its structure (what
+    a step compiled for one layout takes, `StepCompiler.key`)."""
+    return (tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree.leaves(batch)),
+            jax.tree.structure(batch))
+
+
 _live_compilers: weakref.WeakSet[StepCompiler] = weakref.WeakSet()
 _exit_hooked = threading.Lock()
 
@@ -566,8 +573,7 @@ class StepCompiler:
 
     @staticmethod
     def key(plan: MeshPlan, batch_struct) -> tuple:
-        return (plan.key, tuple((tuple(s.shape), str(s.dtype)) for s in
-                                jax.tree.leaves(batch_struct)), jax.tree.structure(batch_struct))
+        return (plan.key, *layout_key(batch_struct))
 
     def batch_shardings(self, mesh: Mesh, batch_struct):
         """Split along the batch axes, or whole on every device (`batch_splits`)."""
