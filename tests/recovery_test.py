@@ -186,12 +186,28 @@ def test_a_process_the_new_mesh_leaves_idle_leaves_and_the_others_agree_again(pr
                                    OSError("agent gone"), MemoryError()])
 def test_only_the_steps_own_compile_errors_become_step_compile_errors(error):
     """`compiling_for`: an error of the step's trace or compile on the recovery's mesh is
-    a `StepCompileError` naming the mesh (the cause chained); the host's errors pass."""
+    a `StepCompileError` naming the mesh (the cause chained), told as a ``fault`` event
+    (in one process and across processes alike); the host's errors pass, untold."""
     plan = MeshPlan(np.arange(6).reshape(3, 2), ("data", "model"), "unchanged")
     steps_own = isinstance(error, (ValueError, NameError))
+
+    class Told:
+        def __init__(self):
+            self.events = []
+
+        def emit(self, kind, **fields):
+            self.events.append((kind, fields))
+
+    told = Told()
     with pytest.raises(StepCompileError if steps_own else type(error)) as raised, \
-            compiling_for(plan):
+            compiling_for(plan, told, 7):  # type: ignore[arg-type]
         raise error
     if steps_own:
         assert raised.value.mesh_shape == {"data": 3, "model": 2}
         assert raised.value.__cause__ is error
+        [(kind, fields)] = told.events
+        assert kind == "fault" and fields["classification"] == "step_compile"
+        assert fields["step"] == 7 and fields["mesh"] == {"data": 3, "model": 2}
+        assert fields["detail"].startswith(type(error).__name__)
+    else:
+        assert told.events == []

@@ -1461,11 +1461,14 @@ def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:
     collectives, up to the collective timeout (a user trial's eager `jax.random.split`
     stalled 18 s right after a recovery), and it keeps that world's client alive. It is
     still a valid input: the step copies it."""
+    live_clients: dict[str, Any] = {}  # platform -> its live client, asked once per call
     for name, x in zip(inputs.layout.names, inputs.leaves, strict=True):
         if not isinstance(x, jax.Array) or name in b.old_world_inputs:
             continue
         device = next(iter(x.devices()))
-        if device.client is not jax.devices(device.platform)[0].client:  # (not a live one)
+        if (live := live_clients.get(device.platform)) is None:
+            live = live_clients[device.platform] = jax.devices(device.platform)[0].client
+        if device.client is not live:
             b.old_world_inputs.add(name)
             log.warning(
                 "mnemojax: the step input %s is an array of a world that ended at a "

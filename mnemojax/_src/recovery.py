@@ -134,16 +134,18 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
 
 
 @contextlib.contextmanager
-def compiling_for(plan: MeshPlan) -> Iterator[None]:
+def compiling_for(plan: MeshPlan, durability: Durability, step: int) -> Iterator[None]:
     """A recovery's compile of the step for ``plan``: an error of the step's own trace or
     compile there (it compiled on the first mesh) is a `StepCompileError` naming the
-    mesh, the cause chained; a runtime error (a device failing meanwhile) and mnemojax's
-    own errors pass unchanged."""
+    mesh, the cause chained, told as a ``fault`` event (``step_compile``); a runtime error
+    (a device failing meanwhile) and mnemojax's own errors pass unchanged."""
     try:
         yield
     except (jax.errors.JaxRuntimeError, MnemojaxError, OSError, MemoryError, GivenUp):
         raise  # (a device, mnemojax's own, the host's, the world ending)
     except Exception as e:
+        durability.emit("fault", step=step, classification="step_compile",
+                        mesh=plan.shape, detail=f"{type(e).__name__}: {str(e)[:200]}")
         raise StepCompileError(
             f"the step cannot be compiled for the recovery's mesh {plan.shape} "
             f"({type(e).__name__}: {str(e)[:500]}); it compiled for the first mesh, so "
@@ -294,14 +296,9 @@ class DeviceRecovery:
             unavailable = exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
         t = time.perf_counter()
-        try:
-            with compiling_for(plan):
-                exe, how = runtime.compiler.get(
-                    plan, batch_struct(self._batches.last, plan.examples_per_step))
-        except StepCompileError as e:
-            self._durability.emit("fault", step=step, classification="step_compile",
-                                  mesh=plan.shape, detail=str(e.__cause__)[:200])
-            raise
+        with compiling_for(plan, self._durability, step):
+            exe, how = runtime.compiler.get(
+                plan, batch_struct(self._batches.last, plan.examples_per_step))
         phases["compile"] = time.perf_counter() - t
         t = time.perf_counter()
         if host is None:
@@ -459,7 +456,7 @@ class ProcessRecovery:
         t = time.perf_counter()
         runtime = self.built = self._builder.build(plan, spares=plan.idle)
         self._durability.reopen_tier(runtime.layer)
-        with compiling_for(plan):
+        with compiling_for(plan, self._durability, step):
             exe, compiled_now = compile_for_world(
                 session, runtime, self._batches.last, plan.examples_per_step,
                 timeout_s=compiled_barrier_s(self._builder))
