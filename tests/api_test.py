@@ -646,6 +646,24 @@ def test_a_step_written_for_pmap_fails_its_trace_with_a_note_on_what_to_do():
     step.close()
 
 
+def test_a_trace_error_names_the_users_step_and_its_argument():
+    """JAX's trace errors name the function traced: the user's step (its file and line),
+    not mnemojax's wrapper, and the argument by the user's name."""
+    def train_step(model, optimizer, batch, scale):
+        if scale > 1:  # a traced Python number in Python control flow
+            batch = {**batch, "x": batch["x"] * 2}
+        return h.train_step(model, optimizer, batch)
+
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        step(model, optimizer, h.make_batches(1)[0], 2.0)
+    line = train_step.__code__.co_firstlineno
+    assert f"the function train_step at {__file__}:{line}" in str(raised.value)
+    assert "argument batch.scale" in str(raised.value)
+    step.close()
+
+
 def test_a_step_input_of_an_ended_world_is_said_once(caplog, monkeypatch):
     """After a world change, a step input computed on the ended world's devices (a key
     split outside the step) is warned of, once per input; host inputs and arrays of the

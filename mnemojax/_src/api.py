@@ -758,7 +758,7 @@ class ResilientStep(Generic[P, R]):
             agree_stop=functools.partial(session.agree_stop, f"step{number}")
             if session is not None else None)
         builder = RuntimeBuilder(
-            opts, pure=form.pure, specs=form.specs,
+            opts, pure=form.pure, traced_as=form.fn, specs=form.specs,
             leaf_structs=[(s, np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype)
                           for s, v in zip(shapes, values, strict=True)],
             leaf_entries=form.leaf_entries, leaf_names=form.leaf_paths,

@@ -32,7 +32,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -496,6 +498,17 @@ class GivenUp(Exception):
     nothing."""
 
 
+def _source_function(fn: Callable | None) -> Callable | None:
+    """The plain Python function `fn` is, under partials and wrappers (what JAX's trace
+    errors can point at with a file and line), or None."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if fn is None:
+        return None
+    fn = inspect.unwrap(fn)
+    return fn if hasattr(fn, "__code__") else None
+
+
 class StepCompiler:
     """Compiles ``pure(leaves, batch)`` for a mesh; caches executables by mesh and batch.
 
@@ -513,8 +526,10 @@ class StepCompiler:
                  exports: ExportedSteps | None = None,
                  switch_interval_s: float | None = None,
                  leaf_names: Sequence[str] | None = None,
-                 facts: StepFacts | None = None, left: LeftCompiles | None = None):
+                 facts: StepFacts | None = None, left: LeftCompiles | None = None,
+                 traced_as: Callable | None = None):
         self._pure = pure
+        self._traced_as = _source_function(traced_as)
         self._left = left if left is not None else LeftCompiles()
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
         self._switch_interval_s = switch_interval_s
@@ -569,6 +584,13 @@ class StepCompiler:
             return new, metrics, check(*[new[i] for i in floats])
 
         multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        if self._traced_as is not None:
+            # JAX names the traced function in its trace errors ("while tracing the
+            # function ... at file:line"): the user's step, not this wrapper. Its own
+            # signature stays (JAX names the arguments from it), and debug info is not in
+            # the persistent cache's key (stripped there), so keys do not change.
+            checked.__signature__ = inspect.signature(checked)  # type: ignore[attr-defined]
+            checked.__wrapped__ = self._traced_as  # type: ignore[attr-defined]
         return checked
 
     @staticmethod

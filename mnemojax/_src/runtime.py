@@ -83,6 +83,8 @@ class RuntimeBuilder:
         export_steps: keep the step exported per plan compiled ahead (`ExportedSteps`),
             for the worlds that follow a process loss (multi-process jobs).
         leaf_names: per state leaf, its path (for messages).
+        traced_as: the user's step function, which JAX's trace errors name (the step is
+            traced through mnemojax's wrapper).
     """
 
     def __init__(self, options: ResilienceOptions, *, pure: Callable,
@@ -91,8 +93,9 @@ class RuntimeBuilder:
                  wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
                  on_corrupt: Callable[[int], None] | None = None,
                  axis_types: shd.AxisTypes | None = None, export_steps: bool = False,
-                 leaf_names: Sequence[str] | None = None):
+                 leaf_names: Sequence[str] | None = None, traced_as: Callable | None = None):
         self._options = options
+        self._traced_as = traced_as  # the user's step, for JAX's trace errors to name
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
         # The candidates of the last two precompiles (the world's and the one before).
         self.exports = ExportedSteps(max(1, 2 * options.compile.max_precompiled)) \
@@ -135,7 +138,8 @@ class RuntimeBuilder:
                 check_state=opts.check_state and opts.nonfinite != "ignore",
                 axis_types=self.axis_types, exports=self.exports,
                 switch_interval_s=opts.compile.background_switch_interval_s,
-                leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles)
+                leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
+                traced_as=self._traced_as)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
