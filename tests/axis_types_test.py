@@ -230,3 +230,36 @@ def test_an_annotation_that_does_not_divide_keeps_the_layout_jax_gave(caplog):
                                atol=1e-6)
     assert model.w1[...].sharding.spec == P(None, "model")
     train_step.close()
+
+
+class _Vector(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((8,)))
+
+
+@pytest.mark.parametrize("types", [(AxisType.Explicit, AxisType.Explicit),
+                                   (AxisType.Explicit, AxisType.Auto)])
+def test_a_step_that_reshards_its_state_on_explicit_axes_trains_and_is_checked(types):
+    """A step on Explicit axes whose state leaf comes out in another layout than the
+    state's (its own ``jax.sharding.reshard``; a user trial's minimal case) failed in the
+    state's finiteness check (shard_map refused the layout); it now trains as ``nnx.jit``
+    does (the leaf keeps the state's layout), and a NaN it makes in that leaf is still
+    caught by the check (the loss stays finite)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8],
+                         axis_types=types)
+
+    def step(model, x):
+        model.w[...] = jax.sharding.reshard(model.w[...] * x.mean(), P("data"))
+        return {"loss": jnp.mean(jnp.nan_to_num(model.w[...]))}  # (finite: the state's check)
+
+    x = np.full((8, 2), 2.0, np.float32)
+    model, plain = _Vector(), _Vector()
+    train_step = mnemojax.resilient(step, mesh=mesh, options=h.no_precompile())
+    with jax.set_mesh(mesh):
+        for _ in range(2):
+            train_step(model, x)
+            nnx.jit(step)(plain, x)
+        np.testing.assert_array_equal(np.asarray(model.w[...]), np.asarray(plain.w[...]))
+        with pytest.raises(mnemojax.errors.NonFiniteLossError):
+            train_step(model, np.full((8, 2), np.nan, np.float32))
+    train_step.close()

@@ -575,13 +575,21 @@ class StepCompiler:
                               in_specs=tuple(self._specs[i] for i in floats),
                               out_specs=everywhere, check_vma=False)
 
+        explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                    if t == jax.sharding.AxisType.Explicit}
+        layouts = [shd.explicit_part(self._specs[i], explicit) for i in floats]
+
         def checked(leaves, batch):
             new, metrics = self._pure(leaves, batch)
             if not floats:
                 return new, metrics, jnp.ones((1,), bool)
+            finite = [new[i] for i in floats]
+            if explicit:  # a leaf the step resharded itself is read in the state's layout
+                # (where the step's out_shardings put it too); shard_map refuses another
+                finite = [jax.sharding.reshard(x, s) for x, s in zip(finite, layouts, strict=True)]
             if multi_process:  # every process must see the same verdict: one global flag
-                return new, metrics, jnp.all(check(*[new[i] for i in floats]))
-            return new, metrics, check(*[new[i] for i in floats])
+                return new, metrics, jnp.all(check(*finite))
+            return new, metrics, check(*finite)
 
         multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         if self._traced_as is not None:

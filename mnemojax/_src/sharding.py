@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -54,6 +54,17 @@ def spec_axes(spec: PartitionSpec) -> list[tuple[int, tuple[str, ...]]]:
         names = (entry,) if isinstance(entry, str) else tuple(entry)
         out.append((dim, names))
     return out
+
+
+def explicit_part(spec: PartitionSpec, explicit: Collection[str]) -> PartitionSpec:
+    """`spec` over the `explicit` axes only (what `jax.sharding.reshard` takes on a mesh
+    whose other axes are Auto)."""
+    entries = []
+    for entry in spec:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(n for n in names if n in explicit)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
 
 
 def validate_specs(
