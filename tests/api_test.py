@@ -48,6 +48,27 @@ def test_bare_and_keyword_forms_wrap_the_function():
         keyed.with_options(meshh=None)
 
 
+def test_with_options_after_a_recovery_keeps_the_mesh_without_the_lost_device():
+    """The step the refusal of a new model suggests (``step.with_options()``, a user
+    trial) kept the mesh it was given, the lost device in it: its first call failed
+    placing the state with the raw device error. It now starts on the mesh as it is, and
+    keeps the spares as they are."""
+    step = _step(FaultInjector().lose_devices(2, [3]))
+    model, optimizer = h.make_mlp()
+    for batch in h.make_batches(3):
+        step(model, optimizer, batch)
+    assert len(step.statistics.recoveries) == 1
+    assert 3 not in {d.id for d in step.mesh.devices.flat}
+    other = step.with_options()
+    assert other.mesh is step.mesh
+    model, optimizer = h.make_mlp(seed=1)
+    other(model, optimizer, h.make_batches(1)[0])
+    assert other.statistics.recoveries == [] and other.statistics.steps_run == 1
+    assert other.statistics.spare_devices == step.statistics.spare_devices == (2,)
+    step.close()
+    other.close()
+
+
 def test_shape_error_reaches_caller_unchanged_and_never_recovers():
     model, optimizer = h.make_mlp()
     step = _step(FaultInjector().lose_devices(5, [0]))

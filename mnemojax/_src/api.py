@@ -223,10 +223,15 @@ class ResilientStep(Generic[P, R]):
         """A new, unbuilt resilient step of the same function with some arguments changed
         (``mesh``, ``static_argnums``, ``static_argnames``, ``donate_argnums``,
         ``donate_argnames``, ``replicated_argnums``, ``replicated_argnames``, ``options``,
-        ``fault_injector``, ``spare_devices``)."""
-        kwargs: dict[str, Any] = dict(mesh=self._mesh_arg, options=self._given_options,
+        ``fault_injector``, ``spare_devices``). A step that has run keeps its mesh and
+        spare devices as they are now: after a recovery, without the devices lost."""
+        mesh, spares = self._mesh_arg, self._spares_arg
+        if self._built is not None:
+            proxy = self._built.runtime.proxy
+            mesh, spares = self._built.runtime.mesh, tuple(proxy.spares)
+        kwargs: dict[str, Any] = dict(mesh=mesh, options=self._given_options,
                                       fault_injector=self._injector,
-                                      spare_devices=self._spares_arg, **self._jit_args)
+                                      spare_devices=spares, **self._jit_args)
         unknown = set(changes) - set(kwargs)
         if unknown:
             raise InvalidOptionError(f"with_options got unknown argument(s) {sorted(unknown)}")
