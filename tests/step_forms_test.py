@@ -177,6 +177,19 @@ def test_an_array_that_cannot_be_written_in_place_is_refused_naming_it():
         form_for(_counting_step, (InATuple(), None))
 
 
+def test_a_variable_holding_several_arrays_is_refused_naming_it():
+    """What ``sow`` leaves in an Intermediate (a tuple of what it was given): a typed error naming the variable and the way out (a user trial met "could not read
+    one partition spec per state leaf (11 specs for 12 leaves)")."""
+    class Sown(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+            self.seen = nnx.Intermediate((jnp.zeros(2), jnp.ones(2)))
+
+    with pytest.raises(UnsupportedStateError,
+                       match=r"variable m/seen holds a tuple of 2 arrays .*nnx.pop"):
+        form_for(_counting_step, (Sown(), None))
+
+
 def test_typed_prng_keys_travel_as_raw_key_data():
     model, _ = h.make_mlp(dropout=0.5)
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

@@ -766,6 +766,33 @@ def _closed_over_graph_objects(fn: Callable, depth: int = 0) -> list[tuple[str, 
     return found
 
 
+# What to do when a step is called with other NNX objects than those it carries.
+_NEW_OBJECTS = (
+    "A step carries the objects it first ran with (their variables, snapshotted each step): "
+    "to go on with another object's values (one loaded from a checkpoint, one resharded "
+    "between steps), copy them into the carried objects (nnx.update(model, "
+    "nnx.state(other))); for a different model, decorate a new step (or use "
+    "step.with_options())")
+
+
+def _refuse_containers(values: Sequence[Any], paths: Sequence[str]) -> None:
+    """A variable holding a tuple, list or dict of arrays (what ``sow`` leaves in an
+    ``Intermediate``, Linen's through `nnx.bridge.ToNNX` too) is not carried.
+
+    Raises:
+        UnsupportedStateError: naming the first such variable and what it holds.
+    """
+    for value, path in zip(values, paths, strict=True):
+        if isinstance(value, (tuple, list, dict)):
+            n = len(jax.tree.leaves(value))
+            raise UnsupportedStateError(
+                f"the variable {path} holds a {type(value).__name__} of {n} arrays (what "
+                "sow leaves in an Intermediate): a resilient step carries variables that "
+                "hold one array each. Take sown values out of the state inside the step "
+                "(nnx.pop(model, nnx.Intermediate), or Linen's mutable=... without "
+                "'intermediates'), or hold each array in its own variable")
+
+
 class NnxForm(StepForm):
     """A step whose arguments hold NNX objects; it updates them in place (``nnx.jit``).
 
@@ -804,6 +831,7 @@ class NnxForm(StepForm):
         self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
         self.leaf_entries = [_entry_of(v) for _, v in flat]
         values = [v.get_value() for v in self.live_vars]
+        _refuse_containers(values, self.leaf_paths)
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
         specs = jax.tree.leaves(nnx.get_partition_spec(state),
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -853,8 +881,7 @@ class NnxForm(StepForm):
     def _unknown_state(self, x) -> None:
         raise UnsupportedStateError(
             f"got a {type(x).__name__} this resilient step does not carry: it was built for "
-            f"another model (it carries {', '.join(self.object_names)}); decorate a new "
-            "step (or use step.with_options()) for a different model")
+            f"another model (it carries {', '.join(self.object_names)}). {_NEW_OBJECTS}")
 
     def _state_args(self, slots, leaves):
         seen = {-1 - s for s in slots if s < 0}
@@ -879,8 +906,7 @@ class NnxForm(StepForm):
         if len(state_args) != len(self.objects) or any(
                 a is not b for a, b in zip(state_args, self.objects, strict=False)):
             raise UnsupportedStateError(
-                "this resilient step was built for another model/optimizer; decorate a new "
-                "step (or use step.with_options()) for a different model")
+                f"this resilient step was built for another model/optimizer. {_NEW_OBJECTS}")
         if self._plain:
             return [_to_raw(v.get_raw_value()) for v in self.live_vars]
         return [_to_raw(v.get_value()) for v in self.live_vars]
