@@ -503,7 +503,7 @@ class ProcessRecovery:
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
             from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)))
-        log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d processes, mesh %s, "
+        log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d process(es), mesh %s, "
                     "ready to resume from step %d after %.2f s (%s; executable %s): %d "
                     "step(s) to replay before step %d (the recovery's total, logged once "
                     "step %d has run, counts them and that step's run)",
