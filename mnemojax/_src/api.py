@@ -335,7 +335,12 @@ class ResilientStep(Generic[P, R]):
                 f"step {b.session.resume.agreement.resume_step}): call "
                 "step.restore(...) with the state before the first step, and start the loop "
                 "at the step it returns")
-        state_args, user_batch = b.form.split_call(args, kwargs)
+        try:
+            state_args, user_batch = b.form.split_call(args, kwargs)
+        except UnsupportedStateError:
+            if not self._adopt_new_objects(b, args, kwargs):
+                raise
+            state_args, user_batch = b.form.split_call(args, kwargs)
         if b.superseded is not None:
             state_args = self._recovered_state_args(b, state_args)
         b.durability.check_preemption(self._step, b.last_written)
@@ -496,6 +501,33 @@ class ResilientStep(Generic[P, R]):
             return self._run(self._step + 1, b.last_written, None, beside=work)[1]
         finally:
             self._guarding = False
+
+    def _adopt_new_objects(self, b: _Built, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """A call that passes other NNX objects of the same structure than the step
+        carries (a model loaded from a checkpoint, or resharded between steps: ``nnx.jit``
+        takes any) makes the step carry them from now on, their values the state (as a
+        change made between steps: in one process snapshotted before the step). False
+        when the call's objects are not such (it is refused as before).
+
+        Raises:
+            UnsupportedStateError: another live step carries one of the new objects.
+        """
+        form = b.form
+        if not isinstance(form, NnxForm) or (new := form.replacements(args, kwargs)) is None:
+            return False
+        old = form.objects
+        form.adopt(new)
+        try:
+            ownership.check_unclaimed(self, form)
+        except UnsupportedStateError:
+            form.adopt(old)
+            raise
+        ownership.release(self)
+        ownership.claim(self, form)
+        log.info("mnemojax: step %d: the call passes other objects than the step carried "
+                 "(%s), of the same structure: the step carries them from now on",
+                 self._step + 1, ", ".join(form.object_names))
+        return True
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
         """One process: the NNX objects' state changed since the last step, outside it (a

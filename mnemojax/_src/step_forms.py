@@ -768,11 +768,16 @@ def _closed_over_graph_objects(fn: Callable, depth: int = 0) -> list[tuple[str, 
 
 # What to do when a step is called with other NNX objects than those it carries.
 _NEW_OBJECTS = (
-    "A step carries the objects it first ran with (their variables, snapshotted each step): "
-    "to go on with another object's values (one loaded from a checkpoint, one resharded "
-    "between steps), copy them into the carried objects (nnx.update(model, "
-    "nnx.state(other))); for a different model, decorate a new step (or use "
-    "step.with_options())")
+    "A step carries the objects it first ran with, or others of the same structure (graph, "
+    "static attributes, an optimizer's optax transformation object, shapes and dtypes), "
+    "which it then carries instead: to go on with the values of objects of another "
+    "structure, copy them into the carried ones (nnx.update(model, nnx.state(other))); an "
+    "optimizer with another transformation, or another model, needs a new step "
+    "(step.with_options())")
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def _refuse_containers(values: Sequence[Any], paths: Sequence[str]) -> None:
@@ -811,21 +816,11 @@ class NnxForm(StepForm):
                  convention: Convention | None = None, donated: Sequence[bool] = ()):
         convention = convention or Convention(fn)
         super().__init__(fn, convention)
-        self.objects = tuple(objects)
-        self._found = {id(obj): i for i, obj in enumerate(self.objects)}
-        self._aliases: list[Any] = []  # clones taken for carried objects (`_clone_index`)
         names = list(names) if names is not None else [
-            convention.arg_name(i) for i in range(len(self.objects))]
+            convention.arg_name(i) for i in range(len(objects))]
         self.object_names = names
         self.donates_state = any(donated)
-        flat = jax.tree_util.tree_flatten_with_path(nnx.state(self.objects), is_leaf=_is_var)[0]
-        self.leaf_paths = [_path_name(names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
-        # (an array held without a Variable is written back through its owner)
-        self.live_vars: list[nnx.Variable | _ArrayLeaf] = [
-            v if _is_var(v) else _ArrayLeaf.at(self.objects, [_raw_key(k) for k in p], path)
-            for (p, v), path in zip(flat, self.leaf_paths, strict=True)]
-        for var in self.live_vars:
-            _number_to_array(var)
+        flat = self._bind(tuple(objects))
         self.graphdef, state = nnx.split(self.objects)
         self.treedef = jax.tree.structure(state)
         self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
@@ -843,12 +838,61 @@ class NnxForm(StepForm):
         self.specs = [_annotated_or_placed(spec, x, path) for spec, x, path in
                       zip(specs, values, self.leaf_paths, strict=True)]
         self._returns_objects = False
-        self._written: list | None = None  # the values `_write` set, in `live_vars` order
         self._has_keys = any(impl is not None for impl in self.key_impls)
 
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
         # holding a plain array read and write the same through the raw accessors (0.13 ms).
+        self._plain = all(_hookless(v) for v in self.live_vars)
+
+    def _bind(self, objects: tuple) -> list:
+        """Carries `objects`: their variables (and array leaves) become `live_vars`;
+        returns their state's flat (path, variable) list."""
+        self.objects = objects
+        self._found = {id(obj): i for i, obj in enumerate(objects)}
+        self._aliases: list[Any] = []  # clones taken for carried objects (`_clone_index`)
+        flat = jax.tree_util.tree_flatten_with_path(nnx.state(objects), is_leaf=_is_var)[0]
+        self.leaf_paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
+                           for p, _ in flat]
+        # (an array held without a Variable is written back through its owner)
+        self.live_vars: list[nnx.Variable | _ArrayLeaf] = [
+            v if _is_var(v) else _ArrayLeaf.at(objects, [_raw_key(k) for k in p], path)
+            for (p, v), path in zip(flat, self.leaf_paths, strict=True)]
+        for var in self.live_vars:
+            _number_to_array(var)
+        self._written: list | None = None  # the values `_write` set, in `live_vars` order
+        return flat
+
+    def replacements(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
+        """The NNX objects of a call that passes other objects of the same structure in
+        place of those carried (one loaded from a checkpoint, a model resharded between
+        steps: ``nnx.jit`` takes any), in carried order; None when the call's objects are
+        not such (then the call is refused as before)."""
+        dyn, dyn_kwargs, _ = self.convention.split_statics(args, kwargs)
+        given = [x for x in jax.tree.leaves(self._mark_state(dyn, dyn_kwargs), is_leaf=_is_graph)
+                 if _is_graph(x)]
+        if len(given) != len(self.objects) or all(
+                id(x) in self._found for x in given):
+            return None
+        new = tuple(given)
+        try:
+            graphdef, state = nnx.split(new)
+        except Exception:  # noqa: BLE001 - not objects a step could carry: refused as before
+            return None
+        values = [v.get_value() if _is_var(v) else v
+                  for v in jax.tree.leaves(state, is_leaf=_is_var)]
+        if graphdef != self.graphdef or len(values) != len(self.live_vars) or any(
+                np.shape(a) != np.shape(b.get_value()) or _dtype(a) != _dtype(b.get_value())
+                for a, b in zip(values, self.live_vars, strict=True)):
+            return None
+        return new
+
+    def adopt(self, objects: tuple) -> None:
+        """Carries `objects` (`replacements`) instead of the objects before; their values
+        are the state from now on."""
+        paths = self.leaf_paths
+        self._bind(objects)
+        assert self.leaf_paths == paths, "replacements() checked the structure"
         self._plain = all(_hookless(v) for v in self.live_vars)
 
     def mutable_objects(self):
