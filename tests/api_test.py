@@ -490,6 +490,35 @@ def test_a_loss_key_missing_from_the_metrics_warns_once_and_the_state_is_still_c
     step.close()
 
 
+def test_a_loss_per_example_is_checked_whole_without_a_warning():
+    """A loss that is an array (per example, or per device as a pmap-style step returns
+    it) is checked whole: no warning (it said "no key 'loss' (keys: ['loss'])", a user
+    trial), and one NaN element stops the step with its value; the state stays finite (a
+    NaN-free state only the loss check can stop)."""
+    def fit(state, batch):
+        loss = jnp.sum(batch["x"] ** 2, axis=1)  # (one per example)
+        return {"w": state["w"] - 0.1}, {"loss": loss}
+
+    step = mnemojax.resilient(fit, options=h.no_precompile())
+    state = {"w": jnp.zeros((h.DIN,))}
+    batch = h.make_batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, _ = step(state, batch)
+    x = batch["x"].copy()
+    x[3, 0] = np.inf
+    with pytest.raises(NonFiniteLossError, match=r"loss=inf") as raised:
+        step(state, {"x": x, "y": batch["y"]})
+    assert raised.value.value == np.inf
+    counts = mnemojax.resilient(lambda s, b: (s, {"loss": jnp.sum(b["x"] > 0, axis=1)}),
+                                options=h.no_precompile())
+    with pytest.warns(LossCheckWarning, match=r"the metrics' 'loss' is an array of int32, "
+                                              r"not a number or floats"):
+        counts(state, batch)
+    counts.close()
+    step.close()
+
+
 def test_batch_axes_are_inferred_or_named_and_a_mesh_without_them_is_refused_at_build():
     model, optimizer = h.make_mlp()
     batch = h.make_batches(1)[0]

@@ -190,6 +190,16 @@ def test_a_variable_holding_several_arrays_is_refused_naming_it():
         form_for(_counting_step, (Sown(), None))
 
 
+def test_hijax_variables_are_refused_naming_one():
+    """Flax's experimental hijax variables (its ``hijax_basic`` example): Flax cannot read
+    their partition specs, so the step failed with a TypeError from inside Flax (a user
+    trial); now a typed error naming a variable."""
+    with nnx.var_defaults(hijax=True):
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(UnsupportedStateError, match=r"variable m/\w+ is a hijax variable"):
+        form_for(_counting_step, (model, None))
+
+
 def test_typed_prng_keys_travel_as_raw_key_data():
     model, _ = h.make_mlp(dropout=0.5)
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

@@ -1297,13 +1297,20 @@ class ResilientStep(Generic[P, R]):
             loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
         scalar = isinstance(loss, int | float | np.number) or (
             loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1)
+        # A loss per example or per device (a pmap-style step's): checked whole.
+        several = (not scalar and loss is not None and hasattr(loss, "dtype")
+                   and jnp.issubdtype(loss.dtype, jnp.inexact))
         # A step that returns no value (or its state alone) has no loss to check: its new
         # state is checked, and nothing would make the warning go away.
-        if not scalar and not self._warned_no_loss and (
+        if not scalar and not several and not self._warned_no_loss and (
                 metrics is not None or callable(opts.loss_key)):
             self._warned_no_loss = True
             if callable(opts.loss_key):
                 found = f"loss_key={opts.loss_key!r} returned a {type(loss).__name__}"
+            elif isinstance(metrics, dict) and opts.loss_key in metrics:
+                what = (f"an array of {loss.dtype}" if hasattr(loss, "dtype")
+                        else f"a {type(loss).__name__}")
+                found = f"the metrics' {opts.loss_key!r} is {what}, not a number or floats"
             elif isinstance(metrics, dict):
                 found = (f"the metrics have no key {opts.loss_key!r} (keys: "
                          f"{sorted(map(str, metrics))})")
@@ -1314,6 +1321,9 @@ class ResilientStep(Generic[P, R]):
                           "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
                           "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
         value = float(np.asarray(loss)) if scalar else 0.0
+        if several and not bool(jnp.all(jnp.isfinite(loss))):
+            flat = np.asarray(loss).ravel()
+            value = float(flat[~np.isfinite(flat)][0])
         if np.isfinite(value) and _all_true(finite):
             return True
         what = (f"{'loss' if callable(opts.loss_key) else opts.loss_key}={value}"

@@ -854,6 +854,13 @@ class NnxForm(StepForm):
         flat = jax.tree_util.tree_flatten_with_path(nnx.state(objects), is_leaf=_is_var)[0]
         self.leaf_paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
                            for p, _ in flat]
+        if hijax := [path for (_, v), path in zip(flat, self.leaf_paths, strict=True)
+                     if getattr(v, "hijax", False)]:
+            raise UnsupportedStateError(
+                f"the variable {hijax[0]} is a hijax variable (nnx.var_defaults(hijax=True), "
+                "Flax's experimental variables): a resilient step does not carry those yet "
+                "(Flax cannot read their partition specs). Create the model's variables "
+                "without hijax")
         # (an array held without a Variable is written back through its owner)
         self.live_vars: list[nnx.Variable | _ArrayLeaf] = [
             v if _is_var(v) else _ArrayLeaf.at(objects, [_raw_key(k) for k in p], path)
