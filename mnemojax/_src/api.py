@@ -1298,8 +1298,10 @@ class ResilientStep(Generic[P, R]):
         scalar = isinstance(loss, int | float | np.number) or (
             loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1)
         # A loss per example or per device (a pmap-style step's): checked whole.
-        several = (not scalar and loss is not None and hasattr(loss, "dtype")
-                   and jnp.issubdtype(loss.dtype, jnp.inexact))
+        dtype = getattr(loss, "dtype", None)
+        vector: Any = loss if (not scalar and dtype is not None
+                               and jnp.issubdtype(dtype, jnp.inexact)) else None
+        several = vector is not None
         # A step that returns no value (or its state alone) has no loss to check: its new
         # state is checked, and nothing would make the warning go away.
         if not scalar and not several and not self._warned_no_loss and (
@@ -1308,8 +1310,7 @@ class ResilientStep(Generic[P, R]):
             if callable(opts.loss_key):
                 found = f"loss_key={opts.loss_key!r} returned a {type(loss).__name__}"
             elif isinstance(metrics, dict) and opts.loss_key in metrics:
-                what = (f"an array of {loss.dtype}" if hasattr(loss, "dtype")
-                        else f"a {type(loss).__name__}")
+                what = f"an array of {dtype}" if dtype is not None else f"a {type(loss).__name__}"
                 found = f"the metrics' {opts.loss_key!r} is {what}, not a number or floats"
             elif isinstance(metrics, dict):
                 found = (f"the metrics have no key {opts.loss_key!r} (keys: "
@@ -1321,8 +1322,8 @@ class ResilientStep(Generic[P, R]):
                           "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
                           "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
         value = float(np.asarray(loss)) if scalar else 0.0
-        if several and not bool(jnp.all(jnp.isfinite(loss))):
-            flat = np.asarray(loss).ravel()
+        if several and not bool(jnp.all(jnp.isfinite(vector))):
+            flat = np.asarray(vector).ravel()
             value = float(flat[~np.isfinite(flat)][0])
         if np.isfinite(value) and _all_true(finite):
             return True
