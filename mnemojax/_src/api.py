@@ -1520,11 +1520,13 @@ def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:
             b.old_world_inputs.add(name)
             log.warning(
                 "mnemojax: the step input %s is an array of a world that ended at a "
-                "recovery (computed on that world's devices, e.g. a key split each step "
-                "outside the step): computing on it waited for that world's abandoned "
-                "collectives (up to the collective timeout), and it keeps that world's "
-                "client alive. Make such inputs from host values (numpy) or inside the step "
-                "(an nnx.Rngs in the model; a key folded with the step number)", name)
+                "recovery (made on that world's devices: a key made or split outside the "
+                "step, say). The step copies it, but a computation on it outside the step "
+                "waits for that world's abandoned collectives (up to the collective "
+                "timeout), and it keeps that world's client alive. Make such inputs from "
+                "host values (numpy; a key as its raw data, np.asarray(jax.random.key_data("
+                "key)), with replicated_argnums) or inside the step (an nnx.Rngs in the "
+                "model, a key folded with the step number)", name)
 
 
 def _refuse_arrays_of_other_processes(inputs: Any) -> None:
