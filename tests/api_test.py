@@ -65,8 +65,14 @@ def test_with_options_after_a_recovery_keeps_the_mesh_without_the_lost_device():
     other(model, optimizer, h.make_batches(1)[0])
     assert other.statistics.recoveries == [] and other.statistics.steps_run == 1
     assert other.statistics.spare_devices == step.statistics.spare_devices == (2,)
-    step.close()
     other.close()
+    # A mesh given anew may take the devices that became spares.
+    mesh = h.mesh_of((2, 2), devices=[jax.devices()[i] for i in (0, 1, 2, 4)])
+    third = step.with_options(mesh=mesh)
+    third(model, optimizer, h.make_batches(1)[0])
+    assert third.statistics.spare_devices == ()
+    third.close()
+    step.close()
 
 
 def test_shape_error_reaches_caller_unchanged_and_never_recovers():
@@ -437,6 +443,37 @@ def test_other_objects_of_the_same_structure_are_carried_from_then_on():
     other(old, nnx.Optimizer(old, optax.sgd(0.1), wrt=nnx.Param), batches[0])
     other.close()
     step.close()
+
+
+def test_other_objects_are_not_taken_when_abstract_carried_elsewhere_or_after_a_restore():
+    """Objects of the same structure are not taken in place of the carried ones when they
+    hold no arrays (``nnx.eval_shape``'s), when another live step carries them (the step
+    goes on with its own), or right after ``restore()`` filled the carried ones (their
+    restored values would be dropped)."""
+    batches = h.make_batches(3)
+    model, optimizer = h.make_mlp()
+    step = _step()
+    step(model, optimizer, batches[0])
+    abstract = nnx.eval_shape(lambda: h.make_mlp(seed=1)[0])
+    with pytest.raises(UnsupportedStateError, match="another model"):
+        step(abstract, optimizer, batches[1])
+    other_model = h.make_mlp(seed=1)[0]
+    other = _step()
+    other(other_model, nnx.Optimizer(other_model, optax.sgd(0.1), wrt=nnx.Param), batches[0])
+    with pytest.raises(UnsupportedStateError, match="already carried by another resilient"):
+        step(other_model, optimizer, batches[1])
+    assert step._require_built().form.objects[0] is model  # (still its own objects)
+    step(model, optimizer, batches[1])
+    assert step.statistics.steps_run == 2
+    other.close()
+    step.close()
+    fresh = _step()
+    assert fresh.restore(model, optimizer) == 0
+    with pytest.raises(UnsupportedStateError, match=r"restore\(\) filled the objects it was "
+                                                    r"given; this call passes others in "
+                                                    r"place of model"):
+        fresh(h.make_mlp(seed=2)[0], optimizer, batches[2])
+    fresh.close()
 
 
 def test_other_objects_of_another_structure_are_refused_naming_the_way_on():

@@ -200,6 +200,21 @@ def test_hijax_variables_are_refused_naming_one():
         form_for(_counting_step, (model, None))
 
 
+def test_clones_remembered_stay_few_when_each_call_merges_the_model_anew():
+    """A loop that merges its model anew each call (``nnx.merge(graphdef, state)``: the
+    same Variables, a new object) makes a clone per call; the form remembers the newest
+    few (it kept every one: memory grew with the step count, a review finding)."""
+    model, optimizer = h.make_mlp()
+    form = form_for(h.train_step, (model, optimizer, None))
+    graphdef, state = nnx.split(model)
+    batch = h.make_batches(1)[0]
+    for _ in range(20):
+        clone = nnx.merge(graphdef, state, copy=False)
+        form.split_call((clone, optimizer, batch))
+    assert len(form._aliases) <= 3 and len(form._found) <= 3 + len(form.objects)
+    form.split_call((model, optimizer, batch))  # (the objects themselves still)
+
+
 def test_typed_prng_keys_travel_as_raw_key_data():
     model, _ = h.make_mlp(dropout=0.5)
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

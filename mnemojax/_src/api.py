@@ -227,8 +227,10 @@ class ResilientStep(Generic[P, R]):
         spare devices as they are now: after a recovery, without the devices lost."""
         mesh, spares = self._mesh_arg, self._spares_arg
         if self._built is not None:
-            proxy = self._built.runtime.proxy
-            mesh, spares = self._built.runtime.mesh, tuple(proxy.spares)
+            mesh, spares = self._built.runtime.mesh, tuple(self._built.runtime.proxy.spares)
+            if "mesh" in changes and changes["mesh"] is not None:  # (its devices are no spares)
+                taken = {int(d.id) for d in changes["mesh"].devices.flat}
+                spares = tuple(s for s in spares if s not in taken)
         kwargs: dict[str, Any] = dict(mesh=mesh, options=self._given_options,
                                       fault_injector=self._injector,
                                       spare_devices=spares, **self._jit_args)
@@ -338,9 +340,9 @@ class ResilientStep(Generic[P, R]):
         try:
             state_args, user_batch = b.form.split_call(args, kwargs)
         except UnsupportedStateError:
-            if not self._adopt_new_objects(b, args, kwargs):
+            if (adopted := self._adopt_new_objects(b, args, kwargs)) is None:
                 raise
-            state_args, user_batch = b.form.split_call(args, kwargs)
+            state_args, user_batch = adopted
         if b.superseded is not None:
             state_args = self._recovered_state_args(b, state_args)
         b.durability.check_preemption(self._step, b.last_written)
@@ -502,32 +504,49 @@ class ResilientStep(Generic[P, R]):
         finally:
             self._guarding = False
 
-    def _adopt_new_objects(self, b: _Built, args: tuple, kwargs: dict[str, Any]) -> bool:
+    def _adopt_new_objects(self, b: _Built, args: tuple, kwargs: dict[str, Any]
+                           ) -> tuple[tuple[Any, ...], CallInputs] | None:
         """A call that passes other NNX objects of the same structure than the step
         carries (a model loaded from a checkpoint, or resharded between steps: ``nnx.jit``
         takes any) makes the step carry them from now on, their values the state (as a
-        change made between steps: in one process snapshotted before the step). False
-        when the call's objects are not such (it is refused as before).
+        change made between steps: in one process snapshotted before the step). Returns
+        the call split (`StepForm.split_call`), or None when the call's objects are not
+        such (it is refused as before); on any error the step carries the objects before.
 
         Raises:
-            UnsupportedStateError: another live step carries one of the new objects.
+            UnsupportedStateError: another live step carries one of the new objects, or
+                the objects `restore()` filled have not run a step yet.
         """
         form = b.form
         if not isinstance(form, NnxForm) or (new := form.replacements(args, kwargs)) is None:
-            return False
+            return None
+        replaced = [name for name, a, o in zip(form.object_names, new, form.objects,
+                                               strict=True) if a is not o]
+        if b.restored_unrun:
+            raise UnsupportedStateError(
+                f"restore() filled the objects it was given; this call passes others in "
+                f"place of {', '.join(replaced)}: pass the restored objects to the step")
         old = form.objects
-        form.adopt(new)
         try:
+            form.adopt(new)
             ownership.check_unclaimed(self, form)
-        except UnsupportedStateError:
+            split = form.split_call(args, kwargs)
+        except BaseException:
             form.adopt(old)
             raise
         ownership.release(self)
         ownership.claim(self, form)
-        log.info("mnemojax: step %d: the call passes other objects than the step carried "
-                 "(%s), of the same structure: the step carries them from now on",
-                 self._step + 1, ", ".join(form.object_names))
-        return True
+        if b.session is not None:
+            log.warning(
+                "mnemojax: step %d: the call passes other objects in place of %s: across "
+                "processes their values are not in the agents' copies until this step has "
+                "run, so a process lost in it restores the step before's state into them "
+                "(README: known limits)", self._step + 1, ", ".join(replaced))
+        else:
+            log.info("mnemojax: step %d: the call passes other objects in place of %s, of "
+                     "the same structure: the step carries them from now on", self._step + 1,
+                     ", ".join(replaced))
+        return split
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
         """One process: the NNX objects' state changed since the last step, outside it (a
@@ -739,6 +758,7 @@ class ResilientStep(Generic[P, R]):
             # world's process 0, which exports the candidates for the others
             # (`_schedule_precompile`).
             b.precompile_due = True
+        b.restored_unrun = True
         return b.form.restored(state_args, leaves, self._step)
 
     # -- building -------------------------------------------------------------------------
@@ -1297,9 +1317,11 @@ class ResilientStep(Generic[P, R]):
             loss = metrics.get(opts.loss_key) if isinstance(metrics, dict) else metrics
         scalar = isinstance(loss, int | float | np.number) or (
             loss is not None and hasattr(loss, "dtype") and np.size(loss) == 1)
-        # A loss per example or per device (a pmap-style step's): checked whole.
+        # A loss per example or per device (a pmap-style step's): checked whole, on the
+        # host, where this process holds all of it (each process reaches the same verdict).
         dtype = getattr(loss, "dtype", None)
-        vector: Any = loss if (not scalar and dtype is not None
+        local = getattr(loss, "is_fully_addressable", True)
+        vector: Any = loss if (not scalar and dtype is not None and local
                                and jnp.issubdtype(dtype, jnp.inexact)) else None
         several = vector is not None
         # A step that returns no value (or its state alone) has no loss to check: its new
@@ -1311,6 +1333,8 @@ class ResilientStep(Generic[P, R]):
                 found = f"loss_key={opts.loss_key!r} returned a {type(loss).__name__}"
             elif isinstance(metrics, dict) and opts.loss_key in metrics:
                 what = f"an array of {dtype}" if dtype is not None else f"a {type(loss).__name__}"
+                if not local:
+                    what = "an array over other processes' devices (one value per device?)"
                 found = f"the metrics' {opts.loss_key!r} is {what}, not a number or floats"
             elif isinstance(metrics, dict):
                 found = (f"the metrics have no key {opts.loss_key!r} (keys: "
@@ -1322,8 +1346,7 @@ class ResilientStep(Generic[P, R]):
                           "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
                           "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
         value = float(np.asarray(loss)) if scalar else 0.0
-        if several and not bool(jnp.all(jnp.isfinite(vector))):
-            flat = np.asarray(vector).ravel()
+        if several and not np.isfinite(flat := np.asarray(vector).ravel()).all():
             value = float(flat[~np.isfinite(flat)][0])
         if np.isfinite(value) and _all_true(finite):
             return True
@@ -1349,6 +1372,7 @@ class ResilientStep(Generic[P, R]):
             self._publish(step, new_leaves)
         self._step = step
         b.last_written = new_leaves
+        b.restored_unrun = False
         self._statistics.steps_run = step
         if b.snapshot_every is None:
             b.snapshot_every = self._snapshot_cadence(new_leaves)
@@ -1588,6 +1612,7 @@ class _Built:
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
     old_world_inputs: set = dataclasses.field(default_factory=set)  # (said once per input)
+    restored_unrun: bool = False  # restore() filled the objects; no step has run since
     # Batch layout -> its shapes and dtypes, the newest last (`CompileOptions.ahead_layouts`).
     layouts: dict = dataclasses.field(default_factory=dict)
 

@@ -505,7 +505,10 @@ def _source_function(fn: Callable | None) -> Callable | None:
         fn = fn.func
     if fn is None:
         return None
-    fn = inspect.unwrap(fn)
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # (a wrapper loop)
+        return None
     return fn if hasattr(fn, "__code__") else None
 
 

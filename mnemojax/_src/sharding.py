@@ -61,7 +61,8 @@ def explicit_part(spec: PartitionSpec, explicit: Collection[str]) -> PartitionSp
     whose other axes are Auto)."""
     entries = []
     for entry in spec:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = (entry,) if isinstance(entry, str) else \
+            tuple(entry) if isinstance(entry, tuple | list) else ()  # (None, UNCONSTRAINED)
         kept = tuple(n for n in names if n in explicit)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*entries)

@@ -776,26 +776,40 @@ _NEW_OBJECTS = (
     "(step.with_options())")
 
 
+# Clones of each carried object remembered (`NnxForm._clone_index`).
+_ALIASES = 2
+
+# What a variable of objects taken in place of carried ones may hold (not a
+# ShapeDtypeStruct: ``nnx.eval_shape``'s abstract objects).
+_CONCRETE = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
+
+
 def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def _refuse_containers(values: Sequence[Any], paths: Sequence[str]) -> None:
-    """A variable holding a tuple, list or dict of arrays (what ``sow`` leaves in an
-    ``Intermediate``, Linen's through `nnx.bridge.ToNNX` too) is not carried.
+    """A variable holding several arrays (a tuple, list, dict or other pytree: what
+    ``sow`` leaves in an ``Intermediate``, Linen's through `nnx.bridge.ToNNX` too) is not
+    carried.
 
     Raises:
         UnsupportedStateError: naming the first such variable and what it holds.
     """
     for value, path in zip(values, paths, strict=True):
-        if isinstance(value, (tuple, list, dict)):
-            n = len(jax.tree.leaves(value))
-            raise UnsupportedStateError(
-                f"the variable {path} holds a {type(value).__name__} of {n} arrays (what "
-                "sow leaves in an Intermediate): a resilient step carries variables that "
-                "hold one array each. Take sown values out of the state inside the step "
-                "(nnx.pop(model, nnx.Intermediate), or Linen's mutable=... without "
-                "'intermediates'), or hold each array in its own variable")
+        if value is None or hasattr(value, "shape"):
+            continue
+        leaves = jax.tree.leaves(value)
+        if len(leaves) == 1 and leaves[0] is value:  # (a number)
+            continue
+        n = len(leaves)
+        raise UnsupportedStateError(
+            f"the variable {path} holds a {type(value).__name__} of {n} "
+            f"{'array' if n == 1 else 'arrays'} (what sow leaves in an Intermediate): a "
+            "resilient step carries variables that hold one array each. Take sown values "
+            "out of the objects before the step (nnx.pop(model, nnx.Intermediate) after "
+            "the call that sowed them; Linen: mutable=... without 'intermediates'), and "
+            "inside it, or hold each array in its own variable")
 
 
 class NnxForm(StepForm):
@@ -873,8 +887,9 @@ class NnxForm(StepForm):
     def replacements(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
         """The NNX objects of a call that passes other objects of the same structure in
         place of those carried (one loaded from a checkpoint, a model resharded between
-        steps: ``nnx.jit`` takes any), in carried order; None when the call's objects are
-        not such (then the call is refused as before)."""
+        steps: ``nnx.jit`` takes any), in call order (the carried objects' order); None
+        when the call's objects are not such, or hold no concrete arrays (abstract ones,
+        ``nnx.eval_shape``'s): then the call is refused as before."""
         dyn, dyn_kwargs, _ = self.convention.split_statics(args, kwargs)
         given = [x for x in jax.tree.leaves(self._mark_state(dyn, dyn_kwargs), is_leaf=_is_graph)
                  if _is_graph(x)]
@@ -889,7 +904,8 @@ class NnxForm(StepForm):
         values = [v.get_value() if _is_var(v) else v
                   for v in jax.tree.leaves(state, is_leaf=_is_var)]
         if graphdef != self.graphdef or len(values) != len(self.live_vars) or any(
-                np.shape(a) != np.shape(b.get_value()) or _dtype(a) != _dtype(b.get_value())
+                not isinstance(a, _CONCRETE)
+                or np.shape(a) != np.shape(b.get_value()) or _dtype(a) != _dtype(b.get_value())
                 for a, b in zip(values, self.live_vars, strict=True)):
             return None
         return new
@@ -923,8 +939,15 @@ class NnxForm(StepForm):
         held = frozenset(id(v) for v in _variables_of(x))
         for i, obj in enumerate(self.objects):
             if held and held == frozenset(id(v) for v in _variables_of(obj)):
+                # Kept while its id is a key (so the id stays its own); the newest few per
+                # object only (a loop that merges its model anew each step makes a clone
+                # per call).
+                stale = [a for a in self._aliases if self._found.get(id(a)) == i][:-_ALIASES]
+                for a in stale:
+                    del self._found[id(a)]
+                self._aliases = [a for a in self._aliases if all(a is not o for o in stale)]
                 self._found[id(x)] = i
-                self._aliases.append(x)  # (its id stays its own while it is a key)
+                self._aliases.append(x)
                 return i
         self._unknown_state(x)
         return None
