@@ -112,6 +112,21 @@ def test_records_of_another_dtype_are_refused():
         next(loader)["v"][:]
 
 
+def test_a_grain_filter_and_a_streaming_dataset_are_refused_saying_why():
+    """Grain's filter() leaves None where it drops a record: the batch was None (record
+    0) or "record 1 has the structure PyTreeDef(None)" (a user trial); an IterDataset has
+    no index: a raw TypeError at the first batch. Both now name the cause."""
+    records = grain.MapDataset.source([{"x": np.full(2, i)} for i in range(8)])
+    for odd in (0, 1):
+        loader = HostBatches(records.filter(lambda r, odd=odd: r["x"][0] % 2 != odd), 4)
+        with pytest.raises(BatchSplitError, match=rf"record {odd} of the source is None "
+                                                  r"\(a Grain MapDataset's filter\(\)"):
+            np.asarray(next(loader)["x"])
+    with pytest.raises(InvalidOptionError, match=r"HostBatches reads records by index, and "
+                                                 r"source is a \w+, which has none"):
+        HostBatches(records.to_iter_dataset(), 4)
+
+
 def test_a_batch_of_another_step_and_skip_batch_are_refused_by_the_resilient_step():
     """Records are indexed by step: a loader not started at the step ``restore()``
     returned, or a skipped batch (which moves the loader, not the step), would make

@@ -49,9 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     A command that needs a module of the ``tools`` extra which is not installed exits
     with status 1 and names the extra to install. Bad input (an option, a config file or
     the environment: `InvalidOptionError`, `WorldConfigError`) exits with status 2 and one
-    line on stderr naming the bad value, as argparse does for its own arguments.
+    line on stderr naming the bad value, as argparse does for its own arguments; a
+    failure of the multi-process layer (`DistributedError`: etcd out of reach, a node
+    that never registered) exits with status 1 and one line.
     """
-    from mnemojax._src.errors import InvalidOptionError, WorldConfigError
+    from mnemojax._src.errors import DistributedError, InvalidOptionError, WorldConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mnemojax",
@@ -74,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = f" (from {type(cause).__name__}: {cause})" if cause is not None else ""
         print(f"mnemojax {argv[0]}: error: {exc}{why}", file=sys.stderr)
         return 2
+    except DistributedError as exc:  # (etcd out of reach, a node that never came)
+        print(f"mnemojax {argv[0]}: error: {exc}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if missing not in _TOOLS_EXTRA:

@@ -163,6 +163,11 @@ class HostBatches:
         _check_int("start", start, low=0)
         if steps is not None:
             _check_int("steps", steps, low=0)
+        if not hasattr(source, "__getitem__"):
+            raise InvalidOptionError(
+                f"HostBatches reads records by index, and source is a "
+                f"{type(source).__name__}, which has none (a Grain IterDataset streams): "
+                "give a random-access source (a Grain MapDataset, a list, an array)")
         self.source = source
         self.global_batch_size = global_batch_size
         self._next = start + 1
@@ -234,7 +239,7 @@ class HostBatches:
         treedef, want = self._record_structure()
         columns: list[list[np.ndarray]] = [[] for _ in want]
         for index in range(first, stop):
-            leaves, tree = jax.tree.flatten(self.source[index])
+            leaves, tree = jax.tree.flatten(self._record(index))
             if tree != treedef or len(leaves) != len(want):
                 raise BatchSplitError(f"record {index} has the structure {tree}, record 0 "
                                       f"{treedef}: every record needs the same")
@@ -250,10 +255,25 @@ class HostBatches:
                 else np.empty((0, *shape), dtype)
                 for column, (shape, dtype) in zip(columns, want, strict=True)]
 
+    def _record(self, index: int) -> Any:
+        """Record `index` of the source.
+
+        Raises:
+            BatchSplitError: the source has None there (a Grain ``filter`` leaves None
+                where it drops a record).
+        """
+        record = self.source[index]
+        if record is None:
+            raise BatchSplitError(
+                f"record {index} of the source is None (a Grain MapDataset's filter() "
+                "leaves None where it drops a record): every index must hold a record; "
+                "drop records before they get indices, or replace them in a map()")
+        return record
+
     def _record_structure(self) -> tuple[Any, list[tuple[tuple[int, ...], np.dtype]]]:
         """The records' tree structure and leaf (shape, dtype), from record 0."""
         if self._structure is None:
-            leaves, treedef = jax.tree.flatten(self.source[0])
+            leaves, treedef = jax.tree.flatten(self._record(0))
             arrays = [np.asarray(x) for x in leaves]
             self._structure = treedef, [(a.shape, a.dtype) for a in arrays]
         return self._structure

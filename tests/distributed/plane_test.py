@@ -389,3 +389,73 @@ def test_mnemojax_status_of_a_job_name_with_nothing_under_it_fails_saying_so(clu
     from mnemojax._src.cli import main
     assert main(["status", "--rdzv", cluster.url, "--rdzv-id", "no-such-job"]) == 1
     assert "no job 'no-such-job' in etcd" in capsys.readouterr().err
+
+
+def _node(store, lease: int, job: str):
+    """What `NodeLauncher._register` reads of its launcher."""
+    import types
+    options = types.SimpleNamespace(node_rank=0, nnodes=2, node_ttl_s=2, rdzv_id=job)
+    return types.SimpleNamespace(options=options, store=store,
+                                 _lease=types.SimpleNamespace(lease=lease))
+
+
+def test_a_node_rank_another_live_launcher_holds_is_refused_naming_it(cluster):
+    """Two launchers given the same --node-rank overwrote each other's entry and both
+    waited 120 s for the other node (a user trial); the second is refused once the
+    first's lease outlives the node lease, and a rank whose holder died is free again."""
+    from mnemojax._src.distributed.launcher.node import NodeLauncher
+    from mnemojax._src.errors import WorldConfigError
+
+    store = EtcdStore.from_url(cluster.url, "taken-rank")
+    first = store.grant(30)
+    NodeLauncher._register(_node(store, first, "taken-rank"), {"pid": 111, "control": "127.0.0.1:1"})
+    t0 = time.monotonic()
+    with pytest.raises(WorldConfigError, match=r"node rank 0 is taken: another launcher of "
+                                               r"job 'taken-rank' holds it \(pid 111"):
+        NodeLauncher._register(_node(store, store.grant(30), "taken-rank"), {"pid": 222})
+    assert time.monotonic() - t0 >= 2  # (a restarted host's old entry may still end)
+    store.revoke(first)  # (its launcher died: its lease ends)
+    NodeLauncher._register(_node(store, store.grant(30), "taken-rank"), {"pid": 333})
+    assert store.get(store.key("nodes", 0))["pid"] == 333
+
+
+def test_a_node_waiting_for_others_says_which_and_what_to_check(monkeypatch, caplog):
+    """A node that never registers gave 120 s of silence, then "waited 120 s for all 2
+    nodes to register" (a user trial): the wait is told, naming the missing ranks, and
+    the error says what to check."""
+    import types
+
+    from mnemojax._src.distributed.launcher import node
+    from mnemojax._src.errors import DistributedError
+
+    monkeypatch.setattr(node, "FORM_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(node, "SAY_WAIT_S", 0.2)
+    launcher = types.SimpleNamespace(
+        options=types.SimpleNamespace(node_rank=0, nnodes=3, rdzv_id="job7"),
+        roster=types.SimpleNamespace(cv=threading.Condition()),
+        plane=types.SimpleNamespace(view=types.SimpleNamespace(live_nodes=lambda: {0, 2})))
+    with caplog.at_level("WARNING"), pytest.raises(
+            DistributedError, match=r"nodes \[1\] have not registered: is each launched with "
+                                    r"the same --rdzv and --rdzv-id 'job7', --nnodes 3"):
+        node.NodeLauncher._wait_view(launcher, lambda v: False, "all 3 nodes to register",
+                                     missing=lambda v: sorted({0, 1, 2} - v.live_nodes()))
+    assert any("waiting for all 3 nodes to register" in r.getMessage()
+               and "nodes [1] have not registered" in r.getMessage() for r in caplog.records)
+
+
+def test_a_launch_that_fails_in_the_multi_process_layer_ends_with_one_line(monkeypatch,
+                                                                          capsys):
+    """`mnemojax launch` ended with a traceback when etcd was out of reach or a node never
+    came (a user trial); now one line and status 1."""
+    from mnemojax._src.cli import main
+    from mnemojax._src.distributed.launcher import cli as launch_cli
+    from mnemojax._src.errors import DistributedError
+
+    def run(args):
+        raise DistributedError("node 0: waited 120 s for all 2 nodes to register in etcd")
+
+    monkeypatch.setattr(launch_cli, "run", run)
+    assert main(["launch", "--nproc", "1", "--", "true"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("mnemojax launch: error: node 0: waited 120 s for all 2 nodes to register "
+                   "in etcd\n")

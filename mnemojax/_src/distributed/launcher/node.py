@@ -59,6 +59,7 @@ from mnemojax._src.errors import AgreementError, DistributedError, WorldConfigEr
 logger = logging.getLogger("mnemojax")
 
 FORM_TIMEOUT_S = 120.0  # every node must have registered by then
+SAY_WAIT_S = 15.0  # a launcher waiting for the others says so this often
 PROBE_TIMEOUT_S = 0.5  # a coordination service that does not accept by then is gone
 
 
@@ -416,17 +417,16 @@ class NodeLauncher(Launcher):
             self.store.put(self.store.key("agents", w), address, lease=self._lease.lease)
         for w in o.spare_ids:  # joinable once warm (`_await_join`)
             self.store.put(self.store.key("home", w), o.node_rank)
-        self.store.put(self.store.key("nodes", o.node_rank),
-                       {"pid": os.getpid(), "control": self.control,
+        self._register({"pid": os.getpid(), "control": self.control,
                         "workers": list(o.local_workers), "shm_prefix": self.shm_prefix,
                         "nproc": o.nproc, "nnodes": o.nnodes, "spares": o.spares,
                         "secret_id": auth.fingerprint(self.secret),
-                        "agent_pids": {str(w): p.pid for w, p in self.agents.items()}},
-                       lease=self._lease.lease)
+                        "agent_pids": {str(w): p.pid for w, p in self.agents.items()}})
         self.plane.start()
         view = self._wait_view(lambda v: len(v.live_nodes()) == o.nnodes
                                or v.world(0) is not None,
-                               f"all {o.nnodes} nodes to register")
+                               f"all {o.nnodes} nodes to register",
+                               missing=lambda v: sorted(set(range(o.nnodes)) - v.live_nodes()))
         self._check_nodes(view)
         if o.rejoin_first_id is not None:
             with cv:
@@ -533,13 +533,56 @@ class NodeLauncher(Launcher):
                                 "" if name == "secret_id"
                                 else f" ({record.get(name)} != {value})"))
 
-    def _wait_view(self, ready: Callable[[JobView], bool], what: str) -> JobView:
+    def _register(self, node: dict[str, Any]) -> None:
+        """Registers this node under its rank, with its lease; a rank another live
+        launcher holds is waited for up to the node lease (a restarted host's old entry
+        ends with it), then refused.
+
+        Raises:
+            WorldConfigError: another launcher of this job holds the rank.
+        """
+        o = self.options
+        key = self.store.key("nodes", o.node_rank)
+        deadline = time.monotonic() + o.node_ttl_s + 2
+        assert self._lease is not None
+        while not self.store.create(key, node, lease=self._lease.lease):
+            if time.monotonic() > deadline:
+                other = self.store.get(key) or {}
+                raise WorldConfigError(
+                    f"node rank {o.node_rank} is taken: another launcher of job "
+                    f"{o.rdzv_id!r} holds it (pid {other.get('pid')}, control "
+                    f"{other.get('control')}); give each node its own --node-rank "
+                    f"(0..{o.nnodes - 1})")
+            time.sleep(0.5)
+
+    def _wait_view(self, ready: Callable[[JobView], bool], what: str, *,
+                   missing: Callable[[JobView], list[int]] | None = None) -> JobView:
+        """The job's view once `ready`; says every `SAY_WAIT_S` what is awaited (with
+        `missing`: the node ranks not yet there).
+
+        Raises:
+            DistributedError: not ready within `FORM_TIMEOUT_S`, naming what is missing.
+        """
+        o = self.options
+        t0 = time.monotonic()
         with self.roster.cv:
-            if not self.roster.cv.wait_for(lambda: ready(self.plane.view),
-                                           timeout=FORM_TIMEOUT_S):
-                raise DistributedError(f"node {self.options.node_rank}: waited "
-                                       f"{FORM_TIMEOUT_S:.0f} s for {what} in etcd")
-            return self.plane.view
+            while not ready(view := self.plane.view):
+                waited = time.monotonic() - t0
+                absent = f"; nodes {missing(view)} have not registered" if missing else ""
+                if waited >= FORM_TIMEOUT_S:
+                    hint = (": is each launched with the same --rdzv and --rdzv-id "
+                            f"{o.rdzv_id!r}, --nnodes {o.nnodes}, its own --node-rank and "
+                            "the same job secret (MNEMOJAX_JOB_SECRET)?") if missing else ""
+                    raise DistributedError(f"node {o.node_rank}: waited "
+                                           f"{FORM_TIMEOUT_S:.0f} s for {what} in etcd"
+                                           f"{absent}{hint}")
+                if waited >= SAY_WAIT_S:
+                    logger.warning("mnemojax launch: node %d: waiting for %s (%.0f s of "
+                                   "%.0f s)%s", o.node_rank, what, waited, FORM_TIMEOUT_S,
+                                   absent)
+                self.roster.cv.wait_for(lambda: ready(self.plane.view),
+                                        timeout=min(SAY_WAIT_S, FORM_TIMEOUT_S - waited))
+            return view
 
     def cleanup(self) -> None:
         super().cleanup()
