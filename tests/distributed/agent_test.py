@@ -631,3 +631,34 @@ def test_over_the_budget_a_new_predecessors_copy_takes_a_former_ones_room():
         assert [type(e) for e in events] == [wire.ReplicaRefused]
     finally:
         holder.close()
+
+
+def test_a_buddy_out_of_reach_is_told_once_until_replication_works_again(caplog):
+    """An agent whose buddy's host is gone logged "replication to ... failed: Connection
+    refused" every 0.2 s until the launcher declared it dead (23 lines in a user trial):
+    the same failure to the same buddy is told once."""
+    import socket
+    import threading
+
+    from mnemojax._src.distributed.agent.replication import Replicator
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"  # (closed: connections are refused)
+    stop = threading.Event()
+    replicator = Replicator(7, None, stop, secret=SECRET)  # type: ignore[arg-type]
+    thread = threading.Thread(target=replicator.run, daemon=True)
+    with caplog.at_level("DEBUG", logger="mnemojax"):
+        thread.start()
+        replicator.set_buddy(gone)
+        for step in range(1, 6):
+            replicator.published(step)
+            time.sleep(0.3)
+        stop.set()
+        replicator.published(6)  # (wakes it to stop)
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    failed = [r for r in caplog.records if "replication to" in r.getMessage()]
+    assert len(failed) >= 3
+    assert [r.levelname for r in failed].count("WARNING") == 1, [r.getMessage() for r in failed]
+    assert "told once until it works again" in failed[0].getMessage()

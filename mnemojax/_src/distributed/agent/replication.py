@@ -142,6 +142,8 @@ class Replicator:
     def run(self) -> None:
         sock: socket.socket | None = None
         target: str | None = None
+        said: tuple | None = None  # (buddy, error type) of the failure told last
+        repeats = 0  # failures since, told at DEBUG (a lost buddy fails every 0.2 s)
         while not self._stop.is_set():
             with self._cv:
                 self._cv.wait_for(lambda: self._version != self._sent or self._stop.is_set(),
@@ -166,12 +168,22 @@ class Replicator:
                 # A refusal (budget, check) of either copy is the buddy's to report to the
                 # launcher; the worker's wait hears of it.
                 self._done(version, refused=refused)
+                if said is not None:
+                    logger.warning("agent %d: replication to %s works again (%d more "
+                                   "failures since the one told)", self.worker_id, buddy,
+                                   repeats)
+                    said, repeats = None, 0
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one send
                 expected = isinstance(e, (OSError, ConnectionError, ProtocolError, KeyError,
                                           SnapshotCorruptError))
-                logger.log(logging.WARNING if expected else logging.ERROR,
-                           "agent %d: replication to %s failed: %s", self.worker_id, buddy,
-                           e, exc_info=not expected)
+                again = expected and said == (buddy, type(e))
+                repeats += again
+                said = (buddy, type(e))
+                logger.log(logging.DEBUG if again else
+                           logging.WARNING if expected else logging.ERROR,
+                           "agent %d: replication to %s failed: %s%s", self.worker_id, buddy,
+                           e, " (told once until it works again)" if not again else "",
+                           exc_info=not expected)
                 self._done(version, failing=f"{type(e).__name__}: {e}")
                 if sock is not None:
                     sock.close()
