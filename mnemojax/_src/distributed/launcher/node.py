@@ -166,7 +166,10 @@ class NodeLauncher(Launcher):
             died = sorted(new - left)
             self._record({"op": "dead", "workers": died, "left": sorted(left)})
             lost = sorted(view.lost_nodes())
-            if died:
+            if died and (end := view.end()) is not None:  # (a stop, an error: expected)
+                logger.warning("mnemojax launch: workers %s ended (%s)", died,
+                               end.get("why", "the job is ending"))
+            elif died:
                 logger.warning("mnemojax launch: workers %s dead%s", died,
                                f" (nodes {lost} lost)" if lost else "")
             if left:
