@@ -1323,10 +1323,9 @@ class ResilientStep(Generic[P, R]):
         local = getattr(loss, "is_fully_addressable", True)
         vector: Any = loss if (not scalar and dtype is not None and local
                                and jnp.issubdtype(dtype, jnp.inexact)) else None
-        several = vector is not None
         # A step that returns no value (or its state alone) has no loss to check: its new
         # state is checked, and nothing would make the warning go away.
-        if not scalar and not several and not self._warned_no_loss and (
+        if not scalar and vector is None and not self._warned_no_loss and (
                 metrics is not None or callable(opts.loss_key)):
             self._warned_no_loss = True
             if callable(opts.loss_key):
@@ -1346,7 +1345,7 @@ class ResilientStep(Generic[P, R]):
                           "new state; set ResilienceOptions(loss_key=...) to the loss's key, "
                           "or nonfinite='ignore'", LossCheckWarning, stacklevel=3)
         value = float(np.asarray(loss)) if scalar else 0.0
-        if several and not np.isfinite(flat := np.asarray(vector).ravel()).all():
+        if vector is not None and not np.isfinite(flat := np.asarray(vector).ravel()).all():
             value = float(flat[~np.isfinite(flat)][0])
         if np.isfinite(value) and _all_true(finite):
             return True
