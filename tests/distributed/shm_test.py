@@ -220,3 +220,23 @@ def test_a_launcher_sweeps_its_segments_before_it_lets_go_of_its_lock():
         with contextlib.suppress(FileNotFoundError):
             shm.shm_unlink(f"{prefix}w0_1")
     assert not os.path.exists(lock.path)
+
+
+def test_an_agent_whose_launcher_died_waits_briefly_for_the_lock_then_sweeps():
+    """The kernel may signal a launcher's death to its agents (PDEATHSIG) before the dying
+    launcher's last thread lets go of the job's lock: every agent then found it held and
+    left the lock file behind (`lifecycle_test.py`, once in a suite). An agent whose
+    launcher is gone tries again for a while."""
+    import threading
+
+    prefix = shm.job_prefix()
+    lock = shm.JobLock(prefix)
+    assert shm.sweep_if_orphaned(prefix) == [] and os.path.exists(lock.path)  # held
+    let_go = threading.Timer(0.3, os.close, args=(lock._fd,))  # (not removing the file)
+    let_go.start()
+    try:
+        assert shm.sweep_if_orphaned(prefix, wait_s=5.0) == [f"{prefix}lock"]
+    finally:
+        let_go.join()
+        lock._fd = -1
+    assert not os.path.exists(lock.path)

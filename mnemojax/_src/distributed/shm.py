@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import struct
+import time
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 
@@ -138,22 +139,32 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
-def sweep_if_orphaned(prefix: str, names: Sequence[str] | None = None) -> list[str]:
+def sweep_if_orphaned(prefix: str, names: Sequence[str] | None = None, *,
+                      wait_s: float = 0.0) -> list[str]:
     """Removes every segment of the job ``prefix`` and its lock file if nobody holds its
     `JobLock` (its launcher is gone) and it is this user's; returns their names. An agent
     calls it as it ends: when the launcher was killed first, the last agent out removes
-    the lock file. Never raises."""
+    the lock file. A lock still held is tried again for up to `wait_s` (an agent whose
+    launcher died: the kernel may signal the death before the dying launcher's other
+    threads have let go of the lock). Never raises."""
     path = os.path.join("/dev/shm", f"{prefix}{_LOCK}")
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:  # none, gone meanwhile, or another user's
         return []
+    deadline = time.monotonic() + wait_s
     try:
         if os.fstat(fd).st_uid != os.getuid():
             return []
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # its launcher runs
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # its launcher runs (or another agent sweeps)
+                if time.monotonic() >= deadline:
+                    return []
+                time.sleep(0.05)
+        if os.fstat(fd).st_nlink == 0:  # (another agent swept it meanwhile)
             return []
         return sweep(prefix, names)
     finally:

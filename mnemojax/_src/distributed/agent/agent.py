@@ -60,6 +60,7 @@ class Agent:
         self.watchdog = HangWatchdog(factor=hang_factor, min_s=hang_min_s)
         self.link = LauncherLink(launcher, on_lost=self._stop.set, secret=secret)
         self._shm_prefix = shm_prefix
+        self._launcher_pid = os.getppid()  # (the launcher starts its agents)
         self.snapshots = SnapshotHolder(worker_id, shm_prefix=shm_prefix,
                                         report=self.link.report)
         self.replicator = Replicator(worker_id, self.snapshots, self._stop, secret=secret)
@@ -110,8 +111,10 @@ class Agent:
             self.server.close()
             self.snapshots.close()
             # The launcher killed first (this is its PDEATHSIG): the last agent out removes
-            # what is left of the job's shared memory, its lock file at least.
-            shm.sweep_if_orphaned(self._shm_prefix)
+            # what is left of the job's shared memory, its lock file at least. The signal
+            # may come before the dying launcher's last thread lets go of the lock.
+            launcher_gone = os.getppid() != self._launcher_pid
+            shm.sweep_if_orphaned(self._shm_prefix, wait_s=2.0 if launcher_gone else 0.0)
         return 0
 
     def _obey(self, command: wire.Command) -> bool:
