@@ -580,7 +580,8 @@ class StepCompiler:
 
         explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                     if t == jax.sharding.AxisType.Explicit}
-        layouts = [shd.explicit_part(self._specs[i], explicit) for i in floats]
+        layouts = [shd.explicit_part(self._specs[i], explicit) for i in floats] \
+            if explicit else []
 
         def checked(leaves, batch):
             new, metrics = self._pure(leaves, batch)

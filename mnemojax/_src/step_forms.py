@@ -902,10 +902,11 @@ class NnxForm(StepForm):
             return None
         values = [v.get_value() if _is_var(v) else v
                   for v in jax.tree.leaves(state, is_leaf=_is_var)]
-        if graphdef != self.graphdef or len(values) != len(self.live_vars) or any(
-                not isinstance(a, _CONCRETE)
-                or np.shape(a) != np.shape(b.get_value()) or _dtype(a) != _dtype(b.get_value())
-                for a, b in zip(values, self.live_vars, strict=True)):
+        if graphdef != self.graphdef or len(values) != len(self.live_vars):
+            return None
+        carried = [v.get_value() for v in self.live_vars]
+        if any(not isinstance(a, _CONCRETE) or np.shape(a) != np.shape(b)
+               or _dtype(a) != _dtype(b) for a, b in zip(values, carried, strict=True)):
             return None
         return new
 
