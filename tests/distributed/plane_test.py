@@ -365,6 +365,29 @@ def test_status_tells_a_finished_job_and_no_job_from_one_still_starting():
     assert not status.summary_of(stopped)["finished"]  # stopped, not finished
 
 
+def test_status_shows_the_newest_step_of_every_member_and_where_each_world_resumed():
+    """Trial 26: `mnemojax status` showed no step. Each node writes its workers' newest
+    published steps (``progress/<rank>``); the job's step is the newest that every member
+    of the current world has published (a dead worker's stale step does not count), and
+    each world after the first says the step its members resumed from."""
+    from mnemojax._src.distributed.agreement import Agreement
+    from mnemojax._src.distributed.launcher import status
+    reply = wire.AgreementReply(agreement=Agreement(
+        generation=1, worker_id=0, process_id=0, num_processes=2, coordinator="h:1",
+        resume_step=6, survivors=(0, 1), previous_members=(0, 1, 2), sources={}))
+    items = {"world/0": {"members": [0, 1, 2]}, "nodes/0": {"nproc": 2},
+             "world/1": {"members": [0, 1], "agreements": {"0": reply.to_wire()}},
+             "dead/2": {"by_node": 1},
+             "progress/0": {"steps": {"0": 9, "1": 8}, "t": time.time() - 3},
+             "progress/1": {"steps": {"2": 7}, "t": time.time() - 30}}
+    s = status.summary_of(items)
+    assert s["steps"] == {0: 9, 1: 8, 2: 7} and s["step"] == 8
+    assert s["resumed_from"] == {0: None, 1: 6}
+    assert 2 <= s["progress_age_s"] < 10  # the newest record's age
+    assert status.summary_of({**items, "progress/0": {"steps": {"0": 9}, "t": 0}})[
+        "step"] is None  # worker 1 has not published: no step is every member's
+
+
 def test_a_member_that_left_is_seen_as_left_by_both_nodes_at_once_with_its_death(nodes):
     """`EtcdArbiter.member_left`: out of the agreement as a dead member is; its own node's
     view has it as left as soon as dead (no window in which its node would log a death),

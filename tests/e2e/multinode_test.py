@@ -110,6 +110,9 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         [rec] = stats["recoveries"]
         assert rec["plan_kind"] == "process_loss" and stats["joined"] is None
     _check_rows_read(out, o.final["members"], width=len(o.final["members"]), steps=STEPS)
+    # `mnemojax status`: where the job got to, and where world 1 resumed (trial 26: not shown)
+    assert o.final["step"] == STEPS, o.final["steps"]
+    assert o.final["resumed_from"][0] is None and 0 <= o.final["resumed_from"][1] < STEPS
     assert o.survivor_shm == [], "the surviving launcher left shared memory behind"
     assert two_nodes.leftover_pids(o.nodes) == [], "a process outlived the job"
 

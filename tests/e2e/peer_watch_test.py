@@ -51,3 +51,7 @@ def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path):
     assert not [r for r in first.values() if "Timed out" in r], first
     assert all(TOLD_BY_LAUNCHER in r or "closed by peer" in r for r in first.values()), first
     assert any(TOLD_BY_LAUNCHER in r for r in first.values()), first
+    # The launcher keeps each worker's newest step, not an event per worker and step (its
+    # event list grew with the job's length)
+    assert not [e for e in report["events"] if e["op"] == "progress"]
+    assert {w: report["steps"][w] for w in (1, 2, 3)} == dict.fromkeys((1, 2, 3), STEPS)

@@ -218,12 +218,13 @@ class EtcdStore:
         return self.prefix + "/".join(str(p) for p in parts)
 
     # -- values -------------------------------------------------------------------------------
-    def put(self, key: str, value: Any, *, lease: int | None = None) -> None:
+    def put(self, key: str, value: Any, *, lease: int | None = None,
+            retry_s: float | None = None) -> None:
         from etcd3gw.utils import _encode
         payload: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
         if lease is not None:
             payload["lease"] = lease
-        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload))
+        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload), retry_s)
 
     def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
                lease: int | None = None, also: Mapping[str, Any] | None = None) -> bool:

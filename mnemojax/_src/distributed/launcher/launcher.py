@@ -52,7 +52,10 @@ class Launcher:
     ``sys.exit(n)``): the job ends with that status, never recovered.
 
     Attributes:
-        events: every event, each with ``t`` (``time.time()``).
+        events: every event, each with ``t`` (``time.time()``), but ``progress`` (one per
+            worker and step: `on_event` sees it, `steps` keeps its news), so the list grows
+            with the job's failures, not with its length.
+        steps: worker id -> the newest step its agent said it published.
         agents: worker id -> agent ``Popen``; ``worker_pids``: worker id -> worker pid.
         agent_addr: worker id -> address of its (live) agent.
         exit_codes: worker id -> its worker's exit status.
@@ -68,6 +71,7 @@ class Launcher:
         self.extra_env = dict(extra_env or {})
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
+        self.steps: dict[int, int] = {}
         # Proves every connection of this job (`auth`); several nodes share one.
         self.secret = auth.new_secret() if secret is None else secret
         self.roster = AgentRoster(secret=self.secret)
@@ -101,7 +105,10 @@ class Launcher:
 
     def _record(self, event: dict[str, Any]) -> None:
         event = {**event, "t": time.time()}
-        self.events.append(event)
+        if event["op"] == wire.Progress.OP:
+            self.steps[event["worker_id"]] = event["step"]
+        else:
+            self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
 

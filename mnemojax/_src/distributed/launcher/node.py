@@ -45,7 +45,11 @@ from typing import Any
 
 from mnemojax._src.distributed import auth, env, wire
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
-from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper
+from mnemojax._src.distributed.launcher.etcd_store import (
+    EtcdStore,
+    LeaseKeeper,
+    RendezvousError,
+)
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
 from mnemojax._src.distributed.launcher.plane import (
@@ -61,6 +65,7 @@ logger = logging.getLogger("mnemojax")
 FORM_TIMEOUT_S = 120.0  # every node must have registered by then
 SAY_WAIT_S = 15.0  # a launcher waiting for the others says so this often
 PROBE_TIMEOUT_S = 0.5  # a coordination service that does not accept by then is gone
+PROGRESS_EVERY_S = 5.0  # how often a node writes its workers' newest steps (`status`)
 
 
 def shared_secret(environ: dict[str, str] | None = None) -> bytes:
@@ -115,6 +120,9 @@ class NodeLauncher(Launcher):
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
         self._regrow_asked: set[int] = set()  # worlds this node asked to grow back
         self._warm: set[int] = set()  # spares that asked to join (published as spares)
+        self._progress_stop = threading.Event()
+        self._progress_thread: threading.Thread | None = None
+        self._progress_put: dict[int, int] = {}  # what `progress/<rank>` holds
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -426,6 +434,9 @@ class NodeLauncher(Launcher):
                         "secret_id": auth.fingerprint(self.secret),
                         "agent_pids": {str(w): p.pid for w, p in self.agents.items()}})
         self.plane.start()
+        self._progress_thread = threading.Thread(target=self._progress_loop,
+                                                 name="mnemojax-progress", daemon=True)
+        self._progress_thread.start()
         view = self._wait_view(lambda v: len(v.live_nodes()) == o.nnodes
                                or v.world(0) is not None,
                                f"all {o.nnodes} nodes to register",
@@ -587,8 +598,32 @@ class NodeLauncher(Launcher):
                                         timeout=min(SAY_WAIT_S, FORM_TIMEOUT_S - waited))
             return view
 
+    def _progress_loop(self) -> None:
+        """Writes this node's workers' newest published steps to ``progress/<rank>``
+        every `PROGRESS_EVERY_S` when they changed (``mnemojax status`` reads them; not
+        under the lease: a finished job still shows where it got to)."""
+        while not self._progress_stop.wait(PROGRESS_EVERY_S):
+            self._put_progress(retry_s=PROGRESS_EVERY_S)
+
+    def _put_progress(self, *, retry_s: float) -> None:
+        steps = dict(self.steps)
+        if not steps or steps == self._progress_put:
+            return
+        try:
+            self.store.put(self.store.key("progress", self.options.node_rank),
+                           {"steps": {str(w): s for w, s in sorted(steps.items())},
+                            "t": time.time()}, retry_s=retry_s)
+        except RendezvousError as e:  # etcd out of reach: the next round tries again
+            logger.debug("mnemojax launch: progress not written: %s", e)
+        else:
+            self._progress_put = steps
+
     def cleanup(self) -> None:
         super().cleanup()
+        self._progress_stop.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=PROGRESS_EVERY_S)
+            self._put_progress(retry_s=2.0)  # the last steps, for a job that has ended
         self.plane.join()
         if self._lease is not None:
             self._lease.close(revoke=True)

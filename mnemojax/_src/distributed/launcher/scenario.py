@@ -136,7 +136,8 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
 
     Returns:
         ``rc`` (the job's exit status), ``fired`` (each fault with its step and wall time),
-        ``events`` (the launcher's), ``agents`` (worker id -> agent address), ``pids`` (every
+        ``events`` (the launcher's), ``steps`` (worker id -> its newest published step),
+        ``agents`` (worker id -> agent address), ``pids`` (every
         agent and worker started), ``shm_left`` (segments of this job still in /dev/shm),
         ``t0`` (wall time of the first fault) and ``launcher_knows_s`` (from the first
         fault to the launcher learning of it).
@@ -206,7 +207,7 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
              and e["op"] in ("worker_exit", "agent_lost", "hang")]
     return {
         "rc": rc, "fired": fired, "unfired": [dataclasses.asdict(f) for f in pending],
-        "events": launcher.events, "t0": t0,
+        "events": launcher.events, "steps": dict(launcher.steps), "t0": t0,
         "launcher_knows_s": round(min(knows) - t0, 3) if knows else None,
         "agents": {e["worker_id"]: e["address"] for e in launcher.events if e["op"] == "hello"},
         "pids": [p.pid for p in launcher.agents.values()] + list(launcher.worker_pids.values()),

@@ -1,16 +1,19 @@
 """``mnemojax status --rdzv etcd://HOST:PORT --rdzv-id JOB``: a multi-node job as etcd has
 it (`plane`): the live nodes, the current world and where its coordination service runs,
-the dead workers, the exits and why the job ended. ``--json`` prints the summary as JSON."""
+the step each world resumed from, the workers' newest published steps (each node writes
+them every few seconds), the dead workers, the exits and why the job ended. ``--json``
+prints the summary as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
-from mnemojax._src.distributed.launcher.plane import JobView
+from mnemojax._src.distributed.launcher.plane import JobView, agreement_of
 
 
 def summary(store: EtcdStore, nproc: int | None = None) -> dict[str, Any]:
@@ -28,7 +31,20 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
     left, exits = view.left(), view.exits()
     latest = view.latest()
     world = view.world(latest) or {}
-    return {"live_nodes": sorted(view.live_nodes()),
+    steps: dict[int, int] = {}
+    written = None  # when the newest progress record was written
+    for key, record in items.items():
+        if key.startswith("progress/") and isinstance(record, dict):
+            steps.update({int(w): int(s) for w, s in record.get("steps", {}).items()})
+            written = max(written or 0.0, float(record.get("t", 0.0)))
+    members = world.get("members", [])
+    return {"steps": {w: steps[w] for w in sorted(steps)},
+            # The newest step every member of the current world has published.
+            "step": min((steps[w] for w in members if w in steps), default=None)
+            if members and all(w in steps for w in members) else None,
+            "progress_age_s": None if written is None else round(time.time() - written, 1),
+            "resumed_from": {g: _resume_step(view.world(g) or {}) for g in view.worlds()},
+            "live_nodes": sorted(view.live_nodes()),
             "generation": latest, "members": world.get("members", []),
             "coordinator": world.get("coordinator"), "host_node": world.get("host_node"),
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
@@ -39,6 +55,13 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             "finished": view.end() is None and bool(world.get("members")) and all(
                 exits.get(w) == 0 for w in world["members"]),
             "empty": not items}
+
+
+def _resume_step(record: dict[str, Any]) -> int | None:
+    """The step a world's members resumed from (None for world 0, which started)."""
+    steps = {a.resume_step for w in record.get("agreements", {})
+             if (a := agreement_of(record, int(w))) is not None}
+    return min(steps) if steps else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,9 +88,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"job {args.rdzv_id!r}: world {s['generation']}, workers {s['members']}, "
           f"coordination service {s['coordinator']} on node {s['host_node']}")
+    if s["steps"]:
+        newest = (f"step {s['step']} published by every worker of the world"
+                  if s["step"] is not None else "not every worker of the world has published")
+        print(f"  {newest}; newest steps {s['steps']} (written {s['progress_age_s']} s ago)")
     print(f"  live nodes: {s['live_nodes']}")
     for g, members in s["worlds"].items():
-        print(f"  world {g}: {members}")
+        resumed = s["resumed_from"].get(g)
+        print(f"  world {g}: {members}" + ("" if resumed is None
+                                           else f", resumed from step {resumed}"))
     if s["idle_spares"]:
         print(f"  idle spares: {s['idle_spares']}")
     if s["dead"]:
