@@ -153,6 +153,28 @@ def test_a_lost_node_restarted_with_grow_back_makes_the_job_whole_again(tmp_path
         assert left == [], "a process outlived the job"
 
 
+@pytest.mark.slow  # ~30 s: the default suite is at its budget
+def test_a_workers_exception_ends_the_job_on_every_node_and_each_says_why(tmp_path):
+    """Worker 3 (node 1) raises at step 3: no recovery, both launchers end with its status,
+    and node 0's log says which node ended the job and the exception (trial 26: the
+    traceback showed on node 1 only, node 0 ended silently)."""
+    out = str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster, two_nodes.started(
+                cluster.url, out, steps=STEPS, sleep_s=0.3,
+                job_args=("--raise-worker", "3", "--raise-at-step", "3")) as job:
+            codes = [p.wait(timeout=240) for p in job.launchers]
+            final = two_nodes.summary(job.store, two_nodes.NPROC)
+            left = two_nodes.leftover_pids(job.nodes)
+        assert codes == [1, 1]
+        assert final["end"]["worker_id"] == 3 and final["end"]["code"] == 1
+        assert final["generation"] == 0  # never recovered
+        [line] = _launcher_lines(out, 0, "node 1 ends the job")
+        assert "worker 3 exited with status 1 (RuntimeError: user bug in worker 3 at step " \
+            "3)" in line, line
+        assert left == [], "a process outlived the job"
+
+
 def test_spares_take_the_places_of_two_lost_hosts_in_a_row(tmp_path, monkeypatch):
     """Worker 0's host dies (it owns every shard): node 0's spare takes its rank, so the
     mesh stays 4 x 1; then that spare's host dies, and node 1's spare takes the rank with

@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--transient-worker", type=int, default=-1,
                         help="this worker's step ... fails once with a retryable error")
     parser.add_argument("--transient-at-step", type=int, default=-1, help="... at this step")
+    parser.add_argument("--raise-worker", type=int, default=-1,
+                        help="this worker raises a RuntimeError (a user bug) ...")
+    parser.add_argument("--raise-at-step", type=int, default=-1, help="... before this step")
     parser.add_argument("--ckpt-every", type=int, default=0,
                         help="Orbax checkpoint every N steps (with --ckpt)")
     parser.add_argument("--host-data", action="store_true",
@@ -180,6 +183,8 @@ def main() -> None:
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
                                         "y": batch["y"]})
+        if k == args.raise_at_step and me == args.raise_worker:
+            raise RuntimeError(f"user bug in worker {me} at step {k}")
         if args.global_array_batch:  # as MaxText does: each process gives its own rows
             rows = jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0]))
             n = h.BATCH // jax.process_count()

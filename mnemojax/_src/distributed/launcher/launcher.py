@@ -207,11 +207,13 @@ class Launcher:
         that status once the others have had ``grace_s`` to end on their own (call with
         ``roster.cv`` held)."""
         self._worker_error = (worker_id, code, time.monotonic())
-        # Also for survivors already waiting at the agreement (a peer's exit closed their
-        # collective before its agent reported it): no new world.
-        self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}",
-                         code=code, worker_id=worker_id)
         error = self._uncaught.get(worker_id)
+        # Also for survivors already waiting at the agreement (a peer's exit closed their
+        # collective before its agent reported it): no new world. On several nodes the
+        # others log this reason (with the worker's exception: its traceback is printed
+        # on its node only).
+        self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}"
+                         + (f" ({error})" if error else ""), code=code, worker_id=worker_id)
         self._record({"op": "worker_error", "worker_id": worker_id, "code": code,
                       "error": error})
         logger.error("mnemojax launch: worker %d exited with status %d%s; ending the job",

@@ -198,6 +198,8 @@ class NodeLauncher(Launcher):
             self._end_seen = True
             if end.get("node") != o.node_rank:
                 self._record({"op": "job_ending", **end})
+                logger.warning("mnemojax launch: node %s ends the job: %s", end.get("node"),
+                               str(end.get("why", "")).removeprefix("the job is ending: "))
                 if end.get("signal") is not None and not self._stop_signals:
                     self._stop_signals.append(int(end["signal"]))
                 elif end.get("code") and self._worker_error is None:
