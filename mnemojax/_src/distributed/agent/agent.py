@@ -64,7 +64,7 @@ class Agent:
         self.snapshots = SnapshotHolder(worker_id, shm_prefix=shm_prefix,
                                         report=self.link.report)
         self.replicator = Replicator(worker_id, self.snapshots, self._stop, secret=secret)
-        self.worker = WorkerProcess(command)
+        self.worker = WorkerProcess(command, worker_id)
         self.server = AgentServer(worker_id, holder=self.snapshots, replicator=self.replicator,
                                   watchdog=self.watchdog, report=self.link.report,
                                   stop=self._stop, secret=secret, host=host)
@@ -108,6 +108,7 @@ class Agent:
         finally:
             self._stop.set()
             self.worker.kill()
+            self.worker.flush()  # its last lines (a traceback) before this process ends
             self.server.close()
             self.snapshots.close()
             # The launcher killed first (this is its PDEATHSIG): the last agent out removes

@@ -1,11 +1,19 @@
-"""The worker process an agent runs: its child, so its exit is seen at once (``poll``)."""
+"""The worker process an agent runs: its child, so its exit is seen at once (``poll``).
+
+Its standard error reaches the launcher's through the agent, each line prefixed with
+``[worker N]`` (several workers share one terminal or log: a warning, a traceback must
+say whose it is); its standard output is left alone (a program's own output, parsed by
+whatever reads it).
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 # Runs the worker command under PDEATHSIG, then execs it (same pid, same process group).
 # In the child, never as ``preexec_fn``: forking a multithreaded parent and running
@@ -21,11 +29,14 @@ class WorkerProcess:
 
     Args:
         command: the worker's command line.
+        worker_id: prefixes each line of its standard error (``[worker N] ``).
     """
 
-    def __init__(self, command: Sequence[str]):
+    def __init__(self, command: Sequence[str], worker_id: int):
         self.command = list(command)
+        self.prefix = f"[worker {worker_id}] ".encode()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._relays: list[threading.Thread] = []
 
     @property
     def running(self) -> bool:
@@ -36,8 +47,19 @@ class WorkerProcess:
         """Starts the worker with ``env`` added to this process's environment; its pid."""
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _EXEC_SHIM, str(os.getpid()), *self.command],
-            env={**os.environ, **env})
+            env={**os.environ, **env}, stderr=subprocess.PIPE)
+        assert self._proc.stderr is not None
+        relay = threading.Thread(target=_relay, args=(self._proc.stderr, self.prefix),
+                                 name="mnemojax-worker-stderr", daemon=True)
+        relay.start()
+        self._relays = [t for t in self._relays if t.is_alive()] + [relay]
         return self._proc.pid
+
+    def flush(self, timeout_s: float = 1.0) -> None:
+        """Waits up to ``timeout_s`` for what ended workers wrote to reach this process's
+        standard error (their last lines: a traceback)."""
+        for relay in self._relays:
+            relay.join(timeout=timeout_s)
 
     def collect_exit(self) -> tuple[int, int] | None:
         """(exit status, pid) once the worker has exited (then it is forgotten), else None."""
@@ -51,3 +73,33 @@ class WorkerProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+
+def _relay(pipe: BinaryIO, prefix: bytes) -> None:
+    """Copies ``pipe`` to this process's standard error, ``prefix`` at each line's start,
+    as it comes (a partial line, e.g. a progress bar's, is not held back), until EOF."""
+    out = sys.stderr.buffer
+    at_start = True
+    fd = pipe.fileno()
+    try:
+        while chunk := os.read(fd, 65536):
+            lines = chunk.split(b"\n")
+            pieces = []
+            for i, line in enumerate(lines):
+                if i:
+                    pieces.append(b"\n")
+                    at_start = True
+                if line:
+                    if at_start:
+                        pieces.append(prefix)
+                    pieces.append(line)
+                    at_start = False
+            try:
+                out.write(b"".join(pieces))
+                out.flush()
+            except (OSError, ValueError):  # our own stderr is gone: drain, say nothing
+                pass
+    except OSError:
+        pass
+    finally:
+        pipe.close()
