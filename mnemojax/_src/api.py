@@ -887,6 +887,7 @@ class ResilientStep(Generic[P, R]):
                     run = functools.partial(self._run_step, self._executable_now(run_batch),
                                             leaves, run_batch, run_step, barrier)
                     barrier = None  # (waited at once, failed or not)
+                t_started = time.perf_counter()
                 try:
                     out, t_run = run()
                 except Exception as exc:
@@ -899,6 +900,7 @@ class ResilientStep(Generic[P, R]):
                     if resumed is not None:  # (None: retried in place)
                         leaves, state_step = resumed.leaves, resumed.state_step
                         publish_replayed = resumed.publish_replayed
+                        resumed.record.waited_s = t_fault - t_started
                         pending = _Pending(resumed.record, t_fault)
                     continue
                 if at_work:
@@ -979,9 +981,11 @@ class ResilientStep(Generic[P, R]):
         finish_recovery(record, t_fault=pending.t_fault, t_end=t_end,
                         statistics=self._statistics, durability=b.durability)
         if ran and record.plan_kind in ("process_loss", "grow_back"):  # (across processes)
+            waited = (f"; before it, the step waited {record.waited_s:.1f} s for the failure "
+                      "to surface" if record.waited_s >= 1.0 else "")
             log.warning("mnemojax: step %d ran in world %d: the recovery took %.2f s in all "
-                        "(replay %.2f s)", record.step, record.generation, record.total_s,
-                        record.phases_s["replay"])
+                        "(replay %.2f s%s)", record.step, record.generation, record.total_s,
+                        record.phases_s["replay"], waited)
 
     def _retry_transient(self, run_step: int, exc: BaseException, budget: _StepBudget) -> None:
         b = self._require_built()

@@ -130,7 +130,8 @@ def finish_recovery(record: RecoveryRecord, *, t_fault: float, t_end: float,
                     steps_lost=record.steps_lost, source=record.source, plan=record.plan_kind,
                     executable=record.executable, new_mesh=record.new_mesh_shape,
                     bytes_moved=record.bytes_moved, groups_changed=record.groups_changed,
-                    guarded=record.guarded, joined_processes=list(record.joined_processes))
+                    guarded=record.guarded, joined_processes=list(record.joined_processes),
+                    waited_s=record.waited_s)
 
 
 @contextlib.contextmanager

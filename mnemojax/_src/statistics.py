@@ -59,6 +59,9 @@ class RecoveryRecord:
             after step ``step - 1``; the replayed "failed step" is that work.
         joined_processes: multi-process: the worker ids that joined the new world (spares
             that took a dead member's rank, or processes of a world grown back).
+        waited_s: how long the failed step (or guarded work) had run when the failure
+            surfaced: a collective timeout run into (a stopped or dead peer, across
+            processes) shows here, before ``total_s`` starts.
     """
 
     step: int
@@ -89,6 +92,7 @@ class RecoveryRecord:
     from_export: bool = False
     guarded: bool = False
     joined_processes: tuple[int, ...] = ()
+    waited_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -14,6 +14,7 @@ survivors report to the launcher say how each learned.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -30,7 +31,8 @@ NPROC = 4
 COLLECTIVE_TIMEOUT_S = 10  # the launcher's default is 20 s
 
 
-def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path):
+def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mnemojax")
     reference = h.reference_run(h.make_batches(STEPS))
     # Paced so that the steps after the kill outlast the collective timeout.
     sleep_s = COLLECTIVE_TIMEOUT_S / (STEPS - KILL_AFTER_STEP - 1)
@@ -55,3 +57,6 @@ def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path):
     # event list grew with the job's length)
     assert not [e for e in report["events"] if e["op"] == "progress"]
     assert {w: report["steps"][w] for w in (1, 2, 3)} == dict.fromkeys((1, 2, 3), STEPS)
+    # The launcher says which world formed, from which step, where its service runs
+    assert f"world 1: workers [1, 2, 3], from step {rec['source_step']}, coordination " \
+        "service on 127.0.0.1:" in caplog.text

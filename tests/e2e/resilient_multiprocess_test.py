@@ -284,6 +284,7 @@ def test_hung_worker_is_treated_as_failed(tmp_path, reference, caplog):
     assert rec["failed_processes"] == [1]
     assert [e["worker_id"] for e in _launcher_events(report, "hang")] == [1]
     assert "worker 1 hung" in caplog.text and "its agent killed it" in caplog.text
+    assert rec["waited_s"] >= 3.0  # the others' step waited out the hang limit (3 s here)
 
 
 def test_corrupt_copy_is_never_restored(tmp_path, reference):

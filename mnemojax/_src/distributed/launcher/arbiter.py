@@ -18,6 +18,7 @@ tells the others the same way).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
+
+logger = logging.getLogger("mnemojax")
 
 
 class WorldArbiter(Protocol):
@@ -228,6 +231,8 @@ class Arbiter:
         first = decision[survivors[0]]
         self._record({"op": "decided", "generation": generation, "survivors": survivors,
                       "resume_step": first.resume_step, "lost": list(first.lost)})
+        logger.info("mnemojax launch: world %d: workers %s, from step %d, coordination "
+                    "service on %s", generation, survivors, first.resume_step, service.address)
         self.book = AgreementBook(generation, survivors)
         self.worlds[generation] = tuple(survivors)
         if self._services.stop(book.generation):  # service last: every survivor detached

@@ -133,8 +133,12 @@ class NodeLauncher(Launcher):
             self._record({"op": "world", "generation": g, "members": record.get("members"),
                           "coordinator": record.get("coordinator"),
                           "host_node": record.get("host_node")})
-            logger.info("mnemojax launch: world %d: workers %s, coordination service on "
-                        "node %s", g, record.get("members"), record.get("host_node"))
+            first_member = (record.get("members") or [None])[0]
+            resumed = None if first_member is None else agreement_of(record, first_member)
+            logger.info("mnemojax launch: world %d: workers %s%s, coordination service on "
+                        "node %s", g, record.get("members"),
+                        "" if resumed is None else f", from step {resumed.resume_step}",
+                        record.get("host_node"))
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             members = view.worlds()[g]

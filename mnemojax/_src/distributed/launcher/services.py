@@ -47,7 +47,9 @@ def start_service(port: int, num_processes: int, *, heartbeat_s: int = 10,
     several nodes gives the node's address, which must be on a private network."""
     handle = jax_private.new_service(f"{host}:{port}", num_processes, heartbeat_s=heartbeat_s,
                                      shutdown_timeout_s=shutdown_timeout_s)
-    logger.info("coordination service on %s:%d for %d processes", host, port, num_processes)
+    # (Not at INFO: on several nodes each survivor's node may start one for the next world
+    # and all but the deciding node's stop unused; the world's log line names the one used.)
+    logger.debug("coordination service on %s:%d for %d processes", host, port, num_processes)
     return CoordinationService(address=f"{host}:{port}", num_processes=num_processes,
                                handle=handle)
 
