@@ -233,11 +233,48 @@ def test_min_devices_ends_in_typed_error():
     step.close()
 
 
-def test_batch_that_cannot_be_split_names_the_size():
+def test_batch_that_cannot_be_split_names_the_size_and_the_ways_on():
+    """A user trial's whole-dataset batch (177 rows) met the default mesh (all 8 devices on
+    one data axis) and the error named no way on."""
     model, optimizer = h.make_mlp()
     step = _step()
-    with pytest.raises(BatchSplitError, match="22 examples"):
+    with pytest.raises(BatchSplitError, match=r"22 examples.*width 4 cannot split evenly: .*"
+                                              r"mesh=.*replicated_argnames"):
         step(model, optimizer, h.make_batches(1, batch=22)[0])
+    step.close()
+
+    def fit(state, batch):
+        return {"w": state["w"] - 0.1 * jnp.mean(batch["x"], axis=0)}, None
+
+    default = mnemojax.resilient(fit, options=h.no_precompile())
+    with pytest.raises(BatchSplitError, match=r"width 8 \(no mesh given: all devices on one "
+                                              r"data axis\)"):
+        default({"w": jnp.zeros((h.DIN,))}, h.make_batches(1, batch=22)[0])
+    default.close()
+
+
+def test_state_put_on_a_device_the_step_lost_is_refused_naming_it_and_the_way_on():
+    """A user trial restored an Orbax checkpoint into the model after a recovery, with the
+    shardings it was saved with (the mesh before, device 3 in it): the next call failed
+    with a raw runtime error. Refused naming the leaf, the device and step.mesh; placed
+    there, the step goes on."""
+    model, optimizer = h.make_mlp()
+    step = _step(FaultInjector().lose_devices(2, [5]))
+    batches = h.make_batches(3)
+    for b in batches[:2]:
+        step(model, optimizer, b)
+    assert len(step.statistics.recoveries) == 1
+    before = jax.sharding.NamedSharding(h.mesh_of((4, 2)), jax.P())
+    kernel = jax.device_put(np.asarray(model.l1.kernel.get_value()), before)
+    model.l1.kernel.set_value(kernel)
+    with pytest.raises(UnsupportedStateError, match=r"state model/l1/kernel is given on "
+                                                    r"devices \[4, 5\], which are not in the "
+                                                    r"step's mesh.*on step.mesh"):
+        step(model, optimizer, batches[2])
+    model.l1.kernel.set_value(jax.device_put(np.asarray(kernel), jax.sharding.NamedSharding(
+        step.mesh, jax.P())))
+    step(model, optimizer, batches[2])
+    assert step.statistics.steps_run == 3
     step.close()
 
 
@@ -445,6 +482,43 @@ def test_other_objects_of_the_same_structure_are_carried_from_then_on():
     step.close()
 
 
+def test_a_submodule_replaced_between_steps_is_trained_from_then_on_as_nnx_jit_does():
+    """Model surgery between steps (Flax's surgery guide: ``model.l2 = ...``, a new
+    submodule of the same structure): the step carries the new submodule's variables from
+    then on, as ``nnx.jit`` does, and device 5 lost (state donated) in the very step after
+    it restores the new values. It was silently ignored: the step went on training the
+    old submodule (a user trial). A change of structure (a variable added) is refused
+    naming the way out, and undone, the step goes on."""
+    batches = h.make_batches(4)
+    plain = nnx.jit(h.train_step)
+    model, optimizer = h.make_mlp()
+    for i, b in enumerate(batches):
+        if i == 2:
+            model.l2 = h.make_mlp(seed=1)[0].l2
+        plain(model, optimizer, b)
+    want = h.host_state(model, optimizer)
+
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), donate_argnums=(0, 1),
+                              options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(3, [5]))
+    model, optimizer = h.make_mlp()
+    for b in batches[:2]:
+        step(model, optimizer, b)
+    model.extra = nnx.Param(jnp.zeros((3,)))
+    with pytest.raises(UnsupportedStateError, match=r"structure of model, optimizer changed "
+                                                    r".*step.close\(\)"):
+        step(model, optimizer, batches[2])
+    del model.extra
+    model.l2 = h.make_mlp(seed=1)[0].l2
+    for b in batches[2:]:
+        step(model, optimizer, b)
+    for got, ref in zip(h.host_state(model, optimizer), want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    [rec] = step.statistics.recoveries
+    assert rec.source_step == 2 and rec.source != "live_replicas"
+    step.close()
+
+
 def test_other_objects_are_not_taken_when_abstract_carried_elsewhere_or_after_a_restore():
     """Objects of the same structure are not taken in place of the carried ones when they
     hold no arrays (``nnx.eval_shape``'s), when another live step carries them (the step
@@ -485,7 +559,9 @@ def test_other_objects_of_another_structure_are_refused_naming_the_way_on():
     batch, batch2 = h.make_batches(2)
     step(model, optimizer, batch)
     other, other_opt = h.make_mlp(seed=1)
-    with pytest.raises(UnsupportedStateError, match=r"another model.*nnx.update\(model, "):
+    with pytest.raises(UnsupportedStateError, match=r"does not carry \(it carries model, "
+                       r"optimizer.*nnx.update\(model, .*step.close\(\), then "
+                       r"step.with_options\(\)"):
         step(other, other_opt, batch)
     want = nnx.jit(h.train_step)(*h.make_mlp(seed=1), batch2)
     nnx.update(model, nnx.state(h.make_mlp(seed=1)[0]))
@@ -493,6 +569,12 @@ def test_other_objects_of_another_structure_are_refused_naming_the_way_on():
     got = step(model, optimizer, batch2)
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
     step.close()
+    # The message's other way: a new step (with_options() failed while this one carried
+    # the model: a user trial)
+    again = step.with_options()
+    got = again(other, other_opt, batch2)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    again.close()
 
 
 def test_a_model_shared_by_two_resilient_steps_is_refused_up_front():

@@ -337,6 +337,8 @@ class ResilientStep(Generic[P, R]):
                 f"step {b.session.resume.agreement.resume_step}): call "
                 "step.restore(...) with the state before the first step, and start the loop "
                 "at the step it returns")
+        if isinstance(b.form, NnxForm):
+            self._follow_in_place_change(b, b.form)
         try:
             state_args, user_batch = b.form.split_call(args, kwargs)
         except UnsupportedStateError:
@@ -547,6 +549,64 @@ class ResilientStep(Generic[P, R]):
                      "the same structure: the step carries them from now on", self._step + 1,
                      ", ".join(replaced))
         return split
+
+    def _follow_in_place_change(self, b: _Built, form: NnxForm) -> None:
+        """The carried objects' graph changed between steps (model surgery: a submodule or
+        Variable replaced by a new one of the same structure, as ``nnx.jit`` takes): the
+        step carries the Variables they hold now, their values the state (a change made
+        between steps: in one process snapshotted before the step). Was silently ignored:
+        the step kept training the Variables it was built with (a user trial).
+
+        Raises:
+            UnsupportedStateError: the structure changed (`NnxForm.changed_in_place`),
+                another live step carries a new Variable, or `restore()` filled the objects
+                and no step has run since; the step carries what it did before.
+        """
+        if (replaced := form.changed_in_place()) is None:
+            return
+        if b.restored_unrun:
+            raise UnsupportedStateError(
+                "restore() filled the objects' variables; since then the objects hold others "
+                f"({', '.join(replaced[:4]) or 'their graph changed'}): make the change "
+                "before restore(), or after the first step")
+        undo = form.rebind()
+        try:
+            ownership.check_unclaimed(self, form)
+        except BaseException:
+            undo()
+            raise
+        ownership.release(self)
+        ownership.claim(self, form)
+        what = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more"
+                                          if len(replaced) > 4 else "")
+        if b.session is not None:
+            log.warning(
+                "mnemojax: step %d: the objects hold other variables than at the last step "
+                "(%s: replaced between steps): the step carries them from now on; across "
+                "processes their values are not in the agents' copies until this step has "
+                "run, so a process lost in it restores the step before's state (README: "
+                "known limits)", self._step + 1, what or "their graph changed")
+        else:
+            log.info("mnemojax: step %d: the objects hold other variables than at the last "
+                     "step (%s: replaced between steps): the step carries them from now on",
+                     self._step + 1, what or "their graph changed")
+
+    def _say_undone_change(self, restored_step: int, paths: list[str]) -> None:
+        """Across processes the agents' copies are those the steps published: a change to
+        the objects' state made since the last step, outside it (a metrics reset between
+        steps: the leaves at `paths`, `NnxForm.replaced_since_written`), is not in them,
+        and the recovery that restored `restored_step` undid it. Said, naming the leaves (a
+        user trial's loss metric silently covered 8 steps instead of 4 after a kill)."""
+        if not paths:
+            return
+        more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
+        log.warning(
+            "mnemojax: the recovery restored the state of step %d from the agents' copies; "
+            "since step %d, %s%s were replaced outside the step (a metrics reset between "
+            "steps? a jitted call that wrote them back?): across processes a change made "
+            "between steps is not in the copies, and this recovery undid it. Make such a "
+            "change inside the step (README: known limits)", restored_step, self._step,
+            ", ".join(paths[:4]), more)
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
         """One process: the NNX objects' state changed since the last step, outside it (a
@@ -1041,6 +1101,8 @@ class ResilientStep(Generic[P, R]):
         b = self._require_built()
         assert b.process_recovery is not None
         uncharged = not charge
+        # (read before the old world's arrays are dropped: `_say_undone_change`)
+        replaced = b.form.replaced_since_written() if isinstance(b.form, NnxForm) else []
         close_s = 0.0  # every round's close of its old runtime (the first waits longest)
         if b.session is not None:  # the publish in flight reads the arrays about to go
             b.session.settle(quiet=True)
@@ -1069,6 +1131,7 @@ class ResilientStep(Generic[P, R]):
                     b.runtime = resumed.runtime
                     budget.charge_recovery(DistributedError(
                         f"step {step}: {reason}; the world re-formed as {record.plan_kind}"))
+                self._say_undone_change(resumed.state_step, replaced)
                 return resumed
             except jax.errors.JaxRuntimeError as again:
                 if b.process_recovery.built is not None:  # the new world formed, then failed
@@ -1199,9 +1262,14 @@ class ResilientStep(Generic[P, R]):
         width = b.runtime.proxy.data_width()
         used = b.examples if b.batch_size is not None else size
         if size is not None and used is not None and used % width:
+            default = (" (no mesh given: all devices on one data axis)"
+                       if self._mesh_arg is None else "")
             raise BatchSplitError(
                 f"the global batch has {size} examples, which the batch axes "
-                f"{self.options.batch_axes} of width {width} cannot split evenly")
+                f"{self.options.batch_axes} of width {width}{default} cannot split evenly: "
+                "give a batch that the width divides, a mesh whose batch axes divide it "
+                "(mnemojax.resilient(mesh=...)), or, for an input every device should take "
+                "whole, name it in replicated_argnames")
         if b.batch_size is None:
             b.batch_size = b.examples = size
 
@@ -1289,9 +1357,30 @@ class ResilientStep(Generic[P, R]):
             return leaves
         # The shardings the step is compiled with (`StepCompiler`), without compiling it:
         # under a session the initial state is placed and published before the first compile.
-        shardings = shd.named(b.runtime.mesh, b.form.specs)
-        return [x if isinstance(x, jax.Array) and x.sharding == s else b.runtime.layer.put(x, s)
-                for x, s in zip(leaves, shardings, strict=True)]
+        mesh = b.runtime.mesh
+        shardings = shd.named(mesh, b.form.specs)
+        placed = []
+        for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
+            if isinstance(x, jax.Array) and x.sharding == s:
+                placed.append(x)
+                continue
+            try:
+                placed.append(b.runtime.layer.put(x, s))
+            except Exception as e:
+                outside = sorted(d.id for d in getattr(x, "sharding", s).device_set
+                                 if d not in set(mesh.devices.flat))
+                if not outside:
+                    raise
+                # An array the caller put on devices the step lost (e.g. a checkpoint
+                # restored with the shardings of the mesh before a recovery).
+                raise UnsupportedStateError(
+                    f"state {b.form.leaf_paths[i]} is given on devices {outside}, which "
+                    f"are not in the step's mesh {dict(mesh.shape)} (left by a recovery?), "
+                    f"and could not be moved onto it ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200]}): place what you put into the objects "
+                    "on step.mesh (e.g. restore a checkpoint with shardings of step.mesh)"
+                ) from e
+        return placed
 
     def _executable_now(self, batch: Any = None) -> Executable:
         """The executable for the current mesh and this batch's shapes (cached per call

@@ -667,6 +667,44 @@ def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> Unsupport
         "train_step(model, optimizer, rngs, batch)")
 
 
+class _GraphFingerprint:
+    """What the carried objects' graph holds, node by node: each node's attribute
+    (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``): a
+    submodule or Variable replaced between steps (model surgery, ``model.l2 =
+    nnx.Linear(...)``), or a static attribute set anew, shows as another object. The
+    children are held (not their ids: a replaced child freed could leave its id to the
+    new one)."""
+
+    _ARRAY = object()  # an array leaf's place: the step itself writes a new one each step
+
+    def __init__(self, objects: tuple):
+        self.nodes: list[tuple[Any, Any, tuple, tuple]] = []
+        for _, node in nnx.graph.iter_graph(objects):
+            if _is_var(node) or not nnx.graph.is_node(node):
+                continue
+            impl = nnx.graph.get_node_impl(node)
+            if impl is None:
+                continue
+            keys, values = self._children(impl, node)
+            self.nodes.append((node, impl, keys, values))
+
+    @classmethod
+    def _children(cls, impl: Any, node: Any) -> tuple[tuple, tuple]:
+        # Flax's own bookkeeping (``_pytree__state``) is replaced by every nnx.jit call.
+        items = [(k, cls._ARRAY if isinstance(v, _CONCRETE_ARRAYS) else v)
+                 for k, v in impl.node_dict(node).items()
+                 if not (isinstance(k, str) and k.startswith("_pytree__"))]
+        return tuple(k for k, _ in items), tuple(v for _, v in items)
+
+    def same(self) -> bool:
+        """Whether every node still holds the same attribute objects."""
+        for node, impl, keys, values in self.nodes:
+            now_keys, now = self._children(impl, node)
+            if now_keys != keys or any(a is not b for a, b in zip(now, values, strict=True)):
+                return False
+        return True
+
+
 def _variables_of(x: Any) -> list:
     """The Variables an NNX object (or an `nnx.State`, e.g. of ``nnx.split((model,
     optimizer))``) holds. ``nnx.state`` of such a State fails in Flax (IndexError), and a
@@ -773,7 +811,8 @@ _NEW_OBJECTS = (
     "which it then carries instead: to go on with the values of objects of another "
     "structure, copy them into the carried ones (nnx.update(model, nnx.state(other))); an "
     "optimizer with another transformation, or another model, needs a new step "
-    "(step.with_options())")
+    "(step.close(), then step.with_options(): the objects are this step's until it is "
+    "closed)")
 
 
 # Clones of each carried object remembered (`NnxForm._clone_index`).
@@ -782,6 +821,12 @@ _ALIASES = 2
 # What a variable of objects taken in place of carried ones may hold (not a
 # ShapeDtypeStruct: ``nnx.eval_shape``'s abstract objects).
 _CONCRETE = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
+_CONCRETE_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
+def _held(x: Any) -> Any:
+    """The array a Variable (or `_ArrayLeaf`) holds; an array leaf is itself."""
+    return x.get_raw_value() if hasattr(x, "get_raw_value") else x
 
 
 def _dtype(x: Any) -> Any:
@@ -881,7 +926,61 @@ class NnxForm(StepForm):
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
         # holding a plain array read and write the same through the raw accessors (0.13 ms).
         self._plain = all(_hookless(v) for v in self.live_vars)
+        self._fingerprint = _GraphFingerprint(objects)
         return flat
+
+    def changed_in_place(self) -> list[str] | None:
+        """None while the carried objects' graph holds what the step carries (checked by
+        identity, `_GraphFingerprint`). Else, after a change between steps, the paths of
+        the state leaves now held by other Variables of the same structure (a submodule
+        replaced by a new one of the same shapes: ``nnx.jit`` takes those); the step
+        carries them from then on (`rebind`).
+
+        Raises:
+            UnsupportedStateError: the graph changed otherwise (a submodule of another
+                structure, a variable shared or added, a static attribute changed:
+                ``nnx.jit`` would trace again), naming the way out.
+        """
+        if self._fingerprint.same():
+            return None
+        try:
+            graphdef, state = nnx.split(self.objects)
+        except Exception as e:
+            raise UnsupportedStateError(
+                f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
+                f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
+        now = jax.tree.leaves(state, is_leaf=_is_var)
+        if graphdef != self.graphdef or len(now) != len(self.live_vars) or any(
+                np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
+                    _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
+            raise UnsupportedStateError(
+                f"the structure of {', '.join(self.object_names)} changed since this step "
+                "was built (between steps: a submodule replaced by one of another structure "
+                "or shapes, a variable shared, added or removed, or a static attribute set "
+                "anew, e.g. model.eval() before a training step): a resilient step runs what "
+                "it compiled for the structure it was built with (nnx.jit would trace again). "
+                "Call step.close() and make a new resilient step for the new structure "
+                "(step.with_options() after close())")
+        self._fingerprint = _GraphFingerprint(self.objects)
+        replaced = [path for path, a, b in zip(self.leaf_paths, now, self.live_vars, strict=True)
+                    if ((a is not b) if _is_var(a) else (b.get_raw_value() is not a))]
+        return replaced or None  # (None: an equal static value set anew, nothing to follow)
+
+    _BINDING = ("objects", "_found", "_aliases", "leaf_paths", "live_vars", "_written",
+                "_plain", "_fingerprint")
+
+    def rebind(self) -> Callable[[], None]:
+        """Carries the Variables the objects hold now (`changed_in_place`); their values are
+        the state from now on. Returns what puts the binding before back."""
+        before = {name: getattr(self, name) for name in self._BINDING}
+        paths = self.leaf_paths
+        self._bind(self.objects)
+        assert self.leaf_paths == paths, "changed_in_place() checked the structure"
+
+        def undo() -> None:
+            for name, value in before.items():
+                setattr(self, name, value)
+        return undo
 
     def replacements(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
         """The NNX objects of a call that passes other objects of the same structure in
@@ -953,8 +1052,8 @@ class NnxForm(StepForm):
 
     def _unknown_state(self, x) -> None:
         raise UnsupportedStateError(
-            f"got a {type(x).__name__} this resilient step does not carry: it was built for "
-            f"another model (it carries {', '.join(self.object_names)}). {_NEW_OBJECTS}")
+            f"got a {type(x).__name__} this resilient step does not carry (it carries "
+            f"{', '.join(self.object_names)}: the objects it first ran with). {_NEW_OBJECTS}")
 
     def _state_args(self, slots, leaves):
         seen = {-1 - s for s in slots if s < 0}
@@ -1000,6 +1099,16 @@ class NnxForm(StepForm):
         """The values the variables hold now count as written by the step (`untouched`):
         they were found equal to the step's."""
         self._written = [v.get_raw_value() for v in self.live_vars] if self._plain else None
+
+    def replaced_since_written(self) -> list[str]:
+        """The paths of the state leaves whose variables no longer hold the value this
+        form last wrote into them (replaced outside the step: a metrics reset, or a jitted
+        call that wrote equal copies back); [] when unsure."""
+        written = self._written
+        if not self._plain or written is None:
+            return []
+        return [path for path, var, w in zip(self.leaf_paths, self.live_vars, written,
+                                             strict=True) if var.get_raw_value() is not w]
 
     def untouched(self) -> bool:
         """Whether every variable still holds the value this form last wrote into it

@@ -15,6 +15,7 @@ survivors report to the launcher say how each learned.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import pytest
@@ -31,13 +32,14 @@ NPROC = 4
 COLLECTIVE_TIMEOUT_S = 10  # the launcher's default is 20 s
 
 
-def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path, caplog):
+def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path, caplog,
+                                                                     capfd):
     caplog.set_level(logging.INFO, logger="mnemojax")
     reference = h.reference_run(h.make_batches(STEPS))
     # Paced so that the steps after the kill outlast the collective timeout.
     sleep_s = COLLECTIVE_TIMEOUT_S / (STEPS - KILL_AFTER_STEP - 1)
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
-           "--steps", str(STEPS), "--step-sleep-s", f"{sleep_s:.2f}"]
+           "--steps", str(STEPS), "--step-sleep-s", f"{sleep_s:.2f}", "--rewrite-between"]
     report = h.check_job_report(run_scenario(
         cmd, nproc=NPROC, devices_per_proc=2, faults=[ProcessFault("kill", 0, KILL_AFTER_STEP)],
         collective_timeout_s=COLLECTIVE_TIMEOUT_S, job_timeout_s=240))
@@ -57,6 +59,12 @@ def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path, c
     # event list grew with the job's length)
     assert not [e for e in report["events"] if e["op"] == "progress"]
     assert {w: report["steps"][w] for w in (1, 2, 3)} == dict.fromkeys((1, 2, 3), STEPS)
+    # A leaf replaced between steps (an equal copy: the state stays exact) is said undone
+    # by the recovery, by each survivor (a user trial's metrics reset was undone silently)
+    err = capfd.readouterr().err
+    for w in (1, 2, 3):
+        assert re.search(rf"\[worker {w}\] .*since step \d+, model/l1/bias were replaced "
+                         r"outside the step", err), err[-3000:]
     # The launcher says which world formed, from which step, where its service runs
     assert f"world 1: workers [1, 2, 3], from step {rec['source_step']}, coordination " \
         "service on 127.0.0.1:" in caplog.text

@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--global-array-batch", action="store_true",
                         help="pass the batch as a jax.Array built from each process's own "
                              "rows (jax.make_array_from_process_local_data)")
+    parser.add_argument("--rewrite-between", action="store_true",
+                        help="before each step, put an equal copy of model.l1.bias in its "
+                             "variable (outside the step, as a jitted call writing back)")
     parser.add_argument("--key-per-process", action="store_true",
                         help="with --key-seed: seed S + this worker's id, another key in each "
                              "process (a mistake the step must refuse)")
@@ -183,6 +186,8 @@ def main() -> None:
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
                                         "y": batch["y"]})
+        if args.rewrite_between:
+            model.l1.bias.set_value(jnp.copy(model.l1.bias.get_value()))
         if k == args.raise_at_step and me == args.raise_worker:
             raise RuntimeError(f"user bug in worker {me} at step {k}")
         if args.global_array_batch:  # as MaxText does: each process gives its own rows
