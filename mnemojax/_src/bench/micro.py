@@ -5,7 +5,8 @@
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
-   (``state_of`` before the step, ``result`` after it).
+   (``state_of`` before the step, ``result`` after it, and the check that the objects'
+   graph did not change in place, ``changed_in_place``).
 2. The step's finiteness check: none, per-device flags (what the step compiles) and one
    global ``jnp.all`` per leaf (a cross-device reduction per leaf).
 3. After a recovery: the failed step's whole call against the runtime's ``total_s`` (the
@@ -88,7 +89,9 @@ def _plumbing(cfg) -> list[str]:
 
     plumbing = {"nnx.split + nnx.update": median_ms(split_update, 200),
                 "Variable get_value/set_value": median_ms(get_set, 200),
-                "NnxForm.state_of+result (used)": median_ms(read_write, 200)}
+                "NnxForm.state_of+result (used)": median_ms(read_write, 200),
+                # (each call: did the graph change in place, e.g. a submodule replaced?)
+                "NnxForm.changed_in_place (used)": median_ms(form.changed_in_place, 200)}
     lines = ["1. NNX state plumbing per call (median of 200; demo GPT, 92 variables)"]
     lines += [f"   {name:<32} {ms:8.3f} ms" for name, ms in plumbing.items()]
     return lines
