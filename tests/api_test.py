@@ -445,19 +445,17 @@ def test_model_is_updated_in_place_like_nnx_jit():
     step.close()
 
 
-def test_other_objects_of_the_same_structure_are_carried_from_then_on():
-    """``nnx.jit`` takes any objects: a model loaded anew (or resharded between steps,
-    Flax's optimization cookbook) passed in place of the carried one is carried from then
-    on, its values the state. Donated state and device 5 lost in the very step that
-    brings it: the snapshot restored is of the new model, and the run equals ``nnx.jit``'s
-    on the same objects."""
+def _changed_before_step_3(change, *, first=None) -> tuple:
+    """`change(model)` (the model to go on with) made between steps 2 and 3 of a plain
+    ``nnx.jit`` run and of a resilient one whose state is donated and which loses device 5
+    in step 3: the snapshot it restores must hold the change, and the runs end equal.
+    ``first(step, model, optimizer)`` runs before the change. Returns the step (closed)
+    and the model before the change."""
     batches = h.make_batches(4)
     plain = nnx.jit(h.train_step)
     model, optimizer = h.make_mlp()
-    for b in batches[:2]:
-        plain(model, optimizer, b)
-    model = h.make_mlp(seed=1)[0]  # (the same optimizer: its tx is part of the structure)
-    for b in batches[2:]:
+    for i, b in enumerate(batches):
+        model = change(model) if i == 2 else model
         plain(model, optimizer, b)
     want = h.host_state(model, optimizer)
 
@@ -467,19 +465,31 @@ def test_other_objects_of_the_same_structure_are_carried_from_then_on():
     model, optimizer = h.make_mlp()
     for b in batches[:2]:
         step(model, optimizer, b)
-    old = model
-    model = h.make_mlp(seed=1)[0]
+    if first is not None:
+        first(step, model, optimizer)
+    old, model = model, change(model)
     for b in batches[2:]:
         step(model, optimizer, b)
     for got, ref in zip(h.host_state(model, optimizer), want, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     [rec] = step.statistics.recoveries
     assert rec.source_step == 2 and rec.source != "live_replicas"
+    step.close()
+    return step, old
+
+
+def test_other_objects_of_the_same_structure_are_carried_from_then_on():
+    """``nnx.jit`` takes any objects: a model loaded anew (or resharded between steps,
+    Flax's optimization cookbook) passed in place of the carried one is carried from then
+    on, its values the state. Donated state and device 5 lost in the very step that
+    brings it: the snapshot restored is of the new model, and the run equals ``nnx.jit``'s
+    on the same objects."""
+    # (the same optimizer: its tx is part of the structure)
+    _, old = _changed_before_step_3(lambda model: h.make_mlp(seed=1)[0])
     # The objects before are no longer carried: another step may take them.
     other = _step()
-    other(old, nnx.Optimizer(old, optax.sgd(0.1), wrt=nnx.Param), batches[0])
+    other(old, nnx.Optimizer(old, optax.sgd(0.1), wrt=nnx.Param), h.make_batches(1)[0])
     other.close()
-    step.close()
 
 
 def test_a_submodule_replaced_between_steps_is_trained_from_then_on_as_nnx_jit_does():
@@ -489,34 +499,18 @@ def test_a_submodule_replaced_between_steps_is_trained_from_then_on_as_nnx_jit_d
     it restores the new values. It was silently ignored: the step went on training the
     old submodule (a user trial). A change of structure (a variable added) is refused
     naming the way out, and undone, the step goes on."""
-    batches = h.make_batches(4)
-    plain = nnx.jit(h.train_step)
-    model, optimizer = h.make_mlp()
-    for i, b in enumerate(batches):
-        if i == 2:
-            model.l2 = h.make_mlp(seed=1)[0].l2
-        plain(model, optimizer, b)
-    want = h.host_state(model, optimizer)
+    def surgery(model):
+        model.l2 = h.make_mlp(seed=1)[0].l2
+        return model
 
-    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), donate_argnums=(0, 1),
-                              options=h.no_precompile(),
-                              fault_injector=FaultInjector().lose_devices(3, [5]))
-    model, optimizer = h.make_mlp()
-    for b in batches[:2]:
-        step(model, optimizer, b)
-    model.extra = nnx.Param(jnp.zeros((3,)))
-    with pytest.raises(UnsupportedStateError, match=r"structure of model, optimizer changed "
-                                                    r".*step.close\(\)"):
-        step(model, optimizer, batches[2])
-    del model.extra
-    model.l2 = h.make_mlp(seed=1)[0].l2
-    for b in batches[2:]:
-        step(model, optimizer, b)
-    for got, ref in zip(h.host_state(model, optimizer), want, strict=True):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    [rec] = step.statistics.recoveries
-    assert rec.source_step == 2 and rec.source != "live_replicas"
-    step.close()
+    def another_structure(step, model, optimizer):
+        model.extra = nnx.Param(jnp.zeros((3,)))
+        with pytest.raises(UnsupportedStateError, match=r"structure of model, optimizer "
+                                                        r"changed .*step.close\(\)"):
+            step(model, optimizer, h.make_batches(3)[2])
+        del model.extra
+
+    _changed_before_step_3(surgery, first=another_structure)
 
 
 def test_other_objects_are_not_taken_when_abstract_carried_elsewhere_or_after_a_restore():
