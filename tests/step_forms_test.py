@@ -507,3 +507,70 @@ def test_an_argument_both_static_and_replicated_is_refused():
         Convention(_key_step, static_argnames="table", replicated_argnums=3)
     with pytest.raises(InvalidOptionError, match="replicated_argnames=.*no parameter 'tabel'"):
         Convention(_key_step, replicated_argnames="tabel")
+
+
+class _Parts(nnx.Module):
+    """The containers a Flax model holds submodules in, and state that is no Variable."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+        self.named = nnx.Dict({"a": nnx.Linear(4, 4, rngs=rngs)})
+        self.plain = nnx.data([nnx.Linear(4, 4, rngs=rngs)])
+        self.seq = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.relu)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.arr = jnp.zeros(3)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.drop(self.bn(self.seq(self.named["a"](x) + self.plain[0](x))))
+
+
+def test_the_graph_check_sees_replaced_parts_and_not_what_training_loops_do():
+    """`NnxForm.changed_in_place` (model surgery between steps was silently ignored, a
+    user trial): a submodule or Variable replaced anywhere is seen, and a change of
+    structure refused; what ordinary loops do between steps is not a change: an nnx.jit
+    step or eval (it rebuilds pytree containers and sets attributes again in another
+    order), model.eval() then model.train(), a metrics reset, a reseed, an array leaf
+    set anew."""
+    model = _Parts(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    form = NnxForm(h.train_step, model, optimizer, metrics,
+                   names=["model", "optimizer", "metrics"])
+
+    @nnx.jit
+    def train(model, optimizer, metrics, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss)
+
+    train(model, optimizer, metrics, jnp.ones((2, 4)))
+    nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, 4)))
+    model.eval()
+    model.train()
+    metrics.reset()
+    nnx.reseed(model, dropout=3)
+    model.arr = jnp.ones(3)
+    assert form._fingerprint.same()  # (the per-call check alone: no nnx.split needed)
+    assert form.changed_in_place() is None
+    for replace, path in [
+            (lambda: model.layers.__setitem__(1, nnx.Linear(4, 4, rngs=nnx.Rngs(1))),
+             "model/layers/1/kernel"),
+            (lambda: model.named.__setitem__("a", nnx.Linear(4, 4, rngs=nnx.Rngs(1))),
+             "model/named/a/kernel"),
+            (lambda: model.plain.__setitem__(0, nnx.Linear(4, 4, rngs=nnx.Rngs(1))),
+             "model/plain/0/kernel"),
+            (lambda: setattr(model.bn, "scale", nnx.Param(jnp.ones(4))), "model/bn/scale")]:
+        replace()
+        replaced = form.changed_in_place()
+        assert replaced is not None and path in replaced, (path, replaced)
+        form.rebind()
+        assert form.changed_in_place() is None
+    model.eval()  # a static attribute set anew: another structure
+    with pytest.raises(UnsupportedStateError, match=r"structure of model, optimizer, metrics "
+                                                    r"changed.*model.eval\(\)"):
+        form.changed_in_place()
+    model.train()
+    assert form.changed_in_place() is None

@@ -670,15 +670,18 @@ def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> Unsupport
 
 class _GraphFingerprint:
     """What the carried objects' graph holds, node by node: each node's attribute
-    (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``; ~70 µs
-    for the demo GPT's 85 nodes): a submodule or Variable replaced between steps (model
+    (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``; ~30 µs
+    for the demo GPT's 64 nodes): a submodule or Variable replaced between steps (model
     surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows as
     another object. The children are held (not their ids: a replaced child freed could
     leave its id to the new one). Array leaves (the step writes new ones) and Flax's own
-    bookkeeping (``_pytree__state``, replaced by every ``nnx.jit`` call) do not count."""
+    bookkeeping (``_pytree__state``) do not count, and a plain pytree child (a list, a
+    tuple, an optax state) counts by its structure and the objects in it: an ``nnx.jit``
+    call rebuilds those, and sets a node's attributes again in another order."""
 
     def __init__(self, objects: tuple):
-        self.nodes: list[list[Any]] = []  # [children container, their values, skippable]
+        self.objects = objects
+        self.nodes: list[list[Any]] = []  # [children container, their values, structure]
         for path, node in nnx.graph.iter_graph(objects):
             if node is None or _is_var(node) or not nnx.graph.is_node(node) or any(
                     isinstance(p, str) and p.startswith("_pytree__") for p in path):
@@ -688,27 +691,56 @@ class _GraphFingerprint:
             self.nodes.append([container, values, self._structure(container)])
 
     @staticmethod
-    def _structure(container: Any) -> tuple:
-        """The keys and the counting children of a node (arrays and ``_pytree__`` entries
-        stand in as None)."""
+    def _structure(container: Any) -> dict:
+        """A node's children by key: arrays and ``_pytree__`` entries stand in as None, a
+        plain pytree child as its `_Tree`."""
         items = container.items() if hasattr(container, "items") else enumerate(container)
-        return tuple((k, None if isinstance(v, _CONCRETE_ARRAYS) or (
-            isinstance(k, str) and k.startswith("_pytree__")) else v) for k, v in items)
+        return {k: None if isinstance(v, _CONCRETE_ARRAYS) or (
+            isinstance(k, str) and k.startswith("_pytree__")) else _Tree.of(v)
+            for k, v in items}
 
     def same(self) -> bool:
         """Whether every node still holds the same attribute objects."""
-        for entry in self.nodes:
-            container, values, structure = entry
+        rebuilt = False
+        for container, values, structure in self.nodes:
             now = tuple(_values_of(container))
             if len(now) == len(values) and all(map(operator.is_, now, values)):
                 continue  # (the common case: nothing replaced)
             now_structure = self._structure(container)
-            if len(now_structure) != len(structure) or any(
-                    a[0] != b[0] or a[1] is not b[1]
-                    for a, b in zip(now_structure, structure, strict=True)):
+            if now_structure.keys() != structure.keys() or any(
+                    not _Tree.same(v, structure[k]) for k, v in now_structure.items()):
                 return False
-            entry[1] = now  # only arrays or bookkeeping replaced: the fast check next time
+            rebuilt = True
+        if rebuilt:  # the same graph, rebuilt containers: follow them from now on
+            self.__init__(self.objects)
         return True
+
+
+class _Tree:
+    """A plain pytree child of a graph node (not itself a graph node): its structure and
+    the objects in it (graph nodes, Variables, static values; arrays stand in as None)."""
+
+    __slots__ = ("leaves", "treedef")
+
+    def __init__(self, treedef: Any, leaves: tuple):
+        self.treedef, self.leaves = treedef, leaves
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """`value` itself, or a `_Tree` of it when it is a plain pytree container."""
+        if _is_var(value) or not nnx.graph.is_node(value) or nnx.graph.is_graph_node(value):
+            return value
+        leaves, treedef = jax.tree_util.tree_flatten(
+            value, is_leaf=lambda x: _is_var(x) or nnx.graph.is_graph_node(x))
+        return cls(treedef, tuple(None if isinstance(x, _CONCRETE_ARRAYS) else x
+                                  for x in leaves))
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, _Tree) and isinstance(b, _Tree):
+            return a.treedef == b.treedef and len(a.leaves) == len(b.leaves) and all(
+                map(operator.is_, a.leaves, b.leaves))
+        return a is b
 
 
 def _children_of(node: Any) -> Any:
