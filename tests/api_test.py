@@ -247,8 +247,8 @@ def test_batch_that_cannot_be_split_names_the_size_and_the_ways_on():
         return {"w": state["w"] - 0.1 * jnp.mean(batch["x"], axis=0)}, None
 
     default = mnemojax.resilient(fit, options=h.no_precompile())
-    with pytest.raises(BatchSplitError, match=r"width 8 \(no mesh given: all devices on one "
-                                              r"data axis\)"):
+    with pytest.raises(BatchSplitError, match=r"width 8 \(no mesh given: the default mesh "
+                                              r"puts the devices on one data axis\)"):
         default({"w": jnp.zeros((h.DIN,))}, h.make_batches(1, batch=22)[0])
     default.close()
 
@@ -511,6 +511,32 @@ def test_a_submodule_replaced_between_steps_is_trained_from_then_on_as_nnx_jit_d
         del model.extra
 
     _changed_before_step_3(surgery, first=another_structure)
+
+
+def test_a_refused_in_place_change_is_refused_again_at_the_next_call():
+    """A replaced submodule refused (another live step carries it; or restore() filled
+    the objects and no step ran since) stays refused when the call is made again: a
+    review found the retry went through, training the variables before the change."""
+    batches = h.make_batches(2)
+    model, optimizer = h.make_mlp()
+    other_model, other_optimizer = h.make_mlp(seed=1)
+    step, other = _step(), _step()
+    other(other_model, other_optimizer, batches[0])
+    step(model, optimizer, batches[0])
+    model.l2 = other_model.l2
+    for _ in range(2):
+        with pytest.raises(UnsupportedStateError, match="already carried by another"):
+            step(model, optimizer, batches[1])
+    other.close()
+    step.close()
+    fresh = _step()
+    model, optimizer = h.make_mlp()
+    assert fresh.restore(model, optimizer) == 0
+    model.l2 = h.make_mlp(seed=1)[0].l2
+    for _ in range(2):
+        with pytest.raises(UnsupportedStateError, match=r"restore\(\) filled"):
+            fresh(model, optimizer, batches[1])
+    fresh.close()
 
 
 def test_other_objects_are_not_taken_when_abstract_carried_elsewhere_or_after_a_restore():

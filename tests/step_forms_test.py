@@ -570,7 +570,24 @@ def test_the_graph_check_sees_replaced_parts_and_not_what_training_loops_do():
         assert form.changed_in_place() is None
     model.eval()  # a static attribute set anew: another structure
     with pytest.raises(UnsupportedStateError, match=r"structure of model, optimizer, metrics "
-                                                    r"changed.*model.eval\(\)"):
+                                                    r"changed since this step was built \(model"
+                                                    r"/\w+/(deterministic|use_running_average)"
+                                                    r": False -> True.*model.eval\(\)"):
         form.changed_in_place()
     model.train()
     assert form.changed_in_place() is None
+
+
+def test_values_changed_since_the_step_are_told_from_equal_copies_written_back():
+    """What a recovery across processes undoes (`NnxForm.replaced_since_written`, said in
+    a warning): a leaf given other values since the step wrote it (a metrics reset); not
+    one an nnx.jit call wrote back as an equal copy (a review saw every leaf named)."""
+    form, model, optimizer = _nnx_form()
+    leaves = form.state_of((model, optimizer))
+    form.result((model, optimizer), leaves, None)  # as the step writes its new state
+    assert form.replaced_since_written() == []
+    nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, h.DIN)))  # writes equal copies back
+    model.l1.bias.set_value(jnp.copy(model.l1.bias.get_value()))
+    assert form.replaced_since_written() == []
+    model.l2.kernel.set_value(model.l2.kernel.get_value() + 1.0)
+    assert form.replaced_since_written() == ["model/l2/kernel"]

@@ -494,6 +494,9 @@ class ResilientStep(Generic[P, R]):
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
+            # (variables replaced since the step are carried, then refused as any change
+            # made between the step and its guarded work: `_check_untouched`)
+            self._follow_in_place_change(b, b.form)
             if not checked:
                 checked.append(True)
                 self._warn_uncarried(fn, (args, kwargs), b.form)
@@ -602,11 +605,11 @@ class ResilientStep(Generic[P, R]):
         more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
         log.warning(
             "mnemojax: the recovery restored the state of step %d from the agents' copies; "
-            "since step %d, %s%s were replaced outside the step (a metrics reset between "
-            "steps? a jitted call that wrote them back?): across processes a change made "
-            "between steps is not in the copies, and this recovery undid it. Make such a "
-            "change inside the step (README: known limits)", restored_step, self._step,
-            ", ".join(paths[:4]), more)
+            "since step %d, %s%s changed outside the step (a metrics reset between "
+            "steps?): across processes a change made between steps is not in the copies, "
+            "and this recovery has most likely undone it. Make such a change inside the "
+            "step (README: known limits)", restored_step, self._step, ", ".join(paths[:4]),
+            more)
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
         """One process: the NNX objects' state changed since the last step, outside it (a
@@ -1262,8 +1265,8 @@ class ResilientStep(Generic[P, R]):
         width = b.runtime.proxy.data_width()
         used = b.examples if b.batch_size is not None else size
         if size is not None and used is not None and used % width:
-            default = (" (no mesh given: all devices on one data axis)"
-                       if self._mesh_arg is None else "")
+            default = (" (no mesh given: the default mesh puts the devices on one data "
+                       "axis)" if self._mesh_arg is None else "")
             raise BatchSplitError(
                 f"the global batch has {size} examples, which the batch axes "
                 f"{self.options.batch_axes} of width {width}{default} cannot split evenly: "

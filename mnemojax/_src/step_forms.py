@@ -670,10 +670,11 @@ def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> Unsupport
 
 class _GraphFingerprint:
     """What the carried objects' graph holds, node by node: each node's attribute
-    (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``; ~30 µs
-    for the demo GPT's 64 nodes): a submodule or Variable replaced between steps (model
-    surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows as
-    another object. The children are held (not their ids: a replaced child freed could
+    (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``; ~1 µs
+    per node: 0.03 ms for the demo GPT, `bench.micro` 1; a graph is rebuilt, ~1 ms, after
+    an ``nnx.jit`` call between steps): a submodule or Variable replaced between steps
+    (model surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows
+    as another object; inside an optimizer's state only a state replaced whole does. The children are held (not their ids: a replaced child freed could
     leave its id to the new one). Array leaves (the step writes new ones) and Flax's own
     bookkeeping (``_pytree__state``) do not count, and a plain pytree child (a list, a
     tuple, an optax state) counts by its structure and the objects in it: an ``nnx.jit``
@@ -681,14 +682,38 @@ class _GraphFingerprint:
 
     def __init__(self, objects: tuple):
         self.objects = objects
-        self.nodes: list[list[Any]] = []  # [children container, their values, structure]
+        # [children container, their values, structure, path]
+        self.nodes: list[list[Any]] = []
         for path, node in nnx.graph.iter_graph(objects):
+            # Not inside an optimizer's state (as many dicts as the model has modules, half
+            # the nodes of a model with Adam): the optimizer node sees it replaced whole.
             if node is None or _is_var(node) or not nnx.graph.is_node(node) or any(
-                    isinstance(p, str) and p.startswith("_pytree__") for p in path):
+                    isinstance(p, str) and (p.startswith("_pytree__") or p == "opt_state")
+                    for p in path):
                 continue
             container = _children_of(node)
-            values = tuple(_values_of(container))
-            self.nodes.append([container, values, self._structure(container)])
+            values: tuple | None = tuple(_values_of(container))
+            if any(isinstance(v, _CONCRETE_ARRAYS) for v in values):
+                values = None  # (compared by structure: no array of a past step is held)
+            self.nodes.append([container, values, self._structure(container), path])
+
+    def changes(self, names: Sequence[str], most: int = 3) -> str:
+        """What differs since this fingerprint was taken, for a message: the attributes
+        added, removed or set to another object (static values with both values)."""
+        out = []
+        for container, _, structure, path in self.nodes:
+            now = self._structure(container)
+            where = "/".join([names[int(path[0])], *map(str, path[1:])] if path else [])
+            for k in [*structure.keys() - now.keys(), *now.keys() - structure.keys(),
+                      *(k for k in now.keys() & structure.keys()
+                        if not _Tree.same(now[k], structure[k]))]:
+                old, new = structure.get(k, "(none)"), now.get(k, "(none)")
+                shown = (f": {old!r} -> {new!r}" if all(
+                    isinstance(v, int | float | bool | str | type(None)) or v == "(none)"
+                    for v in (old, new)) else " replaced")
+                out.append(f"{where}/{k}{shown}")
+        return ", ".join(out[:most]) + (f" and {len(out) - most} more" if len(out) > most
+                                        else "")
 
     @staticmethod
     def _structure(container: Any) -> dict:
@@ -702,15 +727,16 @@ class _GraphFingerprint:
     def same(self) -> bool:
         """Whether every node still holds the same attribute objects."""
         rebuilt = False
-        for container, values, structure in self.nodes:
-            now = tuple(_values_of(container))
-            if len(now) == len(values) and all(map(operator.is_, now, values)):
-                continue  # (the common case: nothing replaced)
+        for container, values, structure, _ in self.nodes:
+            if values is not None:
+                now = tuple(_values_of(container))
+                if len(now) == len(values) and all(map(operator.is_, now, values)):
+                    continue  # (the common case: nothing replaced)
             now_structure = self._structure(container)
             if now_structure.keys() != structure.keys() or any(
                     not _Tree.same(v, structure[k]) for k, v in now_structure.items()):
                 return False
-            rebuilt = True
+            rebuilt = rebuilt or values is not None
         if rebuilt:  # the same graph, rebuilt containers: follow them from now on
             self.__init__(self.objects)
         return True
@@ -728,7 +754,8 @@ class _Tree:
     @classmethod
     def of(cls, value: Any) -> Any:
         """`value` itself, or a `_Tree` of it when it is a plain pytree container."""
-        if _is_var(value) or not nnx.graph.is_node(value) or nnx.graph.is_graph_node(value):
+        if value is None or _is_var(value) or not nnx.graph.is_node(value) or (
+                nnx.graph.is_graph_node(value)):
             return value
         leaves, treedef = jax.tree_util.tree_flatten(
             value, is_leaf=lambda x: _is_var(x) or nnx.graph.is_graph_node(x))
@@ -892,6 +919,25 @@ _CONCRETE = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
 _CONCRETE_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
+def _same_local_values(a: Any, b: Any) -> bool:
+    """Whether two arrays hold equal values in this process's shards; False when unsure,
+    and without waiting: an array not computed yet (its computation may wait on a peer
+    that is gone) is not read."""
+    try:
+        if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)) or (
+                a.shape != b.shape or a.dtype != b.dtype
+                or not all(getattr(x, "is_ready", lambda: False)() for x in (a, b))):
+            return False
+        mine = {s.device: s for s in a.addressable_shards}
+        theirs = {s.device: s for s in b.addressable_shards}
+        return mine.keys() == theirs.keys() and all(
+            mine[d].index == theirs[d].index
+            and np.array_equal(np.asarray(mine[d].data), np.asarray(theirs[d].data))
+            for d in mine)
+    except Exception:  # noqa: BLE001 - a deleted (donated) buffer, a key array: unsure
+        return False
+
+
 def _held(x: Any) -> Any:
     """The array a Variable (or `_ArrayLeaf`) holds; an array leaf is itself."""
     return x.get_raw_value() if hasattr(x, "get_raw_value") else x
@@ -1021,18 +1067,23 @@ class NnxForm(StepForm):
         if graphdef != self.graphdef or len(now) != len(self.live_vars) or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
+            what = self._fingerprint.changes(self.object_names)
             raise UnsupportedStateError(
                 f"the structure of {', '.join(self.object_names)} changed since this step "
-                "was built (between steps: a submodule replaced by one of another structure "
-                "or shapes, a variable shared, added or removed, or a static attribute set "
-                "anew, e.g. model.eval() before a training step): a resilient step runs what "
-                "it compiled for the structure it was built with (nnx.jit would trace again). "
-                "Call step.close() and make a new resilient step for the new structure "
-                "(step.with_options() after close())")
-        self._fingerprint = _GraphFingerprint(self.objects)
+                f"was built{f' ({what})' if what else ''}: between steps a submodule was "
+                "replaced by one of another structure or shapes, a variable shared, added or "
+                "removed, or a static attribute set anew (model.eval() before a training "
+                "step; model.train() the first time, where a module's flag was None, as "
+                "MultiHeadAttention's deterministic: call it before the step's first call). "
+                "A resilient step runs what it compiled for the structure it was built with "
+                "(nnx.jit would trace again): put the structure back, or call step.close() "
+                "and make a new resilient step (step.with_options() after close())")
         replaced = [path for path, a, b in zip(self.leaf_paths, now, self.live_vars, strict=True)
                     if ((a is not b) if _is_var(a) else (b.get_raw_value() is not a))]
-        return replaced or None  # (None: an equal static value set anew, nothing to follow)
+        if replaced:  # (`rebind` takes the new fingerprint, if the change is taken)
+            return replaced
+        self._fingerprint = _GraphFingerprint(self.objects)  # an equal value set anew
+        return None
 
     _BINDING = ("objects", "_found", "_aliases", "leaf_paths", "live_vars", "_written",
                 "_plain", "_fingerprint")
@@ -1169,14 +1220,16 @@ class NnxForm(StepForm):
         self._written = [v.get_raw_value() for v in self.live_vars] if self._plain else None
 
     def replaced_since_written(self) -> list[str]:
-        """The paths of the state leaves whose variables no longer hold the value this
-        form last wrote into them (replaced outside the step: a metrics reset, or a jitted
-        call that wrote equal copies back); [] when unsure."""
+        """The paths of the state leaves whose variables no longer hold the values this
+        form last wrote into them (changed outside the step: a metrics reset); a leaf
+        replaced by equal values (a jitted call that wrote copies back) is left out where
+        this process's shards tell; [] when unsure."""
         written = self._written
         if not self._plain or written is None:
             return []
         return [path for path, var, w in zip(self.leaf_paths, self.live_vars, written,
-                                             strict=True) if var.get_raw_value() is not w]
+                                             strict=True)
+                if (now := var.get_raw_value()) is not w and not _same_local_values(now, w)]
 
     def untouched(self) -> bool:
         """Whether every variable still holds the value this form last wrote into it

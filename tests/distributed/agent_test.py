@@ -664,24 +664,30 @@ def test_a_buddy_out_of_reach_is_told_once_until_replication_works_again(caplog)
     assert "told once until it works again" in failed[0].getMessage()
 
 
-def test_a_workers_stderr_reaches_the_agents_with_its_id_at_each_line(capfd):
+def test_a_workers_stderr_reaches_the_agents_with_its_id_at_each_line(capfd, tmp_path):
     """Several workers share the launcher's terminal or log: each line a worker writes to
-    its standard error (a warning, a traceback) says whose it is (trial 26: they did not);
-    a partial line (a progress bar's) is passed on at once, not held back; its standard
-    output is left alone; its last lines are out once `flush` returns."""
+    its standard error (a warning, a traceback) says whose it is (trial 26: they did not),
+    also after a carriage return (a progress bar redrawn); a partial line is passed on at
+    once, not held back; its standard output is left alone; its last lines are out once
+    `flush` returns."""
     import sys
 
     from mnemojax._src.distributed.agent.worker_process import WorkerProcess
-    code = ("import sys, time; sys.stderr.write('half'); sys.stderr.flush(); time.sleep(0.3);"
-            "sys.stderr.write(' done\\nwarning: two\\n\\nlast'); print('plain output')")
+    go = tmp_path / "go"
+    code = ("import os, sys, time; sys.stderr.write('half'); sys.stderr.flush()\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+            "sys.stderr.write(' done\\nwarning: two\\n\\n10%\\r20%\\nlast'); "
+            "print('plain output')")
     worker = WorkerProcess([sys.executable, "-c", code], 7)
     worker.spawn({})
     seen = []
     wait_until(lambda: seen.append(capfd.readouterr()) or "half" in seen[-1].err)
     assert worker.collect_exit() is None  # passed on while the worker still runs
+    go.touch()
     wait_until(lambda: worker.collect_exit() is not None)
     worker.flush()
     seen.append(capfd.readouterr())
     assert "".join(s.out for s in seen) == "plain output\n"
     assert "".join(s.err for s in seen) == (
-        "[worker 7] half done\n[worker 7] warning: two\n\n[worker 7] last")
+        "[worker 7] half done\n[worker 7] warning: two\n[worker 7] \n"
+        "[worker 7] 10%\r[worker 7] 20%\n[worker 7] last")

@@ -15,7 +15,6 @@ survivors report to the launcher say how each learned.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 
 import pytest
@@ -59,12 +58,12 @@ def test_survivors_are_told_of_a_death_before_the_collective_timeout(tmp_path, c
     # event list grew with the job's length)
     assert not [e for e in report["events"] if e["op"] == "progress"]
     assert {w: report["steps"][w] for w in (1, 2, 3)} == dict.fromkeys((1, 2, 3), STEPS)
-    # A leaf replaced between steps (an equal copy: the state stays exact) is said undone
-    # by the recovery, by each survivor (a user trial's metrics reset was undone silently)
+    # A leaf replaced between steps by an equal copy (as an nnx.jit eval writes back) is
+    # no change a recovery undoes: not warned of (a review saw every leaf named); worker
+    # lines come prefixed with their id
     err = capfd.readouterr().err
-    for w in (1, 2, 3):
-        assert re.search(rf"\[worker {w}\] .*since step \d+, model/l1/bias were replaced "
-                         r"outside the step", err), err[-3000:]
+    assert "changed outside the step" not in err, err[-3000:]
+    assert all(f"[worker {w}] mnemojax: step " in err for w in (1, 2, 3)), err[-3000:]
     # The launcher says which world formed, from which step, where its service runs
     assert f"world 1: workers [1, 2, 3], from step {rec['source_step']}, coordination " \
         "service on 127.0.0.1:" in caplog.text

@@ -8,6 +8,7 @@ whatever reads it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -76,29 +77,28 @@ class WorkerProcess:
 
 
 def _relay(pipe: BinaryIO, prefix: bytes) -> None:
-    """Copies ``pipe`` to this process's standard error, ``prefix`` at each line's start,
-    as it comes (a partial line, e.g. a progress bar's, is not held back), until EOF."""
-    out = sys.stderr.buffer
-    at_start = True
+    """Copies ``pipe`` to this process's standard error, ``prefix`` at each line's start
+    (and after each carriage return: a progress bar redrawn), one write per line, so that
+    lines of several agents sharing the launcher's standard error stay whole (a pipe
+    write up to 4 KiB is atomic); a partial line (a progress bar's) is passed on as it
+    comes, not held back. Until EOF."""
     fd = pipe.fileno()
+    out = sys.stderr.fileno()
+    at_start = True
     try:
         while chunk := os.read(fd, 65536):
-            lines = chunk.split(b"\n")
-            pieces = []
-            for i, line in enumerate(lines):
-                if i:
-                    pieces.append(b"\n")
-                    at_start = True
-                if line:
-                    if at_start:
-                        pieces.append(prefix)
-                    pieces.append(line)
-                    at_start = False
-            try:
-                out.write(b"".join(pieces))
-                out.flush()
-            except (OSError, ValueError):  # our own stderr is gone: drain, say nothing
-                pass
+            pieces = chunk.split(b"\n")
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                if last and not piece:
+                    break  # (the chunk ended a line)
+                if b"\r" in piece:  # a redraw starts after each carriage return
+                    head, *rest = piece.split(b"\r")
+                    piece = head + b"".join(b"\r" + (prefix + r if r else r) for r in rest)
+                line = (prefix if at_start else b"") + piece + (b"" if last else b"\n")
+                at_start = not last
+                with contextlib.suppress(OSError):  # our own stderr gone: drain, say nothing
+                    os.write(out, line)
     except OSError:
         pass
     finally:

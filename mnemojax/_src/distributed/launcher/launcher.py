@@ -212,8 +212,10 @@ class Launcher:
         # collective before its agent reported it): no new world. On several nodes the
         # others log this reason (with the worker's exception: its traceback is printed
         # on its node only).
+        first_line = error.strip().splitlines()[0] if error and error.strip() else ""
         self.arbiter.end(f"the job is ending: worker {worker_id} exited with status {code}"
-                         + (f" ({error})" if error else ""), code=code, worker_id=worker_id)
+                         + (f" ({first_line})" if first_line else ""), code=code,
+                         worker_id=worker_id)
         self._record({"op": "worker_error", "worker_id": worker_id, "code": code,
                       "error": error})
         logger.error("mnemojax launch: worker %d exited with status %d%s; ending the job",
@@ -230,6 +232,8 @@ class Launcher:
                 raise DistributedError(
                     f"only {len(self.roster.addresses)}/{o.nproc} agents said hello")
         service = self.services.start(0, o.nproc)
+        logger.info("mnemojax launch: world 0: workers %s, coordination service on %s",
+                    list(range(o.nproc)), service.address)
         for w in range(o.nproc):
             buddy = self.roster.addresses[(w + 1) % o.nproc] if o.nproc > 1 else None
             self.roster.command(w, wire.Start(

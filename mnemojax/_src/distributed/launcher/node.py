@@ -142,6 +142,8 @@ class NodeLauncher(Launcher):
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
             members = view.worlds()[g]
+            for w in members:  # their steps of the world before are no news of this one
+                self.steps.pop(w, None)
             first = agreement_of(record, members[0]) if members else None
             self._set_buddies(view, members, first, newest=g == view.latest())
             for w in o.spare_ids:  # this node's spares the world takes in
@@ -629,7 +631,8 @@ class NodeLauncher(Launcher):
         self._progress_stop.set()
         if self._progress_thread is not None:
             self._progress_thread.join(timeout=PROGRESS_EVERY_S)
-            self._put_progress(retry_s=2.0)  # the last steps, for a job that has ended
+            if not self._progress_thread.is_alive():  # (else still writing: no race)
+                self._put_progress(retry_s=2.0)  # the last steps, for a job that has ended
         self.plane.join()
         if self._lease is not None:
             self._lease.close(revoke=True)
