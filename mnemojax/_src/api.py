@@ -82,6 +82,8 @@ from mnemojax._src.step_forms import (
     batch_splits,
     consume_flax_static_cache,
     form_for,
+    is_ready,
+    listed,
 )
 from mnemojax._src.topology import (
     MeshPlan,
@@ -570,8 +572,8 @@ class ResilientStep(Generic[P, R]):
         if b.restored_unrun:
             raise UnsupportedStateError(
                 "restore() filled the objects' variables; since then the objects hold others "
-                f"({', '.join(replaced[:4]) or 'their graph changed'}): make the change "
-                "before restore(), or after the first step")
+                f"({listed(replaced)}): make the change before restore(), or after the "
+                "first step")
         undo = form.rebind()
         try:
             ownership.check_unclaimed(self, form)
@@ -580,19 +582,17 @@ class ResilientStep(Generic[P, R]):
             raise
         ownership.release(self)
         ownership.claim(self, form)
-        what = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more"
-                                          if len(replaced) > 4 else "")
         if b.session is not None:
             log.warning(
                 "mnemojax: step %d: the objects hold other variables than at the last step "
                 "(%s: replaced between steps): the step carries them from now on; across "
                 "processes their values are not in the agents' copies until this step has "
                 "run, so a process lost in it restores the step before's state (README: "
-                "known limits)", self._step + 1, what or "their graph changed")
+                "known limits)", self._step + 1, listed(replaced))
         else:
             log.info("mnemojax: step %d: the objects hold other variables than at the last "
                      "step (%s: replaced between steps): the step carries them from now on",
-                     self._step + 1, what or "their graph changed")
+                     self._step + 1, listed(replaced))
 
     def _say_undone_change(self, restored_step: int, paths: list[str]) -> None:
         """Across processes the agents' copies are those the steps published: a change to
@@ -602,14 +602,12 @@ class ResilientStep(Generic[P, R]):
         user trial's loss metric silently covered 8 steps instead of 4 after a kill)."""
         if not paths:
             return
-        more = f" and {len(paths) - 4} more" if len(paths) > 4 else ""
         log.warning(
             "mnemojax: the recovery restored the state of step %d from the agents' copies; "
-            "since step %d, %s%s changed outside the step (a metrics reset between "
-            "steps?): across processes a change made between steps is not in the copies, "
-            "and this recovery has most likely undone it. Make such a change inside the "
-            "step (README: known limits)", restored_step, self._step, ", ".join(paths[:4]),
-            more)
+            "since step %d, %s changed outside the step (a metrics reset between steps?): "
+            "across processes a change made between steps is not in the copies, and this "
+            "recovery has most likely undone it. Make such a change inside the step "
+            "(README: known limits)", restored_step, self._step, listed(paths))
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
         """One process: the NNX objects' state changed since the last step, outside it (a
@@ -649,10 +647,9 @@ class ResilientStep(Generic[P, R]):
         changed = [form.leaf_paths[i] for i in self._changed_leaves(b, form)]
         if not changed:
             return
-        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UnsupportedStateError(
             f"the state this step carries changed since step {self._step}, outside the "
-            f"step ({', '.join(changed[:4])}{more}; before this call, or in guarded work "
+            f"step ({listed(changed)}; before this call, or in guarded work "
             f"before it): guarded work runs again on step {self._step}'s state after a "
             "recovery, which would lose that change. Make the change inside the guarded "
             "function (guard the whole eval: reset, loop and compute), after it, or in the "
@@ -727,7 +724,7 @@ class ResilientStep(Generic[P, R]):
             # The news of a death that came after the work was done everywhere (its
             # results are ready): the peers that saw it done go on to the next step.
             if not (getattr(exc, "mnemojax_peer_watch", False)
-                    and all(_is_ready(x) for x in arrays)):
+                    and all(is_ready(x) for x in arrays)):
                 raise
             jax.block_until_ready(arrays)  # (ready: raises at once if one failed)
         return out, t_run
@@ -1370,8 +1367,9 @@ class ResilientStep(Generic[P, R]):
             try:
                 placed.append(b.runtime.layer.put(x, s))
             except Exception as e:
+                on_mesh = set(mesh.devices.flat)
                 outside = sorted(d.id for d in getattr(x, "sharding", s).device_set
-                                 if d not in set(mesh.devices.flat))
+                                 if d not in on_mesh)
                 if not outside:
                     raise
                 # An array the caller put on devices the step lost (e.g. a checkpoint
@@ -1716,12 +1714,6 @@ class _Built:
 def _leaves_equal(xs: list, ys: list) -> jax.Array:
     """Per leaf pair, whether the two arrays are equal (NaN equal to NaN)."""
     return jnp.stack([jnp.array_equal(x, y, equal_nan=True) for x, y in zip(xs, ys, strict=True)])
-
-
-def _is_ready(x: jax.Array) -> bool:
-    """Whether ``x``'s value is computed (or failed): `jax.Array.is_ready`, which the
-    type stubs of `jax.Array` leave out."""
-    return bool(x.is_ready())  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _substitute(new: dict[int, Any], x: Any) -> Any:

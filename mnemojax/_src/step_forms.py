@@ -674,8 +674,9 @@ class _GraphFingerprint:
     per node: 0.03 ms for the demo GPT, `bench.micro` 1; a graph is rebuilt, ~1 ms, after
     an ``nnx.jit`` call between steps): a submodule or Variable replaced between steps
     (model surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows
-    as another object; inside an optimizer's state only a state replaced whole does. The children are held (not their ids: a replaced child freed could
-    leave its id to the new one). Array leaves (the step writes new ones) and Flax's own
+    as another object; inside an optimizer's state only a state replaced whole does. The
+    children are held (not their ids: a replaced child freed could leave its id to the
+    new one). Array leaves (the step writes new ones) and Flax's own
     bookkeeping (``_pytree__state``) do not count, and a plain pytree child (a list, a
     tuple, an optax state) counts by its structure and the objects in it: an ``nnx.jit``
     call rebuilds those, and sets a node's attributes again in another order."""
@@ -712,8 +713,7 @@ class _GraphFingerprint:
                     isinstance(v, int | float | bool | str | type(None)) or v == "(none)"
                     for v in (old, new)) else " replaced")
                 out.append(f"{where}/{k}{shown}")
-        return ", ".join(out[:most]) + (f" and {len(out) - most} more" if len(out) > most
-                                        else "")
+        return listed(out, most)
 
     @staticmethod
     def _structure(container: Any) -> dict:
@@ -919,6 +919,18 @@ _CONCRETE = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
 _CONCRETE_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
+def is_ready(x: jax.Array) -> bool:
+    """Whether ``x``'s value is computed (or failed): `jax.Array.is_ready`, which the
+    type stubs of `jax.Array` leave out."""
+    return bool(x.is_ready())  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def listed(names: Sequence[str], most: int = 4) -> str:
+    """``a, b, c, d and 3 more``: the first `most` names, for a message."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 def _same_local_values(a: Any, b: Any) -> bool:
     """Whether two arrays hold equal values in this process's shards; False when unsure,
     and without waiting: an array not computed yet (its computation may wait on a peer
@@ -926,7 +938,7 @@ def _same_local_values(a: Any, b: Any) -> bool:
     try:
         if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)) or (
                 a.shape != b.shape or a.dtype != b.dtype
-                or not all(getattr(x, "is_ready", lambda: False)() for x in (a, b))):
+                or not (is_ready(a) and is_ready(b))):
             return False
         mine = {s.device: s for s in a.addressable_shards}
         theirs = {s.device: s for s in b.addressable_shards}
@@ -1092,9 +1104,7 @@ class NnxForm(StepForm):
         """Carries the Variables the objects hold now (`changed_in_place`); their values are
         the state from now on. Returns what puts the binding before back."""
         before = {name: getattr(self, name) for name in self._BINDING}
-        paths = self.leaf_paths
-        self._bind(self.objects)
-        assert self.leaf_paths == paths, "changed_in_place() checked the structure"
+        self.adopt(self.objects)
 
         def undo() -> None:
             for name, value in before.items():
@@ -1129,11 +1139,12 @@ class NnxForm(StepForm):
         return new
 
     def adopt(self, objects: tuple) -> None:
-        """Carries `objects` (`replacements`) instead of the objects before; their values
-        are the state from now on."""
+        """Carries `objects` (`replacements`; or the same objects, whose graph holds other
+        variables now: `rebind`) instead of the objects before; their values are the state
+        from now on."""
         paths = self.leaf_paths
         self._bind(objects)
-        assert self.leaf_paths == paths, "replacements() checked the structure"
+        assert self.leaf_paths == paths, "the structure was checked before"
 
     def mutable_objects(self):
         return self.live_vars
