@@ -591,3 +591,28 @@ def test_values_changed_since_the_step_are_told_from_equal_copies_written_back()
     assert form.replaced_since_written() == []
     model.l2.kernel.set_value(model.l2.kernel.get_value() + 1.0)
     assert form.replaced_since_written() == ["model/l2/kernel"]
+
+
+def test_a_submodule_made_on_the_mesh_for_a_model_built_off_it_is_the_same_structure():
+    """The README builds the model under ``nnx.use_eager_sharding(False)``; a submodule
+    made later inside ``jax.set_mesh`` differs only in that flag of its variables' metadata
+    (nothing a compiled step computes): it is carried, not refused as another structure
+    (a user trial; ``nnx.jit`` takes it). An added variable is named as added."""
+    model, optimizer = h.make_mlp()  # (built under nnx.use_eager_sharding(False))
+    form = NnxForm(h.train_step, model, optimizer)
+    with jax.set_mesh(h.mesh_of((4, 2))):  # made as the MLP does, eager sharding on
+        model.l2 = nnx.Linear(h.DHIDDEN, h.DOUT, rngs=nnx.Rngs(1), kernel_init=(
+            nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model", None))))
+    assert form.changed_in_place() == ["model/l2/bias", "model/l2/kernel"]
+    form.rebind(["model/l2/bias", "model/l2/kernel"])
+    # what a recovery across processes before the next step's commit undoes, and says
+    assert form.replaced_since_written() == ["model/l2/bias", "model/l2/kernel"]
+    form.result((model, optimizer), form.state_of((model, optimizer)), None)
+    assert form.replaced_since_written() == []
+    form.adopt((h.make_mlp(seed=2)[0], optimizer))  # another model passed in its place
+    assert form.replaced_since_written() == [p for p in form.leaf_paths
+                                             if p.startswith("model/")]
+    model = form.objects[0]
+    model.extra = nnx.Param(jnp.zeros(3))
+    with pytest.raises(UnsupportedStateError, match=r"\(model/extra added\)"):
+        form.changed_in_place()

@@ -574,7 +574,7 @@ class ResilientStep(Generic[P, R]):
                 "restore() filled the objects' variables; since then the objects hold others "
                 f"({listed(replaced)}): make the change before restore(), or after the "
                 "first step")
-        undo = form.rebind()
+        undo = form.rebind(replaced)
         try:
             ownership.check_unclaimed(self, form)
         except BaseException:

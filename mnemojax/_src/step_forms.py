@@ -705,13 +705,15 @@ class _GraphFingerprint:
         for container, _, structure, path in self.nodes:
             now = self._structure(container)
             where = "/".join([names[int(path[0])], *map(str, path[1:])] if path else [])
-            for k in [*structure.keys() - now.keys(), *now.keys() - structure.keys(),
-                      *(k for k in now.keys() & structure.keys()
-                        if not _Tree.same(now[k], structure[k]))]:
-                old, new = structure.get(k, "(none)"), now.get(k, "(none)")
+            out += [f"{where}/{k} removed" for k in structure.keys() - now.keys()]
+            out += [f"{where}/{k} added" for k in now.keys() - structure.keys()]
+            for k in now.keys() & structure.keys():
+                old, new = structure[k], now[k]
+                if _Tree.same(new, old):
+                    continue
                 shown = (f": {old!r} -> {new!r}" if all(
-                    isinstance(v, int | float | bool | str | type(None)) or v == "(none)"
-                    for v in (old, new)) else " replaced")
+                    isinstance(v, int | float | bool | str | type(None)) for v in (old, new))
+                    else " replaced")
                 out.append(f"{where}/{k}{shown}")
         return listed(out, most)
 
@@ -950,6 +952,28 @@ def _same_local_values(a: Any, b: Any) -> bool:
         return False
 
 
+# Variable metadata that changes nothing a compiled step computes: whether the variable
+# was created under ``nnx.use_eager_sharding`` (a submodule made inside ``jax.set_mesh``
+# for a model built outside it, as the README shows, differs only there: a user trial).
+_INERT_METADATA = frozenset({"eager_sharding"})
+
+
+def _plain_graphdef(graphdef: Any) -> Any:
+    """``graphdef`` without `_INERT_METADATA` in its variables' definitions."""
+    nodes = getattr(graphdef, "nodes", None)
+    if nodes is None:
+        return graphdef
+    VariableDef = nnx.graph.VariableDef  # noqa: N806
+
+    def plain(node: Any) -> Any:
+        if not isinstance(node, VariableDef) or not _INERT_METADATA & set(node.metadata):
+            return node
+        kept = {k: v for k, v in node.metadata.items() if k not in _INERT_METADATA}
+        return dataclasses.replace(node, metadata=type(node.metadata)(kept))
+
+    return dataclasses.replace(graphdef, nodes=[plain(n) for n in nodes])
+
+
 def _held(x: Any) -> Any:
     """The array a Variable (or `_ArrayLeaf`) holds; an array leaf is itself."""
     return x.get_raw_value() if hasattr(x, "get_raw_value") else x
@@ -1048,6 +1072,7 @@ class NnxForm(StepForm):
         for var in self.live_vars:
             _number_to_array(var)
         self._written: list | None = None  # the values `_write` set, in `live_vars` order
+        self._rebound: list[str] = []  # leaves carried anew since `_write` (`adopt`)
         # get_value/set_value copy through jax.tree.map and look for hooks on every call
         # (0.7 ms per step for the demo GPT's 92 variables). Variables without value hooks
         # holding a plain array read and write the same through the raw accessors (0.13 ms).
@@ -1076,7 +1101,8 @@ class NnxForm(StepForm):
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
         now = jax.tree.leaves(state, is_leaf=_is_var)
-        if graphdef != self.graphdef or len(now) != len(self.live_vars) or any(
+        if _plain_graphdef(graphdef) != _plain_graphdef(self.graphdef) or len(now) != len(
+                self.live_vars) or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
             what = self._fingerprint.changes(self.object_names)
@@ -1098,13 +1124,14 @@ class NnxForm(StepForm):
         return None
 
     _BINDING = ("objects", "_found", "_aliases", "leaf_paths", "live_vars", "_written",
-                "_plain", "_fingerprint")
+                "_plain", "_fingerprint", "_rebound")
 
-    def rebind(self) -> Callable[[], None]:
+    def rebind(self, changed: Sequence[str] = ()) -> Callable[[], None]:
         """Carries the Variables the objects hold now (`changed_in_place`); their values are
         the state from now on. Returns what puts the binding before back."""
         before = {name: getattr(self, name) for name in self._BINDING}
         self.adopt(self.objects)
+        self._rebound = list(changed)
 
         def undo() -> None:
             for name, value in before.items():
@@ -1143,8 +1170,11 @@ class NnxForm(StepForm):
         variables now: `rebind`) instead of the objects before; their values are the state
         from now on."""
         paths = self.leaf_paths
+        names = {n for n, a, b in zip(self.object_names, objects, self.objects, strict=True)
+                 if a is not b}
         self._bind(objects)
         assert self.leaf_paths == paths, "the structure was checked before"
+        self._rebound = [p for p in paths if any(p.startswith(f"{n}/") for n in names)]
 
     def mutable_objects(self):
         return self.live_vars
@@ -1223,7 +1253,7 @@ class NnxForm(StepForm):
                 var.set_value(value)
             if self._has_keys:
                 written.append(value)
-        self._written = written
+        self._written, self._rebound = written, []
 
     def mark_written(self) -> None:
         """The values the variables hold now count as written by the step (`untouched`):
@@ -1236,7 +1266,9 @@ class NnxForm(StepForm):
         replaced by equal values (a jitted call that wrote copies back) is left out where
         this process's shards tell; [] when unsure."""
         written = self._written
-        if not self._plain or written is None:
+        if written is None:  # other objects or variables carried since (`adopt`)
+            return list(self._rebound)
+        if not self._plain:
             return []
         return [path for path, var, w in zip(self.leaf_paths, self.live_vars, written,
                                              strict=True)
