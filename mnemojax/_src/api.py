@@ -541,19 +541,26 @@ class ResilientStep(Generic[P, R]):
         except BaseException:
             form.adopt(old)
             raise
+        self._carry_from_now_on(b, form, "the call passes other objects of the same "
+                                "structure in place of " + ", ".join(replaced))
+        return split
+
+    def _carry_from_now_on(self, b: _Built, form: NnxForm, what: str) -> None:
+        """The step carries what `form` is bound to now (other objects, or variables that
+        replaced those before): ownership moves to them, and the log says `what`
+        happened (across processes a warning: the agents' copies lack their values until
+        this step has run)."""
         ownership.release(self)
         ownership.claim(self, form)
         if b.session is not None:
             log.warning(
-                "mnemojax: step %d: the call passes other objects in place of %s: across "
-                "processes their values are not in the agents' copies until this step has "
-                "run, so a process lost in it restores the step before's state into them "
-                "(README: known limits)", self._step + 1, ", ".join(replaced))
+                "mnemojax: step %d: %s: the step carries them from now on; across processes "
+                "their values are not in the agents' copies until this step has run, so a "
+                "process lost in it restores the step before's state (README: known "
+                "limits)", self._step + 1, what)
         else:
-            log.info("mnemojax: step %d: the call passes other objects in place of %s, of "
-                     "the same structure: the step carries them from now on", self._step + 1,
-                     ", ".join(replaced))
-        return split
+            log.info("mnemojax: step %d: %s: the step carries them from now on",
+                     self._step + 1, what)
 
     def _follow_in_place_change(self, b: _Built, form: NnxForm) -> None:
         """The carried objects' graph changed between steps (model surgery: a submodule or
@@ -580,19 +587,8 @@ class ResilientStep(Generic[P, R]):
         except BaseException:
             undo()
             raise
-        ownership.release(self)
-        ownership.claim(self, form)
-        if b.session is not None:
-            log.warning(
-                "mnemojax: step %d: the objects hold other variables than at the last step "
-                "(%s: replaced between steps): the step carries them from now on; across "
-                "processes their values are not in the agents' copies until this step has "
-                "run, so a process lost in it restores the step before's state (README: "
-                "known limits)", self._step + 1, listed(replaced))
-        else:
-            log.info("mnemojax: step %d: the objects hold other variables than at the last "
-                     "step (%s: replaced between steps): the step carries them from now on",
-                     self._step + 1, listed(replaced))
+        self._carry_from_now_on(b, form, "the objects hold other variables than at the "
+                                f"last step ({listed(replaced)}: replaced between steps)")
 
     def _say_undone_change(self, restored_step: int, paths: list[str]) -> None:
         """Across processes the agents' copies are those the steps published: a change to

@@ -671,7 +671,7 @@ def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> Unsupport
 class _GraphFingerprint:
     """What the carried objects' graph holds, node by node: each node's attribute
     (child) objects, by identity. Checked at every call, cheaply (no ``nnx.split``; ~1 µs
-    per node: 0.03 ms for the demo GPT, `bench.micro` 1; a graph is rebuilt, ~1 ms, after
+    per node: 0.012 ms for the demo GPT, `bench.micro` 1; a graph is rebuilt, ~1 ms, after
     an ``nnx.jit`` call between steps): a submodule or Variable replaced between steps
     (model surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows
     as another object; inside an optimizer's state only a state replaced whole does. The
