@@ -43,6 +43,7 @@ import functools
 import inspect
 import logging
 import operator
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -921,6 +922,11 @@ _CONCRETE = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
 _CONCRETE_ARRAYS = (jax.Array, np.ndarray, np.generic)
 
 
+# How long `NnxForm.replaced_since_written` waits, in all, for values still being computed
+# (a copy dispatched just before the step) before it counts them as changed.
+_COMPARE_WAIT_S = 1.0
+
+
 def is_ready(x: jax.Array) -> bool:
     """Whether ``x``'s value is computed (or failed): `jax.Array.is_ready`, which the
     type stubs of `jax.Array` leave out."""
@@ -933,15 +939,18 @@ def listed(names: Sequence[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + more
 
 
-def _same_local_values(a: Any, b: Any) -> bool:
-    """Whether two arrays hold equal values in this process's shards; False when unsure,
-    and without waiting: an array not computed yet (its computation may wait on a peer
-    that is gone) is not read."""
+def _same_local_values(a: Any, b: Any, deadline: float) -> bool:
+    """Whether two arrays hold equal values in this process's shards; False when unsure.
+    An array not computed by `deadline` (``time.monotonic()``; its computation may wait
+    on a peer that is gone) is not read."""
     try:
         if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)) or (
-                a.shape != b.shape or a.dtype != b.dtype
-                or not (is_ready(a) and is_ready(b))):
+                a.shape != b.shape or a.dtype != b.dtype):
             return False
+        while not (is_ready(a) and is_ready(b)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
         mine = {s.device: s for s in a.addressable_shards}
         theirs = {s.device: s for s in b.addressable_shards}
         return mine.keys() == theirs.keys() and all(
@@ -1270,9 +1279,11 @@ class NnxForm(StepForm):
             return list(self._rebound)
         if not self._plain:
             return []
+        deadline = time.monotonic() + _COMPARE_WAIT_S
         return [path for path, var, w in zip(self.leaf_paths, self.live_vars, written,
                                              strict=True)
-                if (now := var.get_raw_value()) is not w and not _same_local_values(now, w)]
+                if (now := var.get_raw_value()) is not w
+                and not _same_local_values(now, w, deadline)]
 
     def untouched(self) -> bool:
         """Whether every variable still holds the value this form last wrote into it
