@@ -1166,7 +1166,8 @@ class NnxForm(StepForm):
             return None
         values = [v.get_value() if _is_var(v) else v
                   for v in jax.tree.leaves(state, is_leaf=_is_var)]
-        if graphdef != self.graphdef or len(values) != len(self.live_vars):
+        if _plain_graphdef(graphdef) != _plain_graphdef(self.graphdef) or len(values) != len(
+                self.live_vars):
             return None
         carried = [v.get_value() for v in self.live_vars]
         if any(not isinstance(a, _CONCRETE) or np.shape(a) != np.shape(b)
