@@ -101,6 +101,10 @@ def main() -> None:
     parser.add_argument("--global-array-batch", action="store_true",
                         help="pass the batch as a jax.Array built from each process's own "
                              "rows (jax.make_array_from_process_local_data)")
+    parser.add_argument("--tally-between", action="store_true",
+                        help="the step also counts its calls in a carried tally, which the "
+                             "loop resets before each step (a metrics reset between steps; "
+                             "not in the final state)")
     parser.add_argument("--rewrite-between", action="store_true",
                         help="before each step, put an equal copy of model.l1.bias in its "
                              "variable (outside the step, as a jitted call writing back)")
@@ -156,6 +160,10 @@ def main() -> None:
         train_step = h.printing_train_step
     seed = None if args.key_seed is None else args.key_seed + me * args.key_per_process
     inputs = () if seed is None else (jax.random.key(seed),)
+    tally = None
+    if args.tally_between:
+        tally = _Tally()
+        inputs, train_step = (tally, *inputs), _tallied(train_step)
     step = mnemojax.resilient(train_step, mesh=mesh, fault_injector=faults,
                               options=h.no_precompile(
                                   event_log=events, run_name=f"w{me}",
@@ -186,6 +194,8 @@ def main() -> None:
                 warnings.simplefilter("ignore", mnemojax.errors.NonFiniteSkipWarning)
                 step(model, optimizer, {"x": np.full_like(batch["x"], np.nan),
                                         "y": batch["y"]})
+        if tally is not None:
+            tally.calls.set_value(jnp.zeros((), jnp.int32))
         if args.rewrite_between:
             model.l1.bias.set_value(jnp.copy(model.l1.bias.get_value()))
         if k == args.raise_at_step and me == args.raise_worker:
@@ -232,6 +242,21 @@ def main() -> None:
         with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session)
+
+
+class _Tally(nnx.Module):
+    """Calls counted since the loop last reset it (as training metrics are)."""
+
+    def __init__(self):
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+
+def _tallied(train_step):
+    """`train_step` that also counts its call in a carried `_Tally`."""
+    def step(model, optimizer, batch, tally, *inputs):
+        tally.calls.set_value(tally.calls.get_value() + 1)
+        return train_step(model, optimizer, batch, *inputs)
+    return step
 
 
 def _user_checkpoints(step, directory: str, every: int):
