@@ -1040,6 +1040,7 @@ class NnxForm(StepForm):
         self.donates_state = any(donated)
         flat = self._bind(tuple(objects))
         self.graphdef, state = nnx.split(self.objects)
+        self._plain_def = _plain_graphdef(self.graphdef)  # what a change is compared with
         self.treedef = jax.tree.structure(state)
         self.leaf_keys = [tuple(path.split("/")) for path in self.leaf_paths]
         self.leaf_entries = [_entry_of(v) for _, v in flat]
@@ -1110,7 +1111,7 @@ class NnxForm(StepForm):
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
         now = jax.tree.leaves(state, is_leaf=_is_var)
-        if _plain_graphdef(graphdef) != _plain_graphdef(self.graphdef) or len(now) != len(
+        if _plain_graphdef(graphdef) != self._plain_def or len(now) != len(
                 self.live_vars) or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
@@ -1166,7 +1167,7 @@ class NnxForm(StepForm):
             return None
         values = [v.get_value() if _is_var(v) else v
                   for v in jax.tree.leaves(state, is_leaf=_is_var)]
-        if _plain_graphdef(graphdef) != _plain_graphdef(self.graphdef) or len(values) != len(
+        if _plain_graphdef(graphdef) != self._plain_def or len(values) != len(
                 self.live_vars):
             return None
         carried = [v.get_value() for v in self.live_vars]

@@ -133,18 +133,16 @@ class NodeLauncher(Launcher):
             self._record({"op": "world", "generation": g, "members": record.get("members"),
                           "coordinator": record.get("coordinator"),
                           "host_node": record.get("host_node")})
-            first_member = (record.get("members") or [None])[0]
-            resumed = None if first_member is None else agreement_of(record, first_member)
+            members = view.worlds()[g]
+            first = agreement_of(record, members[0]) if members else None
             logger.info("mnemojax launch: world %d: workers %s%s, coordination service on "
-                        "node %s", g, record.get("members"),
-                        "" if resumed is None else f", from step {resumed.resume_step}",
+                        "node %s", g, list(members),
+                        "" if first is None else f", from step {first.resume_step}",
                         record.get("host_node"))
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
-            members = view.worlds()[g]
             for w in members:  # their steps of the world before are no news of this one
                 self.steps.pop(w, None)
-            first = agreement_of(record, members[0]) if members else None
             self._set_buddies(view, members, first, newest=g == view.latest())
             for w in o.spare_ids:  # this node's spares the world takes in
                 agreement = agreement_of(record, w)

@@ -38,7 +38,7 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             steps.update({int(w): int(s) for w, s in record.get("steps", {}).items()})
             written = max(written or 0.0, float(record.get("t", 0.0)))
     members = world.get("members", [])
-    return {"steps": {w: steps[w] for w in sorted(steps)},
+    return {"steps": dict(sorted(steps.items())),
             # The newest step every member of the current world has published.
             "step": min((steps[w] for w in members if w in steps), default=None)
             if members and all(w in steps for w in members) else None,
@@ -58,10 +58,11 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
 
 
 def _resume_step(record: dict[str, Any]) -> int | None:
-    """The step a world's members resumed from (None for world 0, which started)."""
-    steps = {a.resume_step for w in record.get("agreements", {})
-             if (a := agreement_of(record, int(w))) is not None}
-    return min(steps) if steps else None
+    """The step a world's members resumed from (None for world 0, which started): one
+    agreement decides it for all of them."""
+    members = record.get("members") or ()
+    first = agreement_of(record, members[0]) if members else None
+    return None if first is None else first.resume_step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
