@@ -68,7 +68,9 @@ class _Gate:
 def _run(exe, w, b, x):
     leaves = [jax.device_put(a, s) for a, s in zip((w, b), exe.state_shardings, strict=True)]
     batch = jax.device_put({"x": x}, exe.batch_shardings)
-    return exe.compiled(leaves, batch)
+    new, metrics, flags, packs = exe.compiled(leaves, batch)
+    assert packs == []  # (these compilers pack nothing: `pack` is not given)
+    return new, metrics, flags
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ from mnemojax._src.recovery import (
 )
 from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
-from mnemojax._src.snapshot import has_single_copy_shards
+from mnemojax._src.snapshot import Packed, has_single_copy_shards
 from mnemojax._src.statistics import JoinRecord, RecoveryRecord, Statistics
 from mnemojax._src.step_forms import (
     CallInputs,
@@ -373,7 +373,8 @@ class ResilientStep(Generic[P, R]):
             if barrier is not None:  # `_run` waits at its barrier (a peer lost: recovered)
                 compile_for_world(barrier, b.runtime, batch, b.examples,
                                   timeout_s=compiled_barrier_s(b.builder))
-            new_leaves, metrics, finite, ran_on = self._run(step, leaves, batch, barrier)
+            new_leaves, metrics, finite, ran_on, packed = self._run(step, leaves, batch,
+                                                                    barrier)
             try:
                 accepted = self._accept(step, metrics, finite)
             except BaseException:  # (a NaN raised, a bad loss_key)
@@ -388,7 +389,7 @@ class ResilientStep(Generic[P, R]):
             # ``ran_on`` is the state of step - 1: the recovered one, if a recovery ran.
             b.last_written, b.superseded = ran_on, None
             return b.form.result(state_args, ran_on, metrics)
-        self._commit(step, new_leaves, metrics)
+        self._commit(step, new_leaves, metrics, packed)
         b.durability.emit("step", step=step, duration_s=time.perf_counter() - t_call)
         self._after_commit(step, new_leaves)
         result = b.form.result(state_args, new_leaves, metrics)
@@ -909,9 +910,11 @@ class ResilientStep(Generic[P, R]):
     # -- one step -------------------------------------------------------------------------
     def _run(self, step: int, leaves: list, batch: Any,
              barrier: dist_session.DistributedSession | None = None, *,
-             beside: Callable[[], Any] | None = None) -> tuple[list, Any, Any, list]:
+             beside: Callable[[], Any] | None = None
+             ) -> tuple[list, Any, Any, list, Packed | None]:
         """Runs `step` on `leaves` (the state of step - 1) and returns (new leaves,
-        metrics, finiteness flags, the state it finally ran on). ``barrier``: first wait
+        metrics, finiteness flags, the state it finally ran on, the new leaves packed for
+        the snapshot's copy or None, `snapshot.Packed`). ``barrier``: first wait
         at that session's compile barrier (after the first compile), in the same
         failure handling as the step: a peer that died before it passed is recovered.
 
@@ -922,7 +925,8 @@ class ResilientStep(Generic[P, R]):
         ``beside`` (`guard`): at `step`, run this instead of a training step, on the
         committed state of step - 1 (`leaves`, which the step's NNX objects hold); after
         a recovery (and the replays up to step - 1) that state is written back into the
-        objects before it runs again. Returns (that state, its result, None, that state).
+        objects before it runs again. Returns (that state, its result, None, that state,
+        None).
         """
         b = self._require_built()
         budget = _StepBudget(self.options.recovery, step, self._run_recoveries)
@@ -962,7 +966,7 @@ class ResilientStep(Generic[P, R]):
                 if at_work:
                     t_end = time.perf_counter()
                     self._close_recovery(pending, t_end, failed_step_s=t_end - t_run, ran=True)
-                    return leaves, out, None, leaves
+                    return leaves, out, None, leaves, None
                 t_end = time.perf_counter()
                 if run_step < step or pending is None:  # not a first run on a new mesh
                     self._step_times.append(t_end - t_run)
@@ -978,8 +982,10 @@ class ResilientStep(Generic[P, R]):
                     self._close_recovery(pending, t_end, failed_step_s=t_end - t_run, ran=True)
                     pending = None
                     b.precompile_due = True
-                new_leaves, metrics, finite = out
-                return new_leaves, metrics, finite, leaves
+                new_leaves, metrics, finite, packs = out
+                members = b.exe.pack_members if b.exe is not None else ()  # (it ran)
+                packed = Packed(packs, members) if members else None
+                return new_leaves, metrics, finite, leaves, packed
         except BaseException:
             self._close_recovery(pending, time.perf_counter())  # recorded as it stands
             raise
@@ -1454,7 +1460,8 @@ class ResilientStep(Generic[P, R]):
                       stacklevel=3)
         return False
 
-    def _commit(self, step: int, new_leaves: list, metrics: Any) -> None:
+    def _commit(self, step: int, new_leaves: list, metrics: Any,
+                packed: Packed | None = None) -> None:
         b = self._require_built()
         opts = self.options
         if b.session is not None:
@@ -1468,7 +1475,7 @@ class ResilientStep(Generic[P, R]):
         rt = b.runtime
         if b.snapshot_every and step % b.snapshot_every == 0:
             self._wait_snapshot(rt, step)
-            rt.store.submit(step, new_leaves)
+            rt.store.submit(step, new_leaves, packed)
             if opts.compile.donate_state:
                 rt.store.wait_idle()  # the next step donates these buffers
         grads_every = opts.snapshot.grads_every_steps

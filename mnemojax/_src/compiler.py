@@ -118,6 +118,52 @@ class Executable:
     from_cache: bool = False  # loaded from the persistent compilation cache
     exported: bool = False  # lowered from a `jax.export` of the step (no trace)
     warm: bool = False  # executed once already (`StepCompiler.warm_one`)
+    # Per pack the step also writes (`pack_groups`), the state leaves it holds; () when
+    # it writes none. Its fourth output is the packs, in this order.
+    pack_members: tuple[tuple[int, ...], ...] = ()
+
+
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
+def pack_groups(specs: Sequence[PartitionSpec], leaf_structs, mesh: Mesh
+                ) -> list[tuple[tuple[str, ...], tuple[int, ...]]] | None:
+    """The state leaves packed together (`snapshot.Packed`): per pack, the mesh axes its
+    members are sharded over (in the mesh's order) and the members, grouped by those axes
+    and dtype. None where some leaf's shards differ in size (a dimension its axes do not
+    divide): such a leaf has no one place in a pack of equal-sized device shards."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (spec, (shape, dtype)) in enumerate(zip(specs, leaf_structs, strict=True)):
+        for dim, entry in zip(shape, tuple(spec), strict=False):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            if dim % int(np.prod([mesh.shape[a] for a in names], dtype=int)):
+                return None
+        used = _axes_of(spec)
+        axes = tuple(a for a in mesh.axis_names if a in used)
+        groups.setdefault((axes, np.dtype(dtype)), []).append(i)
+    return [(axes, tuple(members)) for (axes, _), members in groups.items()]
+
+
+def packer(mesh: Mesh, specs: Sequence[PartitionSpec], axes: tuple[str, ...]):
+    """A function of one pack's members (laid out by `specs`, sharded over `axes`) to
+    the pack: on each device its shards of them, flattened, side by side (a local copy:
+    no data moves between devices)."""
+
+    def local(*xs):
+        flat = jnp.concatenate([jnp.reshape(x, (-1,)) for x in xs])
+        return jnp.reshape(flat, (1,) * len(axes) + (-1,))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=PartitionSpec(*axes, None), check_vma=False)
+
+
+def single_copy_state(specs: Sequence[PartitionSpec], mesh: Mesh) -> bool:
+    """Whether some state leaf laid out by `specs` on `mesh` has shards held by one device
+    only (every axis of the mesh wider than 1 splits it); `snapshot.has_single_copy_shards`
+    of the placed arrays in one process."""
+    wide = {a for a, n in mesh.shape.items() if n > 1}
+    return any(wide <= _axes_of(spec) for spec in specs)
 
 
 @dataclasses.dataclass
@@ -530,8 +576,12 @@ class StepCompiler:
                  switch_interval_s: float | None = None,
                  leaf_names: Sequence[str] | None = None,
                  facts: StepFacts | None = None, left: LeftCompiles | None = None,
-                 traced_as: Callable | None = None):
+                 traced_as: Callable | None = None,
+                 pack: Callable[[Mesh, bool], bool] | None = None):
         self._pure = pure
+        # Whether the step also writes the state packed for the snapshot's copy, given the
+        # mesh and whether its state has single-copy shards (`snapshot.Packed`).
+        self._pack = pack
         self._traced_as = _source_function(traced_as)
         self._left = left if left is not None else LeftCompiles()
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
@@ -561,11 +611,24 @@ class StepCompiler:
         self.compiles = 0
         self.compiled_ahead = 0
 
+    def packs_for(self, mesh: Mesh) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """The packs the step writes on `mesh` (`pack_groups`): none across processes (the
+        agents' copies are read per region), on Explicit axes, or where `pack` says no."""
+        if (self._pack is None
+                or any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+                or jax.sharding.AxisType.Explicit in mesh.axis_types
+                or not self._pack(mesh, single_copy_state(self._specs, mesh))):
+            return []
+        return pack_groups(self._specs, self.leaf_structs, mesh) or []
+
     def _checked_for(self, mesh: Mesh):
         """The step, plus per-device flags: is every float of the new state's local shards
         finite? (NaN gradients show up there even when the loss is finite.) Each device
         checks only its own shards: no collective, unlike a global ``jnp.all`` per leaf
-        (compared in ``python -m mnemojax._src.bench.micro``)."""
+        (compared in ``python -m mnemojax._src.bench.micro``). Fourth, the new state packed
+        for the snapshot's copy (`packs_for`; an empty list where it is not packed)."""
+        packers = [(packer(mesh, [self._specs[i] for i in members], axes), members)
+                   for axes, members in self.packs_for(mesh)]
         floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
                   if self._check_state and jnp.issubdtype(dtype, jnp.inexact)]
         everywhere = PartitionSpec(tuple(mesh.axis_names))
@@ -585,15 +648,16 @@ class StepCompiler:
 
         def checked(leaves, batch):
             new, metrics = self._pure(leaves, batch)
+            packs = [pack(*(new[i] for i in members)) for pack, members in packers]
             if not floats:
-                return new, metrics, jnp.ones((1,), bool)
+                return new, metrics, jnp.ones((1,), bool), packs
             finite = [new[i] for i in floats]
             if explicit:  # a leaf the step resharded itself is read in the state's layout
                 # (where the step's out_shardings put it too); shard_map refuses another
                 finite = [jax.sharding.reshard(x, s) for x, s in zip(finite, layouts, strict=True)]
             if multi_process:  # every process must see the same verdict: one global flag
-                return new, metrics, jnp.all(check(*finite))
-            return new, metrics, check(*finite)
+                return new, metrics, jnp.all(check(*finite)), packs
+            return new, metrics, check(*finite), packs
 
         multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         if self._traced_as is not None:
@@ -625,7 +689,7 @@ class StepCompiler:
 
         def jit(fn):
             return jax.jit(fn, in_shardings=(state_sh, batch_sh),
-                           out_shardings=(state_sh, None, None),
+                           out_shardings=(state_sh, None, None, None),
                            donate_argnums=(0,) if self._donate else ())
 
         args = (
@@ -679,7 +743,8 @@ class StepCompiler:
                  "; its world had ended, only its persistent-cache entry is kept" if left
                  else "")
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
-                          from_cache, exported)
+                          from_cache, exported,
+                          pack_members=tuple(m for _, m in self.packs_for(mesh)))
 
     def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> Any:
         """The compile of ``lowered``; ahead of time, marked as one `close` may leave

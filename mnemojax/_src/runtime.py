@@ -139,12 +139,22 @@ class RuntimeBuilder:
                 axis_types=self.axis_types, exports=self.exports,
                 switch_interval_s=opts.compile.background_switch_interval_s,
                 leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
-                traced_as=self._traced_as)
+                traced_as=self._traced_as, pack=self._packs_on)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
                             probe_timeout_s=opts.recovery.probe_timeout_s, dead=dead)
         return Runtime(layer, proxy, compiler, store, grads_store)
+
+    def _packs_on(self, mesh: Mesh, single_copy: bool) -> bool:
+        """Whether the step writes its state packed for the snapshot's copy on `mesh`
+        (`SnapshotOptions.pack_copies`): only where a snapshot is taken every step (the
+        packs are written every step), and by default only on CPU devices."""
+        snap = self._options.snapshot
+        every = snap.unreplicated_every_steps if single_copy else snap.every_steps
+        if every != 1 or snap.pack_copies is False:
+            return False
+        return snap.pack_copies is True or all(d.platform == "cpu" for d in mesh.devices.flat)
 
     def snapshot_store(self, layer: DeviceLayer, entries: Sequence[str], *,
                        name: str = "state") -> SnapshotStore:

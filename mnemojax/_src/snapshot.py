@@ -17,6 +17,13 @@ buffers to fill are worked out once per mesh); the retired slot's checksums are 
 the same pass, just before each buffer is overwritten. On CPU what remains is not the bytes
 (a memcpy and a CRC32C of a whole snapshot cost ~0.5 ms) but JAX building the per-device
 arrays of each fresh output the first time one is read (~7 us per device buffer).
+
+A `Packed` submit removes most of that: the compiled step also wrote the state packed, each
+device's shards of the leaves sharded over the same mesh axes (and of one dtype) side by
+side in one flat array (`compiler.StepCompiler`), so the thread reads one buffer per pack and
+device instead of one per leaf and device. Each leaf's shard is then a view into its pack's
+host buffer, checksummed on its own as before: what a snapshot holds, and how it is read and
+verified, does not change.
 """
 
 from __future__ import annotations
@@ -58,6 +65,23 @@ def _as_slices(key: IndexKey) -> tuple[slice, ...]:
 # What the copy thread walks, one entry per shard, so that it does no lookups per shard:
 # (leaf, addressable position, device id, index key, host buffer, the leaf's checksums).
 Fill = tuple[int, int, int, IndexKey, np.ndarray, dict[IndexKey, int]]
+# A packed snapshot's: (pack, addressable position, device id, the pack shard's host
+# buffer, the `Fill`s of the leaf shards it holds, views into that buffer).
+PackFill = tuple[int, int, int, np.ndarray, list[Fill]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """The state of a step also packed by the compiled step (module docstring).
+
+    Attributes:
+        arrays: one array per pack, shaped (the sizes of its mesh axes..., -1): on each
+            device, the device's shards of its member leaves, flattened and side by side.
+        members: per pack, the state leaves it holds, in their order in the pack.
+    """
+
+    arrays: Sequence[jax.Array]
+    members: Sequence[Sequence[int]]
 
 
 @dataclasses.dataclass
@@ -88,6 +112,10 @@ class HostSnapshot:
     # objects, in the same order, mean the buffers fit (an identity check per leaf).
     layouts: list[LeafLayout] = dataclasses.field(default_factory=list, repr=False)
     fills: list[Fill] = dataclasses.field(default_factory=list, repr=False)
+    # A packed snapshot (`Packed`): the pack buffers to fill, and what they were laid out
+    # for (the packs' shardings and members: compared as `layouts` are).
+    pack_fills: list[PackFill] = dataclasses.field(default_factory=list, repr=False)
+    pack_key: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +191,7 @@ class SnapshotStore:
         self._verify = verify
         self._name = name
         self._cv = threading.Condition()
-        self._pending: tuple[int, list[jax.Array]] | None = None
+        self._pending: tuple[int, list[jax.Array], Packed | None] | None = None
         self._busy = False
         self._slots: list[HostSnapshot | None] = [None, None]
         self._complete: int | None = None
@@ -182,8 +210,11 @@ class SnapshotStore:
         self.corrupt_found = 0
 
     # -- producer side (training thread) -------------------------------------------
-    def submit(self, step: int, leaves: Sequence[jax.Array]) -> bool:
-        """Queues a snapshot of `leaves` (the state after `step`); never blocks."""
+    def submit(self, step: int, leaves: Sequence[jax.Array],
+               packed: Packed | None = None) -> bool:
+        """Queues a snapshot of `leaves` (the state after `step`), read from ``packed``
+        when given (the same state packed by the step, every leaf in one pack); never
+        blocks."""
         if self.disabled or self._closed:
             return False
         mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
@@ -203,7 +234,7 @@ class SnapshotStore:
         with self._cv:
             if self._pending is not None:
                 self.replaced += 1
-            self._pending = (step, list(leaves))
+            self._pending = (step, list(leaves), packed)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"mnemojax-snapshot-{self._name}")
@@ -255,7 +286,7 @@ class SnapshotStore:
                 pending = self._pending
                 if self._closed or pending is None:
                     return
-                step, leaves = pending
+                step, leaves, packed = pending
                 self._pending = None
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
@@ -263,7 +294,8 @@ class SnapshotStore:
                 retiring = self._intact[target]
                 self._intact[target] = False  # being overwritten from now on
             try:
-                snap = self._copy(step, leaves, reuse, scrub=retiring)
+                snap = (self._copy(step, leaves, reuse, scrub=retiring) if packed is None
+                        else self._copy_packed(step, leaves, packed, reuse, scrub=retiring))
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
                 log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
                 self.failed += 1
@@ -329,7 +361,7 @@ class SnapshotStore:
         """
         t0 = time.perf_counter()
         layouts = [self._layout(x) for x in leaves]
-        if reuse is None or len(reuse.layouts) != len(layouts) or any(
+        if reuse is None or reuse.pack_fills or len(reuse.layouts) != len(layouts) or any(
                 a is not b for a, b in zip(reuse.layouts, layouts, strict=True)):
             if scrub:
                 self._scrub(reuse)
@@ -348,6 +380,75 @@ class SnapshotStore:
         except BaseException:
             if scrub:  # the buffers not reached still hold the retired snapshot
                 self._scrub(reuse, fills[n + 1:])
+            raise
+        reuse.step = step
+        reuse.corrupt = False
+        self.copy_seconds.append(time.perf_counter() - t0)
+        return reuse
+
+    def _allocate_packed(self, leaves: Sequence[jax.Array], packed: Packed,
+                         key: tuple) -> HostSnapshot:
+        """Host buffers for ``packed``'s replica-0 shards, and each leaf's shards as views
+        into them: on a device, a pack holds that device's shard of each member."""
+        copies = [LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry, {})
+                  for x, entry in zip(leaves, self._entries, strict=True)]
+        fills: list[Fill] = []
+        pack_fills: list[PackFill] = []
+        indices = [x.sharding.devices_indices_map(tuple(x.shape)) for x in leaves]
+        for p, (pack, members) in enumerate(zip(packed.arrays, packed.members, strict=True)):
+            for position, shard in enumerate(pack.addressable_shards):
+                if shard.replica_id != 0:
+                    continue
+                buf = np.empty(shard.data.shape, pack.dtype)
+                flat, offset, views = buf.reshape(-1), 0, []
+                for leaf in members:
+                    key_ = index_key(indices[leaf][shard.device], leaves[leaf].shape)
+                    shape = [b - a for a, b in key_]
+                    size = int(np.prod(shape))
+                    view = flat[offset:offset + size].reshape(shape)
+                    offset += size
+                    copies[leaf].shards[key_] = view
+                    views.append((leaf, -1, shard.device.id, key_, view, copies[leaf].crcs))
+                if offset != flat.size:
+                    raise ValueError(f"pack {p} holds {flat.size} elements on device "
+                                     f"{shard.device.id}, its members' shards {offset}")
+                fills += views
+                pack_fills.append((p, position, shard.device.id, buf, views))
+        for leaf, (x, copy) in enumerate(zip(leaves, copies, strict=True)):
+            wanted = {k for _, k, _ in self._layout(x)}
+            if set(copy.shards) != wanted:
+                raise ValueError(f"the packs hold shards {sorted(copy.shards)} of leaf {leaf}, "
+                                 f"its replica-0 shards are {sorted(wanted)}")
+        return HostSnapshot(-1, copies, verify=self._verify, fills=fills,
+                            pack_fills=pack_fills, pack_key=key)
+
+    def _copy_packed(self, step: int, leaves: Sequence[jax.Array], packed: Packed,
+                     reuse: HostSnapshot | None, *, scrub: bool) -> HostSnapshot:
+        """`_copy` from ``packed``: one device read per pack shard, then a checksum per
+        leaf shard (a view into it), the retired slot's checked just before."""
+        t0 = time.perf_counter()
+        key = (tuple(tuple(m) for m in packed.members),
+               tuple((a.sharding, a.shape, a.dtype) for a in packed.arrays),
+               tuple(id(self._layout(x)) for x in leaves))
+        if reuse is None or reuse.pack_key != key:
+            if scrub:
+                self._scrub(reuse)
+            reuse, scrub = self._allocate_packed(leaves, packed, key), False
+        scrub = scrub and self._verify and not reuse.corrupt
+        fetch_into, checksum = self._layer.fetch_into, checksums.checksum
+        pack_fills, n = reuse.pack_fills, 0
+        try:
+            for n in range(len(pack_fills)):
+                p, position, device_id, buf, views = pack_fills[n]
+                if scrub and any(checksum(v) != crcs[k] for _, _, _, k, v, crcs in views):
+                    scrub = False
+                    self._retired_corrupt(reuse)
+                fetch_into(packed.arrays[p].addressable_data(position), device_id, buf)
+                for _, _, _, k, view, crcs in views:
+                    crcs[k] = checksum(view)
+        except BaseException:
+            if scrub:  # the buffers not reached still hold the retired snapshot
+                self._scrub(reuse, [f for *_, views in pack_fills[n + 1:] for f in views])
             raise
         reuse.step = step
         reuse.corrupt = False

@@ -80,7 +80,7 @@ def main() -> None:
         state = [jax.make_array_from_callback(w.shape, exe.state_shardings[0], lambda i: w[i])]
         batch = Batch(jax.make_array_from_callback(x.shape, exe.batch_shardings.x,
                                                    lambda i: x[i]))
-        new, metrics, _ = exe.compiled(state, batch)
+        new, metrics, _, _ = exe.compiled(state, batch)
         error = max(float(np.abs(np.asarray(s.data) - (w - 0.1 * x.T @ y / 8)[s.index]).max())
                     for s in new[0].addressable_shards)
         return max(error, abs(float(np.asarray(metrics["loss"].addressable_shards[0].data))

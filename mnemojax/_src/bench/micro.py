@@ -26,9 +26,11 @@
 
 6. A host copy made by the compiled step itself (issue 13, item 6's XLA host offload): a
    plain jitted step, the same with the snapshot store's copy thread after each step (what
-   the resilient step does), and a step that also returns its new state with
+   the resilient step does), a step that also returns its new state packed into one flat
+   array per dtype (issue 13, item 6's "batch the per-shard copies": the store then copies
+   a few buffers instead of one per leaf), and a step that also returns its new state with
    ``memory_kind="pinned_host"`` shardings (XLA copies it; the last two kept, as the
-   store's two slots). Not used by the runtime yet: a route, measured. The bench's tiny
+   store's two slots). Neither is used by the runtime: routes, measured. The bench's tiny
    GPT (``configs/bench_tiny.toml``), where the step is short.
 
 7. The first lowering of the step from a deserialised export in a fresh process, cold and
@@ -320,45 +322,65 @@ def _host_outputs(mesh, *, rounds: int, block_steps: int) -> list[str]:
     from flax import nnx
 
     from mnemojax._src.bench.config import load_preset
+    from mnemojax._src.compiler import pack_groups, packer
     from mnemojax._src.device_layer import JaxDeviceLayer
-    from mnemojax._src.snapshot import SnapshotStore
+    from mnemojax._src.snapshot import Packed, SnapshotStore
     from mnemojax._src.timing import interleaved_block_means
     from mnemojax.models.data import BigramCorpus
     from mnemojax.models.gpt import GPTConfig
-    from mnemojax.models.tasks import build_gpt, lm_train_step
+    from mnemojax.models.tasks import build_gpt, lm_train_step, shard_onto
 
-    # The bench's tiny GPT: a short step, where bench (b)/(a) shows the snapshot's cost.
+    # The bench's tiny GPT in the bench's layout: a short step, where bench (b)/(a) shows
+    # the snapshot's cost.
     preset = load_preset("tiny")
     cfg = GPTConfig(**preset.model)
     corpus = BigramCorpus(cfg.vocab_size, cfg.seq_len)
     batches = [corpus.batch(i, preset.batch_size) for i in range(42)]
     model, optimizer = build_gpt(cfg)
+    shard_onto(model, optimizer, mesh)
     graphdef, state = nnx.split((model, optimizer))
-    state = jax.tree.map(np.asarray, state)  # host values: every placement is a copy
-    replicated = jax.sharding.NamedSharding(mesh, jax.P())
-    on_host = replicated.with_memory_kind("pinned_host")
+    leaves, treedef = jax.tree.flatten(state)
+    shardings = [x.sharding for x in leaves]
+    specs = [s.spec for s in shardings]
+    # As the resilient step packs (`SnapshotOptions.pack_copies`): leaves sharded over the
+    # same mesh axes, of one dtype, side by side in one array per device.
+    groups = pack_groups(specs, [(x.shape, x.dtype) for x in leaves], mesh)
+    assert groups is not None
+    packers = [packer(mesh, [specs[i] for i in members], axes) for axes, members in groups]
+    members = [m for _, m in groups]
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
     placed = [jax.device_put(b, batch_sharding) for b in batches]
 
-    def step(state, batch):
-        m, o = nnx.merge(graphdef, state)
+    def step(leaves, batch):
+        m, o = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         metrics = lm_train_step(m, o, batch)
-        return nnx.state((m, o)), metrics
+        return jax.tree.leaves(nnx.state((m, o))), metrics
 
-    def step_and_copy(state, batch):
-        new, metrics = step(state, batch)
+    def step_and_copy(leaves, batch):
+        new, metrics = step(leaves, batch)
         return new, metrics, new
 
-    start = jax.device_put(state, replicated)
-    states = jax.tree.map(lambda _: replicated, start)
+    def step_and_pack(leaves, batch):
+        new, metrics = step(leaves, batch)
+        return new, metrics, [pack(*(new[i] for i in m)) for pack, m in zip(
+            packers, members, strict=True)]
+
     # No donation (the resilient step's default): the store's copy thread reads the
     # outputs while the next step runs.
-    plain = jax.jit(step).lower(start, placed[0]).compile()
+    plain = jax.jit(step, out_shardings=(shardings, None)).lower(leaves, placed[0]).compile()
     copying = jax.jit(step_and_copy, out_shardings=(
-        states, None, jax.tree.map(lambda _: on_host, start))).lower(start, placed[0]).compile()
-    store = SnapshotStore(JaxDeviceLayer(), ["state"] * len(jax.tree.leaves(start)),
-                          budget_bytes=1 << 40)
-    live = {name: jax.device_put(state, replicated) for name in ("plain", "store", "host")}
+        shardings, None, [s.with_memory_kind("pinned_host") for s in shardings])).lower(
+            leaves, placed[0]).compile()
+    packing = jax.jit(step_and_pack, out_shardings=(shardings, None, None)).lower(
+        leaves, placed[0]).compile()
+    texts = plain.as_text() or "", packing.as_text() or ""
+    moved = {c for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce")
+             if texts[0].count(c) != texts[1].count(c)}  # (packing moves no data)
+    store = SnapshotStore(JaxDeviceLayer(), ["state"] * len(leaves), budget_bytes=1 << 40)
+    packed_store = SnapshotStore(JaxDeviceLayer(), ["state"] * len(leaves),
+                                 budget_bytes=1 << 40, name="packed")
+    names = ("plain", "store", "packed", "host")
+    live = {name: list(leaves) for name in names}
     kept: list = []  # the host copies of the last two steps (two slots, as the store)
 
     def run_block(name: str, r: int) -> int:
@@ -367,33 +389,50 @@ def _host_outputs(mesh, *, rounds: int, block_steps: int) -> list[str]:
             if name == "host":
                 live[name], metrics, copy = copying(live[name], batch)
                 kept[:] = [*kept[-1:], copy]
+            elif name == "packed":
+                live[name], metrics, packs = packing(live[name], batch)
+                packed_store.submit(r * block_steps + i, live[name], Packed(packs, members))
             else:
                 live[name], metrics = plain(live[name], batch)
                 if name == "store":
-                    store.submit(r * block_steps + i, jax.tree.leaves(live[name]))
+                    store.submit(r * block_steps + i, live[name])
             float(metrics["loss"])
         store.wait_idle()
+        packed_store.wait_idle()
         return block_steps
 
-    means = interleaved_block_means(["plain", "store", "host"], rounds, run_block)
-    store.close()
+    means = interleaved_block_means(list(names), rounds, run_block)
     # The host copy is the state of its step, in host memory.
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
-        jax.tree.leaves(kept[-1]), jax.tree.leaves(live["host"]), strict=True))
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(kept[-1])}
+        kept[-1], live["host"], strict=True))
+    kinds = {x.sharding.memory_kind for x in kept[-1]}
+    per_leaf, packed_copy = store.latest(), packed_store.latest()
+    assert per_leaf is not None and packed_copy is not None
+    copies = {"store": len(per_leaf.fills), "packed": len(packed_copy.pack_fills)}
+    same = same and all(np.array_equal(snap.assemble(i), np.asarray(live[name][i]))
+                        for snap, name in ((per_leaf, "store"), (packed_copy, "packed"))
+                        for i in range(len(leaves)))
+    store.close()
+    packed_store.close()
     base = statistics.median(means["plain"])
     labels = {"plain": "jitted step, no snapshot",
-              "store": "+ SnapshotStore copy (used)",
+              "store": "+ store's copy per leaf",
+              "packed": "+ packs, store's copy (default)",
               "host": "+ pinned_host outputs (XLA)"}
-    lines = [f"6. every-step host copy made by the compiled step (pinned_host outputs) "
-             f"against the snapshot store's copy thread (median of {rounds} alternating "
-             f"blocks of {block_steps} steps; a plain jitted step, no resilient wrapper)"]
+    lines = [f"6. every-step host copy: the snapshot store's copy thread against copies "
+             f"made by the compiled step (packed, pinned_host) (median of {rounds} "
+             f"alternating blocks of {block_steps} steps; a plain jitted step, no resilient "
+             f"wrapper; the bench's tiny GPT on mesh {dict(mesh.shape)})"]
     for name, ms in means.items():
         med = statistics.median(ms)
         lines.append(f"   {labels[name]:<32} {1e3 * med:8.2f} ms   x{med / base:.3f}   blocks "
                      + ", ".join(f"{1e3 * x:.1f}" for x in ms))
-    lines.append(f"   host copies: memory kind {sorted(kinds)}, equal to the live state: "
-                 f"{same}")
+    lines.append(f"   buffers the store copies per step: {copies['store']} per leaf (a shard "
+                 f"per leaf and device, replica 0), {copies['packed']} packed ({len(groups)} "
+                 f"packs by mesh axes and dtype); collectives the packing adds: "
+                 f"{sorted(moved) or 'none'}")
+    lines.append(f"   host copies: memory kind {sorted(kinds)}; every variant's last copy "
+                 f"equal to its live state: {same}")
     return lines
 
 
