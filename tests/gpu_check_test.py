@@ -38,6 +38,10 @@ def test_the_check_runs_on_cpu_devices_and_reports_every_figure(tmp_path, capsys
                                        "mnemojax_default", "mnemojax_snapshot_every_step"}
     assert set(r["step_overhead_vs_plain"]) == set(r["median_step_s"]) - {"plain_flax"}
     assert r["every_step_snapshot_overhead"] > 0 and r["every_step_target"] == 1.03
+    # (on CPU the every-step run packs already: no separate packed run)
+    assert r["every_step_packed_overhead"] is None and "pack_copies=True" not in printed
+    on_gpu = gpu_check.format_table(dict(r, every_step_packed_overhead=1.02))
+    assert "packed by the step (pack_copies=True): x1.020" in on_gpu
     assert "of PCIe peak" in printed and "every-step snapshot overhead" in printed
 
 

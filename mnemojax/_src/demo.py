@@ -198,11 +198,15 @@ def measure_overhead(gcfg, mesh, corpus, *, batch_size: int, steps: int, rounds:
         plain_step(plain_model, plain_opt, jax.device_put(b, batch_sharding))["loss"])
 
     mj_steps = {}  # name -> the resilient step
-    for name, snap in (
-            ("mnemojax_no_snapshots", mnemojax.SnapshotOptions(every_steps=0,
-                                                               unreplicated_every_steps=0)),
-            ("mnemojax_default", mnemojax.SnapshotOptions()),
-            ("mnemojax_snapshot_every_step", mnemojax.SnapshotOptions(every_steps=1))):
+    variants = [
+        ("mnemojax_no_snapshots", mnemojax.SnapshotOptions(every_steps=0,
+                                                           unreplicated_every_steps=0)),
+        ("mnemojax_default", mnemojax.SnapshotOptions()),
+        ("mnemojax_snapshot_every_step", mnemojax.SnapshotOptions(every_steps=1))]
+    if any(d.platform != "cpu" for d in mesh.devices.flat):  # (on CPU the default packs)
+        variants.append(("mnemojax_snapshot_every_step_packed",
+                         mnemojax.SnapshotOptions(every_steps=1, pack_copies=True)))
+    for name, snap in variants:
         m, o = build_gpt(gcfg, seed=seed, learning_rate=learning_rate)
         # Precompile off: once its background compiles finish it costs nothing per step.
         opts = mnemojax.ResilienceOptions(snapshot=snap,
