@@ -10,6 +10,7 @@ from mnemojax._src.distributed.snapshot_codec import (
     ShardEntry,
     dtype_of,
     header,
+    header_of,
     pack,
     read_meta,
     select,
@@ -116,3 +117,16 @@ def test_bfloat16_shards_keep_their_dtype_through_select_and_blocks():
     assert got.dtype == w.dtype and got.astype(np.float32).tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="unknown dtype 'float9'"):
         dtype_of("float9")
+
+
+def test_headers_of_one_layout_differ_in_step_and_world_and_follow_the_dtype():
+    # (a worker publishes one layout every step: its shards' part is encoded once)
+    f32 = [ShardEntry(0, (4,), ((0, 2),), np.zeros(2, np.float32)),
+           ShardEntry(1, (2, 2), ((0, 1), (0, 2)), np.zeros((1, 2), np.int32))]
+    i64 = [ShardEntry(0, (4,), ((0, 2),), np.zeros(2, np.int64)), f32[1]]
+    for step, generation, entries in ((3, 0, f32), (4, 1, f32), (5, 1, i64)):
+        meta = read_meta(header_of(step, 2, entries, num_leaves=2, generation=generation))
+        assert (meta["step"], meta["generation"], meta["worker_id"]) == (step, generation, 2)
+        size = entries[0].data.nbytes
+        assert [(s["leaf"], s["dtype"], s["offset"], s["nbytes"]) for s in meta["shards"]] == [
+            (0, entries[0].data.dtype.name, 0, size), (1, "int32", size, 8)]

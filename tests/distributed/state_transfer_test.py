@@ -168,3 +168,26 @@ def test_a_held_copy_is_asked_only_for_the_regions_no_snapshot_has():
     assert held_cols and all(16 * 0 <= a < b <= 16 for a, b in held_cols)  # never 16-32
     # Every cell of W arrives once: 64 x 48 floats, plus B and the counter.
     assert copies.fetched_bytes == W.nbytes + B.nbytes + 4
+
+
+def test_local_shards_are_the_owned_shards_of_each_array_given():
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices()[:8])
+    specs = [P("x", "y"), P(), P(None, "y"), P("x", "y")]
+    host = [W[:8, :4], B, W[:8, :4] + 1, W[8:16, :4]]  # (leaves 0 and 3: one layout)
+
+    def owned(leaves):
+        return [(i, state_transfer.index_of(s.index, x.shape), np.asarray(s.data))
+                for i, x in enumerate(leaves) for s in x.addressable_shards
+                if s.replica_id == 0]
+
+    for scale in (1, 2):  # the second time from the layouts worked out the first
+        leaves = [jax.device_put(h * scale, NamedSharding(mesh, s))
+                  for h, s in zip(host, specs, strict=True)]
+        got = state_transfer.local_shards(leaves)
+        want = owned(leaves)
+        assert [(e.leaf, e.index) for e in got] == [(i, index) for i, index, _ in want]
+        for e, (_, _, data) in zip(got, want, strict=True):
+            assert e.shape == host[e.leaf].shape
+            np.testing.assert_array_equal(e.data, data)
+    # Every element of every leaf once (replica 0 of each region).
+    assert sum(e.data.size for e in got) == sum(h.size for h in host)
