@@ -3,6 +3,9 @@ the store's copy of a `Packed` state holds what the per-leaf copy holds, checked
 way, and a resilient step whose lost shards come from packed snapshots ends equal to the
 plain ``nnx.jit`` run."""
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import optax
@@ -12,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mnemojax
-from mnemojax._src.compiler import pack_groups, packer
+from mnemojax._src.compiler import StepCompiler, pack_groups, packer
 from mnemojax._src.device_layer import JaxDeviceLayer
-from mnemojax._src.errors import SnapshotCorruptError
+from mnemojax._src.errors import SnapshotBudgetWarning, SnapshotCorruptError
 from mnemojax._src.snapshot import Packed, SnapshotStore
 from mnemojax.models.tasks import classification_loss
 from mnemojax.testing import FaultInjector
@@ -121,6 +124,36 @@ def test_a_corrupt_byte_in_a_packed_copy_is_caught(state):
         store.close()
 
 
+def test_the_store_lets_go_of_what_it_copied(state):
+    # (else a step's packs would stay on the devices beside the next step's)
+    _, leaves, packed = state
+    fresh = Packed([x + 0 for x in packed.arrays], packed.members)
+    refs = [weakref.ref(x) for x in fresh.arrays]
+    store = _store()
+    try:
+        _taken(store, 1, leaves, fresh)
+        del fresh
+        gc.collect()
+        assert all(r() is None for r in refs)
+    finally:
+        store.close()
+
+
+def test_an_executable_returning_other_packs_than_planned_packs_nothing(caplog):
+    compiler = StepCompiler(lambda leaves, batch: (leaves, {}), SPECS,
+                            [((8, 6), np.float32)] * len(SPECS), batch_axes=("data",),
+                            donate=False, pack=lambda *_: True)
+    mesh = h.mesh_of((4, 2))
+    planned = compiler.packs_for(mesh)
+    assert planned  # (all float32: grouped by axes only)
+
+    class Lowered:  # (one lowered from an export made without packs: a fourth output [])
+        out_tree = jax.tree.structure(([1], {}, 1, []))
+
+    assert compiler._pack_members(Lowered(), mesh, (4, 2)) == ()
+    assert "returns 0 packs where" in caplog.text
+
+
 def test_a_leaf_its_axes_do_not_divide_leaves_the_state_unpacked():
     mesh = h.mesh_of((4, 2))
     assert pack_groups([P("data"), P()], [((6,), np.float32), ((3,), np.float32)],
@@ -181,3 +214,16 @@ def test_lost_shards_come_from_packed_snapshots_exact(pack_copies):
     want = h.plain_mesh_run(_train_step, *_build(), batches, h.mesh_of((4, 2), AXES),
                             P("data"))
     h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)
+
+
+def test_no_packs_where_the_snapshots_would_not_fit_the_budget():
+    model, optimizer = _build()
+    options = h.no_precompile(snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=1000))
+    step = mnemojax.resilient(_train_step, mesh=h.mesh_of((4, 2), AXES), options=options)
+    try:
+        with pytest.warns(SnapshotBudgetWarning):
+            step(model, optimizer, h.make_batches(1)[0])
+        assert step._built.exe.pack_members == ()  # (the store takes no snapshot)
+    finally:
+        step.close()
+

@@ -577,10 +577,11 @@ class StepCompiler:
                  leaf_names: Sequence[str] | None = None,
                  facts: StepFacts | None = None, left: LeftCompiles | None = None,
                  traced_as: Callable | None = None,
-                 pack: Callable[[Mesh, bool], bool] | None = None):
+                 pack: Callable[[Mesh, bool, int], bool] | None = None):
         self._pure = pure
         # Whether the step also writes the state packed for the snapshot's copy, given the
-        # mesh and whether its state has single-copy shards (`snapshot.Packed`).
+        # mesh, whether its state has single-copy shards and the state's bytes
+        # (`snapshot.Packed`).
         self._pack = pack
         self._traced_as = _source_function(traced_as)
         self._left = left if left is not None else LeftCompiles()
@@ -617,7 +618,9 @@ class StepCompiler:
         if (self._pack is None
                 or any(d.process_index != jax.process_index() for d in mesh.devices.flat)
                 or jax.sharding.AxisType.Explicit in mesh.axis_types
-                or not self._pack(mesh, single_copy_state(self._specs, mesh))):
+                or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(
+                    int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    for shape, dtype in self.leaf_structs))):
             return []
         return pack_groups(self._specs, self.leaf_structs, mesh) or []
 
@@ -744,7 +747,25 @@ class StepCompiler:
                  else "")
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
                           from_cache, exported,
-                          pack_members=tuple(m for _, m in self.packs_for(mesh)))
+                          pack_members=self._pack_members(compiled, mesh, plan.shape))
+
+    def _pack_members(self, compiled, mesh: Mesh, shape) -> tuple[tuple[int, ...], ...]:
+        """The members of the packs `compiled` returns (its fourth output): those
+        `packs_for` gives `mesh`, checked against the executable (one lowered from an
+        export made under other options would return other packs, and every copy of
+        them would be refused); () when they differ."""
+        members = tuple(m for _, m in self.packs_for(mesh))
+        try:
+            returned = jax.tree_util.treedef_children(compiled.out_tree)[3].num_leaves
+        except Exception:  # noqa: BLE001 - no output structure to check: nothing packed
+            returned = None
+        if returned != len(members):
+            if members or returned:
+                log.warning("mnemojax: the step compiled for mesh %s returns %s packs where "
+                            "%d were planned; its snapshots are copied per leaf", shape,
+                            returned, len(members))
+            return ()
+        return members
 
     def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> Any:
         """The compile of ``lowered``; ahead of time, marked as one `close` may leave
@@ -1018,8 +1039,9 @@ class StepCompiler:
     def _trees(self, k) -> tuple[Any, Any] | None:
         """The step's argument and result structures for a call of the batch structure of
         `k` (`StepCompiler.key`): those of an executable compiled here for that structure
-        (the mesh does not change them), which a peer's export, shipped with flat ones, is
-        given back (`_take_export`). None without one."""
+        (the mesh does not change them: the packs that could, `packs_for`, are never made
+        across processes), which a peer's export, shipped with flat ones, is given back
+        (`_take_export`). None without one."""
         with self._lock:
             ready = [e for key, e in self._ready.items() if key[2] == k[2]]
         for exe in ready:

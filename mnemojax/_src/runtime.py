@@ -146,13 +146,15 @@ class RuntimeBuilder:
                             probe_timeout_s=opts.recovery.probe_timeout_s, dead=dead)
         return Runtime(layer, proxy, compiler, store, grads_store)
 
-    def _packs_on(self, mesh: Mesh, single_copy: bool) -> bool:
+    def _packs_on(self, mesh: Mesh, single_copy: bool, state_bytes: int) -> bool:
         """Whether the step writes its state packed for the snapshot's copy on `mesh`
         (`SnapshotOptions.pack_copies`): only where a snapshot is taken every step (the
-        packs are written every step), and by default only on CPU devices."""
+        packs are written every step) within the host memory budget (over it the store
+        takes none: `SnapshotStore.submit`), and by default only on CPU devices."""
         snap = self._options.snapshot
         every = snap.unreplicated_every_steps if single_copy else snap.every_steps
-        if every != 1 or snap.pack_copies is False:
+        if (every != 1 or snap.pack_copies is False
+                or 2 * state_bytes > snap.host_memory_budget_bytes):
             return False
         return snap.pack_copies is True or all(d.platform == "cpu" for d in mesh.devices.flat)
 

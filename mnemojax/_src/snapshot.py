@@ -300,6 +300,9 @@ class SnapshotStore:
                 log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
                 self.failed += 1
                 snap = None
+            # The arrays copied (a step's state, its packs) go now, not at the next
+            # submit: they would otherwise be on the devices beside the next step's.
+            del pending, leaves, packed
             with self._cv:
                 if snap is not None:
                     self._slots[target] = snap

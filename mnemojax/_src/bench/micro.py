@@ -24,14 +24,14 @@
    same step made earlier (an `Exported` holds the module and its shardings, no device
    or client), and that both compute the same step.
 
-6. A host copy made by the compiled step itself (issue 13, item 6's XLA host offload): a
-   plain jitted step, the same with the snapshot store's copy thread after each step (what
-   the resilient step does), a step that also returns its new state packed into one flat
-   array per dtype (issue 13, item 6's "batch the per-shard copies": the store then copies
-   a few buffers instead of one per leaf), and a step that also returns its new state with
+6. The every-step host copy, in the bench's layout (its tiny GPT on the 4 x 2 mesh, where
+   the step is short; a plain jitted step): the snapshot store's copy thread reading every
+   leaf's shards (what the resilient step does with `SnapshotOptions(pack_copies=False)`),
+   the same reading the packs the step also writes (per device, the shards of the leaves
+   sharded over the same mesh axes and of one dtype side by side: `compiler.pack_groups`,
+   the resilient step's default on CPU), and a step that also returns its new state with
    ``memory_kind="pinned_host"`` shardings (XLA copies it; the last two kept, as the
-   store's two slots). Neither is used by the runtime: routes, measured. The bench's tiny
-   GPT (``configs/bench_tiny.toml``), where the step is short.
+   store's two slots: a route measured, not used).
 
 7. The first lowering of the step from a deserialised export in a fresh process, cold and
    after `compiler.warm_export_lowering` (what a process that compiled no candidate world
