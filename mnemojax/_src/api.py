@@ -269,6 +269,8 @@ class ResilientStep(Generic[P, R]):
             s.snapshot_bytes_by_entry = snap.nbytes_by_entry() if snap else {}
             s.snapshot_copy_median_s = rt.store.median_copy_s()
             s.snapshots_taken = rt.store.taken
+            s.snapshots_packed = rt.store.packed + (
+                b.session.packed_publishes if b.session is not None else 0)
             s.snapshots_replaced = rt.store.replaced
             s.corrupt_snapshots_scrubbed = rt.store.corrupt_found
             s.snapshots_over_budget = rt.store.disabled or (
@@ -879,6 +881,7 @@ class ResilientStep(Generic[P, R]):
             wrap_layer=self._injector.wrap if self._injector is not None else None,
             axis_types=shd.axis_types_of(mesh),
             export_steps=session is not None and opts.compile.export_ahead,
+            publishes=session is not None,
             on_corrupt=lambda s: durability.emit("fault", step=s,
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,
@@ -1465,7 +1468,7 @@ class ResilientStep(Generic[P, R]):
         b = self._require_built()
         opts = self.options
         if b.session is not None:
-            self._publish(step, new_leaves)
+            self._publish(step, new_leaves, packed)
         self._step = step
         b.last_written = new_leaves
         b.restored_unrun = False
@@ -1504,8 +1507,9 @@ class ResilientStep(Generic[P, R]):
             b.durability.emit("fault", step=step, classification="checkpoint_failed",
                               detail=str(exc)[:200])
 
-    def _publish(self, step: int, leaves: list) -> None:
-        """Multi-process: this worker's shards of the state after `step` to its agent."""
+    def _publish(self, step: int, leaves: list, packed: Packed | None = None) -> None:
+        """Multi-process: this worker's shards of the state after `step` to its agent (read
+        from ``packed`` where the step packed them)."""
         b = self._require_built()
         session = b.session
         assert session is not None
@@ -1513,7 +1517,8 @@ class ResilientStep(Generic[P, R]):
         # The copy may run while the next step does (`SnapshotOptions.overlap_publish`),
         # unless that step donates these arrays.
         snapshot = self.options.snapshot
-        session.publish(step, leaves, budget_bytes=snapshot.host_memory_budget_bytes,
+        session.publish(step, leaves, packed=packed,
+                        budget_bytes=snapshot.host_memory_budget_bytes,
                         background=snapshot.overlap_publish
                         and not self.options.compile.donate_state,
                         in_series=snapshot.replicate_in_series)

@@ -613,10 +613,11 @@ class StepCompiler:
         self.compiled_ahead = 0
 
     def packs_for(self, mesh: Mesh) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-        """The packs the step writes on `mesh` (`pack_groups`): none across processes (the
-        agents' copies are read per region), on Explicit axes, or where `pack` says no."""
+        """The packs the step writes on `mesh` (`pack_groups`): none on Explicit axes, or
+        where `pack` says no. The same on every mesh a recovery plans (their axes divide
+        every dimension they split), so a step exported for one mesh returns as many packs
+        on another."""
         if (self._pack is None
-                or any(d.process_index != jax.process_index() for d in mesh.devices.flat)
                 or jax.sharding.AxisType.Explicit in mesh.axis_types
                 or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(
                     int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -1039,9 +1040,9 @@ class StepCompiler:
     def _trees(self, k) -> tuple[Any, Any] | None:
         """The step's argument and result structures for a call of the batch structure of
         `k` (`StepCompiler.key`): those of an executable compiled here for that structure
-        (the mesh does not change them: the packs that could, `packs_for`, are never made
-        across processes), which a peer's export, shipped with flat ones, is given back
-        (`_take_export`). None without one."""
+        (the mesh does not change them, the packs included: `packs_for`), which a peer's
+        export, shipped with flat ones, is given back (`_take_export`). None without
+        one."""
         with self._lock:
             ready = [e for key, e in self._ready.items() if key[2] == k[2]]
         for exe in ready:

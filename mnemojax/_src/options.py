@@ -149,18 +149,20 @@ class SnapshotOptions:
             peak from 5x to 4x its own share: the buddy drops the copy a new one outdates
             as soon as the new one starts to arrive, which is safe only in series
             (`tests.jobs.snapshot_layout_model`). Not with ``overlap_publish``.
-        pack_copies: in one process, where a snapshot is taken every step, the compiled
-            step also writes the new state packed: per device, its shards of the leaves
-            sharded over the same mesh axes (and of one dtype) side by side in one flat
-            array. The snapshot's copy then reads a few buffers per device instead of one
-            per leaf, the cost that dominates a small model's copy (on this project's
-            2-core CPU VM the bench GPT's every-step overhead went from x1.17-1.19 to
-            x1.07, ``python -m mnemojax._src.bench.micro 6``). Costs one more copy of the
-            state in device memory and a device-side copy per step. None (the default):
-            on CPU devices; True: on any platform (unmeasured on GPUs, where it would
-            replace many small device-to-host transfers by a few large ones); False: off.
-            Never across processes (the agents' copies are read per region) or on
-            Explicit mesh axes, nor where a leaf's shards differ in size.
+        pack_copies: where a copy of the state is taken every step (in one process a
+            snapshot every step; across processes the publish to the agent after each
+            step), the compiled step also writes the new state packed: per device, its
+            shards of the leaves sharded over the same mesh axes (and of one dtype) side by
+            side in one flat array. The copy then reads a few buffers per device instead
+            of one per leaf, the cost that dominates a small model's copy (on this
+            project's 2-core CPU VM the bench GPT's every-step overhead went from
+            x1.17-1.19 to x1.07, ``python -m mnemojax._src.bench.micro 6``); what is
+            stored, and how it is read back, is unchanged. Costs one more copy of the state
+            in device memory and a device-side copy per step. None (the default): on CPU
+            devices; True: on any platform (unmeasured on GPUs, where it would replace
+            many small device-to-host transfers by a few large ones, on the training
+            thread across processes); False: off. Never on Explicit mesh axes, nor where a
+            leaf's shards differ in size.
     """
 
     every_steps: int = 20

@@ -82,6 +82,8 @@ class RuntimeBuilder:
         axis_types: the user's mesh's axis types by name, kept on every mesh built.
         export_steps: keep the step exported per plan compiled ahead (`ExportedSteps`),
             for the worlds that follow a process loss (multi-process jobs).
+        publishes: the step's state goes to this worker's agent after every step
+            (multi-process jobs; `DistributedSession.publish`).
         leaf_names: per state leaf, its path (for messages).
         traced_as: the user's step function, which JAX's trace errors name (the step is
             traced through mnemojax's wrapper).
@@ -93,8 +95,10 @@ class RuntimeBuilder:
                  wrap_layer: Callable[[DeviceLayer], DeviceLayer] | None = None,
                  on_corrupt: Callable[[int], None] | None = None,
                  axis_types: shd.AxisTypes | None = None, export_steps: bool = False,
-                 leaf_names: Sequence[str] | None = None, traced_as: Callable | None = None):
+                 leaf_names: Sequence[str] | None = None, traced_as: Callable | None = None,
+                 publishes: bool = False):
         self._options = options
+        self._publishes = publishes
         self._traced_as = traced_as  # the user's step, for JAX's trace errors to name
         self._leaf_names = list(leaf_names) if leaf_names is not None else None
         # The candidates of the last two precompiles (the world's and the one before).
@@ -148,13 +152,15 @@ class RuntimeBuilder:
 
     def _packs_on(self, mesh: Mesh, single_copy: bool, state_bytes: int) -> bool:
         """Whether the step writes its state packed for the snapshot's copy on `mesh`
-        (`SnapshotOptions.pack_copies`): only where a snapshot is taken every step (the
-        packs are written every step) within the host memory budget (over it the store
-        takes none: `SnapshotStore.submit`), and by default only on CPU devices."""
+        (`SnapshotOptions.pack_copies`): only where a copy is taken every step (the packs
+        are written every step: a publish to the agent after each step across processes,
+        in one process a snapshot every step within the host memory budget, over which the
+        store takes none, `SnapshotStore.submit`), and by default only on CPU devices."""
         snap = self._options.snapshot
-        every = snap.unreplicated_every_steps if single_copy else snap.every_steps
-        if (every != 1 or snap.pack_copies is False
-                or 2 * state_bytes > snap.host_memory_budget_bytes):
+        every = 1 if self._publishes else (
+            snap.unreplicated_every_steps if single_copy else snap.every_steps)
+        if (every != 1 or snap.pack_copies is False or (
+                not self._publishes and 2 * state_bytes > snap.host_memory_budget_bytes)):
             return False
         return snap.pack_copies is True or all(d.platform == "cpu" for d in mesh.devices.flat)
 

@@ -23,7 +23,8 @@ device's shards of the leaves sharded over the same mesh axes (and of one dtype)
 side in one flat array (`compiler.StepCompiler`), so the thread reads one buffer per pack and
 device instead of one per leaf and device. Each leaf's shard is then a view into its pack's
 host buffer, checksummed on its own as before: what a snapshot holds, and how it is read and
-verified, does not change.
+verified, does not change. (Across processes the publish to the agent reads the same packs:
+`state_transfer.packed_shards`.)
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class SnapshotStore:
         self.state_bytes: int | None = None
         self._bytes_mesh: object = None
         self.taken = 0
+        self.packed = 0  # of them, copies read from the packs the step wrote
         self.replaced = 0
         self.failed = 0
         self.copy_seconds: list[float] = []
@@ -455,5 +457,6 @@ class SnapshotStore:
             raise
         reuse.step = step
         reuse.corrupt = False
+        self.packed += 1
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse

@@ -134,6 +134,9 @@ class Statistics:
     unreplicated_state: bool = False
     snapshot_bytes_by_entry: dict[str, int] = dataclasses.field(default_factory=dict)
     snapshots_taken: int = 0
+    # Copies read from the packs the step wrote (`SnapshotOptions.pack_copies`): of the
+    # snapshots taken in one process, or of the publishes to the agent across processes.
+    snapshots_packed: int = 0
     snapshots_replaced: int = 0
     snapshot_copy_median_s: float = 0.0
     grads_snapshot_step: int | None = None

@@ -191,3 +191,35 @@ def test_local_shards_are_the_owned_shards_of_each_array_given():
             np.testing.assert_array_equal(e.data, data)
     # Every element of every leaf once (replica 0 of each region).
     assert sum(e.data.size for e in got) == sum(h.size for h in host)
+
+
+def test_packed_shards_are_the_owned_shards_read_from_the_packs():
+    from mnemojax._src.compiler import pack_groups, packer
+    from mnemojax._src.distributed.snapshot_codec import header_of, unpack
+    from mnemojax._src.snapshot import Packed
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices()[:8])
+    # float32 over x and y (leaves 0, 4) and over y (2, 3), int32 replicated (1)
+    specs = [P("x", "y"), P(), P(None, "y"), P("y"), P("x", "y")]
+    host = [W[:8, :4], B, W[:8, :4] + 1, W[0, :4], W[8:16, :4]]
+    leaves = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(host, specs,
+                                                                        strict=True)]
+    groups = pack_groups(specs, [(x.shape, x.dtype) for x in host], mesh)
+    packs = [packer(mesh, [specs[i] for i in m], axes)(*(leaves[i] for i in m))
+             for axes, m in groups]
+    packed = Packed(packs, [m for _, m in groups])
+
+    entries, data = state_transfer.packed_shards(leaves, packed)
+    owned = {(e.leaf, e.index): np.asarray(e.data) for e in state_transfer.local_shards(leaves)}
+    assert len(data) < len(owned) == len(entries)  # (one buffer per pack and device)
+    assert {(e.leaf, e.index) for e in entries} == set(owned)
+    for e in entries:
+        np.testing.assert_array_equal(e.data, owned[(e.leaf, e.index)])
+    # The header of the entries describes the packs' bytes: a payload decodes to the shards.
+    payload = header_of(3, 0, entries, num_leaves=5) + b"".join(bytes(d) for d in data)
+    _, decoded = unpack(payload)
+    for e in decoded:
+        np.testing.assert_array_equal(e.data, owned[(e.leaf, e.index)])
+
+    # Packs that do not hold exactly the owned shards are not read.
+    assert state_transfer.packed_shards(leaves, Packed(packs[:1], packed.members[:1])) is None

@@ -68,6 +68,8 @@ from mnemojax._src.errors import (
 if TYPE_CHECKING:
     import jax
 
+    from mnemojax._src.snapshot import Packed
+
 log = logging.getLogger("mnemojax")
 
 _current: DistributedSession | None = None
@@ -118,6 +120,7 @@ class DistributedSession:
         self._published: tuple[int, int] | None = None  # (step, world) last published
         self._published_nbytes = 0  # its payload
         self.replication_lags = 0  # publishes that overwrote a slot the buddy lacked
+        self.packed_publishes = 0  # publishes read from the packs the step wrote
         self._replication_lagging = False
         # The world whose last publish waited in series for the buddy (then the next one
         # need not wait before its copy: two waits between progress signals could add up
@@ -172,9 +175,12 @@ class DistributedSession:
         self.phase("train")
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
+                packed: Packed | None = None,
                 budget_bytes: int | None = None, background: bool = False,
                 in_series: bool = False) -> bool:
-        """Hands this worker's shards of the state after `step` to its agent.
+        """Hands this worker's shards of the state after `step` to its agent, read from
+        ``packed`` when given (the same state packed by the step: `snapshot.Packed`,
+        `state_transfer.packed_shards`).
 
         The copy first waits until the agent's ring buddy holds the last snapshot
         (`_await_replicated`: the slot it overwrites may be the step a failure agrees on).
@@ -209,7 +215,10 @@ class DistributedSession:
         self.settle()
         # The size from the shards' metadata; their bytes are read (on GPU: copied to the
         # host) by the copy, on its thread when in the background.
-        shards = state_transfer.local_shards(leaves, to_host=False)
+        read = state_transfer.packed_shards(leaves, packed) if packed is not None else None
+        shards, data = read if read is not None else (
+            state_transfer.local_shards(leaves, to_host=False), None)
+        self.packed_publishes += read is not None
         head = snapshot_codec.header_of(step, self.world.stable_id, shards,
                                         num_leaves=len(leaves),
                                         generation=self.world.generation)
@@ -233,7 +242,8 @@ class DistributedSession:
             # the last publish in series of this world already waited for.
             if not (in_series and self._waited_in_series == generation):
                 self._await_replicated(agent, step)
-            parts = [memoryview(head), *snapshot_codec.data_views(shards)]
+            parts = [memoryview(head),
+                     *(data if data is not None else snapshot_codec.data_views(shards))]
             # The buddy may make room for it only while the waits in series hold (the
             # last one did not give up): `ReplicaStore.make_room`.
             agent.publish(step, parts, budget_bytes=budget_bytes,

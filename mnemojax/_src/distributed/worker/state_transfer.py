@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import jax
 
     from mnemojax._src.distributed.worker.recovery import AgreedCopies
+    from mnemojax._src.snapshot import Packed
 
 PutFn: TypeAlias = "Callable[[np.ndarray | HostBlocks, jax.sharding.Sharding], jax.Array]"
 """Places one global host value on devices (`DeviceLayer.put`); in a world of several
@@ -44,6 +45,64 @@ def _owned(leaf: jax.Array) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
                                for i, s in enumerate(leaf.addressable_shards)
                                if s.replica_id == 0]
     return owned
+
+
+# The layout of packs (`snapshot.Packed`) -> per pack shard this process owns (replica 0),
+# (pack, addressable position, its members' (leaf, shape, index, offset, size, shard shape))
+# or None where those are not the shards of `local_shards` (then the leaves are read).
+_PACKED: dict[tuple, list | None] = {}
+
+
+def _packed_layout(leaves: Sequence[jax.Array], packed: Packed) -> list | None:
+    key = (tuple(map(tuple, packed.members)),
+           tuple((a.sharding, tuple(a.shape), a.dtype) for a in packed.arrays),
+           tuple((x.sharding, tuple(x.shape)) for x in leaves))
+    if key in _PACKED:
+        return _PACKED[key]
+    layout: list | None = []
+    indices = [x.sharding.devices_indices_map(tuple(x.shape)) for x in leaves]
+    for p, (pack, members) in enumerate(zip(packed.arrays, packed.members, strict=True)):
+        for position, shard in enumerate(pack.addressable_shards):
+            if shard.replica_id != 0:
+                continue
+            pieces, offset = [], 0
+            for leaf in members:
+                shape = tuple(leaves[leaf].shape)
+                index = index_of(indices[leaf][shard.device], shape)
+                extent = tuple(b - a for a, b in index)
+                size = int(np.prod(extent))
+                pieces.append((leaf, shape, index, offset, size, extent))
+                offset += size
+            layout.append((p, position, pieces))
+    got = sorted((leaf, index) for *_, pieces in layout for leaf, _, index, *_ in pieces)
+    want = sorted((i, index) for i, x in enumerate(leaves) for _, index in _owned(x))
+    if got != want:  # (each element must be published by exactly one process)
+        layout = None
+    if len(_PACKED) >= _OWNED_MAX:
+        _PACKED.clear()
+    _PACKED[key] = layout
+    return layout
+
+
+def packed_shards(leaves: Sequence[jax.Array], packed: Packed
+                  ) -> tuple[list[ShardEntry], list[memoryview]] | None:
+    """`local_shards` read from the packs the step wrote (`snapshot.Packed`): the same
+    shards, in the packs' order, as host views of the packs (on CPU views of the device
+    buffers), and the packs' bytes as the data to publish (one buffer per pack and device
+    instead of one per leaf and device: `snapshot_codec.header_of` of the entries
+    describes them). None where the packs do not hold exactly the shards this process
+    owns."""
+    layout = _packed_layout(leaves, packed)
+    if layout is None:
+        return None
+    entries, data = [], []
+    for p, position, pieces in layout:
+        host = np.asarray(packed.arrays[p].addressable_data(position)).reshape(-1)
+        data.append(host.view(np.uint8).data)
+        entries += [ShardEntry(leaf, shape, index,
+                               host[offset:offset + size].reshape(extent))
+                    for leaf, shape, index, offset, size, extent in pieces]
+    return entries, data
 
 
 def local_shards(leaves: Sequence[jax.Array], *, to_host: bool = True) -> list[ShardEntry]:
