@@ -578,6 +578,32 @@ def test_the_graph_check_sees_replaced_parts_and_not_what_training_loops_do():
     assert form.changed_in_place() is None
 
 
+def test_a_hyperparameter_replaced_in_the_optimizers_state_is_seen():
+    """optax's idiom ``opt_state.hyperparams['learning_rate'] = x`` replaces the Variable
+    the step carries (`nnx.jit` traces again and uses the new value): it was silently
+    ignored, the step training on with the old rate (a user trial). A plain value there is
+    another structure, refused naming the in-place form; a value set in place, or a new
+    Variable of the same kind, is carried."""
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.inject_hyperparams(optax.adam)(learning_rate=1e-2))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    form = NnxForm(h.train_step, model, optimizer, names=["model", "optimizer"])
+    hyperparams = optimizer.opt_state[1].hyperparams
+    lr = hyperparams["learning_rate"]
+    lr[...] = 1e-3  # in place: the same Variable, read at the next call
+    assert form.changed_in_place() is None
+    hyperparams["learning_rate"] = type(lr)(jnp.asarray(1e-4))  # a new Variable
+    assert form.changed_in_place() == ["optimizer/opt_state/1/hyperparams/learning_rate"]
+    form.rebind()
+    assert form.changed_in_place() is None
+    hyperparams["learning_rate"] = jnp.asarray(1e-5)  # a plain array: another structure
+    with pytest.raises(UnsupportedStateError, match=r"\(optimizer/opt_state/\S+/hyperparams/"
+                                                    r"learning_rate replaced\).*"
+                                                    r"hyperparams\['learning_rate'\]\[...\]"):
+        form.changed_in_place()
+
+
 def test_values_changed_since_the_step_are_told_from_equal_copies_written_back():
     """What a recovery across processes undoes (`NnxForm.replaced_since_written`, said in
     a warning): a leaf given other values since the step wrote it (a metrics reset); not

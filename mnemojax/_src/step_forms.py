@@ -675,7 +675,9 @@ class _GraphFingerprint:
     per node: 0.012 ms for the demo GPT, `bench.micro` 1; a graph is rebuilt, ~1 ms, after
     an ``nnx.jit`` call between steps): a submodule or Variable replaced between steps
     (model surgery, ``model.l2 = nnx.Linear(...)``), or a static attribute set anew, shows
-    as another object; inside an optimizer's state only a state replaced whole does. The
+    as another object; so does a hyperparameter replaced in an optimizer's state (optax's
+    ``hyperparams['learning_rate'] = x``), not a Variable replaced inside its per-parameter
+    trees (Adam's ``mu``), which count only replaced whole. The
     children are held (not their ids: a replaced child freed could leave its id to the
     new one). Array leaves (the step writes new ones) and Flax's own
     bookkeeping (``_pytree__state``) do not count, and a plain pytree child (a list, a
@@ -686,12 +688,17 @@ class _GraphFingerprint:
         self.objects = objects
         # [children container, their values, structure, path]
         self.nodes: list[list[Any]] = []
-        for path, node in nnx.graph.iter_graph(objects):
-            # Not inside an optimizer's state (as many dicts as the model has modules, half
-            # the nodes of a model with Adam): the optimizer node sees it replaced whole.
+        graph = list(nnx.graph.iter_graph(objects))
+        # Not inside the per-parameter parts of an optimizer's state (Adam's mu and nu:
+        # `nnx.State` trees as large as the model's, half the nodes of a model with Adam;
+        # their parent sees them replaced whole); the rest of it is a few nodes, where a
+        # hyperparameter lives (optax's `inject_hyperparams` dict).
+        mirrors = [path for path, node in graph
+                   if isinstance(node, nnx.State) and "opt_state" in path]
+        for path, node in graph:
             if node is None or _is_var(node) or not nnx.graph.is_node(node) or any(
-                    isinstance(p, str) and (p.startswith("_pytree__") or p == "opt_state")
-                    for p in path):
+                    isinstance(p, str) and p.startswith("_pytree__") for p in path) or any(
+                    path[:len(m)] == m for m in mirrors):
                 continue
             container = _children_of(node)
             values: tuple | None = tuple(_values_of(container))
@@ -702,11 +709,11 @@ class _GraphFingerprint:
     def changes(self, names: Sequence[str], most: int = 3) -> str:
         """What differs since this fingerprint was taken, for a message: the attributes
         added, removed or set to another object (static values with both values)."""
-        out = []
+        found: list[tuple[tuple, list[str]]] = []  # (node path, what changed there)
         for container, _, structure, path in self.nodes:
             now = self._structure(container)
             where = "/".join([names[int(path[0])], *map(str, path[1:])] if path else [])
-            out += [f"{where}/{k} removed" for k in structure.keys() - now.keys()]
+            out = [f"{where}/{k} removed" for k in structure.keys() - now.keys()]
             out += [f"{where}/{k} added" for k in now.keys() - structure.keys()]
             for k in now.keys() & structure.keys():
                 old, new = structure[k], now[k]
@@ -716,7 +723,13 @@ class _GraphFingerprint:
                     isinstance(v, int | float | bool | str | type(None)) for v in (old, new))
                     else " replaced")
                 out.append(f"{where}/{k}{shown}")
-        return listed(out, most)
+            if out:
+                found.append((tuple(path), out))
+        # A change inside plain containers (an optax state's tuples) shows at each one
+        # holding it too: the innermost are named.
+        return listed([text for path, out in found if not any(
+            len(other) > len(path) and other[:len(path)] == path for other, _ in found)
+            for text in out], most)
 
     @staticmethod
     def _structure(container: Any) -> dict:
@@ -1123,6 +1136,9 @@ class NnxForm(StepForm):
                 "removed, or a static attribute set anew (model.eval() before a training "
                 "step; model.train() the first time, where a module's flag was None, as "
                 "MultiHeadAttention's deterministic: call it before the step's first call). "
+                "A variable replaced by a plain value (optax's hyperparams['learning_rate'] "
+                "= x) changes the structure too: set its value in place instead "
+                "(hyperparams['learning_rate'][...] = x). "
                 "A resilient step runs what it compiled for the structure it was built with "
                 "(nnx.jit would trace again): put the structure back, or call step.close() "
                 "and make a new resilient step (step.with_options() after close())")
