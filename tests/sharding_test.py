@@ -62,6 +62,15 @@ def test_invalid_spec_error_names_the_leaf_and_the_problem(spec, shape, message)
         shd.validate_specs(specs, shapes, paths, MESH)
     assert str(info.value).startswith("model/l2/kernel: ")
     assert isinstance(info.value, ValueError)
+    assert "adafactor" not in str(info.value)
+
+
+def test_an_optimizer_state_that_keeps_its_parameters_annotation_is_explained():
+    # (Flax gives adafactor's (1,)-shaped placeholders their parameter's annotation)
+    with pytest.raises(ShardingMismatchError, match=r"of size 1 .*adafactor's \(1,\) "
+                                                    r"placeholders.*plain nnx.jit fails"):
+        shd.validate_specs([P("model")], [(1,)], ["optimizer/opt_state/0/v_col/l1/bias"],
+                           MESH)
 
 
 def test_first_bad_leaf_is_reported():

@@ -93,6 +93,10 @@ def validate_specs(
                 raise ShardingMismatchError(
                     f"{path}: dimension {dim} of size {shape[dim]} is sharded over {names} "
                     f"(width {width}), which does not divide it"
+                    + (" (an optimizer state of another shape than its parameter, such as "
+                       "adafactor's (1,) placeholders, keeps the parameter's sharding "
+                       "annotation in Flax: plain nnx.jit fails on it too)"
+                       if "opt_state" in path and shape[dim] == 1 else "")
                 )
 
 
