@@ -980,3 +980,33 @@ def test_the_worlds_a_loss_forms_are_compiled_ahead_for_each_recent_batch_layout
     [rec] = step.statistics.recoveries
     assert rec.executable == ("ready" if layouts == 2 else "compiled"), rec.executable
     step.close()
+
+
+def test_an_optimizer_that_leaves_parameters_out_recovers_as_nnx_jit_runs():
+    """``optax.multi_transform`` (per-group optimizers, a frozen group) keeps optax's
+    ``MaskedNode`` where a transformation leaves a parameter out: variables holding no
+    array, once refused as "what sow leaves" (a review). The step carries the others and
+    rebuilds those from the state's structure; a device loss recovers as nnx.jit runs."""
+    from mnemojax.models.tasks import build_mlp
+
+    def make():
+        tx = optax.multi_transform(
+            {"adam": optax.adam(1e-2), "frozen": optax.set_to_zero()},
+            lambda params: jax.tree.map(lambda p: "adam" if p.ndim > 1 else "frozen", params))
+        return build_mlp(din=h.DIN, dhidden=h.DHIDDEN, dout=h.DOUT, optimizer=tx)
+
+    batches = h.make_batches(5)
+    model, optimizer = make()
+    mesh = h.mesh_of((4, 2))
+    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(3, [2]))
+    try:
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+        (recovery,) = step.statistics.recoveries
+    finally:
+        step.close()
+    assert recovery.steps_lost <= 1
+    biases = [np.asarray(model.l1.bias[...]), np.asarray(model.l2.bias[...])]
+    np.testing.assert_array_equal(biases[0], make()[0].l1.bias[...])  # (frozen)
+    want = h.plain_mesh_run(h.train_step, *make(), batches, mesh, jax.P("data"))
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)

@@ -996,6 +996,19 @@ def _plain_graphdef(graphdef: Any) -> Any:
     return dataclasses.replace(graphdef, nodes=[plain(n) for n in nodes])
 
 
+def _carries(x: Any) -> bool:
+    """Whether a state leaf (a Variable, or an array held without one) is one the step
+    carries: not a Variable holding no array (None, optax's ``MaskedNode`` where
+    ``optax.masked`` / ``multi_transform`` leave a parameter out): the state's structure
+    holds those, and the step rebuilds them from it as they were."""
+    return not _is_var(x) or bool(jax.tree.leaves(x.get_raw_value()))
+
+
+def _state_leaves(state: Any) -> list:
+    """The leaves of an NNX state the step carries, in order (`_carries`)."""
+    return [v for v in jax.tree.leaves(state, is_leaf=_is_var) if _carries(v)]
+
+
 def _held(x: Any) -> Any:
     """The array a Variable (or `_ArrayLeaf`) holds; an array leaf is itself."""
     return x.get_raw_value() if hasattr(x, "get_raw_value") else x
@@ -1060,9 +1073,16 @@ class NnxForm(StepForm):
         values = [v.get_value() for v in self.live_vars]
         _refuse_containers(values, self.leaf_paths)
         self.key_impls = [jax.random.key_impl(x) if _is_key(x) else None for x in values]
-        specs = jax.tree.leaves(nnx.get_partition_spec(state),
-                                is_leaf=lambda x: isinstance(x, PartitionSpec))
-        if len(specs) != len(values):
+        # Per variable (a Variable of the spec state holds its spec, None where Flax has
+        # none), those of the carried ones (`_carries`: an annotated variable holding no
+        # array has a spec too).
+        spec_leaves = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: (
+            _is_var(x) or isinstance(x, PartitionSpec)))
+        every = jax.tree.leaves(state, is_leaf=_is_var)
+        specs = [x.get_raw_value() if _is_var(x) else x for x, v in zip(
+            spec_leaves, every, strict=False) if _carries(v)] if len(spec_leaves) == len(
+            every) else []
+        if len(specs) != len(values) or not all(isinstance(x, PartitionSpec) for x in specs):
             raise UnsupportedStateError(
                 f"could not read one partition spec per state leaf ({len(specs)} specs for "
                 f"{len(values)} leaves)"
@@ -1078,7 +1098,8 @@ class NnxForm(StepForm):
         self.objects = objects
         self._found = {id(obj): i for i, obj in enumerate(objects)}
         self._aliases: list[Any] = []  # clones taken for carried objects (`_clone_index`)
-        flat = jax.tree_util.tree_flatten_with_path(nnx.state(objects), is_leaf=_is_var)[0]
+        flat = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(
+            nnx.state(objects), is_leaf=_is_var)[0] if _carries(v)]
         self.leaf_paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
                            for p, _ in flat]
         if hijax := [path for (_, v), path in zip(flat, self.leaf_paths, strict=True)
@@ -1123,7 +1144,7 @@ class NnxForm(StepForm):
             raise UnsupportedStateError(
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
-        now = jax.tree.leaves(state, is_leaf=_is_var)
+        now = _state_leaves(state)
         if _plain_graphdef(graphdef) != self._plain_def or len(now) != len(
                 self.live_vars) or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
@@ -1181,8 +1202,7 @@ class NnxForm(StepForm):
             graphdef, state = nnx.split(new)
         except Exception:  # noqa: BLE001 - not objects a step could carry: refused as before
             return None
-        values = [v.get_value() if _is_var(v) else v
-                  for v in jax.tree.leaves(state, is_leaf=_is_var)]
+        values = [v.get_value() if _is_var(v) else v for v in _state_leaves(state)]
         if _plain_graphdef(graphdef) != self._plain_def or len(values) != len(
                 self.live_vars):
             return None
@@ -1348,7 +1368,7 @@ class NnxForm(StepForm):
     def _changed_structure(self, new_state) -> None:
         flat = jax.tree_util.tree_flatten_with_path(new_state, is_leaf=_is_var)[0]
         paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
-                 for p, _ in flat]
+                 for p, v in flat if _carries(v)]
         added = sorted(set(paths) - set(self.leaf_paths))
         removed = sorted(set(self.leaf_paths) - set(paths))
         raise UnsupportedStateError(

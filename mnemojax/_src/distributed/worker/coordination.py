@@ -22,7 +22,7 @@ from typing import Any
 from mnemojax._src import checksum as checksums
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.distributed.env import WorldSpec, world_from_env
-from mnemojax._src.distributed.worker import peer_watch
+from mnemojax._src.distributed.worker import peer_watch, state_transfer
 from mnemojax._src.errors import DistributedError
 
 logger = logging.getLogger("mnemojax")
@@ -211,6 +211,7 @@ def detach_worker() -> None:
             logger.warning("client shutdown reported %s: %s", type(e).__name__, e)
     jax.extend.backend.clear_backends()
     jax.clear_caches()
+    state_transfer.forget_layouts()
 
 
 def attach_worker(world: WorldSpec, *, init_timeout_s: int = 120,

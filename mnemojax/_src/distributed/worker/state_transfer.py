@@ -35,6 +35,14 @@ _OWNED: dict[tuple, list[tuple[int, tuple[tuple[int, int], ...]]]] = {}
 _OWNED_MAX = 4096  # layouts kept (a job sees a few per mesh)
 
 
+def forget_layouts() -> None:
+    """Drops the layouts worked out in a world (`_owned`, `_packed_layout`): a new world's
+    devices are new objects, and which process owns a shard is of the world it was worked
+    out in (`coordination.detach_worker`)."""
+    _OWNED.clear()
+    _PACKED.clear()
+
+
 def _owned(leaf: jax.Array) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
     key = (leaf.sharding, tuple(leaf.shape))
     owned = _OWNED.get(key)
