@@ -62,3 +62,25 @@ def test_same_world_keeps_layer_compiler_and_stores():
         fresh.close()
     finally:
         rt.close()
+
+
+def test_the_step_packs_its_state_only_where_a_copy_is_taken_every_step():
+    # (`SnapshotOptions.pack_copies`: the packs are written at every step)
+    mesh = h.mesh_of((4, 2))
+
+    def packs(publishes=False, **snapshot):
+        options = h.no_precompile(snapshot=mnemojax.SnapshotOptions(**snapshot))
+        builder = RuntimeBuilder(options, pure=lambda leaves, batch: (leaves, {}),
+                                 specs=[P("data")], leaf_structs=[((8, 2), jnp.float32)],
+                                 leaf_entries=["params"], publishes=publishes)
+        return builder._packs_on(mesh, False, 64), builder._packs_on(mesh, True, 64)
+
+    # One process: replicated state at its cadence, single-copy shards every step.
+    assert packs() == (False, True)
+    assert packs(every_steps=1) == (True, True)
+    assert packs(pack_copies=False) == (False, False)
+    assert packs(host_memory_budget_bytes=127) == (False, False)  # (2 copies of 64 bytes)
+    # Across processes a copy goes to the agent after every step, within its budget
+    # (the agent's peak for a share as large as the state).
+    assert packs(publishes=True, every_steps=0, unreplicated_every_steps=0) == (True, True)
+    assert packs(publishes=True, host_memory_budget_bytes=1000) == (False, False)

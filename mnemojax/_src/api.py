@@ -881,7 +881,7 @@ class ResilientStep(Generic[P, R]):
             wrap_layer=self._injector.wrap if self._injector is not None else None,
             axis_types=shd.axis_types_of(mesh),
             export_steps=session is not None and opts.compile.export_ahead,
-            publishes=session is not None,
+            publishes=session is not None and session.agent is not None,
             on_corrupt=lambda s: durability.emit("fault", step=s,
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,

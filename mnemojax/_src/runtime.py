@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import ExportedSteps, LeftCompiles, StepCompiler, StepFacts
 from mnemojax._src.device_layer import DeviceLayer, JaxDeviceLayer
+from mnemojax._src.distributed.shm import agent_peak_bytes
 from mnemojax._src.options import ResilienceOptions
 from mnemojax._src.proxy import DeviceProxy
 from mnemojax._src.snapshot import SnapshotStore
@@ -159,8 +160,12 @@ class RuntimeBuilder:
         snap = self._options.snapshot
         every = 1 if self._publishes else (
             snap.unreplicated_every_steps if single_copy else snap.every_steps)
-        if (every != 1 or snap.pack_copies is False or (
-                not self._publishes and 2 * state_bytes > snap.host_memory_budget_bytes)):
+        # Over the budget no copy is taken (`DistributedSession.publish` by its agent's peak
+        # for a share as large as the whole state, which it may be: one process can own
+        # every replicated leaf).
+        needs = agent_peak_bytes(state_bytes, state_bytes, in_series=snap.replicate_in_series) \
+            if self._publishes else 2 * state_bytes
+        if every != 1 or snap.pack_copies is False or needs > snap.host_memory_budget_bytes:
             return False
         return snap.pack_copies is True or all(d.platform == "cpu" for d in mesh.devices.flat)
 

@@ -218,7 +218,6 @@ class DistributedSession:
         read = state_transfer.packed_shards(leaves, packed) if packed is not None else None
         shards, data = read if read is not None else (
             state_transfer.local_shards(leaves, to_host=False), None)
-        self.packed_publishes += read is not None
         head = snapshot_codec.header_of(step, self.world.stable_id, shards,
                                         num_leaves=len(leaves),
                                         generation=self.world.generation)
@@ -235,6 +234,7 @@ class DistributedSession:
                 SnapshotBudgetWarning, stacklevel=3)
             return False
         agent, generation = self.agent, self.world.generation
+        self.packed_publishes += read is not None
 
         def copy() -> None:
             # The slot this copy overwrites usually holds the step before the last one:

@@ -81,11 +81,17 @@ def _packed_layout(leaves: Sequence[jax.Array], packed: Packed) -> list | None:
                 size = int(np.prod(extent))
                 pieces.append((leaf, shape, index, offset, size, extent))
                 offset += size
+            if offset != int(np.prod(pack.sharding.shard_shape(tuple(pack.shape)))):
+                layout = None  # (the members do not describe this pack)
+                break
             layout.append((p, position, pieces))
-    got = sorted((leaf, index) for *_, pieces in layout for leaf, _, index, *_ in pieces)
-    want = sorted((i, index) for i, x in enumerate(leaves) for _, index in _owned(x))
-    if got != want:  # (each element must be published by exactly one process)
-        layout = None
+        if layout is None:
+            break
+    if layout is not None:
+        got = sorted((leaf, index) for *_, pieces in layout for leaf, _, index, *_ in pieces)
+        want = sorted((i, index) for i, x in enumerate(leaves) for _, index in _owned(x))
+        if got != want:  # (each element must be published by exactly one process)
+            layout = None
     if len(_PACKED) >= _OWNED_MAX:
         _PACKED.clear()
     _PACKED[key] = layout
