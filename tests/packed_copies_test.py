@@ -19,7 +19,6 @@ from mnemojax._src.compiler import StepCompiler, pack_groups, packer
 from mnemojax._src.device_layer import JaxDeviceLayer
 from mnemojax._src.errors import SnapshotBudgetWarning, SnapshotCorruptError
 from mnemojax._src.snapshot import Packed, SnapshotStore
-from mnemojax.models.tasks import classification_loss
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -180,12 +179,6 @@ class _ShardedMLP(nnx.Module):
         return self.l2(nnx.relu(self.l1(x)))
 
 
-def _train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(classification_loss)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
-
-
 def _build():
     with nnx.use_eager_sharding(False):
         model = _ShardedMLP(rngs=nnx.Rngs(0))
@@ -197,7 +190,7 @@ def test_lost_shards_come_from_packed_snapshots_exact(pack_copies):
     batches = h.make_batches(5)
     model, optimizer = _build()
     options = h.no_precompile(snapshot=mnemojax.SnapshotOptions(pack_copies=pack_copies))
-    step = mnemojax.resilient(_train_step, mesh=h.mesh_of((4, 2), AXES), options=options,
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2), AXES), options=options,
                               fault_injector=FaultInjector().lose_devices(3, [1]))
     try:
         losses = []
@@ -211,7 +204,7 @@ def test_lost_shards_come_from_packed_snapshots_exact(pack_copies):
     assert step.statistics.unreplicated_state
     assert bool(snap.pack_fills) == (pack_copies is None)  # (on CPU by default)
     assert recovery.source != "live_replicas" and recovery.steps_lost <= 1
-    want = h.plain_mesh_run(_train_step, *_build(), batches, h.mesh_of((4, 2), AXES),
+    want = h.plain_mesh_run(h.train_step, *_build(), batches, h.mesh_of((4, 2), AXES),
                             P("data"))
     h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)
 
@@ -219,7 +212,7 @@ def test_lost_shards_come_from_packed_snapshots_exact(pack_copies):
 def test_no_packs_where_the_snapshots_would_not_fit_the_budget():
     model, optimizer = _build()
     options = h.no_precompile(snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=1000))
-    step = mnemojax.resilient(_train_step, mesh=h.mesh_of((4, 2), AXES), options=options)
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2), AXES), options=options)
     try:
         with pytest.warns(SnapshotBudgetWarning):
             step(model, optimizer, h.make_batches(1)[0])
