@@ -613,12 +613,10 @@ class StepCompiler:
         self.compiled_ahead = 0
 
     def packs_for(self, mesh: Mesh) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-        """The packs the step writes on `mesh` (`pack_groups`): none on Explicit axes, or
-        where `pack` says no. The same on every mesh a recovery plans (their axes divide
-        every dimension they split), so a step exported for one mesh returns as many packs
-        on another."""
+        """The packs the step writes on `mesh` (`pack_groups`): none where `pack` says no.
+        The same on every mesh a recovery plans (their axes divide every dimension they
+        split), so a step exported for one mesh returns as many packs on another."""
         if (self._pack is None
-                or jax.sharding.AxisType.Explicit in mesh.axis_types
                 or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(
                     int(np.prod(shape)) * np.dtype(dtype).itemsize
                     for shape, dtype in self.leaf_structs))):
@@ -647,18 +645,17 @@ class StepCompiler:
 
         explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                     if t == jax.sharding.AxisType.Explicit}
-        layouts = [shd.explicit_part(self._specs[i], explicit) for i in floats] \
-            if explicit else []
 
         def checked(leaves, batch):
             new, metrics = self._pure(leaves, batch)
-            packs = [pack(*(new[i] for i in members)) for pack, members in packers]
+            # On Explicit axes a leaf the step resharded itself is read in the state's
+            # layout (where the step's out_shardings put it too); shard_map refuses another.
+            read = [jax.sharding.reshard(x, shd.explicit_part(spec, explicit))
+                    for x, spec in zip(new, self._specs, strict=True)] if explicit else new
+            packs = [pack(*(read[i] for i in members)) for pack, members in packers]
             if not floats:
                 return new, metrics, jnp.ones((1,), bool), packs
-            finite = [new[i] for i in floats]
-            if explicit:  # a leaf the step resharded itself is read in the state's layout
-                # (where the step's out_shardings put it too); shard_map refuses another
-                finite = [jax.sharding.reshard(x, s) for x, s in zip(finite, layouts, strict=True)]
+            finite = [read[i] for i in floats]
             if multi_process:  # every process must see the same verdict: one global flag
                 return new, metrics, jnp.all(check(*finite)), packs
             return new, metrics, check(*finite), packs

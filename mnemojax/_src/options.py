@@ -161,8 +161,8 @@ class SnapshotOptions:
             in device memory and a device-side copy per step. None (the default): on CPU
             devices; True: on any platform (unmeasured on GPUs, where it would replace
             many small device-to-host transfers by a few large ones, on the training
-            thread across processes); False: off. Never on Explicit mesh axes, nor where a
-            leaf's shards differ in size.
+            thread across processes); False: off. Not where a leaf's shards differ in
+            size.
     """
 
     every_steps: int = 20

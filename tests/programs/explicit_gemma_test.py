@@ -104,6 +104,8 @@ def test_explicit_fsdp_tensor_program_through_two_losses_matches_the_plain_run()
         assert step.mesh is not None
         assert tuple(step.mesh.axis_types) == (AxisType.Explicit,) * 2
         assert step.options.data_axis == "fsdp"
+        # (the snapshots read from the packs the step writes, on Explicit axes too)
+        assert step.statistics.snapshots_packed >= len(batches) - 2
         logits = _eval(program[0], step.mesh, batches[0])
     finally:
         step.close()
