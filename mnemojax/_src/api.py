@@ -603,7 +603,8 @@ class ResilientStep(Generic[P, R]):
             return
         log.warning(
             "mnemojax: the recovery restored the state of step %d from the agents' copies; "
-            "since step %d, %s changed outside the step (a metrics reset between steps?): "
+            "since step %d, %s changed outside the step (a metrics reset, a hyperparameter "
+            "set between steps?): "
             "across processes a change made between steps is not in the copies, and this "
             "recovery has most likely undone it. Make such a change inside the step "
             "(README: known limits)", restored_step, self._step, listed(paths))
