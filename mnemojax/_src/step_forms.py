@@ -1079,10 +1079,10 @@ class NnxForm(StepForm):
         spec_leaves = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: (
             _is_var(x) or isinstance(x, PartitionSpec)))
         every = jax.tree.leaves(state, is_leaf=_is_var)
-        specs = [x.get_raw_value() if _is_var(x) else x for x, v in zip(
-            spec_leaves, every, strict=False) if _carries(v)] if len(spec_leaves) == len(
-            every) else []
-        if len(specs) != len(values) or not all(isinstance(x, PartitionSpec) for x in specs):
+        specs = [x.get_raw_value() if _is_var(x) else x
+                 for x, v in zip(spec_leaves, every, strict=False) if _carries(v)]
+        if len(spec_leaves) != len(every) or len(specs) != len(values) or not all(
+                isinstance(x, PartitionSpec) for x in specs):
             raise UnsupportedStateError(
                 f"could not read one partition spec per state leaf ({len(specs)} specs for "
                 f"{len(values)} leaves)"
