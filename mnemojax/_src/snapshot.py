@@ -85,6 +85,34 @@ class Packed:
     members: Sequence[Sequence[int]]
 
 
+# Per replica-0 shard of a pack: (pack, addressable position, device, its members' pieces:
+# (leaf, index key, offset into the flat shard, the leaf shard's shape)).
+PackPieces = list[tuple[int, int, Any, list[tuple[int, IndexKey, int, tuple[int, ...]]]]]
+
+
+def pack_pieces(leaves: Sequence[jax.Array], packed: Packed) -> PackPieces | None:
+    """Where each leaf's shards lie in ``packed``'s replica-0 shards: on a device, a pack
+    holds that device's shard of each member, in the members' order. None where the
+    members' shards do not fill a pack shard (the members do not describe the packs)."""
+    indices = [x.sharding.devices_indices_map(tuple(x.shape)) for x in leaves]
+    out: PackPieces = []
+    for p, (pack, members) in enumerate(zip(packed.arrays, packed.members, strict=True)):
+        size = int(np.prod(pack.sharding.shard_shape(tuple(pack.shape))))
+        for position, shard in enumerate(pack.addressable_shards):
+            if shard.replica_id != 0:
+                continue
+            pieces, offset = [], 0
+            for leaf in members:
+                key = index_key(indices[leaf][shard.device], leaves[leaf].shape)
+                extent = tuple(b - a for a, b in key)
+                pieces.append((leaf, key, offset, extent))
+                offset += int(np.prod(extent))
+            if offset != size:
+                return None
+            out.append((p, position, shard.device, pieces))
+    return out
+
+
 @dataclasses.dataclass
 class LeafCopy:
     """The host copy of one leaf's shards.
@@ -394,31 +422,24 @@ class SnapshotStore:
     def _allocate_packed(self, leaves: Sequence[jax.Array], packed: Packed,
                          key: tuple) -> HostSnapshot:
         """Host buffers for ``packed``'s replica-0 shards, and each leaf's shards as views
-        into them: on a device, a pack holds that device's shard of each member."""
+        into them (`pack_pieces`)."""
         copies = [LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry, {})
                   for x, entry in zip(leaves, self._entries, strict=True)]
         fills: list[Fill] = []
         pack_fills: list[PackFill] = []
-        indices = [x.sharding.devices_indices_map(tuple(x.shape)) for x in leaves]
-        for p, (pack, members) in enumerate(zip(packed.arrays, packed.members, strict=True)):
-            for position, shard in enumerate(pack.addressable_shards):
-                if shard.replica_id != 0:
-                    continue
-                buf = np.empty(shard.data.shape, pack.dtype)
-                flat, offset, views = buf.reshape(-1), 0, []
-                for leaf in members:
-                    key_ = index_key(indices[leaf][shard.device], leaves[leaf].shape)
-                    shape = [b - a for a, b in key_]
-                    size = int(np.prod(shape))
-                    view = flat[offset:offset + size].reshape(shape)
-                    offset += size
-                    copies[leaf].shards[key_] = view
-                    views.append((leaf, -1, shard.device.id, key_, view, copies[leaf].crcs))
-                if offset != flat.size:
-                    raise ValueError(f"pack {p} holds {flat.size} elements on device "
-                                     f"{shard.device.id}, its members' shards {offset}")
-                fills += views
-                pack_fills.append((p, position, shard.device.id, buf, views))
+        layout = pack_pieces(leaves, packed)
+        if layout is None:
+            raise ValueError("the packs' members do not fill their shards")
+        for p, position, device, pieces in layout:
+            pack = packed.arrays[p]
+            buf = np.empty(pack.sharding.shard_shape(tuple(pack.shape)), pack.dtype)
+            flat, views = buf.reshape(-1), []
+            for leaf, key_, offset, extent in pieces:
+                view = flat[offset:offset + int(np.prod(extent))].reshape(extent)
+                copies[leaf].shards[key_] = view
+                views.append((leaf, -1, device.id, key_, view, copies[leaf].crcs))
+            fills += views
+            pack_fills.append((p, position, device.id, buf, views))
         for leaf, (x, copy) in enumerate(zip(leaves, copies, strict=True)):
             wanted = {k for _, k, _ in self._layout(x)}
             if set(copy.shards) != wanted:

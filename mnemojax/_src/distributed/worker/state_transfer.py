@@ -67,28 +67,17 @@ def _packed_layout(leaves: Sequence[jax.Array], packed: Packed) -> list | None:
            tuple((x.sharding, tuple(x.shape)) for x in leaves))
     if key in _PACKED:
         return _PACKED[key]
-    layout: list | None = []
-    indices = [x.sharding.devices_indices_map(tuple(x.shape)) for x in leaves]
-    for p, (pack, members) in enumerate(zip(packed.arrays, packed.members, strict=True)):
-        for position, shard in enumerate(pack.addressable_shards):
-            if shard.replica_id != 0:
-                continue
-            pieces, offset = [], 0
-            for leaf in members:
-                shape = tuple(leaves[leaf].shape)
-                index = index_of(indices[leaf][shard.device], shape)
-                extent = tuple(b - a for a, b in index)
-                size = int(np.prod(extent))
-                pieces.append((leaf, shape, index, offset, size, extent))
-                offset += size
-            if offset != int(np.prod(pack.sharding.shard_shape(tuple(pack.shape)))):
-                layout = None  # (the members do not describe this pack)
-                break
-            layout.append((p, position, pieces))
-        if layout is None:
-            break
+    from mnemojax._src.snapshot import pack_pieces  # (JAX-heavy: not at this module's load)
+
+    pieces = pack_pieces(leaves, packed)
+    layout = None if pieces is None else [
+        (p, position, [(leaf, tuple(leaves[leaf].shape), index, offset,
+                        int(np.prod(extent)), extent)
+                       for leaf, index, offset, extent in members])
+        for p, position, _, members in pieces]
     if layout is not None:
-        got = sorted((leaf, index) for *_, pieces in layout for leaf, _, index, *_ in pieces)
+        got = sorted((leaf, index) for *_, members in layout
+                     for leaf, _, index, *_ in members)
         want = sorted((i, index) for i, x in enumerate(leaves) for _, index in _owned(x))
         if got != want:  # (each element must be published by exactly one process)
             layout = None
