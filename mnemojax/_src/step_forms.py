@@ -1098,8 +1098,13 @@ class NnxForm(StepForm):
         self.objects = objects
         self._found = {id(obj): i for i, obj in enumerate(objects)}
         self._aliases: list[Any] = []  # clones taken for carried objects (`_clone_index`)
-        flat = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(
-            nnx.state(objects), is_leaf=_is_var)[0] if _carries(v)]
+        every = jax.tree_util.tree_flatten_with_path(nnx.state(objects), is_leaf=_is_var)[0]
+        flat = [(p, v) for p, v in every if _carries(v)]
+        # Variables holding no array (`_carries`), with what they hold: one that is given an
+        # array between steps changes the structure (`changed_in_place`); per variable of
+        # the state, whether it is carried (`pure` checks the step keeps that).
+        self._empty = [(v, v.get_raw_value()) for _, v in every if not _carries(v)]
+        self._carried_mask = [_carries(v) for _, v in every]
         self.leaf_paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
                            for p, _ in flat]
         if hijax := [path for (_, v), path in zip(flat, self.leaf_paths, strict=True)
@@ -1136,7 +1141,8 @@ class NnxForm(StepForm):
                 structure, a variable shared or added, a static attribute changed:
                 ``nnx.jit`` would trace again), naming the way out.
         """
-        if self._fingerprint.same():
+        if self._fingerprint.same() and all(
+                var.get_raw_value() is held for var, held in self._empty):
             return None
         try:
             graphdef, state = nnx.split(self.objects)
@@ -1144,12 +1150,19 @@ class NnxForm(StepForm):
             raise UnsupportedStateError(
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
-        now = _state_leaves(state)
-        if _plain_graphdef(graphdef) != self._plain_def or len(now) != len(
-                self.live_vars) or any(
+        flat = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(
+            state, is_leaf=_is_var)[0] if _carries(v)]
+        now = [v for _, v in flat]
+        paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
+        if _plain_graphdef(graphdef) != self._plain_def or paths != self.leaf_paths or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
-            what = self._fingerprint.changes(self.object_names)
+            # (a variable given an array, or none, shows in the paths carried)
+            what = listed([f"{path} holds an array now" for path in paths
+                           if path not in self.leaf_paths]
+                          + [f"{path} holds none now" for path in self.leaf_paths
+                             if path not in paths]) or self._fingerprint.changes(
+                self.object_names)
             raise UnsupportedStateError(
                 f"the structure of {', '.join(self.object_names)} changed since this step "
                 f"was built{f' ({what})' if what else ''}: between steps a submodule was "
@@ -1171,7 +1184,7 @@ class NnxForm(StepForm):
         return None
 
     _BINDING = ("objects", "_found", "_aliases", "leaf_paths", "live_vars", "_written",
-                "_plain", "_fingerprint", "_rebound")
+                "_plain", "_fingerprint", "_rebound", "_empty", "_carried_mask")
 
     def rebind(self, changed: Sequence[str] = ()) -> Callable[[], None]:
         """Carries the Variables the objects hold now (`changed_in_place`); their values are
@@ -1286,9 +1299,16 @@ class NnxForm(StepForm):
                 a is not b for a, b in zip(state_args, self.objects, strict=False)):
             raise UnsupportedStateError(
                 f"this resilient step was built for another model/optimizer. {_NEW_OBJECTS}")
-        if self._plain:
-            return [_to_raw(v.get_raw_value()) for v in self.live_vars]
-        return [_to_raw(v.get_value()) for v in self.live_vars]
+        values = [_to_raw(v.get_raw_value() if self._plain else v.get_value())
+                  for v in self.live_vars]
+        if any(x is None for x in values):
+            raise UnsupportedStateError(
+                f"{listed([p for p, x in zip(self.leaf_paths, values, strict=True) if x is None])}"
+                " held an array when this step was built and holds None now (set between "
+                "steps): the structure of the state changed (nnx.jit would trace again). "
+                "Give it an array of its shape, or call step.close() and make a new "
+                "resilient step")
+        return values
 
     def _write(self, leaves) -> None:
         written = [] if self._has_keys else leaves  # (a key is wrapped into a new value)
@@ -1352,7 +1372,9 @@ class NnxForm(StepForm):
         out = self._call(objects, inputs)
         new_state = nnx.state(objects)
         new = jax.tree.leaves(new_state)
-        if len(new) != len(leaves):
+        if len(new) != len(leaves) or [  # (a variable given an array and another none)
+                _carries(v) for v in jax.tree.leaves(new_state, is_leaf=_is_var)
+        ] != self._carried_mask:
             self._changed_structure(new_state)
         index = {id(obj): i for i, obj in enumerate(objects)}
 
