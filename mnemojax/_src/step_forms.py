@@ -1104,9 +1104,9 @@ class NnxForm(StepForm):
         # array between steps changes the structure (`changed_in_place`); per variable of
         # the state, whether it is carried (`pure` checks the step keeps that).
         self._empty = [(v, v.get_raw_value()) for _, v in every if not _carries(v)]
+        self._empty_paths = {self._path_of(p) for p, v in every if not _carries(v)}
         self._carried_mask = [_carries(v) for _, v in every]
-        self.leaf_paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
-                           for p, _ in flat]
+        self.leaf_paths = [self._path_of(p) for p, _ in flat]
         if hijax := [path for (_, v), path in zip(flat, self.leaf_paths, strict=True)
                      if getattr(v, "hijax", False)]:
             raise UnsupportedStateError(
@@ -1150,19 +1150,20 @@ class NnxForm(StepForm):
             raise UnsupportedStateError(
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
-        flat = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=_is_var)[0] if _carries(v)]
-        now = [v for _, v in flat]
-        paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:]) for p, _ in flat]
+        every = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
+        now = [v for _, v in every if _carries(v)]
+        paths = [self._path_of(p) for p, v in every if _carries(v)]
         if _plain_graphdef(graphdef) != self._plain_def or paths != self.leaf_paths or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
             # (a variable given an array, or none, shows in the paths carried)
-            what = listed([f"{path} holds an array now" for path in paths
-                           if path not in self.leaf_paths]
-                          + [f"{path} holds none now" for path in self.leaf_paths
-                             if path not in paths]) or self._fingerprint.changes(
-                self.object_names)
+            emptied = {self._path_of(p) for p, v in every if not _carries(v)}
+            what = ", ".join(filter(None, [listed(
+                [f"{p} holds an array now" for p in paths
+                 if p not in self.leaf_paths and p in self._empty_paths]
+                + [f"{p} holds none now" for p in self.leaf_paths
+                   if p not in paths and p in emptied]),
+                self._fingerprint.changes(self.object_names)]))
             raise UnsupportedStateError(
                 f"the structure of {', '.join(self.object_names)} changed since this step "
                 f"was built{f' ({what})' if what else ''}: between steps a submodule was "
@@ -1184,7 +1185,13 @@ class NnxForm(StepForm):
         return None
 
     _BINDING = ("objects", "_found", "_aliases", "leaf_paths", "live_vars", "_written",
-                "_plain", "_fingerprint", "_rebound", "_empty", "_carried_mask")
+                "_plain", "_fingerprint", "_rebound", "_empty", "_empty_paths",
+                "_carried_mask")
+
+    def _path_of(self, key_path: tuple) -> str:
+        """A state leaf's name (``model/l1/kernel``) from its key path in the objects'
+        state."""
+        return _path_name(self.object_names[int(_key_part(key_path[0]))], key_path[1:])
 
     def rebind(self, changed: Sequence[str] = ()) -> Callable[[], None]:
         """Carries the Variables the objects hold now (`changed_in_place`); their values are
