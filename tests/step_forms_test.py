@@ -672,6 +672,14 @@ def test_a_variable_given_an_array_or_none_between_steps_is_refused_not_ignored(
     model.c.set_value(None)  # (only e set to None: the graph check sees no change)
     with pytest.raises(UnsupportedStateError, match=r"model/e held an array .* holds None now"):
         form.state_of((model,))
+    # Another object passed in place, with the swap: not taken as the same structure (it
+    # reached `adopt`'s assertion before).
+    form = NnxForm(lambda m, x: None, _WithEmpty(), names=["model"])
+    other = _WithEmpty()
+    other.c.set_value(jnp.zeros((8,)))
+    other.e.set_value(None)
+    assert form.replacements((other, np.ones(8)), {}) is None
+    assert form.replacements((_WithEmpty(), np.ones(8)), {}) is not None
 
 
 def test_a_step_that_swaps_which_variables_hold_arrays_is_refused():

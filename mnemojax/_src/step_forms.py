@@ -1004,11 +1004,6 @@ def _carries(x: Any) -> bool:
     return not _is_var(x) or bool(jax.tree.leaves(x.get_raw_value()))
 
 
-def _state_leaves(state: Any) -> list:
-    """The leaves of an NNX state the step carries, in order (`_carries`)."""
-    return [v for v in jax.tree.leaves(state, is_leaf=_is_var) if _carries(v)]
-
-
 def _held(x: Any) -> Any:
     """The array a Variable (or `_ArrayLeaf`) holds; an array leaf is itself."""
     return x.get_raw_value() if hasattr(x, "get_raw_value") else x
@@ -1150,14 +1145,11 @@ class NnxForm(StepForm):
             raise UnsupportedStateError(
                 f"the NNX objects this step carries ({', '.join(self.object_names)}) changed "
                 f"between steps and cannot be split any more ({type(e).__name__}: {e})") from e
-        every = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
-        now = [v for _, v in every if _carries(v)]
-        paths = [self._path_of(p) for p, v in every if _carries(v)]
+        paths, now, emptied = self._carried(state)
         if _plain_graphdef(graphdef) != self._plain_def or paths != self.leaf_paths or any(
                 np.shape(_held(a)) != np.shape(_held(b)) or _dtype(_held(a)) != _dtype(
                     _held(b)) for a, b in zip(now, self.live_vars, strict=True)):
             # (a variable given an array, or none, shows in the paths carried)
-            emptied = {self._path_of(p) for p, v in every if not _carries(v)}
             what = ", ".join(filter(None, [listed(
                 [f"{p} holds an array now" for p in paths
                  if p not in self.leaf_paths and p in self._empty_paths]
@@ -1193,6 +1185,14 @@ class NnxForm(StepForm):
         state."""
         return _path_name(self.object_names[int(_key_part(key_path[0]))], key_path[1:])
 
+    def _carried(self, state: Any) -> tuple[list[str], list, set[str]]:
+        """Of an NNX state of the carried objects: the names and leaves of those the step
+        carries (`_carries`), in order, and the names of the variables holding no array."""
+        every = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
+        paths = [self._path_of(p) for p, v in every if _carries(v)]
+        return (paths, [v for _, v in every if _carries(v)],
+                {self._path_of(p) for p, v in every if not _carries(v)})
+
     def rebind(self, changed: Sequence[str] = ()) -> Callable[[], None]:
         """Carries the Variables the objects hold now (`changed_in_place`); their values are
         the state from now on. Returns what puts the binding before back."""
@@ -1222,10 +1222,10 @@ class NnxForm(StepForm):
             graphdef, state = nnx.split(new)
         except Exception:  # noqa: BLE001 - not objects a step could carry: refused as before
             return None
-        values = [v.get_value() if _is_var(v) else v for v in _state_leaves(state)]
-        if _plain_graphdef(graphdef) != self._plain_def or len(values) != len(
-                self.live_vars):
-            return None
+        paths, leaves, _ = self._carried(state)
+        if _plain_graphdef(graphdef) != self._plain_def or paths != self.leaf_paths:
+            return None  # (the same variables carried, by name: `adopt` relies on it)
+        values = [v.get_value() if _is_var(v) else v for v in leaves]
         carried = [v.get_value() for v in self.live_vars]
         if any(not isinstance(a, _CONCRETE) or np.shape(a) != np.shape(b)
                or _dtype(a) != _dtype(b) for a, b in zip(values, carried, strict=True)):
@@ -1395,9 +1395,7 @@ class NnxForm(StepForm):
         return [_to_raw(x) for x in new], out
 
     def _changed_structure(self, new_state) -> None:
-        flat = jax.tree_util.tree_flatten_with_path(new_state, is_leaf=_is_var)[0]
-        paths = [_path_name(self.object_names[int(_key_part(p[0]))], p[1:])
-                 for p, v in flat if _carries(v)]
+        paths, _, _ = self._carried(new_state)
         added = sorted(set(paths) - set(self.leaf_paths))
         removed = sorted(set(self.leaf_paths) - set(paths))
         raise UnsupportedStateError(
