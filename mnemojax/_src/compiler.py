@@ -51,6 +51,7 @@ import numpy as np
 from jax import export as jax_export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mnemojax._src import compile_process
 from mnemojax._src import sharding as shd
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.errors import MnemojaxError, UnsupportedStateError
@@ -473,19 +474,24 @@ _exit_hooked = threading.Lock()
 
 
 def _drop_queued_compiles_at_exit() -> None:
-    """At the interpreter's exit, the compiles ahead that have not started are dropped
-    and the one running is waited for, saying so (an XLA compile cannot be cancelled).
+    """At the interpreter's exit, the compiles ahead that have not started are dropped,
+    the compile process is killed with the compile it runs (`compile_process`), and a
+    compile running on a thread is waited for, saying so (an XLA compile cannot be
+    cancelled).
     Without it, a step never closed held its process's exit until every queued compile
     had run (a user trial: 67 s, silent): `concurrent.futures` joins a pool only once its
     thread has run everything queued before the pool's end-of-work marker."""
-    for compiler in list(_live_compilers):
-        compiler._closing.set()
+    compilers = list(_live_compilers)
+    for compiler in compilers:
+        compiler._closing.set()  # (before the abandon below: its failure is not logged)
+    compile_process.abandon()  # a compile in flight there ends now (`CompileAbandoned`)
+    for compiler in compilers:
         compiler.cancel_pending()
         compiler._pool.shutdown(wait=False, cancel_futures=True)
         if compiler.left_running is not None:
             log.info("mnemojax: at exit, waiting for the compile an ended world left running "
                      "(an XLA compile cannot be cancelled)")
-        elif compiler.pending():
+        elif compiler.pending() and not compiler.uses_child():
             log.warning("mnemojax: at exit, waiting for the compile ahead of time in flight "
                         "(it cannot be cancelled; step.close() at the end of training waits "
                         "for it there)")
@@ -577,8 +583,12 @@ class StepCompiler:
                  leaf_names: Sequence[str] | None = None,
                  facts: StepFacts | None = None, left: LeftCompiles | None = None,
                  traced_as: Callable | None = None,
-                 pack: Callable[[Mesh, bool, int], bool] | None = None):
+                 pack: Callable[[Mesh, bool, int], bool] | None = None,
+                 in_child: bool = False):
         self._pure = pure
+        # Compiles ahead of time in the compile process where it applies (`compile_process`,
+        # `CompileOptions.compile_process`).
+        self._in_child = in_child
         # Whether the step also writes the state packed for the snapshot's copy, given the
         # mesh, whether its state has single-copy shards and the state's bytes
         # (`snapshot.Packed`).
@@ -611,6 +621,7 @@ class StepCompiler:
         self._said_failed: set[str] = set()  # mesh shapes whose compile ahead failed
         self.compiles = 0
         self.compiled_ahead = 0
+        self.compiled_in_child = 0  # compiles ahead done in the compile process
 
     def packs_for(self, mesh: Mesh) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
         """The packs the step writes on `mesh` (`pack_groups`): none where `pack` says no.
@@ -721,6 +732,7 @@ class StepCompiler:
         self._check_state_types(lowered)
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
+        in_child = self.compiled_in_child
         try:
             compiled = self._xla_compile(lowered, key, plan.shape, ahead)
         except Exception as e:
@@ -737,10 +749,13 @@ class StepCompiler:
             self.compiles += 1
             self.compiled_ahead += int(ahead)
             left = self.left_running == key
+            # (only this compile's thread, the background one, counts compiles there)
+            in_child = ahead and self.compiled_in_child > in_child
         log.info("mnemojax: compiled step for mesh %s (%s%s%s): lower %.2fs compile %.2fs%s",
                  plan.shape, "ahead of time" if ahead else "on demand",
                  ", from its export" if exported else "",
-                 ", from the persistent cache" if from_cache else "", t1 - t0, t2 - t1,
+                 ", from the persistent cache" if from_cache else
+                 ", in the compile process" if in_child else "", t1 - t0, t2 - t1,
                  "; its world had ended, only its persistent-cache entry is kept" if left
                  else "")
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
@@ -770,17 +785,41 @@ class StepCompiler:
         running (what it reads of this world is read before)."""
         distributed = _distributed()
         if not ahead:
-            return _compile_lowered(lowered, distributed)
+            with compile_process.paused():  # (on a recovery's path: the cores are its own)
+                return _compile_lowered(lowered, distributed)
         with self._lock:
             self._in_xla = (key, shape)
         try:
-            return _compile_lowered(lowered, distributed)
+            child = self._child(distributed)
+            if child is None:
+                return _compile_lowered(lowered, distributed)
+            before = child.done_on_this_thread()
+            with jax_private.compiles_elsewhere(child.compile):
+                compiled = _compile_lowered(lowered, distributed)
+            if child.done_on_this_thread() > before:
+                with self._lock:
+                    self.compiled_in_child += 1
+            return compiled
         finally:
             with self._lock:
                 self._in_xla = None
                 left = self.left_running == key
             if left:
                 self._left.done(key)
+
+    def uses_child(self) -> bool:
+        """Whether this step's compiles ahead run in the compile process."""
+        return self._child(_distributed()) is not None
+
+    def _child(self, distributed: bool) -> compile_process.CompileProcess | None:
+        """The compile process that compiles ahead of time for this step, if any: one
+        process on CPU devices only (`compile_process`)."""
+        if not self._in_child or distributed:
+            return None
+        devices = jax.devices()
+        if not all(d.platform == "cpu" for d in devices):
+            return None
+        return compile_process.shared(len(devices))
 
     def _check_state_types(self, lowered) -> None:
         """The step must return each state leaf with the shape and dtype it was given: the

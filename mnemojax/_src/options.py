@@ -357,6 +357,15 @@ class CompileOptions:
             recovery latency; while it runs the candidate's devices hold a zero state,
             its outputs and temporaries beside the live state. A step with host
             callbacks is never warmed (they would see the zeros).
+        compile_process: run the XLA part of each compile ahead of time in a child
+            process at the lowest priority (nice 19), paused (SIGSTOP) while a recovery
+            compiles on its path and killed at exit (`compile_process`): the steps beside
+            a compile ahead keep more of the cores, and a fault soon after a recovery does
+            not share them with a compile it does not need. CPU devices in one process
+            only (under ``jax.distributed``, or on accelerators, the background thread
+            compiles as before); the child costs ~0.2-0.4 GB of host memory and ~2 s of
+            CPU to start, at the first compile ahead. Whatever fails there is compiled
+            on the thread instead.
     """
 
     precompile: bool = True
@@ -369,6 +378,7 @@ class CompileOptions:
     ahead_losses: int = 1
     ahead_layouts: int = 1
     warm_fallbacks: bool = False
+    compile_process: bool = True
 
     def __post_init__(self):
         _check_types(self)

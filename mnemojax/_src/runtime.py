@@ -144,7 +144,8 @@ class RuntimeBuilder:
                 axis_types=self.axis_types, exports=self.exports,
                 switch_interval_s=opts.compile.background_switch_interval_s,
                 leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
-                traced_as=self._traced_as, pack=self._packs_on)
+                traced_as=self._traced_as, pack=self._packs_on,
+                in_child=opts.compile.compile_process)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,

@@ -1,7 +1,7 @@
 """Micro-benchmarks behind design decisions in WORKSPACE_NOTES.md, side by side in one run.
 
     python -m mnemojax._src.bench.micro            # all sections
-    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-8)
+    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-9)
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
@@ -43,9 +43,16 @@
    background; no persistent cache (in a process of its own: an earlier section's step
    turns it on for its process). The second recovery's compile phase and total against
    one cold compile of the same mesh's step alone (caches cleared, nothing in the
-   background).
+   background); with the compiles ahead in the compile process (the default: paused
+   while the recovery compiles) and on a thread (``compile_process=False``).
 
-Sections 1-5, 7 and 8: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
+9. Steps beside the compiles ahead (issue 13: after the first step, and after each
+   recovery, the candidate meshes compile in the background and the steps share the
+   cores with them): each step's time while compiles ahead are pending, and after, with
+   them in the compile process (the default, nice 19) and on a thread
+   (``compile_process=False``); no persistent cache; in a process of its own.
+
+Sections 1-5 and 7-9: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
 
 from __future__ import annotations
@@ -191,18 +198,18 @@ def _recovery_call(cfg, mesh, batches) -> list[str]:
     return lines
 
 
-def _loss_after_recovery_in_child() -> list[str]:
-    """Section 8 in a fresh process: an earlier section's resilient step turns JAX's
-    persistent compilation cache on for its process, and section 8's cold compile would
-    then load its entry (a run of sections 3 and 8 measured a 0.36 s "cold" compile,
-    1.9 s in a process of its own)."""
+def _section_in_child(section: int) -> list[str]:
+    """Sections 8 and 9 in a fresh process each: an earlier section's resilient step turns
+    JAX's persistent compilation cache on for its process, and their compiles would then
+    load its entries (a run of sections 3 and 8 measured a 0.36 s "cold" compile, 1.9 s
+    in a process of its own)."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "mnemojax._src.bench.micro", "8",
-                          "--loss-after-recovery-child"], capture_output=True, text=True,
-                         check=True, timeout=900).stdout
+    out = subprocess.run([sys.executable, "-m", "mnemojax._src.bench.micro", str(section),
+                          "--section-child"], capture_output=True, text=True,
+                         check=True, timeout=1800).stdout
     return json.loads(out.strip().splitlines()[-1])["lines"]
 
 
@@ -214,33 +221,84 @@ def _loss_after_recovery(cfg, mesh, batches) -> list[str]:
     from mnemojax.models.tasks import build_gpt, lm_train_step
     from mnemojax.testing import FaultInjector
 
-    m, o = build_gpt(cfg)
-    faults = FaultInjector().lose_devices(8, [3]).lose_devices(9, [5])
-    step = mnemojax.resilient(
-        lm_train_step, mesh=mesh, fault_injector=faults,
-        options=mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(cache_dir=None)))
-    for i, batch in enumerate(batches[:11]):
-        step(m, o, batch)
-        if i == 0:
-            step.wait_precompiled()
-    first, second = step.statistics.recoveries
-    runtime = step._require_built().runtime
-    compiler, plan = runtime.compiler, runtime.proxy.plan
-    step.wait_precompiled()
-    jax.clear_caches()
-    t = time.perf_counter()
-    compiler._compile(plan, batch_struct(step._batches.last, plan.examples_per_step),
-                      ahead=False)
-    cold = time.perf_counter() - t
-    step.close()
-    return [
-        "8. a second device loss right after a recovery (no persistent cache)",
-        f"   first recovery (step 8)    total {first.total_s:6.2f} s, compile "
-        f"{first.phases_s.get('compile', 0.0):.2f} s, executable {first.executable}",
-        f"   second recovery (step 9)   total {second.total_s:6.2f} s, compile "
-        f"{second.phases_s.get('compile', 0.0):.2f} s, executable {second.executable}",
-        f"   one cold compile of mesh {dict(plan.shape)} alone: {cold:.2f} s; second "
-        f"recovery / cold compile = x{second.total_s / cold:.2f}"]
+    lines = ["8. a second device loss right after a recovery (no persistent cache)"]
+    for in_child in (True, False):
+        jax.clear_caches()
+        m, o = build_gpt(cfg)
+        faults = FaultInjector().lose_devices(8, [3]).lose_devices(9, [5])
+        step = mnemojax.resilient(
+            lm_train_step, mesh=mesh, fault_injector=faults,
+            options=mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
+                cache_dir=None, compile_process=in_child)))
+        for i, batch in enumerate(batches[:11]):
+            step(m, o, batch)
+            if i == 0:
+                step.wait_precompiled()
+        first, second = step.statistics.recoveries
+        runtime = step._require_built().runtime
+        compiler, plan = runtime.compiler, runtime.proxy.plan
+        step.wait_precompiled()
+        jax.clear_caches()
+        t = time.perf_counter()
+        compiler._compile(plan, batch_struct(step._batches.last, plan.examples_per_step),
+                          ahead=False)
+        cold = time.perf_counter() - t
+        in_child_n = compiler.compiled_in_child
+        step.close()
+        lines += [
+            f"   compile_process={in_child} ({in_child_n} compiles ahead ran in the child)",
+            f"   first recovery (step 8)    total {first.total_s:6.2f} s, compile "
+            f"{first.phases_s.get('compile', 0.0):.2f} s, executable {first.executable}",
+            f"   second recovery (step 9)   total {second.total_s:6.2f} s, compile "
+            f"{second.phases_s.get('compile', 0.0):.2f} s, executable {second.executable}",
+            f"   one cold compile of mesh {dict(plan.shape)} alone: {cold:.2f} s; second "
+            f"recovery / cold compile = x{second.total_s / cold:.2f}"]
+    return lines
+
+
+def _steps_beside_compiles(cfg, mesh, batches, *, rounds: int = 2) -> list[str]:
+    import jax
+
+    import mnemojax
+    from mnemojax.models.tasks import build_gpt, lm_train_step
+
+    runs: dict[bool, list[tuple[float, int, float, float, int]]] = {True: [], False: []}
+    for r in range(rounds):
+        for in_child in (True, False) if r % 2 == 0 else (False, True):
+            jax.clear_caches()
+            m, o = build_gpt(cfg)
+            step = mnemojax.resilient(
+                lm_train_step, mesh=mesh, options=mnemojax.ResilienceOptions(
+                    compile=mnemojax.CompileOptions(cache_dir=None, compile_process=in_child)))
+            step(m, o, batches[0])
+            compiler = step._require_built().runtime.compiler
+            during, i, t0 = [], 1, time.perf_counter()
+            while compiler.pending() and i < 1000:
+                t = time.perf_counter()
+                jax.block_until_ready(step(m, o, batches[i % len(batches)]))
+                during.append(time.perf_counter() - t)
+                i += 1
+            ready = time.perf_counter() - t0
+            steady = []
+            for j in range(20):
+                t = time.perf_counter()
+                jax.block_until_ready(step(m, o, batches[(i + j) % len(batches)]))
+                steady.append(time.perf_counter() - t)
+            runs[in_child].append((statistics.median(during), len(during), ready,
+                                   statistics.median(steady), compiler.compiled_in_child))
+            step.close()
+    lines = [f"9. steps beside the compiles ahead after the first step (no persistent cache; "
+             f"{rounds} rounds, alternating; medians)"]
+    for in_child in (True, False):
+        rs = runs[in_child]
+        during = statistics.median(r[0] for r in rs)
+        steady = statistics.median(r[3] for r in rs)
+        lines += [
+            f"   compile_process={in_child!s:<5}  step during {1e3 * during:7.1f} ms, after "
+            f"{1e3 * steady:7.1f} ms (x{during / steady:.2f}); compiles ahead done in "
+            f"{statistics.median(r[2] for r in rs):5.1f} s over "
+            f"{statistics.median(r[1] for r in rs):.0f} steps ({rs[0][4]} in the child)"]
+    return lines
 
 
 def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> list[str]:
@@ -566,7 +624,7 @@ def _first_export_lowering(*, rounds: int = 3) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7, 8],
+    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7, 8, 9],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
                         help="sections 4 and 6: rounds of alternating blocks (default 15)")
@@ -574,10 +632,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="sections 4 and 6: steps per block (default 10)")
     parser.add_argument("--first-lowering-child", choices=["cold", "warm"],
                         help=argparse.SUPPRESS)  # section 7's fresh processes
-    parser.add_argument("--loss-after-recovery-child", action="store_true",
-                        help=argparse.SUPPRESS)  # section 8's fresh process
+    parser.add_argument("--section-child", action="store_true",
+                        help=argparse.SUPPRESS)  # sections 8 and 9's fresh processes
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4, 5, 6, 7, 8]
+    sections = args.sections or [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
     import jax
 
@@ -597,11 +655,12 @@ def main(argv: list[str] | None = None) -> None:
            5: lambda: _lowering(cfg, mesh, batches),
            6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps),
            7: lambda: _first_export_lowering(),
-           8: _loss_after_recovery_in_child}
-    if args.loss_after_recovery_child:
+           8: lambda: _section_in_child(8), 9: lambda: _section_in_child(9)}
+    if args.section_child:
         import json
 
-        print(json.dumps({"lines": _loss_after_recovery(cfg, mesh, batches)}), flush=True)
+        own = {8: _loss_after_recovery, 9: _steps_beside_compiles}[sections[0]]
+        print(json.dumps({"lines": own(cfg, mesh, batches)}), flush=True)
         return
     if args.first_lowering_child is not None:
         import json

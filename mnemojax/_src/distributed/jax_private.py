@@ -11,8 +11,10 @@ that changes these shapes fails loudly instead of misbehaving at the first failu
 here: the persistent-cache writer of every process (`cache_entries_from_this_process`, with
 cache keys made the same in every process and entries written atomically, and
 `counting_cache_writes`), a hook on JAX's cache read that can wait for another process's
-entry before compiling (`before_compiling_a_miss`, for `coordination.OneCompile`) and an
-export's private VJP field (`export_without_vjp`, for `compiler.ExportedSteps`).
+entry before compiling (`before_compiling_a_miss`, for `coordination.OneCompile`), a hook
+on JAX's backend compile that lets another process compile a module (`compiles_elsewhere`,
+for `compile_process`) and an export's private VJP field (`export_without_vjp`, for
+`compiler.ExportedSteps`).
 
 Nothing happens on import: JAX itself is imported inside the functions.
 """
@@ -60,6 +62,9 @@ PRIVATE_API = (
     ("jax._src.lru_cache", "LRUCache.put", ("self", "key", "value")),
     ("jax._src.lru_cache", "_CACHE_SUFFIX", ()),
     ("jax._src.lru_cache", "_is_local_filesystem", ("path",)),
+    ("jax._src.compiler", "backend_compile_and_load",
+     ("backend", "module", "executable_devices", "options", "host_callbacks")),
+    ("jax._src.interpreters.mlir", "module_to_bytecode", ("module",)),
 )
 EXPORTED_VJP_FIELD = "_get_vjp"  # `export_without_vjp`
 CLIENT_METHODS = ("connect", "shutdown", "get_live_nodes", "wait_at_barrier")
@@ -365,6 +370,42 @@ def _install_miss_hook() -> None:
 
     cache_read.mnemojax_wrapped = True  # type: ignore[attr-defined]
     compiler._cache_read = cache_read
+
+
+_elsewhere = threading.local()  # `compiles_elsewhere`
+
+
+@contextlib.contextmanager
+def compiles_elsewhere(compile: Callable[[Any, bytes, Any, Any], Any]) -> Iterator[None]:
+    """In this block (this thread), JAX's XLA compile of a module without host callbacks
+    on CPU devices calls ``compile(backend, module bytecode, executable devices, compile
+    options)`` first, which returns the loaded executable or None (JAX compiles it then).
+    Only the backend compile is replaced: the cache key, the persistent-cache read and
+    write, and the executable's wrapping stay JAX's (`compile_process`)."""
+    _install_compile_hook()
+    with _set_in_this_thread(_elsewhere, "compile", compile):
+        yield
+
+
+def _install_compile_hook() -> None:
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    original = compiler.backend_compile_and_load
+    if getattr(original, "mnemojax_wrapped", False):
+        return
+
+    def backend_compile_and_load(backend, module, executable_devices, options,
+                                 host_callbacks):
+        compile = getattr(_elsewhere, "compile", None)
+        if compile is not None and not host_callbacks and backend.platform == "cpu":
+            executable = compile(backend, mlir.module_to_bytecode(module), executable_devices,
+                                 options)
+            if executable is not None:
+                return executable
+        return original(backend, module, executable_devices, options, host_callbacks)
+
+    backend_compile_and_load.mnemojax_wrapped = True  # type: ignore[attr-defined]
+    compiler.backend_compile_and_load = backend_compile_and_load
 
 
 def has_host_callbacks(lowered: Any) -> bool | None:

@@ -1,0 +1,244 @@
+"""XLA compiles ahead of time in a process of their own, at the lowest priority: paused
+while a recovery compiles, killed at exit.
+
+XLA:CPU compiles on a pool of threads of its own, so lowering the priority of the thread
+that asks for a compile changes nothing (WORKSPACE_NOTES, sessions 11 and 20), and a
+compile cannot be cancelled. A compile ahead of time (`compiler.StepCompiler.precompile`)
+therefore shared the cores at full priority with the training steps, and with a
+recovery's own compile when a second fault came before it ended (issue 13 item 5: x1.78
+of one cold compile, ``python -m mnemojax._src.bench.micro 8``).
+
+Here only its XLA part moves: the compile thread traces and lowers as before, then JAX's
+backend compile (`jax_private.compiles_elsewhere`) sends the module's bytecode, its
+serialized compile options and the device ids to a child process (`compile_worker`, nice
+19), which compiles and answers with the serialized executable; the thread loads it (as
+JAX loads a persistent-cache entry) and JAX caches it as usual. A compile on a recovery's
+path stops the child (SIGSTOP) until it is done (`paused`), so it has the cores alone;
+the compile ahead then resumes where it was. At the interpreter's exit the child is
+killed (`abandon`): the exit no longer waits for a compile in flight.
+
+Scope: CPU devices in one process (under ``jax.distributed`` the thread compiles, as
+before), modules without host callbacks. Whatever fails in the child (its start, a
+crash, a compile error, a load) makes the thread compile that module itself, so a compile
+error is raised by JAX as without the child; a child that ended is not started again
+(logged once). The child costs ~0.2-0.4 GB of host memory and ~2 s of CPU to start (at
+the first compile ahead). Off: ``CompileOptions(compile_process=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from mnemojax._src import compile_worker
+
+log = logging.getLogger("mnemojax")
+
+_LOADER = ("import importlib.util, sys; "
+           "spec = importlib.util.spec_from_file_location('mnemojax_compile_worker', sys.argv[1]); "
+           "worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker); "
+           "worker.serve(int(sys.argv[2]), int(sys.argv[3]))")
+
+
+class CompileAbandoned(Exception):
+    """The compile process was killed (`abandon`, at exit) while it compiled this module:
+    nothing is compiled."""
+
+
+class CompileProcess:
+    """One child process compiling for this process's CPU devices, one module at a time."""
+
+    def __init__(self, num_devices: int):
+        self.num_devices = num_devices
+        self._owner = os.getpid()  # a forked copy of this object never talks to the child
+        self._request_lock = threading.Lock()  # one request on the pipes at a time
+        self._lock = threading.Lock()  # the fields below
+        self._proc: subprocess.Popen | None = None
+        self._pauses = 0
+        self._abandoned = False
+        self.ended: str | None = None  # why the child is gone for good
+        self.compiled = 0  # modules compiled there and loaded here
+        self._local = threading.local()
+
+    @property
+    def pid(self) -> int | None:
+        with self._lock:
+            return self._proc.pid if self._proc is not None else None
+
+    def done_on_this_thread(self) -> int:
+        """How many modules this thread had compiled in the child (a running count)."""
+        return getattr(self._local, "done", 0)
+
+    def compile(self, backend: Any, code: bytes, executable_devices: Any, options: Any) -> Any:
+        """The loaded executable of module `code`, compiled in the child; None where it was
+        not (the caller compiles it). `jax_private.compiles_elsewhere`'s callback.
+
+        Raises:
+            CompileAbandoned: the child was killed at exit during this compile.
+        """
+        ids = [d.id for d in executable_devices]
+        if self._abandoned:  # (at exit: nothing more is compiled, here or there)
+            raise CompileAbandoned("the compile process was killed at exit")
+        if (os.getpid() != self._owner or self.ended is not None
+                or len(backend.devices()) != self.num_devices):
+            return None
+        request = pickle.dumps((code, options.SerializeAsString(), ids),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        with self._request_lock:
+            answer = self._ask(request)
+        if answer is None:
+            return None
+        if answer[0] != "ok":
+            log.warning("mnemojax: the compile process failed to compile a step (%s); "
+                        "compiling it in this process", answer[1])
+            return None
+        try:
+            executable = backend.deserialize_executable(answer[1], executable_devices, options)
+        except Exception as e:  # noqa: BLE001 - compiled here instead
+            log.warning("mnemojax: loading what the compile process compiled failed (%s: %s); "
+                        "compiling it in this process", type(e).__name__, e)
+            return None
+        with self._lock:
+            self.compiled += 1
+        self._local.done = self.done_on_this_thread() + 1
+        return executable
+
+    def _ask(self, request: bytes) -> tuple | None:
+        proc = self._started()
+        if proc is None:
+            return None
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(compile_worker.HEADER.pack(len(request)) + request)
+            proc.stdin.flush()
+            body = compile_worker._read(proc.stdout)
+        except (OSError, ValueError):
+            body = None
+        if body is not None:
+            return pickle.loads(body)
+        with self._lock:
+            abandoned = self._abandoned
+        if abandoned:
+            raise CompileAbandoned("the compile process was killed at exit")
+        self._end(f"it ended during a compile (exit status {proc.poll()})")
+        return None
+
+    def _started(self) -> subprocess.Popen | None:
+        with self._lock:
+            if self.ended is not None or self._abandoned:
+                return None
+            if self._proc is not None:
+                return self._proc
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", _LOADER, compile_worker.__file__,
+                     str(self.num_devices), str(os.getpid())],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+            except OSError as e:
+                self.ended = f"it could not start ({e})"
+                log.warning("mnemojax: compiles ahead of time run in this process: the "
+                            "compile process %s", self.ended)
+                return None
+            if self._pauses:
+                self._signal(signal.SIGSTOP)
+            log.info("mnemojax: compiles ahead of time run in process %d (nice 19)",
+                     self._proc.pid)
+            return self._proc
+
+    def _end(self, why: str) -> None:
+        with self._lock:
+            if self.ended is not None:
+                return
+            self.ended = why
+            proc, self._proc = self._proc, None
+        log.warning("mnemojax: the compile process is gone (%s); compiles ahead of time "
+                    "run in this process from now on", why)
+        if proc is not None:
+            _kill(proc)
+
+    def _signal(self, sig: int) -> None:  # (with self._lock held)
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._proc.pid, sig)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The child stopped (SIGSTOP) in this block, where the cores are needed: a compile
+        on a recovery's path. Blocks nest across threads; the last one out resumes it."""
+        with self._lock:
+            self._pauses += 1
+            if self._pauses == 1:
+                self._signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pauses -= 1
+                if self._pauses == 0:
+                    self._signal(signal.SIGCONT)
+
+    def abandon(self) -> None:
+        """Kills the child (a compile in flight raises `CompileAbandoned` on its thread);
+        nothing is started again."""
+        with self._lock:
+            self._abandoned = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+_shared: CompileProcess | None = None
+_shared_lock = threading.Lock()
+
+
+def shared(num_devices: int) -> CompileProcess:
+    """This process's compile process for `num_devices` CPU devices (started at its first
+    compile)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared._owner != os.getpid():
+            _shared = CompileProcess(num_devices)
+        return _shared
+
+
+def current() -> CompileProcess | None:
+    with _shared_lock:
+        return _shared if _shared is not None and _shared._owner == os.getpid() else None
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """This process's compile process paused in this block (`CompileProcess.paused`);
+    nothing where there is none."""
+    process = current()
+    if process is None:
+        yield
+        return
+    with process.paused():
+        yield
+
+
+def abandon() -> None:
+    """Kills this process's compile process, if any (at the interpreter's exit)."""
+    process = current()
+    if process is not None:
+        process.abandon()

@@ -1,0 +1,237 @@
+"""Compiles ahead of time in a child process (mnemojax._src.compile_process): the same
+executable as a compile in this process, the child at the lowest priority, stopped while
+a compile on a recovery's path runs, killed at exit; whatever fails there is compiled on
+the thread instead.
+
+Each test uses a compile process of its own (`fresh`), ended by the test.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from mnemojax._src import compile_process, compiler
+from tests import compiler_test as ct
+
+pytestmark = pytest.mark.needs8
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A compile process of this test's own as the process-wide one, killed after it."""
+    process = compile_process.CompileProcess(len(jax.devices()))
+    monkeypatch.setattr(compile_process, "_shared", process)
+    yield process
+    process.abandon()
+    assert process.pid is None
+
+
+def _proc_stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # fields from the state on
+
+
+def _state(pid: int) -> str:
+    return _proc_stat(pid)[0]
+
+
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped, within a second (a signal is delivered asynchronously)."""
+    deadline = time.monotonic() + 1.0
+    while _state(pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _state(pid) == "T"
+
+
+def _ends(pid: int) -> bool:
+    """Whether `pid` ends within 10 s; killed if not (no process outlives its test)."""
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        os.kill(pid, signal.SIGKILL)
+        return False
+    return True
+
+
+def _nice(pid: int) -> int:
+    return int(_proc_stat(pid)[16])  # field 19 of proc(5)
+
+
+def _outputs(compiler_, plan):
+    exe, _ = compiler_.get(plan, ct.BATCH)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    x = rng.standard_normal((12, 8)).astype(np.float32)
+    new, metrics, flags = ct._run(exe, w, b, x)
+    return [np.asarray(a) for a in (*new, metrics["loss"], flags)]
+
+
+def test_a_compile_ahead_runs_in_the_child_at_nice_19_and_computes_as_one_compiled_here(fresh):
+    plan = ct._plan((3, 2))
+    ahead = ct._compiler(in_child=True)
+    here = ct._compiler()
+    try:
+        ahead.precompile([plan], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120)
+        assert ahead.compiled_in_child == 1 and fresh.compiled == 1
+        assert fresh.pid is not None and _nice(fresh.pid) == 19
+        got, want = _outputs(ahead, plan), _outputs(here, plan)
+        assert here.compiled_in_child == 0
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        ahead.close()
+        here.close()
+
+
+def test_a_compile_on_a_recoverys_path_stops_the_child_until_it_is_done(fresh, monkeypatch):
+    ahead = ct._compiler(in_child=True)
+    try:
+        ahead.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and fresh.pid is not None
+        pid = fresh.pid
+        seen = []
+        original = compiler._compile_lowered
+
+        def compile_lowered(lowered, distributed):
+            seen.append(_stopped(pid))
+            return original(lowered, distributed)
+
+        monkeypatch.setattr(compiler, "_compile_lowered", compile_lowered)
+        _, where = ahead.get(ct._plan((2, 2)), ct.BATCH)  # not compiled ahead: on the path
+        assert where == "compiled" and seen == [True]
+        assert not _stopped(pid)  # resumed
+        with fresh.paused(), fresh.paused():  # nested (two threads' recoveries, say)
+            assert _stopped(pid)
+        assert not _stopped(pid)
+    finally:
+        ahead.close()
+
+
+def test_a_module_the_child_cannot_compile_is_left_to_this_process(fresh, caplog):
+    ahead = ct._compiler(in_child=True)
+    try:
+        ahead.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120)
+        backend = jax.devices()[0].client
+        devices = jax.devices()[:2]
+        from jax._src.lib import xla_client  # (private: the hook's own arguments)
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            got = fresh.compile(backend, b"not a module", xla_client.DeviceList(tuple(devices)),
+                                xla_client.CompileOptions())
+        assert got is None and "failed to compile" in caplog.text
+        assert fresh.ended is None  # the child lives on and compiles the next one
+        ahead.precompile([ct._plan((2, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 2
+    finally:
+        ahead.close()
+
+
+def test_a_child_that_dies_leaves_the_compiles_ahead_to_the_thread(fresh, caplog):
+    plan = ct._plan((3, 2))
+    ahead = ct._compiler(in_child=True)
+    here = ct._compiler()
+    try:
+        ahead.precompile([ct._plan((4, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 1
+        pid = fresh.pid
+        assert pid is not None
+        with fresh.paused():  # the next request waits in the pipe while it is killed
+            ahead.precompile([plan], ct.BATCH)
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)
+            with caplog.at_level(logging.WARNING, logger="mnemojax"):
+                assert ahead.wait_precompiled(timeout_s=120)
+        assert ahead.compiled_in_child == 1 and ahead.compiled_ahead == 2
+        assert fresh.ended is not None and "compile process is gone" in caplog.text
+        for a, b in zip(_outputs(ahead, plan), _outputs(here, plan), strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        ahead.close()
+        here.close()
+
+
+def test_abandon_ends_the_compile_in_flight_at_once(fresh):
+    ahead = ct._compiler(in_child=True)
+    try:
+        ahead.precompile([ct._plan((4, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120)
+        errors = []
+        with fresh.paused():
+            future = ahead.precompile([ct._plan((3, 2))], ct.BATCH)[0]
+            time.sleep(1.0)
+            assert not future.done()  # waiting for the stopped child
+            t0 = time.perf_counter()
+            fresh.abandon()
+        try:
+            future.result(timeout=30)
+        except compile_process.CompileAbandoned as e:
+            errors.append(e)
+        assert errors and time.perf_counter() - t0 < 10
+        assert ahead.compiled_in_child == 1
+    finally:
+        ahead.close()
+
+
+_EXIT_SCRIPT = """
+import logging, os, signal, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+from mnemojax._src import compile_process
+from tests import compiler_test as t
+
+compiler = t._compiler(in_child=True)
+compiler.precompile([t._plan((4, 2))], t.BATCH)
+assert compiler.wait_precompiled(timeout_s=120) and compiler.compiled_in_child == 1
+child = compile_process.current()
+os.kill(child.pid, signal.SIGSTOP)  # the next compile stays in flight until the exit
+compiler.precompile([t._plan((3, 2)), t._plan((2, 2))], t.BATCH)
+time.sleep(1.0)
+print("CHILD", child.pid, flush=True)
+print("EXITING", flush=True)
+"""
+
+
+def test_the_exit_kills_the_child_without_waiting_for_its_compile():
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EXITING" in out.stdout, out.stdout[-2000:]
+    pid = int(out.stdout.split("CHILD ")[1].split()[0])
+    assert _ends(pid)
+    assert "waiting for the compile ahead of time in flight" not in out.stdout
+    assert out.stdout.count("compiled step for mesh") == 1  # the one before the pause
+
+
+def test_the_child_dies_with_its_parent():
+    """SIGKILL of the parent (no exit hook runs) ends the child too (PR_SET_PDEATHSIG)."""
+    script = _EXIT_SCRIPT.replace('print("EXITING", flush=True)',
+                                  'import os, signal; os.kill(os.getpid(), signal.SIGKILL)')
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    pid = int(out.stdout.split("CHILD ")[1].split()[0])
+    assert _ends(pid)
+
+
+def test_the_options_switch_the_child_off(fresh):
+    import mnemojax
+
+    assert mnemojax.CompileOptions().compile_process is True
+    ahead = ct._compiler(in_child=False)
+    try:
+        ahead.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120)
+        assert ahead.compiled_in_child == 0 and fresh.pid is None  # never started
+    finally:
+        ahead.close()
