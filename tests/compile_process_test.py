@@ -235,3 +235,22 @@ def test_the_options_switch_the_child_off(fresh):
         assert ahead.compiled_in_child == 0 and fresh.pid is None  # never started
     finally:
         ahead.close()
+
+
+def test_under_jax_distributed_the_child_compiles_for_every_processs_devices(tmp_path):
+    """Two processes x 2 CPU devices (`tests.jobs.compile_process_job`): each one's compile
+    ahead of a (2, 2) mesh over both processes' devices runs in its child (4 devices of
+    its own, the global ids mapped onto them), and computes as its compile in the
+    process: the same new state and the same cross-process mean."""
+    import json
+
+    from tests import helpers
+
+    helpers.run_two_processes("tests.jobs.compile_process_job", str(tmp_path),
+                              timeout_s=240)
+    for i in range(2):
+        got = json.loads((tmp_path / f"p{i}.json").read_text())
+        assert got["devices"] == [0, 1, 2048, 2049]  # (not the child's 0..3)
+        assert got["in_child"] == 1 and got["child_devices"] == 4
+        assert got["where"] == ["ready", "compiled"] and got["equal"]
+        assert abs(got["loss"] - got["want_loss"]) < 1e-5 * max(1.0, abs(got["want_loss"]))

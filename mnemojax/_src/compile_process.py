@@ -17,8 +17,11 @@ path stops the child (SIGSTOP) until it is done (`paused`), so it has the cores 
 the compile ahead then resumes where it was. At the interpreter's exit the child is
 killed (`abandon`): the exit no longer waits for a compile in flight.
 
-Scope: CPU devices in one process (under ``jax.distributed`` the thread compiles, as
-before), modules without host callbacks. Whatever fails in the child (its start, a
+Scope: CPU devices, in one process or under ``jax.distributed`` (the child, never
+distributed itself, has as many CPU devices as the world, the backend's devices in id
+order mapped onto its own: an XLA:CPU executable does not depend on which process
+compiled it, WORKSPACE_NOTES "One cache key for every process"), modules without host
+callbacks. Whatever fails in the child (its start, a
 crash, a compile error, a load) makes the thread compile that module itself, so a compile
 error is raised by JAX as without the child; a child that ended is not started again
 (logged once). The child costs ~0.2-0.4 GB of host memory and ~2 s of CPU to start (at
@@ -38,6 +41,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from mnemojax._src import compile_worker
 
 log = logging.getLogger("mnemojax")
@@ -54,7 +59,8 @@ class CompileAbandoned(Exception):
 
 
 class CompileProcess:
-    """One child process compiling for this process's CPU devices, one module at a time."""
+    """One child process compiling for this process's CPU devices (and, under
+    ``jax.distributed``, its peers'), one module at a time."""
 
     def __init__(self, num_devices: int):
         self.num_devices = num_devices
@@ -84,13 +90,15 @@ class CompileProcess:
         Raises:
             CompileAbandoned: the child was killed at exit during this compile.
         """
-        ids = [d.id for d in executable_devices]
         if self._abandoned:  # (at exit: nothing more is compiled, here or there)
             raise CompileAbandoned("the compile process was killed at exit")
-        if (os.getpid() != self._owner or self.ended is not None
-                or len(backend.devices()) != self.num_devices):
+        if os.getpid() != self._owner or self.ended is not None:
             return None
-        request = pickle.dumps((code, options.SerializeAsString(), ids),
+        placed = _in_child_ids(backend, executable_devices, options, self.num_devices)
+        if placed is None:
+            return None
+        ids, child_options = placed
+        request = pickle.dumps((code, child_options.SerializeAsString(), ids),
                                protocol=pickle.HIGHEST_PROTOCOL)
         with self._request_lock:
             answer = self._ask(request)
@@ -193,6 +201,33 @@ class CompileProcess:
             proc, self._proc = self._proc, None
         if proc is not None:
             _kill(proc)
+
+
+def _in_child_ids(backend: Any, executable_devices: Any, options: Any, child_devices: int
+                  ) -> tuple[list[int], Any] | None:
+    """The device ids of a compile in the child, and its compile options with them: the
+    backend's devices in id order are the child's 0, 1, ... (under ``jax.distributed``
+    CPU ids are not 0..n-1: 2048 * process + local). None where the child has too few
+    devices, or where the options' device assignment is not one computation over
+    ``executable_devices`` in their order (what ``jax.jit`` compiles; anything else is
+    compiled in this process)."""
+    from jax._src.lib import xla_client  # pyright: ignore[reportPrivateImportUsage]
+
+    order = {d: i for i, d in enumerate(sorted(d.id for d in backend.devices()))}
+    ids = [d.id for d in executable_devices]
+    if len(order) > child_devices or options.num_replicas != 1 or len(set(ids)) != len(ids):
+        return None
+    try:
+        assignment = xla_client.DeviceAssignment.create(np.array([ids]))
+        if assignment.serialize() != options.device_assignment.serialize():
+            return None
+        child_options = xla_client.CompileOptions.ParseFromString(options.SerializeAsString())
+        mapped = [order[i] for i in ids]
+        child_options.device_assignment = xla_client.DeviceAssignment.create(np.array([mapped]))
+    except Exception as e:  # noqa: BLE001 - compiled in this process
+        log.debug("mnemojax: a compile kept in this process (%s: %s)", type(e).__name__, e)
+        return None
+    return mapped, child_options
 
 
 def _kill(proc: subprocess.Popen) -> None:

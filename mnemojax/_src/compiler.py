@@ -790,7 +790,7 @@ class StepCompiler:
         with self._lock:
             self._in_xla = (key, shape)
         try:
-            child = self._child(distributed)
+            child = self._child()
             if child is None:
                 return _compile_lowered(lowered, distributed)
             before = child.done_on_this_thread()
@@ -808,13 +808,14 @@ class StepCompiler:
                 self._left.done(key)
 
     def uses_child(self) -> bool:
-        """Whether this step's compiles ahead run in the compile process."""
-        return self._child(_distributed()) is not None
+        """Whether this step's compiles ahead run in the compile process (one started)."""
+        return self._in_child and compile_process.current() is not None
 
-    def _child(self, distributed: bool) -> compile_process.CompileProcess | None:
-        """The compile process that compiles ahead of time for this step, if any: one
-        process on CPU devices only (`compile_process`)."""
-        if not self._in_child or distributed:
+    def _child(self) -> compile_process.CompileProcess | None:
+        """The compile process that compiles ahead of time for this step, if any: CPU
+        devices only (`compile_process`; a later world with fewer devices uses the
+        first one's)."""
+        if not self._in_child:
             return None
         devices = jax.devices()
         if not all(d.platform == "cpu" for d in devices):

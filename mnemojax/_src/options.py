@@ -361,9 +361,9 @@ class CompileOptions:
             process at the lowest priority (nice 19), paused (SIGSTOP) while a recovery
             compiles on its path and killed at exit (`compile_process`): the steps beside
             a compile ahead keep more of the cores, and a fault soon after a recovery does
-            not share them with a compile it does not need. CPU devices in one process
-            only (under ``jax.distributed``, or on accelerators, the background thread
-            compiles as before); the child costs ~0.2-0.4 GB of host memory and ~2 s of
+            not share them with a compile it does not need. CPU devices only, in one process or
+            under ``jax.distributed`` (on accelerators the background thread compiles as
+            before); the child costs ~0.2-0.4 GB of host memory and ~2 s of
             CPU to start, at the first compile ahead. Whatever fails there is compiled
             on the thread instead.
     """
