@@ -125,9 +125,12 @@ def test_a_module_the_child_cannot_compile_is_left_to_this_process(fresh, caplog
         backend = jax.devices()[0].client
         devices = jax.devices()[:2]
         from jax._src.lib import xla_client  # (private: the hook's own arguments)
+        options = xla_client.CompileOptions()
+        options.num_partitions = 2
+        options.device_assignment = xla_client.DeviceAssignment.create(np.array([[0, 1]]))
         with caplog.at_level(logging.WARNING, logger="mnemojax"):
             got = fresh.compile(backend, b"not a module", xla_client.DeviceList(tuple(devices)),
-                                xla_client.CompileOptions())
+                                options)
         assert got is None and "failed to compile" in caplog.text
         assert fresh.ended is None  # the child lives on and compiles the next one
         ahead.precompile([ct._plan((2, 2))], ct.BATCH)
@@ -254,3 +257,105 @@ def test_under_jax_distributed_the_child_compiles_for_every_processs_devices(tmp
         assert got["in_child"] == 1 and got["child_devices"] == 4
         assert got["where"] == ["ready", "compiled"] and got["equal"]
         assert abs(got["loss"] - got["want_loss"]) < 1e-5 * max(1.0, abs(got["want_loss"]))
+
+
+def test_a_second_step_compiles_in_the_child_after_the_first_one_closed(fresh):
+    """The child outlives the compile thread that started it (PR_SET_PDEATHSIG fires when
+    the starting thread ends: it is started from a thread as long-lived as the process)."""
+    first = ct._compiler(in_child=True)
+    first.precompile([ct._plan((4, 2))], ct.BATCH)
+    assert first.wait_precompiled(timeout_s=120) and first.compiled_in_child == 1
+    pid = fresh.pid
+    first.close()  # its compile thread ends
+    second = ct._compiler(in_child=True)
+    try:
+        second.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert second.wait_precompiled(timeout_s=120)
+        assert second.compiled_in_child == 1 and fresh.pid == pid and fresh.ended is None
+    finally:
+        second.close()
+
+
+def test_the_child_is_out_of_reach_of_the_terminals_signals(fresh):
+    """In a session of its own (Ctrl-C and Ctrl-Z go to the terminal's foreground group),
+    and a SIGINT sent to it anyway is ignored."""
+    ahead = ct._compiler(in_child=True)
+    try:
+        ahead.precompile([ct._plan((4, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and fresh.pid is not None
+        pid = fresh.pid
+        assert os.getsid(pid) == pid != os.getsid(0)
+        os.kill(pid, signal.SIGINT)
+        ahead.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 2
+    finally:
+        ahead.close()
+
+
+_CACHE_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from mnemojax._src import compile_process
+from mnemojax._src.distributed import jax_private
+mesh = jax.make_mesh((4, 2), ("d", "m"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+a = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+x = jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "m")))
+f = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0))
+child = compile_process.CompileProcess(8)
+if sys.argv[2] == "write":
+    with jax_private.compiles_elsewhere(child.compile):
+        c = f.lower(x).compile()
+    assert child.compiled == 1
+else:
+    c = f.lower(x).compile()  # from the entry the other run's child compiled
+np.testing.assert_allclose(np.asarray(c(x)), np.tanh(a @ a.T).sum(0), rtol=1e-5)
+child.abandon()
+print("OK", sys.argv[2], flush=True)
+"""
+
+
+def test_a_cache_entry_of_a_child_compile_runs_in_a_later_process(tmp_path):
+    """The entry holds the child's own bytes: the executable loaded from them, serialized
+    again, lacks kernels on XLA:CPU ("NOT_FOUND: Function ... not found" in the run that
+    loads it)."""
+    import os as os_
+
+    env = {**os_.environ, "PYTHONPATH": os_.getcwd()}
+    for mode in ("write", "read"):
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path), mode],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+        assert out.returncode == 0 and f"OK {mode}" in out.stdout, out.stderr[-2000:]
+    assert [n for n in os_.listdir(tmp_path) if n.startswith("jit_")]
+
+
+_EXIT_TRACING_SCRIPT = """
+import logging, sys, threading, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+from tests import compiler_test as t
+traced = threading.Event()
+
+def slow(leaves, batch):  # the compile ahead is still tracing at the exit
+    traced.set()
+    time.sleep(2.0)
+    return t._pure(leaves, batch)
+
+compiler = t._compiler(slow, in_child=True)
+compiler.precompile([t._plan((4, 2))], t.BATCH)
+assert traced.wait(60)
+print("EXITING", flush=True)
+"""
+
+
+def test_an_exit_during_the_first_trace_starts_no_child_and_compiles_nothing():
+    out = subprocess.run([sys.executable, "-c", _EXIT_TRACING_SCRIPT], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EXITING" in out.stdout
+    assert "compiles ahead of time run in process" not in out.stdout  # no child started
+    assert "compiled step for mesh" not in out.stdout  # nor a compile on the thread

@@ -30,10 +30,12 @@ the first compile ahead). Off: ``CompileOptions(compile_process=False)``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -83,14 +85,16 @@ class CompileProcess:
         """How many modules this thread had compiled in the child (a running count)."""
         return getattr(self._local, "done", 0)
 
-    def compile(self, backend: Any, code: bytes, executable_devices: Any, options: Any) -> Any:
-        """The loaded executable of module `code`, compiled in the child; None where it was
-        not (the caller compiles it). `jax_private.compiles_elsewhere`'s callback.
+    def compile(self, backend: Any, code: bytes, executable_devices: Any, options: Any
+                ) -> tuple[Any, bytes] | None:
+        """The loaded executable of module `code`, compiled in the child, and its serialized
+        form; None where it was not (the caller compiles it).
+        `jax_private.compiles_elsewhere`'s callback.
 
         Raises:
             CompileAbandoned: the child was killed at exit during this compile.
         """
-        if self._abandoned:  # (at exit: nothing more is compiled, here or there)
+        if self._abandoned or _abandoned.is_set():  # (at exit: nothing more is compiled)
             raise CompileAbandoned("the compile process was killed at exit")
         if os.getpid() != self._owner or self.ended is not None:
             return None
@@ -117,7 +121,7 @@ class CompileProcess:
         with self._lock:
             self.compiled += 1
         self._local.done = self.done_on_this_thread() + 1
-        return executable
+        return executable, answer[1]
 
     def _ask(self, request: bytes) -> tuple | None:
         proc = self._started()
@@ -136,7 +140,9 @@ class CompileProcess:
             abandoned = self._abandoned
         if abandoned:
             raise CompileAbandoned("the compile process was killed at exit")
-        self._end(f"it ended during a compile (exit status {proc.poll()})")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        self._end(f"it ended (exit status {proc.returncode}) before answering a compile")
         return None
 
     def _started(self) -> subprocess.Popen | None:
@@ -146,10 +152,8 @@ class CompileProcess:
             if self._proc is not None:
                 return self._proc
             try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-c", _LOADER, compile_worker.__file__,
-                     str(self.num_devices), str(os.getpid())],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+                self._proc = _spawn([sys.executable, "-c", _LOADER, compile_worker.__file__,
+                                     str(self.num_devices), str(os.getpid())])
             except OSError as e:
                 self.ended = f"it could not start ({e})"
                 log.warning("mnemojax: compiles ahead of time run in this process: the "
@@ -203,6 +207,41 @@ class CompileProcess:
             _kill(proc)
 
 
+def _spawn(args: list[str]) -> subprocess.Popen:
+    """Starts the child from a thread that lives as long as this process (`_spawner`): the
+    child's PR_SET_PDEATHSIG fires when the thread that started it ends, and a compile
+    thread ends with its step (`StepCompiler.close`). In a session of its own, so the
+    terminal's Ctrl-C and Ctrl-Z (sent to the foreground process group) never reach it:
+    only this process stops and resumes it."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    _spawner().put((args, done))
+    return done.result()
+
+
+_spawns: queue.SimpleQueue | None = None
+
+
+def _spawner() -> queue.SimpleQueue:
+    global _spawns
+    with _shared_lock:
+        if _spawns is None:
+            _spawns = queue.SimpleQueue()
+            threading.Thread(target=_spawn_forever, args=(_spawns,), daemon=True,
+                             name="mnemojax-compile-spawner").start()
+        return _spawns
+
+
+def _spawn_forever(spawns: queue.SimpleQueue) -> None:
+    while True:
+        args, done = spawns.get()
+        try:
+            done.set_result(subprocess.Popen(args, stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, close_fds=True,
+                                             start_new_session=True))
+        except BaseException as e:  # noqa: BLE001 - the asking thread raises it
+            done.set_exception(e)
+
+
 def _in_child_ids(backend: Any, executable_devices: Any, options: Any, child_devices: int
                   ) -> tuple[list[int], Any] | None:
     """The device ids of a compile in the child, and its compile options with them: the
@@ -243,11 +282,12 @@ def _kill(proc: subprocess.Popen) -> None:
 
 _shared: CompileProcess | None = None
 _shared_lock = threading.Lock()
+_abandoned = threading.Event()  # `abandon` ran (at exit): nothing is compiled there again
 
 
 def shared(num_devices: int) -> CompileProcess:
     """This process's compile process for `num_devices` CPU devices (started at its first
-    compile)."""
+    compile; after `abandon`, one whose compiles raise `CompileAbandoned`)."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared._owner != os.getpid():
@@ -273,7 +313,10 @@ def paused() -> Iterator[None]:
 
 
 def abandon() -> None:
-    """Kills this process's compile process, if any (at the interpreter's exit)."""
+    """Kills this process's compile process, if any, and starts none again (at the
+    interpreter's exit): a compile ahead that reaches its XLA part later raises
+    `CompileAbandoned` rather than start a child or compile on its thread."""
+    _abandoned.set()
     process = current()
     if process is not None:
         process.abandon()

@@ -23,8 +23,10 @@ HEADER = struct.Struct("<Q")
 
 
 def _die_with_parent(parent: int) -> None:
-    """PR_SET_PDEATHSIG (Linux): SIGKILL when the parent ends, even mid-compile. Elsewhere
-    the end of the input stops the loop after the compile in flight."""
+    """PR_SET_PDEATHSIG (Linux): SIGKILL when the parent's thread that started this process
+    ends (`compile_process._spawn`: one that lives as long as the parent), even
+    mid-compile or stopped. Elsewhere the end of the input stops the loop after the
+    compile in flight."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -47,6 +49,7 @@ def _read(stream) -> bytes | None:
 def serve(num_devices: int, parent: int) -> None:
     os.nice(19)
     _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the parent decides when it ends)
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what JAX or XLA print reaches stderr, never the answers
     os.environ["JAX_PLATFORMS"] = "cpu"

@@ -2,7 +2,7 @@
 path? (issue 13: "0 s of compile on the critical path for the first two faults of a run").
 
     PYTHONPATH=. python -m tests.jobs.two_kills [--kills 12,70] [--steps 90]
-        [--victims 1,2] [--ahead-compilers K]
+        [--victims 1,2] [--ahead-compilers K] [--no-compile-process]
 
 Runs the bench's resilient worker (`mnemojax._src.bench.mp_resilient_worker`, the tiny
 preset's GPT on mesh 4 x 2) under the launcher with its default options, 4 processes x 2
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=500.0)
     p.add_argument("--ahead-compilers", type=int, default=None,
                    help="CompileOptions.ahead_compilers (default: its default)")
+    p.add_argument("--no-compile-process", action="store_true",
+                   help="CompileOptions(compile_process=False): compiles ahead on a thread")
     args = p.parse_args(argv)
     kills = [int(k) for k in args.kills.split(",")]
     if len(kills) != 2 or not 0 < kills[0] < kills[1] < args.steps:
@@ -53,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         devices_per_proc=2, faults=[ProcessFault("kill", victims[0], kills[0]),
                                     ProcessFault("kill", victims[1], kills[1])],
         compile_cache=str(out / "xla-cache"), timeout_s=args.timeout_s,
-        worker_args=() if args.ahead_compilers is None else
-        ("--ahead-compilers", str(args.ahead_compilers)))
+        worker_args=(() if args.ahead_compilers is None else
+                     ("--ahead-compilers", str(args.ahead_compilers)))
+        + (("--no-compile-process",) if args.no_compile_process else ()))
     print(f"job exit {report['rc']}, kills fired: "
           f"{[(f['victim'], f['step']) for f in report['fired']]}, output in {out}")
     if report["rc"] != 0 or len(report["fired"]) != 2:

@@ -33,6 +33,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="CompileOptions.ahead_compilers (default: its default)")
     p.add_argument("--ahead-losses", type=int, default=1,
                    help="CompileOptions.ahead_losses (default: its default, 1)")
+    p.add_argument("--no-compile-process", action="store_true",
+                   help="CompileOptions(compile_process=False): compiles ahead on a thread")
     return p.parse_args(argv)
 
 
@@ -64,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  learning_rate=cfg.learning_rate)
     compile_kw = {} if args.compile_cache is None else {"cache_dir": args.compile_cache}
     options = mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
-        ahead_compilers=args.ahead_compilers, ahead_losses=args.ahead_losses, **compile_kw))
+        ahead_compilers=args.ahead_compilers, ahead_losses=args.ahead_losses,
+        compile_process=not args.no_compile_process, **compile_kw))
     step = mnemojax.resilient(lm_train_step, mesh=mesh, options=options)
     t_init = time.time()
     events.emit("startup", duration_s=t_init - _T_MAIN, time_s=t_init, phase="start+init",
