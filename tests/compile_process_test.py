@@ -84,6 +84,9 @@ def test_a_compile_ahead_runs_in_the_child_at_nice_19_and_computes_as_one_compil
         assert ahead.wait_precompiled(timeout_s=120)
         assert ahead.compiled_in_child == 1 and fresh.compiled == 1
         assert fresh.pid is not None and _nice(fresh.pid) == 19
+        if os.path.exists(f"/proc/{fresh.pid}/autogroup"):  # its session's group too
+            with open(f"/proc/{fresh.pid}/autogroup") as f:
+                assert f.read().split()[-1] == "19"
         got, want = _outputs(ahead, plan), _outputs(here, plan)
         assert here.compiled_in_child == 0
         for a, b in zip(got, want, strict=True):
