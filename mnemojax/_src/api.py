@@ -887,6 +887,13 @@ class ResilientStep(Generic[P, R]):
                                                  classification="corrupt_snapshot"))
         runtime = builder.build(MeshPlan(ids, tuple(mesh.axis_names), "unchanged"), mesh=mesh,
                                 spares=spares)
+        if opts.compile.precompile and opts.compile.max_precompiled and (
+                session is None or compiles_ahead_here(opts.compile.ahead_compilers,
+                                                       one_host=dist_env.one_host())):
+            # Its start-up (importing JAX, ~2 s) overlaps the first step's compile, not
+            # the first compile ahead (a kill in step 12 found it unfinished: 2.6-4.2 s to
+            # the next good step, 0.8 s with the compile on a thread).
+            runtime.compiler.start_child()
         durability.layer = runtime.layer
         durability.emit("run_start", config={
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),

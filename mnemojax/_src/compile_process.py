@@ -1,31 +1,37 @@
-"""XLA compiles ahead of time in a process of their own, at the lowest priority: paused
-while a recovery compiles, killed at exit.
+"""XLA compiles ahead of time in a process of their own: paused while a recovery compiles,
+left running at a world's end, killed at exit, at a lower priority if asked.
 
 XLA:CPU compiles on a pool of threads of its own, so lowering the priority of the thread
 that asks for a compile changes nothing (WORKSPACE_NOTES, sessions 11 and 20), and a
 compile cannot be cancelled. A compile ahead of time (`compiler.StepCompiler.precompile`)
-therefore shared the cores at full priority with the training steps, and with a
-recovery's own compile when a second fault came before it ended (issue 13 item 5: x1.78
-of one cold compile, ``python -m mnemojax._src.bench.micro 8``).
+therefore shared the cores with a recovery's own compile when a second fault came before
+it ended (issue 13 item 5: x1.78 of one cold compile, ``python -m
+mnemojax._src.bench.micro 8``), held a world's end until it was done, and the exit too.
 
 Here only its XLA part moves: the compile thread traces and lowers as before, then JAX's
 backend compile (`jax_private.compiles_elsewhere`) sends the module's bytecode, its
-serialized compile options and the device ids to a child process (`compile_worker`, nice
-19), which compiles and answers with the serialized executable; the thread loads it (as
-JAX loads a persistent-cache entry) and JAX caches it as usual. A compile on a recovery's
-path stops the child (SIGSTOP) until it is done (`paused`), so it has the cores alone;
-the compile ahead then resumes where it was. At the interpreter's exit the child is
-killed (`abandon`): the exit no longer waits for a compile in flight.
+serialized compile options and the device ids to a child process (`compile_worker`),
+which compiles and answers with the serialized executable; the thread loads it (as JAX
+loads a persistent-cache entry), and JAX caches it as usual (the entry holds the child's
+bytes). A compile on a recovery's path stops the child (SIGSTOP) until it is done
+(`paused`), so it has the cores alone; the compile ahead then resumes where it was. A
+world's end leaves a compile running there (`StepCompiler.close`); the interpreter's
+exit kills the child (`abandon`). The child's nice value
+(`CompileOptions.compile_process_nice`, 0 by default) trades the steps' speed beside the
+compiles ahead against how soon those are ready (``micro 9``): at 19 the steps beside
+them slowed x1.18 instead of x1.64, but they were ready in 26 s instead of 12 s, and a
+real kill in that window compiled on the recovery's path (``tests.jobs.two_kills``:
+3.4-4.4 s to the next good step instead of 0.8 s).
 
 Scope: CPU devices, in one process or under ``jax.distributed`` (the child, never
 distributed itself, has as many CPU devices as the world, the backend's devices in id
 order mapped onto its own: an XLA:CPU executable does not depend on which process
 compiled it, WORKSPACE_NOTES "One cache key for every process"), modules without host
-callbacks. Whatever fails in the child (its start, a
-crash, a compile error, a load) makes the thread compile that module itself, so a compile
-error is raised by JAX as without the child; a child that ended is not started again
-(logged once). The child costs ~0.2-0.4 GB of host memory and ~2 s of CPU to start (at
-the first compile ahead). Off: ``CompileOptions(compile_process=False)``.
+callbacks. Whatever fails in the child (its start, a crash, a compile error, a load)
+makes the thread compile that module itself, so a compile error is raised by JAX as
+without the child; a child that ended is not started again (logged once). The child
+costs ~0.2 GB of host memory and ~2 s of CPU to start (at the first compile ahead). Off:
+``CompileOptions(compile_process=False)``.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ log = logging.getLogger("mnemojax")
 _LOADER = ("import importlib.util, sys; "
            "spec = importlib.util.spec_from_file_location('mnemojax_compile_worker', sys.argv[1]); "
            "worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker); "
-           "worker.serve(int(sys.argv[2]), int(sys.argv[3]))")
+           "worker.serve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
 
 
 class CompileAbandoned(Exception):
@@ -64,8 +70,9 @@ class CompileProcess:
     """One child process compiling for this process's CPU devices (and, under
     ``jax.distributed``, its peers'), one module at a time."""
 
-    def __init__(self, num_devices: int):
+    def __init__(self, num_devices: int, nice: int = 0):
         self.num_devices = num_devices
+        self.nice = nice
         self._owner = os.getpid()  # a forked copy of this object never talks to the child
         self._request_lock = threading.Lock()  # one request on the pipes at a time
         self._lock = threading.Lock()  # the fields below
@@ -123,6 +130,11 @@ class CompileProcess:
         self._local.done = self.done_on_this_thread() + 1
         return executable, answer[1]
 
+    def start(self) -> None:
+        """Starts the child now (it imports JAX, ~2 s) rather than at the first compile."""
+        if os.getpid() == self._owner:
+            self._started()
+
     def _ask(self, request: bytes) -> tuple | None:
         proc = self._started()
         if proc is None:
@@ -153,7 +165,7 @@ class CompileProcess:
                 return self._proc
             try:
                 self._proc = _spawn([sys.executable, "-c", _LOADER, compile_worker.__file__,
-                                     str(self.num_devices), str(os.getpid())])
+                                     str(self.num_devices), str(os.getpid()), str(self.nice)])
             except OSError as e:
                 self.ended = f"it could not start ({e})"
                 log.warning("mnemojax: compiles ahead of time run in this process: the "
@@ -161,8 +173,8 @@ class CompileProcess:
                 return None
             if self._pauses:
                 self._signal(signal.SIGSTOP)
-            log.info("mnemojax: compiles ahead of time run in process %d (nice 19)",
-                     self._proc.pid)
+            log.info("mnemojax: compiles ahead of time run in process %d (nice %d)",
+                     self._proc.pid, self.nice)
             return self._proc
 
     def _end(self, why: str) -> None:
@@ -210,9 +222,7 @@ class CompileProcess:
 def _spawn(args: list[str]) -> subprocess.Popen:
     """Starts the child from a thread that lives as long as this process (`_spawner`): the
     child's PR_SET_PDEATHSIG fires when the thread that started it ends, and a compile
-    thread ends with its step (`StepCompiler.close`). In a session of its own, so the
-    terminal's Ctrl-C and Ctrl-Z (sent to the foreground process group) never reach it:
-    only this process stops and resumes it."""
+    thread ends with its step (`StepCompiler.close`)."""
     done: concurrent.futures.Future = concurrent.futures.Future()
     _spawner().put((args, done))
     return done.result()
@@ -236,8 +246,7 @@ def _spawn_forever(spawns: queue.SimpleQueue) -> None:
         args, done = spawns.get()
         try:
             done.set_result(subprocess.Popen(args, stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, close_fds=True,
-                                             start_new_session=True))
+                                             stdout=subprocess.PIPE, close_fds=True))
         except BaseException as e:  # noqa: BLE001 - the asking thread raises it
             done.set_exception(e)
 
@@ -285,13 +294,15 @@ _shared_lock = threading.Lock()
 _abandoned = threading.Event()  # `abandon` ran (at exit): nothing is compiled there again
 
 
-def shared(num_devices: int) -> CompileProcess:
-    """This process's compile process for `num_devices` CPU devices (started at its first
-    compile; after `abandon`, one whose compiles raise `CompileAbandoned`)."""
+def shared(num_devices: int, nice: int = 0) -> CompileProcess:
+    """This process's compile process for `num_devices` CPU devices at nice value `nice`
+    (started at its first compile; the first caller's values hold for the process: XLA's
+    compile threads take the nice value they start with; after `abandon`, one whose
+    compiles raise `CompileAbandoned`)."""
     global _shared
     with _shared_lock:
         if _shared is None or _shared._owner != os.getpid():
-            _shared = CompileProcess(num_devices)
+            _shared = CompileProcess(num_devices, nice)
         return _shared
 
 

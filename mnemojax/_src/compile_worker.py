@@ -1,10 +1,10 @@
 """The compile process's main loop (`compile_process`): run as a file, not as part of the
 package (``python -c`` loads it by path), so its start-up imports JAX and nothing else.
 
-It lowers its own priority to the lowest first (`_lowest_priority`), asks the kernel to
-kill it when its parent dies, makes ``num_devices`` CPU devices (the parent's device ids
-map onto them), then answers requests until its input ends. A request and its
-answer are one pickled tuple each, framed by an 8-byte little-endian length, on the
+It sets its nice value first (`CompileOptions.compile_process_nice`), asks the kernel to
+kill it when its parent dies, ignores the terminal's keys, makes ``num_devices`` CPU
+devices (the parent's device ids map onto them), then answers requests until its input
+ends. A request and its answer are one pickled tuple each, framed by an 8-byte little-endian length, on the
 parent's pipes: ``(module bytecode, serialized CompileOptions, device ids)`` in,
 ``("ok", serialized executable, compile seconds)`` or ``("error", text)`` out. Anything
 printed goes to stderr: stdout carries only the answers.
@@ -46,23 +46,15 @@ def _read(stream) -> bytes | None:
     return body if len(body) == n else None
 
 
-def _lowest_priority() -> None:
-    """Nice 19 for every thread (XLA's start later and inherit it), and for this process's
-    scheduling autogroup: where the kernel groups processes by session (Linux's
-    ``sched_autogroup_enabled``), a session of its own would otherwise get an equal share
-    of the CPU beside the parent's, whatever the nice value inside it."""
-    os.nice(19)
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write("19")
-    except OSError:
-        pass  # (no autogroups: the nice value alone ranks it)
-
-
-def serve(num_devices: int, parent: int) -> None:
-    _lowest_priority()
+def serve(num_devices: int, parent: int, nice: int) -> None:
+    os.nice(nice)  # (first: every thread XLA starts later inherits it)
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the parent decides when it ends)
+    # In the parent's process group, so in its session and scheduling group (where Linux
+    # groups by session, a session of its own would get an equal share of the CPU beside
+    # the parent's whatever its nice value), but out of reach of the terminal's keys: the
+    # parent decides when it ends, stops and resumes.
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP):
+        signal.signal(sig, signal.SIG_IGN)
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what JAX or XLA print reaches stderr, never the answers
     os.environ["JAX_PLATFORMS"] = "cpu"

@@ -584,11 +584,12 @@ class StepCompiler:
                  facts: StepFacts | None = None, left: LeftCompiles | None = None,
                  traced_as: Callable | None = None,
                  pack: Callable[[Mesh, bool, int], bool] | None = None,
-                 in_child: bool = False):
+                 in_child: bool = False, child_nice: int = 0):
         self._pure = pure
         # Compiles ahead of time in the compile process where it applies (`compile_process`,
         # `CompileOptions.compile_process`).
         self._in_child = in_child
+        self._child_nice = child_nice
         # Whether the step also writes the state packed for the snapshot's copy, given the
         # mesh, whether its state has single-copy shards and the state's bytes
         # (`snapshot.Packed`).
@@ -787,10 +788,10 @@ class StepCompiler:
         if not ahead:
             with compile_process.paused():  # (on a recovery's path: the cores are its own)
                 return _compile_lowered(lowered, distributed)
+        child = self._child()
         with self._lock:
             self._in_xla = (key, shape)
         try:
-            child = self._child()
             if child is None:
                 return _compile_lowered(lowered, distributed)
             before = child.done_on_this_thread()
@@ -807,6 +808,13 @@ class StepCompiler:
             if left:
                 self._left.done(key)
 
+    def start_child(self) -> None:
+        """Starts the compile process now, if this step compiles ahead there (otherwise at
+        its first compile ahead)."""
+        child = self._child()
+        if child is not None:
+            child.start()
+
     def uses_child(self) -> bool:
         """Whether this step's compiles ahead run in the compile process (one started)."""
         return self._in_child and compile_process.current() is not None
@@ -820,7 +828,7 @@ class StepCompiler:
         devices = jax.devices()
         if not all(d.platform == "cpu" for d in devices):
             return None
-        return compile_process.shared(len(devices))
+        return compile_process.shared(len(devices), self._child_nice)
 
     def _check_state_types(self, lowered) -> None:
         """The step must return each state leaf with the shape and dtype it was given: the
@@ -1204,7 +1212,11 @@ class StepCompiler:
         With ``leave_running`` (the world ends: `api.ResilientStep._forget_world`), a
         running compile of a plan queued ``leavable`` (a world only a second loss forms,
         `CompileOptions.ahead_losses`: a single loss does not need it) is not waited for
-        once it is inside JAX's compile: an XLA compile cannot be cancelled. It runs to its
+        once it is inside JAX's compile: an XLA compile cannot be cancelled. (Not one of a
+        likely world left running in the compile process: the new world's other
+        processes, not knowing it runs, compiled the same plan on the recovery's path
+        (`coordination.OneCompile`), 1.7-2.8 s in ``tests.jobs.two_kills``, where waiting
+        for its end here let them load its entry.) It runs to its
         end, writes its persistent-cache entry (a later world of this step that needs the
         plan waits for it: `LeftCompiles`) and its executable is dropped; the interpreter's
         exit joins its thread (a pool's). Its trace, lowering or export is always waited

@@ -358,14 +358,20 @@ class CompileOptions:
             its outputs and temporaries beside the live state. A step with host
             callbacks is never warmed (they would see the zeros).
         compile_process: run the XLA part of each compile ahead of time in a child
-            process at the lowest priority (nice 19), paused (SIGSTOP) while a recovery
-            compiles on its path and killed at exit (`compile_process`): the steps beside
-            a compile ahead keep more of the cores, and a fault soon after a recovery does
-            not share them with a compile it does not need. CPU devices only, in one process or
-            under ``jax.distributed`` (on accelerators the background thread compiles as
-            before); the child costs ~0.2-0.4 GB of host memory and ~2 s of
-            CPU to start, at the first compile ahead. Whatever fails there is compiled
-            on the thread instead.
+            process (`compile_process`), stopped (SIGSTOP) while a recovery compiles on
+            its path, so a fault soon after a recovery does not share the cores with a
+            compile it does not need (a second device loss right after a recovery: x1.21
+            of one cold compile against x1.81 on a thread, ``python -m
+            mnemojax._src.bench.micro 8``); a world's end does not wait for it, and the
+            interpreter's exit kills it. CPU devices, in one process or under
+            ``jax.distributed`` (on accelerators the background thread compiles as
+            before); the child costs ~0.2 GB of host memory and ~2 s of CPU to start, at
+            the first compile ahead. Whatever fails there is compiled on the thread.
+        compile_process_nice: the compile process's nice value (0-19; process-wide, the
+            first step to start it sets it). Higher slows the steps beside the compiles
+            ahead less but makes them ready later, and a fault before they are ready
+            compiles on the recovery's path: ``micro 9`` measured steps x1.64 of steady
+            beside them at 0 (ready in 12 s), x1.26 at 10 (24 s), x1.18 at 19 (26 s).
     """
 
     precompile: bool = True
@@ -379,6 +385,7 @@ class CompileOptions:
     ahead_layouts: int = 1
     warm_fallbacks: bool = False
     compile_process: bool = True
+    compile_process_nice: int = 0
 
     def __post_init__(self):
         _check_types(self)
@@ -387,6 +394,8 @@ class CompileOptions:
                self.ahead_compilers, "None or >= 1")
         _check(self.ahead_losses in (1, 2), "ahead_losses", self.ahead_losses, "1 or 2")
         _check(self.ahead_layouts >= 1, "ahead_layouts", self.ahead_layouts, ">= 1")
+        _check(0 <= self.compile_process_nice <= 19, "compile_process_nice",
+               self.compile_process_nice, "0-19")
         _check(self.background_switch_interval_s is None
                or self.background_switch_interval_s > 0, "background_switch_interval_s",
                self.background_switch_interval_s, "None or > 0")

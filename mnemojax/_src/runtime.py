@@ -145,7 +145,8 @@ class RuntimeBuilder:
                 switch_interval_s=opts.compile.background_switch_interval_s,
                 leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
                 traced_as=self._traced_as, pack=self._packs_on,
-                in_child=opts.compile.compile_process)
+                in_child=opts.compile.compile_process,
+                child_nice=opts.compile.compile_process_nice)
             store = self.snapshot_store(layer, self._entries)
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
