@@ -1,5 +1,5 @@
 """XLA compiles ahead of time in a process of their own: paused while a recovery compiles,
-left running at a world's end, killed at exit, at a lower priority if asked.
+killed at exit, at a lower priority if asked.
 
 XLA:CPU compiles on a pool of threads of its own, so lowering the priority of the thread
 that asks for a compile changes nothing (WORKSPACE_NOTES, sessions 11 and 20), and a
@@ -15,13 +15,17 @@ which compiles and answers with the serialized executable; the thread loads it (
 loads a persistent-cache entry), and JAX caches it as usual (the entry holds the child's
 bytes). A compile on a recovery's path stops the child (SIGSTOP) until it is done
 (`paused`), so it has the cores alone; the compile ahead then resumes where it was. A
-world's end leaves a compile running there (`StepCompiler.close`); the interpreter's
-exit kills the child (`abandon`). The child's nice value
-(`CompileOptions.compile_process_nice`, 0 by default) trades the steps' speed beside the
-compiles ahead against how soon those are ready (``micro 9``): at 19 the steps beside
-them slowed x1.18 instead of x1.64, but they were ready in 26 s instead of 12 s, and a
-real kill in that window compiled on the recovery's path (``tests.jobs.two_kills``:
-3.4-4.4 s to the next good step instead of 0.8 s).
+world's end waits for a compile running there, as for one on a thread
+(`StepCompiler.close`: left running, the new world's other processes compiled the same
+plan on the recovery's path); the interpreter's exit kills the child (`abandon`). The
+child's nice value (`CompileOptions.compile_process_nice`, 0 by default) trades the
+steps' speed beside the compiles ahead against how soon those are ready (``python -m
+mnemojax._src.bench.micro 9``): at 19 the steps beside them ran x1.15 of steady against
+x1.57 at 0, but they were ready in 29 s instead of 14 s, and a real kill in that window
+compiled on the recovery's path (``tests.jobs.two_kills``: 2.6-4.4 s to the next good
+step instead of 0.8-1.3 s). A terminal's ``fg`` after Ctrl-Z sends SIGCONT to the whole
+process group, the child too, even while a recovery holds it paused (it then shares the
+cores again; results are unchanged).
 
 Scope: CPU devices, in one process or under ``jax.distributed`` (the child, never
 distributed itself, has as many CPU devices as the world, the backend's devices in id
@@ -30,8 +34,8 @@ compiled it, WORKSPACE_NOTES "One cache key for every process"), modules without
 callbacks. Whatever fails in the child (its start, a crash, a compile error, a load)
 makes the thread compile that module itself, so a compile error is raised by JAX as
 without the child; a child that ended is not started again (logged once). The child
-costs ~0.2 GB of host memory and ~2 s of CPU to start (at the first compile ahead). Off:
-``CompileOptions(compile_process=False)``.
+costs ~0.2 GB of host memory and ~2 s of CPU to start (when the step is built, in a
+process that compiles ahead). Off: ``CompileOptions(compile_process=False)``.
 """
 
 from __future__ import annotations

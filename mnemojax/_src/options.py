@@ -360,18 +360,18 @@ class CompileOptions:
         compile_process: run the XLA part of each compile ahead of time in a child
             process (`compile_process`), stopped (SIGSTOP) while a recovery compiles on
             its path, so a fault soon after a recovery does not share the cores with a
-            compile it does not need (a second device loss right after a recovery: x1.21
-            of one cold compile against x1.81 on a thread, ``python -m
-            mnemojax._src.bench.micro 8``); a world's end does not wait for it, and the
-            interpreter's exit kills it. CPU devices, in one process or under
-            ``jax.distributed`` (on accelerators the background thread compiles as
-            before); the child costs ~0.2 GB of host memory and ~2 s of CPU to start, at
-            the first compile ahead. Whatever fails there is compiled on the thread.
+            compile it does not need (a second device loss right after a recovery:
+            x1.18-1.24 of one cold compile against x1.74-1.82 on a thread, ``python -m
+            mnemojax._src.bench.micro 8``), and the interpreter's exit kills it rather
+            than wait for it. CPU devices, in one process or under ``jax.distributed``
+            (on accelerators the background thread compiles as before); the child costs
+            ~0.2 GB of host memory and ~2 s of CPU to start, when the step is built.
+            Whatever fails there is compiled on the thread.
         compile_process_nice: the compile process's nice value (0-19; process-wide, the
             first step to start it sets it). Higher slows the steps beside the compiles
             ahead less but makes them ready later, and a fault before they are ready
-            compiles on the recovery's path: ``micro 9`` measured steps x1.64 of steady
-            beside them at 0 (ready in 12 s), x1.26 at 10 (24 s), x1.18 at 19 (26 s).
+            compiles on the recovery's path: ``micro 9`` measured steps x1.57 of steady
+            beside them at 0 (ready in 14 s), x1.23 at 10 (24 s), x1.15 at 19 (29 s).
     """
 
     precompile: bool = True
