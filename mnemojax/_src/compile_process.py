@@ -147,7 +147,7 @@ class CompileProcess:
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(compile_worker.HEADER.pack(len(request)) + request)
             proc.stdin.flush()
-            body = compile_worker._read(proc.stdout)
+            body = compile_worker.read_frame(proc.stdout)
         except (OSError, ValueError):
             body = None
         if body is not None:

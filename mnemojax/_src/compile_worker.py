@@ -37,7 +37,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _read(stream) -> bytes | None:
+def read_frame(stream) -> bytes | None:
+    """One length-framed message from `stream` (both ends use it); None at its end."""
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
         return None
@@ -69,7 +70,7 @@ def serve(num_devices: int, parent: int, nice: int) -> None:
     backend = jax.devices()[0].client
     by_id = {d.id: d for d in backend.devices()}
     requests = sys.stdin.buffer
-    while (body := _read(requests)) is not None:
+    while (body := read_frame(requests)) is not None:
         try:
             code, options, ids = pickle.loads(body)
             t0 = time.perf_counter()
