@@ -85,16 +85,11 @@ class CompileProcess:
         self._abandoned = False
         self.ended: str | None = None  # why the child is gone for good
         self.compiled = 0  # modules compiled there and loaded here
-        self._local = threading.local()
 
     @property
     def pid(self) -> int | None:
         with self._lock:
             return self._proc.pid if self._proc is not None else None
-
-    def done_on_this_thread(self) -> int:
-        """How many modules this thread had compiled in the child (a running count)."""
-        return getattr(self._local, "done", 0)
 
     def compile(self, backend: Any, code: bytes, executable_devices: Any, options: Any
                 ) -> tuple[Any, bytes] | None:
@@ -131,7 +126,6 @@ class CompileProcess:
             return None
         with self._lock:
             self.compiled += 1
-        self._local.done = self.done_on_this_thread() + 1
         return executable, answer[1]
 
     def start(self) -> None:

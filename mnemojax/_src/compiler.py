@@ -733,9 +733,8 @@ class StepCompiler:
         self._check_state_types(lowered)
         _listen_for_cache_hits()
         hits = getattr(_hits, "count", 0)
-        in_child = self.compiled_in_child
         try:
-            compiled = self._xla_compile(lowered, key, plan.shape, ahead)
+            compiled, in_child = self._xla_compile(lowered, key, plan.shape, ahead)
         except Exception as e:
             if not exported or self.left_running == key:  # (left: its world has ended)
                 raise
@@ -743,15 +742,14 @@ class StepCompiler:
                         "(%s: %s); tracing it", plan.shape, type(e).__name__, e)
             with jax.set_mesh(mesh):
                 lowered, exported = jit(self._checked_for(mesh)).lower(*args), False
-            compiled = self._xla_compile(lowered, key, plan.shape, ahead)
+            compiled, in_child = self._xla_compile(lowered, key, plan.shape, ahead)
         t2 = time.perf_counter()
         from_cache = getattr(_hits, "count", 0) > hits
         with self._lock:
             self.compiles += 1
             self.compiled_ahead += int(ahead)
             left = self.left_running == key
-            # (only this compile's thread, the background one, counts compiles there)
-            in_child = ahead and self.compiled_in_child > in_child
+            self.compiled_in_child += int(in_child)
         log.info("mnemojax: compiled step for mesh %s (%s%s%s): lower %.2fs compile %.2fs%s",
                  plan.shape, "ahead of time" if ahead else "on demand",
                  ", from its export" if exported else "",
@@ -781,26 +779,22 @@ class StepCompiler:
             return ()
         return members
 
-    def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> Any:
-        """The compile of ``lowered``; ahead of time, marked as one `close` may leave
-        running (what it reads of this world is read before)."""
+    def _xla_compile(self, lowered, key: tuple, shape, ahead: bool) -> tuple[Any, bool]:
+        """The compile of ``lowered`` and whether the compile process made it; ahead of
+        time, marked as one `close` may leave running (what it reads of this world is
+        read before)."""
         distributed = _distributed()
         if not ahead:
             with compile_process.paused():  # (on a recovery's path: the cores are its own)
-                return _compile_lowered(lowered, distributed)
+                return _compile_lowered(lowered, distributed), False
         child = self._child()
         with self._lock:
             self._in_xla = (key, shape)
         try:
             if child is None:
-                return _compile_lowered(lowered, distributed)
-            before = child.done_on_this_thread()
-            with jax_private.compiles_elsewhere(child.compile):
-                compiled = _compile_lowered(lowered, distributed)
-            if child.done_on_this_thread() > before:
-                with self._lock:
-                    self.compiled_in_child += 1
-            return compiled
+                return _compile_lowered(lowered, distributed), False
+            with jax_private.compiles_elsewhere(child.compile) as elsewhere:
+                return _compile_lowered(lowered, distributed), elsewhere()
         finally:
             with self._lock:
                 self._in_xla = None

@@ -377,7 +377,7 @@ _elsewhere = threading.local()  # `compiles_elsewhere`
 
 @contextlib.contextmanager
 def compiles_elsewhere(compile: Callable[[Any, bytes, Any, Any], tuple[Any, bytes] | None]
-                       ) -> Iterator[None]:
+                       ) -> Iterator[Callable[[], bool]]:
     """In this block (this thread), JAX's XLA compile of a module without host callbacks
     on CPU devices calls ``compile(backend, module bytecode, executable devices, compile
     options)`` first, which returns the loaded executable and its serialized form, or None
@@ -386,13 +386,15 @@ def compiles_elsewhere(compile: Callable[[Any, bytes, Any, Any], tuple[Any, byte
     the entry written holds the serialized form given, not the executable serialized
     again: on XLA:CPU an executable loaded from its serialized form serializes without
     some of its kernels (measured: 8109 of 14570 bytes; such an entry fails to run,
-    "NOT_FOUND: Function ... not found")."""
+    "NOT_FOUND: Function ... not found"). Yields a function telling whether a module of
+    the block was compiled by ``compile``."""
     _install_compile_hook()
+    _elsewhere.loaded = None  # (the newest executable compiled elsewhere, and its bytes)
     with _set_in_this_thread(_elsewhere, "compile", compile):
         try:
-            yield
+            yield lambda: _elsewhere.loaded is not None
         finally:
-            _elsewhere.loaded = None  # (the newest executable compiled elsewhere, and its bytes)
+            _elsewhere.loaded = None
 
 
 def _install_compile_hook() -> None:
