@@ -44,6 +44,7 @@ from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
 from mnemojax._src.errors import (
     BatchSplitError,
+    CheckpointLostError,
     DeviceFailureError,
     DistributedError,
     GuardSkippedError,
@@ -1246,10 +1247,15 @@ class ResilientStep(Generic[P, R]):
         """Under a session, a runtime error is a peer failure unless it is a retryable
         status of this process (then it is retried in place: the peers wait for it in the
         collective, up to the collective timeout) or its own error (out of memory, an
-        invalid argument: raised as it is, `looks_local`)."""
+        invalid argument: raised as it is, `looks_local`). So is a checkpoint given up at
+        its barrier (`checkpoint_barrier`, raised in guarded work by an Orbax save's first
+        barrier) while a death in this world is known."""
         session = self._require_built().session
-        return (session is not None and session.can_recover
-                and isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc)
+        if session is None or not session.can_recover:
+            return False
+        if isinstance(exc, CheckpointLostError):
+            return peer_watch.known_death() is not None
+        return (isinstance(exc, jax.errors.JaxRuntimeError) and not looks_transient(exc)
                 and not looks_local(exc))
 
     # -- around the step ------------------------------------------------------------------

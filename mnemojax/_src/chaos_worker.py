@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def finish_job(out: str, state, step, session) -> None:
+def finish_job(out: str, state, step, session, *, before_close=None) -> None:
     """Ends a multi-process job: process 0 of the final world writes ``out/final.npz`` (the
-    state's leaves, gathered) and ``out/stats.json`` (the step's statistics); then the
-    step and the session are closed."""
+    state's leaves, gathered) and ``out/stats.json`` (the step's statistics); then
+    ``before_close()`` runs, if given, and the step and the session are closed."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -80,6 +80,8 @@ def finish_job(out: str, state, step, session) -> None:
         np.savez(os.path.join(out, "final.npz"), *full)
         with open(os.path.join(out, "stats.json"), "w") as f:
             json.dump(step.statistics.as_dict(), f, default=list)
+    if before_close is not None:
+        before_close()
     step.close()
     if session is not None:
         session.finish()

@@ -22,7 +22,6 @@ so a failure is known as soon as the write ends, without blocking the training t
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import shutil
@@ -52,6 +51,9 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _DRAIN_WAITS = 4
 # How often a wait for the save in flight asks whether a peer's death is known (`settle`).
 _SETTLE_POLL_S = 0.05
+# How long a checkpoint barrier waits in one call into jaxlib before it asks again whether a
+# peer's death is known (`checkpoint_barrier`).
+_BARRIER_POLL_S = 0.25
 
 
 class SaveFailure(NamedTuple):
@@ -345,50 +347,87 @@ def checkpoint_barrier() -> Callable[..., None]:
     checkpoints use it; so should a `CheckpointManager` of yours under ``mnemojax
     launch``, made again in each new world).
 
-    It waits at the barrier of the world it is made in, on a daemon thread of its own, and
-    gives up (the commit fails, the checkpoint is lost) as soon as a peer's death in that
-    world is heard of or the world is left. Orbax's own barrier waits on a non-daemon
-    thread until its timeout (20 min) when a peer died before arriving: the survivors'
-    commits never end and their exit waits for that thread (a user trial: a job
-    checkpointing every step, worker 0 killed, hung). Without a distributed client (one
-    process) it does nothing, as Orbax asks no barrier then."""
+    It gives up (the commit fails with `CheckpointLostError`, the checkpoint is lost) as
+    soon as a peer's death in the world it was made in is heard of, or that world is left.
+    Each process counts its arrival in the coordination service's key-value store, the
+    last one sets the barrier's ``done`` key, and every process waits for that key in
+    calls of at most ``_BARRIER_POLL_S``, so no thread is ever left blocked in jaxlib:
+    JAX's ``wait_at_barrier`` cannot be cancelled, and a process whose peer died after the
+    last save then waited at exit for the abandoned barrier (up to the collective timeout)
+    and aborted if it was still blocked when the interpreter finalised. Orbax's own barrier
+    waits until its timeout (20 min) on a non-daemon thread when a peer died before
+    arriving: the survivors' commits never end and their exit waits for that thread (a
+    user trial: a job checkpointing every step, worker 0 killed, hung). The last process
+    to see a barrier complete deletes its keys. Without a distributed client (one process)
+    it does nothing, as Orbax asks no barrier then.
+
+    Raises (from the barrier, to Orbax's commit):
+        CheckpointLostError: a peer died, or the world ended, before every process arrived.
+        jax.errors.JaxRuntimeError: ``DEADLINE_EXCEEDED`` after ``timeout_ms``, naming the
+            processes that did not arrive (the type JAX's barrier raises).
+    """
     client = jax_private.global_state().client
-    if client is not None:  # (absl's own logger: made by absl, not here; a filter is
-        from absl import logging as absl_logging  # added once)
-        absl_logging.get_absl_logger().addFilter(_ONE_LINE)
+    if client is None:  # (one process: Orbax does not ask)
+        return lambda *, key, timeout_ms: None
+    from absl import logging as absl_logging  # (absl's own logger: a filter added once)
+    absl_logging.get_absl_logger().addFilter(_ONE_LINE)
+
+    def given_up() -> str | None:
+        if (death := peer_watch.known_death()) is not None:
+            return f"a peer process died: {death}"
+        if jax_private.global_state().client is not client:
+            return "the world it was in has ended"
+        return None
+
+    return store_barrier(client, jax.process_index(), jax.process_count(), given_up)
+
+
+def store_barrier(client: Any, me: int, count: int,
+                  given_up: Callable[[], str | None]) -> Callable[..., None]:
+    """`checkpoint_barrier`'s barrier for process ``me`` of ``count``, through ``client``'s
+    key-value store: Orbax's ``barrier_sync_fn(*, key, timeout_ms)``. ``given_up()``
+    returns why to stop waiting (raised as `CheckpointLostError`), or None."""
+    calls: dict[str, int] = {}  # key -> barriers of that key so far (Orbax's are unique)
+    lock = threading.Lock()
 
     def barrier(*, key: str, timeout_ms: int) -> None:
-        if client is None:  # (one process: Orbax does not ask)
-            return
-        world = client
-        done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def wait() -> None:
-            try:
-                world.wait_at_barrier(key, timeout_ms)
-                done.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                done.set_exception(e)
-
-        waiter = threading.Thread(target=wait, daemon=True, name=f"mnemojax-barrier-{key}")
-        waiter.start()
-        while True:
-            try:
-                return done.result(timeout=_SETTLE_POLL_S)
-            except concurrent.futures.TimeoutError:
-                pass
-            if (death := peer_watch.known_death()) is not None:
-                why = f"a peer process died: {death}"
-            elif jax_private.global_state().client is not client:
-                why = "the world it was in has ended"
-            else:
-                continue
-            # Left blocked in the old world's barrier: joined at exit for a while (a thread
-            # that returns from jaxlib into a finalising interpreter aborts the process).
-            peer_watch.leave_behind(waiter, None, what=f"Orbax's barrier {key}")
-            raise CheckpointLostError(f"barrier {key}: {why}")
+        with lock:
+            calls[key] = n = calls.get(key, 0) + 1
+        root = f"mnemojax/checkpoint-barrier/{key}/{n}"
+        deadline = time.monotonic() + timeout_ms / 1000
+        try:
+            client.key_value_set(f"{root}/in/{me}", "")
+            if client.key_value_increment(f"{root}/arrived", 1) == count:
+                client.key_value_set(f"{root}/done", "")
+            while not _got(client, f"{root}/done", int(_BARRIER_POLL_S * 1000)):
+                if (why := given_up()) is not None:
+                    raise CheckpointLostError(f"barrier {key}: {why}")
+                if time.monotonic() > deadline:
+                    there = {int(k.rsplit("/", 1)[-1])
+                             for k, _ in client.key_value_dir_get(f"{root}/in")}
+                    raise jax.errors.JaxRuntimeError(
+                        f"DEADLINE_EXCEEDED: mnemojax: barrier {key}: processes "
+                        f"{sorted(set(range(count)) - there)} of {count} did not arrive "
+                        f"within {timeout_ms / 1000:g} s")
+            if client.key_value_increment(f"{root}/seen", 1) == count:
+                client.key_value_delete(root)  # every process has seen it complete
+        except jax.errors.JaxRuntimeError as e:  # the service went with the world
+            if (why := given_up()) is None:
+                raise
+            raise CheckpointLostError(f"barrier {key}: {why}") from e
 
     return barrier
+
+
+def _got(client: Any, key: str, timeout_ms: int) -> bool:
+    """Whether ``key`` is set in the coordination service's store within ``timeout_ms``."""
+    try:
+        client.blocking_key_value_get(key, timeout_ms)
+        return True
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        return False
 
 
 def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import threading
 import time
 import warnings
@@ -51,6 +52,17 @@ def main() -> None:
                              "to keep one: made again when step.mesh changes, saved through "
                              "step.guard, with mnemojax.checkpoint_barrier()")
     parser.add_argument("--user-ckpt-every", type=int, default=3)
+    parser.add_argument("--die-in-save", type=int, default=-1, metavar="W",
+                        help="with --user-ckpt: worker W SIGKILLs itself in its save after "
+                             "step --die-in-save-at, past the save's collective, as it comes "
+                             "to the save's first barrier (the others wait for it there, on "
+                             "their main thread)")
+    parser.add_argument("--die-in-save-at", type=int, default=-1, metavar="K")
+    parser.add_argument("--die-in-commit", action="store_true",
+                        help="with --die-in-save: W dies at the first barrier of that save's "
+                             "commit (Orbax's thread) instead, once every process has "
+                             "gathered the final state (the others' commits wait for it, "
+                             "and the job ends without a new world)")
     parser.add_argument("--long-eval-after", type=int, default=-1, metavar="K",
                         help="after step K every process dispatches --long-eval-calls calls "
                              "of a jitted eval (200 losses on a batch placed over the data "
@@ -173,7 +185,11 @@ def main() -> None:
                                   **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
     evaluate, evals = _guarded_eval(step, args.eval_slow_after, args.eval_on_host), {}
-    user_save, user_manager = (_user_checkpoints(step, args.user_ckpt, args.user_ckpt_every)
+    die_at = args.die_in_save_at if me == args.die_in_save else None
+    gathered = threading.Event()  # (--die-in-commit: the final state is gathered)
+    user_save, user_manager = (_user_checkpoints(step, args.user_ckpt, args.user_ckpt_every,
+                                                 die_at, gathered if args.die_in_commit
+                                                 else None)
                                if args.user_ckpt else (None, None))
     loader = None
     if args.host_data:
@@ -230,7 +246,15 @@ def main() -> None:
                 print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
                 evals[k] = None
         time.sleep(args.pause_s if k == args.pause_after else args.step_sleep_s)
-    if user_manager is not None:
+
+    def last_commit() -> None:
+        gathered.set()
+        try:
+            user_manager().wait_until_finished()
+        except mnemojax.errors.CheckpointLostError as exc:  # (the README: catch it)
+            print(f"mnemojax job: w{me}: the last checkpoint was lost: {exc}", flush=True)
+
+    if user_manager is not None and not args.die_in_commit:
         user_manager().wait_until_finished()
     if polling.is_set():  # (a daemon thread in jaxlib at exit aborts the process)
         polling.clear()
@@ -241,7 +265,8 @@ def main() -> None:
     if loader is not None:
         with open(os.path.join(args.out, f"rows-w{me}.json"), "w") as f:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
-    finish_job(args.out, nnx.state((model, optimizer)), step, session)
+    finish_job(args.out, nnx.state((model, optimizer)), step, session,
+               before_close=last_commit if args.die_in_commit else None)
 
 
 class _Tally(nnx.Module):
@@ -259,27 +284,44 @@ def _tallied(train_step):
     return step
 
 
-def _user_checkpoints(step, directory: str, every: int):
+def _user_checkpoints(step, directory: str, every: int, die_at: int | None,
+                      in_commit: threading.Event | None):
     """The user's own Orbax checkpoints across processes (README, "Your own Orbax
     checkpoints"): a manager per world (Orbax keeps the distributed client it was made
     with), the barrier that gives up on a peer's death, the save guarded (it starts with a
-    collective across the processes)."""
+    collective across the processes). ``die_at``: this process kills itself (SIGKILL) as
+    it comes to the first barrier of its save after that step; with ``in_commit``, to the
+    first one on Orbax's commit thread, once ``in_commit`` is set."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    made: dict = {"mesh": None, "manager": None}
+    made: dict = {"mesh": None, "manager": None, "saving": None}
+
+    def barrier_sync_fn():
+        barrier = mnemojax.checkpoint_barrier()
+
+        def dying_barrier(*, key: str, timeout_ms: int) -> None:
+            on_commit_thread = threading.current_thread() is not threading.main_thread()
+            if made["saving"] == die_at and on_commit_thread == (in_commit is not None):
+                if in_commit is not None:
+                    in_commit.wait(timeout=120)
+                print(f"mnemojax job: killing myself at barrier {key}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            barrier(key=key, timeout_ms=timeout_ms)
+        return dying_barrier if die_at is not None else barrier
 
     def manager():
         if made["mesh"] is not step.mesh:  # a new world: the old manager is let go
             made["manager"] = ocp.CheckpointManager(
                 directory, options=ocp.CheckpointManagerOptions(
                     save_interval_steps=every, max_to_keep=2,
-                    async_options=ocp.AsyncOptions(
-                        barrier_sync_fn=mnemojax.checkpoint_barrier())))
+                    async_options=ocp.AsyncOptions(barrier_sync_fn=barrier_sync_fn())))
             made["mesh"] = step.mesh
         return made["manager"]
 
     @step.guard
     def save(k, model, optimizer):
+        if manager().should_save(k):
+            made["saving"] = k  # (the commit of the step saved last)
         manager().save(k, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
 
     return save, manager

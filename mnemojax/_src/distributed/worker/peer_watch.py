@@ -168,7 +168,7 @@ def known_death() -> BaseException | None:
 def leave_behind(thread: threading.Thread, generation: int | None, *, what: str | None = None,
                  wait_s: float | None = None) -> None:
     """``thread`` stays blocked in jaxlib (``what``: by default an abandoned collective of
-    world ``generation``; an abandoned connect, a checkpoint barrier) until that call gives
+    world ``generation``; an abandoned connect) until that call gives
     up: it is joined at exit, at most ``wait_s`` from now (default ``exit_wait_s``: the
     collective timeout and a margin), see `_join_left_behind`. It must end once that call
     returns."""
