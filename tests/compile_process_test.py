@@ -139,25 +139,44 @@ def test_a_module_the_child_cannot_compile_is_left_to_this_process(fresh, caplog
         ahead.close()
 
 
-def test_a_child_that_dies_leaves_the_compiles_ahead_to_the_thread(fresh, caplog):
-    plan = ct._plan((3, 2))
+def test_a_child_that_dies_is_replaced_up_to_max_starts(fresh, caplog, monkeypatch):
+    """A child killed while a compile waits for it leaves that compile to the thread; the
+    next compile runs in a new child, until `MAX_STARTS` were started (here 2): then the
+    thread compiles from now on. Every executable computes as one compiled here."""
+    monkeypatch.setattr(compile_process, "MAX_STARTS", 2)
+    killed, again, last = ct._plan((3, 2)), ct._plan((2, 2)), ct._plan((2, 1))
     ahead = ct._compiler(in_child=True)
     here = ct._compiler()
-    try:
-        ahead.precompile([ct._plan((4, 2))], ct.BATCH)
-        assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 1
+
+    def kill_during(plan):
         pid = fresh.pid
         assert pid is not None
-        with fresh.paused():  # the next request waits in the pipe while it is killed
+        with fresh.paused():  # the request waits in the pipe while the child is killed
             ahead.precompile([plan], ct.BATCH)
             time.sleep(1.0)
             os.kill(pid, signal.SIGKILL)
-            with caplog.at_level(logging.WARNING, logger="mnemojax"):
-                assert ahead.wait_precompiled(timeout_s=120)
-        assert ahead.compiled_in_child == 1 and ahead.compiled_ahead == 2
-        assert fresh.ended is not None and "compile process is gone" in caplog.text
-        for a, b in zip(_outputs(ahead, plan), _outputs(here, plan), strict=True):
-            np.testing.assert_array_equal(a, b)
+            assert ahead.wait_precompiled(timeout_s=120)
+        assert fresh.pid is None and _ends(pid)
+
+    try:
+        ahead.precompile([ct._plan((4, 2))], ct.BATCH)
+        assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 1
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            kill_during(killed)
+            assert ahead.compiled_in_child == 1 and fresh.ended is None
+            assert "the next one in a new compile process" in caplog.text
+            ahead.precompile([again], ct.BATCH)  # in a second child
+            assert ahead.wait_precompiled(timeout_s=120) and ahead.compiled_in_child == 2
+            assert fresh.starts == 2
+            kill_during(ct._plan((1, 2)))
+            assert fresh.ended is not None and "from now on" in caplog.text
+        ahead.precompile([last], ct.BATCH)  # on the thread, no third child
+        assert ahead.wait_precompiled(timeout_s=120)
+        assert ahead.compiled_in_child == 2 and ahead.compiled_ahead == 5
+        assert fresh.pid is None and fresh.starts == 2
+        for plan in (killed, again, last):
+            for a, b in zip(_outputs(ahead, plan), _outputs(here, plan), strict=True):
+                np.testing.assert_array_equal(a, b)
     finally:
         ahead.close()
         here.close()

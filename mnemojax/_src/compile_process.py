@@ -33,7 +33,9 @@ order mapped onto its own: an XLA:CPU executable does not depend on which proces
 compiled it, WORKSPACE_NOTES "One cache key for every process"), modules without host
 callbacks. Whatever fails in the child (its start, a crash, a compile error, a load)
 makes the thread compile that module itself, so a compile error is raised by JAX as
-without the child; a child that ended is not started again (logged once). The child
+without the child; a child that ended (killed by the kernel's OOM killer, a crash) is
+started again at the next compile, up to `MAX_STARTS` children in all, after which the
+thread compiles (logged). The child
 costs ~0.2 GB of host memory and ~2 s of CPU to start (when the step is built, in a
 process that compiles ahead). Off: ``CompileOptions(compile_process=False)``.
 """
@@ -65,6 +67,11 @@ _LOADER = ("import importlib.util, sys; "
            "worker.serve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
 
 
+# Children started in one process at most: one that keeps dying (a module that crashes XLA,
+# a host short of memory) leaves the compiles to the thread from then on.
+MAX_STARTS = 3
+
+
 class CompileAbandoned(Exception):
     """The compile process was killed (`abandon`, at exit) while it compiled this module:
     nothing is compiled."""
@@ -84,6 +91,7 @@ class CompileProcess:
         self._pauses = 0
         self._abandoned = False
         self.ended: str | None = None  # why the child is gone for good
+        self.starts = 0  # children started (`MAX_STARTS`)
         self.compiled = 0  # modules compiled there and loaded here
 
     @property
@@ -152,7 +160,8 @@ class CompileProcess:
             raise CompileAbandoned("the compile process was killed at exit")
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        self._end(f"it ended (exit status {proc.returncode}) before answering a compile")
+        self._lost(proc, f"it ended (exit status {proc.returncode}) before answering a "
+                         "compile")
         return None
 
     def _started(self) -> subprocess.Popen | None:
@@ -164,6 +173,7 @@ class CompileProcess:
             try:
                 self._proc = _spawn([sys.executable, "-c", _LOADER, compile_worker.__file__,
                                      str(self.num_devices), str(os.getpid()), str(self.nice)])
+                self.starts += 1
             except OSError as e:
                 self.ended = f"it could not start ({e})"
                 log.warning("mnemojax: compiles ahead of time run in this process: the "
@@ -175,16 +185,24 @@ class CompileProcess:
                      self._proc.pid, self.nice)
             return self._proc
 
-    def _end(self, why: str) -> None:
+    def _lost(self, proc: subprocess.Popen, why: str) -> None:
+        """The child `proc` ended: the next compile starts another, unless `MAX_STARTS`
+        were started (then the thread compiles from now on)."""
         with self._lock:
-            if self.ended is not None:
+            if self._proc is not proc or self.ended is not None:
                 return
-            self.ended = why
-            proc, self._proc = self._proc, None
-        log.warning("mnemojax: the compile process is gone (%s); compiles ahead of time "
-                    "run in this process from now on", why)
-        if proc is not None:
-            _kill(proc)
+            self._proc = None
+            if self.starts >= MAX_STARTS:
+                self.ended = why
+            again = self.ended is None
+        if again:
+            log.warning("mnemojax: the compile process is gone (%s); this compile runs in "
+                        "this process, the next one in a new compile process", why)
+        else:
+            log.warning("mnemojax: the compile process is gone (%s), the last of the %d "
+                        "this process starts; compiles ahead of time run in this process "
+                        "from now on", why, MAX_STARTS)
+        _kill(proc)
 
     def _signal(self, sig: int) -> None:  # (with self._lock held)
         if self._proc is not None and self._proc.poll() is None:
