@@ -232,6 +232,47 @@ def test_an_annotation_that_does_not_divide_keeps_the_layout_jax_gave(caplog):
     train_step.close()
 
 
+def test_logical_names_read_after_their_rules_closed_keep_the_layout_the_rules_gave():
+    """Flax's GSPMD guide: the model is made inside ``nnx.logical_axis_rules``, its
+    variables annotated with logical names, and trained outside that block, where Flax
+    returns those names unresolved. Each keeps the layout its array was given (as
+    ``nnx.jit`` runs it; a user trial: refused, "names mesh axis 'hidden'"), and a step
+    equals plain ``nnx.jit``'s."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8],
+                         axis_types=(AxisType.Auto, AxisType.Auto))
+    rules = (("embed", None), ("hidden", "model"))
+
+    def make():
+        init = nnx.initializers.lecun_normal()
+        return nnx.Linear(h.DIN, h.DHIDDEN, rngs=nnx.Rngs(0),
+                          kernel_init=nnx.with_partitioning(init, ("embed", "hidden")),
+                          bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                          ("hidden",)))
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        model, plain = make(), make()
+    assert nnx.get_partition_spec(nnx.state(model))["kernel"].get_value() == P(
+        "embed", "hidden")  # (unresolved out here)
+
+    def step(model, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param),
+                                       grads))
+        return loss
+
+    x = np.linspace(-1, 1, 8 * h.DIN, dtype=np.float32).reshape(8, h.DIN)
+    train_step = mnemojax.resilient(step, mesh=mesh, options=h.no_precompile())
+    loss = train_step(model, x)
+    with jax.set_mesh(mesh):
+        want = nnx.jit(step)(plain, x)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), np.asarray(plain.kernel[...]),
+                               atol=1e-6)
+    assert model.kernel[...].sharding.spec == P(None, "model")
+    assert model.bias[...].sharding.spec == P("model")
+    train_step.close()
+
+
 class _Vector(nnx.Module):
     def __init__(self):
         self.w = nnx.Param(jnp.ones((8,)))

@@ -696,3 +696,27 @@ def test_a_step_that_swaps_which_variables_hold_arrays_is_refused():
             step(_WithEmpty(), np.ones((8,), np.float32))
     finally:
         step.close()
+
+
+def test_equal_typed_keys_read_as_equal_values_and_other_keys_do_not():
+    """Across processes a recovery names the state leaves changed outside the step by
+    comparing this process's shards (`_same_local_values`). Typed PRNG keys (a dropout
+    stream's ``rngs.key``, written back equal by an ``nnx.jit`` eval) were always "unsure",
+    so named as changed: the warning said the dropout stream may have been rewound (a user
+    trial). They are compared by their data and impl."""
+    import time
+
+    from mnemojax._src.step_forms import _same_local_values
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8),
+                          jax.sharding.NamedSharding(mesh, jax.P("data")))
+    deadline = time.monotonic() + 10
+    assert _same_local_values(keys, jax.random.wrap_key_data(jax.random.key_data(keys) + 0),
+                              deadline)
+    other = jax.random.wrap_key_data(jax.random.key_data(keys).at[3, 0].add(1))
+    assert not _same_local_values(keys, other, deadline)
+    rbg = jax.random.split(jax.random.key(0, impl="rbg"), 8)  # (another impl, other data)
+    assert not _same_local_values(keys, rbg, deadline)
+    assert not _same_local_values(keys, jax.random.key_data(keys), deadline)

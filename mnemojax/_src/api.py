@@ -221,6 +221,10 @@ class ResilientStep(Generic[P, R]):
         self._built: _Built | None = None
         self._warned_no_loss = False
         self._guarding = False  # guarded work runs (`guard`): a guard inside runs plainly
+        # The guarded work running found the objects holding the last step's state
+        # (`_check_untouched`): what they hold now, it wrote (it runs again after a
+        # recovery, so a recovery says nothing of it, `_recover_world`).
+        self._guard_checked = False
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -509,11 +513,11 @@ class ResilientStep(Generic[P, R]):
             work = functools.partial(self._on_carried_state, b.form, fn, args, kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
-        self._guarding = True
+        self._guarding, self._guard_checked = True, False
         try:
             return self._run(self._step + 1, b.last_written, None, beside=work)[1]
         finally:
-            self._guarding = False
+            self._guarding = self._guard_checked = False
 
     def _adopt_new_objects(self, b: _Built, args: tuple, kwargs: dict[str, Any]
                            ) -> tuple[tuple[Any, ...], CallInputs] | None:
@@ -634,6 +638,7 @@ class ResilientStep(Generic[P, R]):
         """The NNX form's guarded work: `_check_untouched`, then `fn` (both inside the
         work's failure handling: the comparison is a collective across processes)."""
         self._check_untouched(self._require_built(), form)
+        self._guard_checked = True
         return fn(*args, **kwargs)
 
     def _check_untouched(self, b: _Built, form: NnxForm) -> None:
@@ -1115,8 +1120,12 @@ class ResilientStep(Generic[P, R]):
         b = self._require_built()
         assert b.process_recovery is not None
         uncharged = not charge
-        # (read before the old world's arrays are dropped: `_say_undone_change`)
-        replaced = b.form.replaced_since_written() if isinstance(b.form, NnxForm) else []
+        # (read before the old world's arrays are dropped: `_say_undone_change`; not of
+        # what guarded work wrote, which runs again: a user trial's eval, killed in its
+        # collective, left 14 leaves not computed, all named as changed)
+        replaced = b.form.replaced_since_written() if isinstance(b.form, NnxForm) \
+            and not self._guard_checked else []
+        self._guard_checked = False  # (a round after this one is the recovery's own)
         close_s = 0.0  # every round's close of its old runtime (the first waits longest)
         if b.session is not None:  # the publish in flight reads the arrays about to go
             b.session.settle(quiet=True)

@@ -86,7 +86,11 @@ def validate_specs(
             if unknown:
                 raise ShardingMismatchError(
                     f"{path}: partition spec {spec} names mesh axis {unknown[0]!r}, but the "
-                    f"mesh has axes {tuple(mesh_shape)}"
+                    f"mesh has axes {tuple(mesh_shape)} (if {unknown[0]!r} is a logical "
+                    "name: Flax resolves those only inside nnx.logical_axis_rules(...) or "
+                    "with nnx.with_partitioning(..., sharding_rules=...); keep the rules in "
+                    "effect around the training loop, or place the model's arrays under "
+                    "them, with the mesh set, before the first step)"
                 )
             width = int(np.prod([mesh_shape[n] for n in names]))
             if shape[dim] % width:

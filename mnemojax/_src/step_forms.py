@@ -855,10 +855,19 @@ def _annotated_or_placed(spec: PartitionSpec, value: Any, path: str = "") -> Par
     An annotation that does not divide the array over the mesh its array is placed on
     (Flax's FSDP example shards a (32, 1) kernel's last dimension over a 4-wide axis)
     yields to that placement (JAX left such a kernel replicated), with a warning: the
-    program runs as it does without mnemojax (a user trial: it was refused)."""
+    program runs as it does without mnemojax (a user trial: it was refused).
+
+    An annotation naming axes the mesh its array is placed on lacks (logical names, as
+    Flax's GSPMD guide gives them, read after the ``nnx.logical_axis_rules`` block the
+    model was made in has closed, when Flax returns them unresolved) yields to that
+    placement too, which those rules made: as ``nnx.jit`` runs it (a user trial: it was
+    refused, naming the logical axis)."""
     sharding = getattr(value, "sharding", None)
     placed = sharding if isinstance(sharding, NamedSharding) else None
     if any(axis is not None for axis in spec):
+        if placed is not None and any(n not in placed.mesh.shape for _, names in
+                                      shd.spec_axes(spec) for n in names):
+            return placed.spec
         if placed is not None and not _fits(spec, np.shape(value), placed.mesh.shape):
             log.warning(
                 "mnemojax: %s: its sharding annotation %s does not divide its shape %s over "
@@ -942,8 +951,8 @@ _COMPARE_WAIT_S = 1.0
 
 def is_ready(x: jax.Array) -> bool:
     """Whether ``x``'s value is computed (or failed): `jax.Array.is_ready`, which the
-    type stubs of `jax.Array` leave out."""
-    return bool(x.is_ready())  # pyright: ignore[reportAttributeAccessIssue]
+    type stubs of `jax.Array` leave out (a typed PRNG key array has none: its data's)."""
+    return bool(_to_raw(x).is_ready())  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def listed(names: Sequence[str], most: int = 4) -> str:
@@ -960,6 +969,10 @@ def _same_local_values(a: Any, b: Any, deadline: float) -> bool:
         if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)) or (
                 a.shape != b.shape or a.dtype != b.dtype):
             return False
+        if _is_key(a):  # (typed PRNG keys: compared by their data, and their impl)
+            if jax.random.key_impl(a) != jax.random.key_impl(b):
+                return False
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
         while not (is_ready(a) and is_ready(b)):
             if time.monotonic() > deadline:
                 return False
@@ -970,7 +983,7 @@ def _same_local_values(a: Any, b: Any, deadline: float) -> bool:
             mine[d].index == theirs[d].index
             and np.array_equal(np.asarray(mine[d].data), np.asarray(theirs[d].data))
             for d in mine)
-    except Exception:  # noqa: BLE001 - a deleted (donated) buffer, a key array: unsure
+    except Exception:  # noqa: BLE001 - a deleted (donated) buffer: unsure
         return False
 
 

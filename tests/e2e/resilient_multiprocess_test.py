@@ -111,6 +111,28 @@ def test_a_worker_killed_during_a_guarded_eval_is_recovered_and_every_eval_is_ex
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_death_inside_a_guarded_eval_names_nothing_as_changed_outside_the_step(
+        tmp_path, reference, capfd):
+    """Worker 1 dies 1 s into its eval after step 3, so the others are inside theirs: the
+    ``nnx.jit`` eval has written its outputs (equal values, never computed: the eval waits
+    for the dead worker) back into the model. The eval runs again after the recovery, so
+    the recovery names no leaf as changed outside the step (it named every one the eval
+    wrote back, a user trial's 14); every eval and the final state exact."""
+    report = _run(tmp_path, [], extra=("--guarded-eval", "--die-in-eval", "1",
+                                       "--die-in-eval-at", "3"))
+    rec = _one_recovery(tmp_path, reference, report)
+    assert rec["guarded"] and rec["step"] == 4 and rec["failed_processes"] == [1]
+    printed = capfd.readouterr()
+    assert "killing myself in the eval after step 3" in printed.out + printed.err
+    assert "changed outside the step" not in printed.out + printed.err
+    want = h.reference_evals(h.make_batches(STEPS))
+    for w in (0, 2):
+        with open(tmp_path / f"evals-w{w}.json") as f:
+            got = json.load(f)
+        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_on_together(
         tmp_path, reference):
     """An eval with no collective across processes (each computes the whole loss from

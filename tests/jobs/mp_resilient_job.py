@@ -131,6 +131,11 @@ def main() -> None:
     parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
                         help="with --guarded-eval: the first eval after step K sleeps 2 s "
                              "before it starts (a kill at K lands inside it)")
+    parser.add_argument("--die-in-eval", type=int, default=-1, metavar="W",
+                        help="with --guarded-eval: worker W SIGKILLs itself 1 s into its "
+                             "eval after step --die-in-eval-at, before it dispatches it (the "
+                             "others wait for it in their eval's collective)")
+    parser.add_argument("--die-in-eval-at", type=int, default=-1, metavar="K")
     parser.add_argument("--touch-before-eval", action="store_true",
                         help="with --guarded-eval: replace the optimizer's step count by an "
                              "equal new array before each eval (the guard compares the "
@@ -184,7 +189,8 @@ def main() -> None:
                                       directory=args.ckpt, every_steps=args.ckpt_every),
                                   **extra_opts))
     start = step.restore(model, optimizer) if args.restore else 0
-    evaluate, evals = _guarded_eval(step, args.eval_slow_after, args.eval_on_host), {}
+    evaluate, evals = _guarded_eval(step, args.eval_slow_after, args.eval_on_host,
+                                    args.die_in_eval_at if me == args.die_in_eval else None), {}
     die_at = args.die_in_save_at if me == args.die_in_save else None
     gathered = threading.Event()  # (--die-in-commit: the final state is gathered)
     user_save, user_manager = (_user_checkpoints(step, args.user_ckpt, args.user_ckpt_every,
@@ -355,11 +361,11 @@ def _poll_process_index(polling: threading.Event) -> None:
         time.sleep(0.0005)
 
 
-def _guarded_eval(step, slow_after: int, on_host: bool):
+def _guarded_eval(step, slow_after: int, on_host: bool, die_at: int | None):
     """The eval a user writes beside the train step: the batch placed over the data axis
     of the step's current mesh at each call (`ResilientStep.place`), the loss a mean
     across processes (or, with `on_host`, the host batch: the whole loss in every
-    process)."""
+    process). ``die_at``: this process kills itself 1 s into its eval after that step."""
     loss = nnx.jit(lambda model, batch: {"loss": h.loss_fn(model, batch)})
     slept = []
 
@@ -370,6 +376,10 @@ def _guarded_eval(step, slow_after: int, on_host: bool):
         if step.step_count == slow_after and not slept:
             slept.append(True)
             time.sleep(2.0)
+        if step.step_count == die_at:
+            time.sleep(1.0)
+            print(f"mnemojax job: killing myself in the eval after step {die_at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         with jax.set_mesh(step.mesh):  # (step.place: no collective, unlike device_put)
             return loss(model, step.place(batch))
 
