@@ -1010,3 +1010,25 @@ def test_an_optimizer_that_leaves_parameters_out_recovers_as_nnx_jit_runs():
     np.testing.assert_array_equal(biases[0], make()[0].l1.bias[...])  # (frozen)
     want = h.plain_mesh_run(h.train_step, *make(), batches, mesh, jax.P("data"))
     h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), want)
+
+
+def test_an_input_on_a_device_lost_to_the_fault_injector_is_said_once(caplog):
+    """A batch the user placed on the mesh before a recovery (here on every device of the
+    first mesh) still feeds the step after a device is lost to a `FaultInjector`, which
+    leaves its arrays readable; a real loss would not (a user trial's rehearsal ran on
+    silently). The step warns, once per input, naming the lost devices; host inputs are
+    not named."""
+    from mnemojax.testing import FaultInjector
+
+    model, optimizer = h.make_mlp()
+    mesh = h.mesh_of((4, 2))
+    step = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(2, [3]))
+    rows = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    with caplog.at_level(logging.WARNING, logger="mnemojax"):
+        for batch in h.make_batches(4):
+            step(model, optimizer, {"x": jax.device_put(batch["x"], rows), "y": batch["y"]})
+    said = [r.getMessage() for r in caplog.records if "which this step lost" in r.getMessage()]
+    assert step.statistics.recoveries and len(said) == 1, said
+    assert "batch['x'] is an array on devices [3]" in said[0]
+    step.close()

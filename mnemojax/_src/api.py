@@ -361,6 +361,8 @@ class ResilientStep(Generic[P, R]):
         _refuse_arrays_of_other_processes(user_batch)
         if b.session is not None and b.session.world.generation > 0:
             _say_inputs_of_ended_worlds(b, user_batch)
+        elif b.runtime.proxy.dead:
+            _say_inputs_on_lost_devices(b, user_batch)
         batch = host_batch(user_batch)
         self._check_batch(b, batch)
         self._compare_replicated_inputs(b, batch)
@@ -1677,6 +1679,26 @@ def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:
                 "model, a key folded with the step number)", name)
 
 
+def _say_inputs_on_lost_devices(b: _Built, inputs: CallInputs) -> None:
+    """Warns, once per input, of a step input that is an array on devices this step lost
+    (placed on the mesh before a recovery by the user's own pipeline). A real loss leaves
+    it unreadable: the call then fails in the user's code. Devices lost to a
+    `mnemojax.testing.FaultInjector` still hold it, so a rehearsal ran on silently (a
+    user trial's batch, put on the first 8-device mesh, fed the 4-device step)."""
+    dead = b.runtime.proxy.dead
+    for name, x in zip(inputs.layout.names, inputs.leaves, strict=True):
+        if not isinstance(x, jax.Array) or name in b.lost_device_inputs:
+            continue
+        if lost := sorted(dead & {d.id for d in x.sharding.device_set}):
+            b.lost_device_inputs.add(name)
+            log.warning(
+                "mnemojax: the step input %s is an array on devices %s, which this step "
+                "lost: after a real loss it cannot be read (here the devices were lost to "
+                "a fault injector, which leaves it readable). Pass host arrays (numpy), or "
+                "place inputs on the step's current mesh (train_step.mesh, "
+                "train_step.place)", name, lost)
+
+
 def _refuse_arrays_of_other_processes(inputs: Any) -> None:
     """A step input that is a `jax.Array` spanning other processes' devices (built with
     ``jax.make_array_from_process_local_data`` or ``host_local_array_to_global_array``)
@@ -1736,6 +1758,7 @@ class _Built:
     compared_layouts: set = dataclasses.field(default_factory=set)
     comparisons: int = 0
     old_world_inputs: set = dataclasses.field(default_factory=set)  # (said once per input)
+    lost_device_inputs: set = dataclasses.field(default_factory=set)  # (the same)
     restored_unrun: bool = False  # restore() filled the objects; no step has run since
     # Batch layout -> its shapes and dtypes, the newest last (`CompileOptions.ahead_layouts`).
     layouts: dict = dataclasses.field(default_factory=dict)
