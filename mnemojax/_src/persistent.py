@@ -22,6 +22,7 @@ so a failure is known as soon as the write ends, without blocking the training t
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -51,9 +52,11 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _DRAIN_WAITS = 4
 # How often a wait for the save in flight asks whether a peer's death is known (`settle`).
 _SETTLE_POLL_S = 0.05
-# How long a checkpoint barrier waits in one call into jaxlib before it asks again whether a
-# peer's death is known (`checkpoint_barrier`).
-_BARRIER_POLL_S = 0.25
+# The longest pause between a checkpoint barrier's looks for its outcome, and whether a
+# peer's death is known (`checkpoint_barrier`; the pauses grow to it from 2 ms).
+_BARRIER_POLL_S = 0.1
+# Barrier keys whose call counts a barrier function keeps (the newest used).
+_BARRIER_KEYS = 1024
 
 
 class SaveFailure(NamedTuple):
@@ -107,7 +110,10 @@ class PersistentTier:
             self.directory, item_names=("state", "mnemojax"),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, enable_async_checkpointing=True,
-                async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier())))
+                async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier()),
+                # (its barriers' names apart from a user's own manager's in the same job)
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix="mnemojax")))
         self.last_saved_step: int | None = None
         self._attempts = 0  # saves started; a failure is recorded once per attempt
         self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
@@ -350,8 +356,9 @@ def checkpoint_barrier() -> Callable[..., None]:
     It gives up (the commit fails with `CheckpointLostError`, the checkpoint is lost) as
     soon as a peer's death in the world it was made in is heard of, or that world is left.
     Each process counts its arrival in the coordination service's key-value store, the
-    last one sets the barrier's ``done`` key, and every process waits for that key in
-    calls of at most ``_BARRIER_POLL_S``, so no thread is ever left blocked in jaxlib:
+    last one writes the barrier's outcome, and every process looks for it with
+    non-blocking reads on its own thread (`store_barrier`), so none is left blocked in
+    jaxlib:
     JAX's ``wait_at_barrier`` cannot be cancelled, and a process whose peer died after the
     last save then waited at exit for the abandoned barrier (up to the collective timeout)
     and aborted if it was still blocked when the interpreter finalised. Orbax's own barrier
@@ -362,9 +369,11 @@ def checkpoint_barrier() -> Callable[..., None]:
     it does nothing, as Orbax asks no barrier then.
 
     Raises (from the barrier, to Orbax's commit):
-        CheckpointLostError: a peer died, or the world ended, before every process arrived.
-        jax.errors.JaxRuntimeError: ``DEADLINE_EXCEEDED`` after ``timeout_ms``, naming the
-            processes that did not arrive (the type JAX's barrier raises).
+        CheckpointLostError: a peer died (or the world re-forms, or ended) before every
+            process arrived.
+        jax.errors.JaxRuntimeError: ``DEADLINE_EXCEEDED`` in every process once one of
+            them waited ``timeout_ms``, naming the processes that did not arrive (the
+            type JAX's barrier raises).
     """
     client = jax_private.global_state().client
     if client is None:  # (one process: Orbax does not ask)
@@ -372,62 +381,102 @@ def checkpoint_barrier() -> Callable[..., None]:
     from absl import logging as absl_logging  # (absl's own logger: a filter added once)
     absl_logging.get_absl_logger().addFilter(_ONE_LINE)
 
-    def given_up() -> str | None:
+    def given_up() -> tuple[str, bool] | None:
         if (death := peer_watch.known_death()) is not None:
-            return f"a peer process died: {death}"
+            regrow = bool(getattr(death, "mnemojax_regrow", False))
+            return (f"{'the world re-forms' if regrow else 'a peer process died'}: {death}",
+                    regrow)
         if jax_private.global_state().client is not client:
-            return "the world it was in has ended"
+            return "the world it was in has ended", False
         return None
 
     return store_barrier(client, jax.process_index(), jax.process_count(), given_up)
 
 
 def store_barrier(client: Any, me: int, count: int,
-                  given_up: Callable[[], str | None]) -> Callable[..., None]:
+                  given_up: Callable[[], tuple[str, bool] | None]) -> Callable[..., None]:
     """`checkpoint_barrier`'s barrier for process ``me`` of ``count``, through ``client``'s
     key-value store: Orbax's ``barrier_sync_fn(*, key, timeout_ms)``. ``given_up()``
-    returns why to stop waiting (raised as `CheckpointLostError`), or None."""
-    calls: dict[str, int] = {}  # key -> barriers of that key so far (Orbax's are unique)
+    returns why to stop waiting and whether that is a regrow (raised as
+    `CheckpointLostError`, its ``mnemojax_regrow`` set: a recovery in guarded work is not
+    charged for a regrow), or None.
+
+    One outcome per barrier, written once (``root/outcome``: the last arrival writes
+    ``done``, a process that gives up ``failed``; the store refuses a second write), so
+    every process passes or fails alike: with each process judging its own deadline, one
+    that gave up left its arrival counted, a later one passed alone, and each barrier of
+    that name after it was one arrival off. Each process looks for the outcome with
+    non-blocking reads, at most every ``_BARRIER_POLL_S`` (a timed-out blocking read held
+    ~36 KB in the client and the service until its key was set)."""
+    calls: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> its barriers
     lock = threading.Lock()
 
+    def outcome(root: str, value: str) -> str:
+        """Writes ``value`` as the outcome unless one is written; returns the outcome."""
+        try:
+            client.key_value_set(f"{root}/outcome", value)
+            return value
+        except jax.errors.JaxRuntimeError as e:
+            if "ALREADY_EXISTS" not in str(e):
+                raise
+            return client.key_value_try_get(f"{root}/outcome")
+
     def barrier(*, key: str, timeout_ms: int) -> None:
-        with lock:
-            calls[key] = n = calls.get(key, 0) + 1
+        with lock:  # (Orbax reuses some keys at every save: a barrier per call)
+            calls[key] = n = calls.pop(key, 0) + 1
+            while len(calls) > _BARRIER_KEYS:  # (others carry the step: once each)
+                calls.popitem(last=False)
         root = f"mnemojax/checkpoint-barrier/{key}/{n}"
         deadline = time.monotonic() + timeout_ms / 1000
+        poll_s = 0.002
         try:
             client.key_value_set(f"{root}/in/{me}", "")
-            if client.key_value_increment(f"{root}/arrived", 1) == count:
-                client.key_value_set(f"{root}/done", "")
-            while not _got(client, f"{root}/done", int(_BARRIER_POLL_S * 1000)):
+            result = (outcome(root, "done")
+                      if client.key_value_increment(f"{root}/arrived", 1) >= count else None)
+            while result is None:
+                if (result := _read(client, f"{root}/outcome")) is not None:
+                    break
                 if (why := given_up()) is not None:
-                    raise CheckpointLostError(f"barrier {key}: {why}")
+                    outcome(root, "failed")
+                    raise _lost(key, *why)
                 if time.monotonic() > deadline:
-                    there = {int(k.rsplit("/", 1)[-1])
-                             for k, _ in client.key_value_dir_get(f"{root}/in")}
-                    raise jax.errors.JaxRuntimeError(
-                        f"DEADLINE_EXCEEDED: mnemojax: barrier {key}: processes "
-                        f"{sorted(set(range(count)) - there)} of {count} did not arrive "
-                        f"within {timeout_ms / 1000:g} s")
+                    result = outcome(root, "failed")  # (unless done meanwhile)
+                    break
+                time.sleep(poll_s)
+                poll_s = min(poll_s * 1.5, _BARRIER_POLL_S)
+            if result != "done":
+                if (why := given_up()) is not None:
+                    raise _lost(key, *why)
+                there = {int(k.rsplit("/", 1)[-1])
+                         for k, _ in client.key_value_dir_get(f"{root}/in")}
+                raise jax.errors.JaxRuntimeError(
+                    f"DEADLINE_EXCEEDED: mnemojax: barrier {key}: processes "
+                    f"{sorted(set(range(count)) - there)} of {count} did not arrive "
+                    f"within {timeout_ms / 1000:g} s (in some process)")
             if client.key_value_increment(f"{root}/seen", 1) == count:
                 client.key_value_delete(root)  # every process has seen it complete
         except jax.errors.JaxRuntimeError as e:  # the service went with the world
             if (why := given_up()) is None:
                 raise
-            raise CheckpointLostError(f"barrier {key}: {why}") from e
+            raise _lost(key, *why) from e
 
     return barrier
 
 
-def _got(client: Any, key: str, timeout_ms: int) -> bool:
-    """Whether ``key`` is set in the coordination service's store within ``timeout_ms``."""
+def _read(client: Any, key: str) -> str | None:
+    """``key``'s value in the coordination service's store, None while it is not set."""
     try:
-        client.blocking_key_value_get(key, timeout_ms)
-        return True
+        return client.key_value_try_get(key)
     except jax.errors.JaxRuntimeError as e:
-        if "DEADLINE_EXCEEDED" not in str(e):
+        if "NOT_FOUND" not in str(e):
             raise
-        return False
+        return None
+
+
+def _lost(key: str, why: str, regrow: bool) -> CheckpointLostError:
+    error = CheckpointLostError(f"barrier {key}: {why}")
+    error.mnemojax_regrow = regrow  # type: ignore[attr-defined]  # (`_recover_after`)
+    return error
 
 
 def _mismatch(saved: list[dict[str, Any]], want: list[dict[str, Any]], directory: Path,

@@ -297,7 +297,8 @@ def _user_checkpoints(step, directory: str, every: int, die_at: int | None,
     with), the barrier that gives up on a peer's death, the save guarded (it starts with a
     collective across the processes). ``die_at``: this process kills itself (SIGKILL) as
     it comes to the first barrier of its save after that step; with ``in_commit``, to the
-    first one on Orbax's commit thread, once ``in_commit`` is set."""
+    first one of that step's commit (Orbax's thread; its keys end in ``.<step>``), once
+    ``in_commit`` is set."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     made: dict = {"mesh": None, "manager": None, "saving": None}
@@ -307,7 +308,8 @@ def _user_checkpoints(step, directory: str, every: int, die_at: int | None,
 
         def dying_barrier(*, key: str, timeout_ms: int) -> None:
             on_commit_thread = threading.current_thread() is not threading.main_thread()
-            if made["saving"] == die_at and on_commit_thread == (in_commit is not None):
+            if (key.endswith(f".{die_at}") and on_commit_thread if in_commit is not None
+                    else made["saving"] == die_at and not on_commit_thread):
                 if in_commit is not None:
                     in_commit.wait(timeout=120)
                 print(f"mnemojax job: killing myself at barrier {key}", flush=True)
