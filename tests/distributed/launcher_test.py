@@ -152,3 +152,27 @@ def test_the_launcher_says_which_workers_its_stop_signal_ended_with_nothing_kept
     assert launcher.exit_codes == {0: -signal.SIGTERM, 1: 0}
     [said] = [r.getMessage() for r in caplog.records if "nothing was checkpointed" in r.message]
     assert said.startswith("mnemojax launch: workers [0] ended by the SIGTERM")
+
+
+CRASH_AT_EXIT = """
+import os
+import mnemojax
+session = mnemojax.initialize()
+session.finish()
+if os.environ["MNEMOJAX_WORKER_ID"] == "1":
+    os.abort()  # a crash at exit, after the work was done
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_worker_that_crashes_after_it_finished_is_said_and_the_job_ends_0(tmp_path, caplog):
+    """Worker 1 reports its "finish" phase, then aborts (SIGABRT): the job's status stays 0
+    (its training was done), but the launcher says that it crashed after finishing (an
+    abort at exit was silent: a survivor's thread left in jaxlib aborted it, session 24)."""
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=120, grace_s=1),
+                        [sys.executable, "-c", CRASH_AT_EXIT])
+    with caplog.at_level("WARNING", logger="mnemojax"):
+        assert launcher.run() == 0
+    assert launcher.exit_codes == {0: 0, 1: -6}
+    assert [e["worker_id"] for e in launcher.events if e["op"] == "died_after_finish"] == [1]
+    assert "worker 1 was ended by signal 6 after it finished" in caplog.text

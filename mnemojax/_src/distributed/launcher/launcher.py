@@ -86,6 +86,7 @@ class Launcher:
         self._stop_signals: list[int] = []  # SIGTERM / SIGINT received, in order
         self._departed: set[int] = set()  # workers that left the job (`wire.Leave`): not dead
         self._leave_reasons: dict[int, str] = {}  # why each left (said if nobody is left)
+        self._finished_workers: set[int] = set()  # reported their "finish" phase
         self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
@@ -128,6 +129,8 @@ class Launcher:
         with self.roster.cv:
             if isinstance(event, wire.WorkerStarted):
                 self.roster.worker_pids[worker_id] = event.pid
+            elif isinstance(event, wire.WorkerPhase) and event.phase == "finish":
+                self._finished_workers.add(worker_id)
             elif isinstance(event, wire.WorkerExit):
                 self._worker_gone(worker_id, event.code)
             self.roster.cv.notify_all()
@@ -192,6 +195,13 @@ class Launcher:
         self.roster.exit_codes[worker_id] = code
         if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
             return
+        if code < 0 and worker_id in self._finished_workers:
+            # (the job's status stays the others': its work was done, this is no failure
+            # of the training; but what it did at exit may not have happened)
+            self._record({"op": "died_after_finish", "worker_id": worker_id, "code": code})
+            logger.warning("mnemojax launch: worker %d was ended by signal %d after it "
+                           "finished (a crash at exit: what it did after the step's close, "
+                           "files it wrote then, may be missing)", worker_id, -code)
         if code > 0 and self._worker_error is None and not self._stop_signals:
             self._end_on_worker_error(worker_id, code)
         if code != 0:
