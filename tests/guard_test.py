@@ -306,7 +306,9 @@ def test_a_change_to_the_carried_state_outside_the_step_is_refused_before_guarde
             step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
             step.guard(lambda model, metrics: _eval(model, EVAL))(model, outside)
             assert float(evaluate(model, EVAL)["loss"]) > 0
-        assert [r.getMessage().count("uses Average, whose arrays this step does not carry")
+        assert [r.getMessage().count("uses Average (given to it, or reachable through its "
+                                     "closure, perhaps only in a branch it does not take), "
+                                     "whose arrays this step does not carry")
                 for r in caplog.records] == [1, 1]  # (two lambdas: each warned once)
         caplog.clear()
         captured = nnx.metrics.Average()

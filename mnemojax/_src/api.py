@@ -684,9 +684,11 @@ class ResilientStep(Generic[P, R]):
         closure, whose variables the step does not carry: after a recovery they keep the
         arrays of the mesh before, on which the work fails when it runs again."""
         if names := form.uncarried_objects(call, fn):
-            log.warning("mnemojax: guarded %s uses %s, whose arrays this step does not "
-                        "carry: after a recovery they stay on the mesh before, and the work "
-                        "fails when it runs again; create them inside the guarded function",
+            log.warning("mnemojax: guarded %s uses %s (given to it, or reachable through "
+                        "its closure, perhaps only in a branch it does not take), whose "
+                        "arrays this step does not carry: after a recovery they stay on the "
+                        "mesh before, and the work fails when it uses them again; create "
+                        "them inside the guarded function",
                         getattr(fn, "__name__", fn), ", ".join(sorted(set(names))))
 
     def _on_recovered_state(self, fn: Callable[..., R2], args: tuple,
