@@ -60,6 +60,18 @@ def _one_recovery(tmp_path, reference, report, *, nproc=3) -> dict:
     return rec
 
 
+def _assert_evals_exact(tmp_path) -> None:
+    """Workers 0 and 2 wrote an eval after every step, each equal to the failure-free
+    plain run's."""
+    want = h.reference_evals(h.make_batches(STEPS))
+    for w in (0, 2):
+        with open(tmp_path / f"evals-w{w}.json") as f:
+            got = json.load(f)
+        assert sorted(map(int, got)) == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def _launcher_events(report, op):
     return [e for e in report["events"] if e["op"] == op]
 
@@ -102,13 +114,7 @@ def test_a_worker_killed_during_a_guarded_eval_is_recovered_and_every_eval_is_ex
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["guarded"] and rec["step"] == 4 and rec["failed_processes"] == [1]
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2} and rec["steps_lost"] == 0
-    want = h.reference_evals(h.make_batches(STEPS))
-    for w in (0, 2):
-        with open(tmp_path / f"evals-w{w}.json") as f:
-            got = json.load(f)
-        assert sorted(map(int, got)) == list(range(1, STEPS + 1))
-        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
-                                   rtol=1e-5, atol=1e-5)
+    _assert_evals_exact(tmp_path)
 
 
 def test_a_death_inside_a_guarded_eval_names_nothing_as_changed_outside_the_step(
@@ -125,12 +131,7 @@ def test_a_death_inside_a_guarded_eval_names_nothing_as_changed_outside_the_step
     printed = capfd.readouterr()
     assert "killing myself in the eval after step 3" in printed.out + printed.err
     assert "changed outside the step" not in printed.out + printed.err
-    want = h.reference_evals(h.make_batches(STEPS))
-    for w in (0, 2):
-        with open(tmp_path / f"evals-w{w}.json") as f:
-            got = json.load(f)
-        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
-                                   rtol=1e-5, atol=1e-5)
+    _assert_evals_exact(tmp_path)
 
 
 def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_on_together(
@@ -145,12 +146,7 @@ def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_o
                   extra=("--guarded-eval", "--eval-on-host", "--eval-slow-after", "3"))
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["guarded"] and rec["step"] == 4  # (worker 0's record: it writes stats.json)
-    want = h.reference_evals(h.make_batches(STEPS))
-    for w in (0, 2):
-        with open(tmp_path / f"evals-w{w}.json") as f:
-            got = json.load(f)
-        np.testing.assert_allclose([got[str(k)] for k in range(1, STEPS + 1)], want,
-                                   rtol=1e-5, atol=1e-5)
+    _assert_evals_exact(tmp_path)
 
 
 def test_the_users_own_code_between_steps_may_outlast_the_hang_limit(tmp_path, reference):
