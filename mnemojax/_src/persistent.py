@@ -54,7 +54,7 @@ _DRAIN_WAITS = 4
 _SETTLE_POLL_S = 0.05
 # The longest pause between a checkpoint barrier's looks for its outcome, and whether a
 # peer's death is known (`checkpoint_barrier`; the pauses grow to it from 2 ms).
-_BARRIER_POLL_S = 0.1
+_BARRIER_POLL_S = 0.05
 # Barrier keys whose call counts a barrier function keeps (the newest used).
 _BARRIER_KEYS = 1024
 
