@@ -450,8 +450,9 @@ class ResilientStep(Generic[P, R]):
             UnsupportedStateError: the state the step carries changed since its last call,
                 outside it (a recovery would lose that change), naming the leaves.
             GuardSkippedError: the work met a failure and the new world has processes that
-                joined it (they start at the next step): the state is recovered, the work
-                is not run again.
+                joined it (they start at the next step), or survivors that had passed the
+                work (they met the failure in the next step): the state is recovered, the
+                work is not run again.
             LeftJobExit: this process left the job.
         """
 
@@ -759,6 +760,38 @@ class ResilientStep(Generic[P, R]):
                 "mnemojax.errors.GuardSkippedError to skip it", after_step=after_step,
                 joined=record.joined_processes)
 
+    def _check_peers_at_the_work(self, record: RecoveryRecord, after_step: int) -> None:
+        """Guarded work runs again only if no survivor is past it: one that met the failure
+        in the next step (it had passed the work, whose collectives then, if any, were
+        none: an Orbax save of a step it does not keep) replays that step, and the work
+        run again here alone would wait in its collectives for it (the README's own
+        checkpoints: a new world's `CheckpointManager` starts with a collective; a user
+        trial's job ran out of recoveries). Each survivor says where it goes on in the
+        new world's store (`_recover_world`).
+
+        Raises:
+            GuardSkippedError: a survivor is in the next step, or did not say (in 60 s).
+        """
+        if record.plan_kind not in _WORLD_RECOVERIES:  # (one process: nobody else)
+            return
+        positions = coordination.posted_values(
+            f"{_POSITIONS}/{record.generation}", jax.process_count(), timeout_s=60.0,
+            stop=lambda: peer_watch.known_death() is not None)
+        ahead = None if positions is None else sorted(
+            p for p, where in positions.items()
+            if where.startswith("step:") and int(where.split(":")[1]) > after_step)
+        if ahead == []:
+            return
+        why = ("they did not say where they go on" if ahead is None else
+               f"processes {ahead} met it in step {after_step + 1}, past the work")
+        log.warning("mnemojax: world %d: the guarded work after step %d does not run again "
+                    "(GuardSkippedError): %s", record.generation, after_step, why)
+        raise GuardSkippedError(
+            f"guarded work after step {after_step} met a failure; the state is recovered, "
+            f"but {why}: the work does not run again (its collectives would meet theirs); "
+            "catch mnemojax.errors.GuardSkippedError to skip it", after_step=after_step,
+            joined=())
+
     def _write_back(self, leaves: list) -> None:
         """After a recovery in guarded work (or one whose step then raised, so that the
         caller keeps the recovered state): the state goes back into the step's objects,
@@ -962,6 +995,7 @@ class ResilientStep(Generic[P, R]):
                     if pending is not None:  # recovered: the objects get the new state
                         self._write_back(leaves)
                         self._check_no_joiners(pending.record, step - 1)
+                        self._check_peers_at_the_work(pending.record, step - 1)
                     run = functools.partial(self._run_beside, beside, step - 1)
                 else:
                     run_batch = batch if run_step == step else self._batches.batch(run_step)
@@ -1151,6 +1185,11 @@ class ResilientStep(Generic[P, R]):
                     old_plan, places, step=step, last_step=self._step, reason=reason,
                     t_fault=t_fault, rules=self._rules(), spares=spares, close_s=close_s)
                 record = resumed.record
+                # Where this process goes on (guarded work, or a step): a process at the
+                # guarded work runs it again only if no peer is already past it
+                # (`_check_peers_at_the_work`).
+                coordination.post_value(f"{_POSITIONS}/{record.generation}",
+                                        f"{'guard' if self._guarding else 'step'}:{step}")
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or
                     # a member died meanwhile): a failure after all. (The new runtime is
@@ -1652,6 +1691,12 @@ class ResilientStep(Generic[P, R]):
 
 
 _build_numbers = itertools.count()
+
+
+# The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
+_POSITIONS = "mnemojax/resume-position"
+# The plan kinds of `_recover_world`'s recoveries (`recovery.ProcessRecovery`).
+_WORLD_RECOVERIES = ("process_loss", "grow_back")
 
 
 def _say_inputs_of_ended_worlds(b: _Built, inputs: CallInputs) -> None:

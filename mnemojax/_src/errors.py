@@ -113,12 +113,14 @@ class RecoveryExhaustedError(MnemojaxError):
 class GuardSkippedError(MnemojaxError):
     """Guarded work (`ResilientStep.guard`) met a failure and the training state was
     recovered, but the new world has processes that joined it (spares, a world grown
-    back): they start at the next step, so the work (whose collectives need every process)
-    does not run again. Catch it to skip that work; the next step goes on.
+    back), or survivors that had passed the work and met the failure in the next step:
+    they go on at the next step, so the work (whose collectives need every process) does
+    not run again. Catch it to skip that work; the next step goes on.
 
     Attributes:
         after_step: the step the work ran after.
-        joined: the worker ids that joined the new world.
+        joined: the worker ids that joined the new world (none where survivors were past
+            the work).
     """
 
     def __init__(self, message: str, *, after_step: int, joined: tuple[int, ...]):

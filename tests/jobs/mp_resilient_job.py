@@ -58,6 +58,10 @@ def main() -> None:
                              "to the save's first barrier (the others wait for it there, on "
                              "their main thread)")
     parser.add_argument("--die-in-save-at", type=int, default=-1, metavar="K")
+    parser.add_argument("--late-saver", type=int, default=-1, metavar="W",
+                        help="with --user-ckpt: worker W spends 1 s in its own code before "
+                             "its (guarded) save after step --late-save-at")
+    parser.add_argument("--late-save-at", type=int, default=-1, metavar="K")
     parser.add_argument("--die-in-commit", action="store_true",
                         help="with --die-in-save: W dies at the first barrier of that save's "
                              "commit (Orbax's thread) instead, once every process has "
@@ -240,7 +244,13 @@ def main() -> None:
         if k == args.long_eval_after:
             _long_eval(step, model, args.long_eval_calls, me)
         if user_save is not None:
-            user_save(k, model, optimizer)
+            if me == args.late_saver and k == args.late_save_at:
+                time.sleep(1.0)
+            try:
+                user_save(k, model, optimizer)
+            except mnemojax.errors.GuardSkippedError as exc:  # (the README: catch it)
+                print(f"mnemojax job: w{me}: the save after step {k} skipped: {exc}",
+                      flush=True)
         if args.guarded_eval:
             if args.eval_on_host and k == args.eval_slow_after and me == 0:
                 time.sleep(2.0)

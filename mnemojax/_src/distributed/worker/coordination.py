@@ -296,11 +296,27 @@ def gather_values(prefix: str, value: str, count: int, *, timeout_s: float,
     Raises:
         DistributedError: no distributed client.
     """
+    post_value(prefix, value)
+    return posted_values(prefix, count, timeout_s=timeout_s, stop=stop, poll_s=poll_s)
+
+
+def post_value(prefix: str, value: str) -> None:
+    """Stores this process's ``value`` under ``prefix`` (at its process index) for its
+    peers' `posted_values`.
+
+    Raises:
+        DistributedError: no distributed client.
+    """
     import jax
-    client = jax_private.global_state().client
-    if client is None:
-        raise DistributedError("gather_values needs an initialised distributed client")
-    client.key_value_set(f"{prefix}/{jax.process_index()}", value)
+    _store_client().key_value_set(f"{prefix}/{jax.process_index()}", value)
+
+
+def posted_values(prefix: str, count: int, *, timeout_s: float, stop=None,
+                  poll_s: float = 0.02) -> dict[int, str] | None:
+    """The values the processes posted under ``prefix`` (`post_value`), by process index,
+    once ``count`` are there; None if ``stop()`` returns true first, or after
+    ``timeout_s``."""
+    client = _store_client()
     deadline = time.monotonic() + timeout_s
     while True:
         found = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(prefix)}
@@ -309,6 +325,13 @@ def gather_values(prefix: str, value: str, count: int, *, timeout_s: float,
         if (stop is not None and stop()) or time.monotonic() > deadline:
             return None
         time.sleep(poll_s)
+
+
+def _store_client() -> Any:
+    client = jax_private.global_state().client
+    if client is None:
+        raise DistributedError("the key-value store needs an initialised distributed client")
+    return client
 
 
 # How long a process waits, in all, for a peer's exports of the candidate worlds' step
