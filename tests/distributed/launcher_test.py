@@ -176,3 +176,27 @@ def test_a_worker_that_crashes_after_it_finished_is_said_and_the_job_ends_0(tmp_
     assert launcher.exit_codes == {0: 0, 1: -6}
     assert [e["worker_id"] for e in launcher.events if e["op"] == "died_after_finish"] == [1]
     assert "worker 1 was ended by signal 6 after it finished" in caplog.text
+
+
+DIES_LAST = """
+import os, signal, sys, time
+if os.environ["MNEMOJAX_WORKER_ID"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)  # after its last step, say: no world follows
+time.sleep(2.0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_worker_killed_in_the_last_world_is_said_when_the_others_end_the_job_0(caplog):
+    """Worker 1 is killed and no new world follows (the others finish): the job's status
+    is 0, as the final members' (its training done), but the launcher says which worker
+    ended by a signal with no world recovering it (it was silent: a user trial's last
+    checkpoint went missing unannounced)."""
+    launcher = Launcher(LaunchOptions(nproc=2, job_timeout_s=60, grace_s=1),
+                        [sys.executable, "-c", DIES_LAST])
+    with caplog.at_level("WARNING", logger="mnemojax"):
+        assert launcher.run() == 0
+    assert launcher.exit_codes == {0: 0, 1: -9}
+    [said] = [e for e in launcher.events if e["op"] == "ended_without"]
+    assert said["workers"] == {1: -9}
+    assert "worker 1 ended by a signal (9) in its last world" in caplog.text

@@ -87,6 +87,9 @@ class Launcher:
         self._departed: set[int] = set()  # workers that left the job (`wire.Leave`): not dead
         self._leave_reasons: dict[int, str] = {}  # why each left (said if nobody is left)
         self._finished_workers: set[int] = set()  # reported their "finish" phase
+        # Workers killed (a signal) since the last world was decided: if the job then ends
+        # with the others finishing, no world recovered them (said at the end).
+        self._unrecovered: dict[int, int] = {}
         self._control = ControlServer(self, secret=self.secret, on_refused=lambda peer, why:
                                       self._record({"op": "refused_connection",
                                                     "peer": peer, "reason": why}))
@@ -106,6 +109,8 @@ class Launcher:
 
     def _record(self, event: dict[str, Any]) -> None:
         event = {**event, "t": time.time()}
+        if event["op"] == "decided":
+            self._unrecovered.clear()
         if event["op"] == wire.Progress.OP:
             self.steps[event["worker_id"]] = event["step"]
         else:
@@ -195,6 +200,8 @@ class Launcher:
         self.roster.exit_codes[worker_id] = code
         if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
             return
+        if code < 0 and worker_id not in self._finished_workers:
+            self._unrecovered[worker_id] = code
         if code < 0 and worker_id in self._finished_workers:
             # (the job's status stays the others': its work was done, this is no failure
             # of the training; but what it did at exit may not have happened)
@@ -264,6 +271,15 @@ class Launcher:
             return self._failed_code if self._failed_code is not None else 1
         exit_codes = self._exit_codes()
         if all(exit_codes.get(m) == 0 for m in current):
+            if self._unrecovered:
+                self._record({"op": "ended_without", "workers": dict(self._unrecovered)})
+                logger.warning(
+                    "mnemojax launch: the job ends 0 with workers %s, but %s ended by a "
+                    "signal (%s) in its last world, after which no world recovered: what "
+                    "it would have done after its last step (a last checkpoint, its "
+                    "outputs) is missing", sorted(current), ", ".join(
+                        f"worker {w}" for w in sorted(self._unrecovered)),
+                    ", ".join(str(-c) for _, c in sorted(self._unrecovered.items())))
             return 0
         return None
 
