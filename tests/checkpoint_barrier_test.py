@@ -118,3 +118,22 @@ def test_a_death_heard_of_ends_the_wait_with_the_checkpoint_lost(clients, regrow
     with pytest.raises(CheckpointLostError, match=f"barrier doomed-{regrow}: {why[0]}") as e:
         zero(key=f"doomed-{regrow}", timeout_ms=600_000)
     assert e.value.mnemojax_regrow is regrow  # type: ignore[attr-defined]
+
+
+def test_two_barrier_functions_of_one_process_at_one_name_are_a_typed_error(clients):
+    """Two Orbax managers of one job with the same barrier names (no
+    ``barrier_sync_key_prefix``): the second to arrive at a name it shares is refused by
+    name, with the prefix to give (a user trial saw ALREADY_EXISTS on a key of ours, then
+    Orbax's TimeoutError, the job ended)."""
+    from mnemojax.errors import InvalidOptionError
+
+    first = persistent.store_barrier(clients[0], 0, 2, lambda: None)
+    second = persistent.store_barrier(clients[0], 0, 2, lambda: None)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(first, key="_async_write_complete.10", timeout_ms=2_000)
+        time.sleep(0.2)
+        with pytest.raises(InvalidOptionError, match="'_async_write_complete.10': this process "
+                           "is at it twice.*barrier_sync_key_prefix"):
+            second(key="_async_write_complete.10", timeout_ms=2_000)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):
+            waiting.result(timeout=60)  # (process 1 never comes)

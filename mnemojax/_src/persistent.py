@@ -41,6 +41,7 @@ from mnemojax._src.errors import (
     CheckpointLostError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    InvalidOptionError,
 )
 
 log = logging.getLogger("mnemojax")
@@ -430,7 +431,7 @@ def store_barrier(client: Any, me: int, count: int,
         deadline = time.monotonic() + timeout_ms / 1000
         poll_s = 0.002
         try:
-            client.key_value_set(f"{root}/in/{me}", "")
+            _arrive(client, f"{root}/in/{me}", key)
             result = (outcome(root, "done")
                       if client.key_value_increment(f"{root}/arrived", 1) >= count else None)
             while result is None:
@@ -461,6 +462,25 @@ def store_barrier(client: Any, me: int, count: int,
             raise _lost(key, *why) from e
 
     return barrier
+
+
+def _arrive(client: Any, key: str, name: str) -> None:
+    """Sets this process's arrival ``key`` at barrier ``name``.
+
+    Raises:
+        InvalidOptionError: it is set already: two barrier functions of one world (two
+            Orbax managers) use the same barrier names.
+    """
+    try:
+        client.key_value_set(key, "")
+    except jax.errors.JaxRuntimeError as e:
+        if "ALREADY_EXISTS" not in str(e):
+            raise
+        raise InvalidOptionError(
+            f"checkpoint barrier {name!r}: this process is at it twice: two Orbax checkpoint "
+            "managers of one job use the same barrier names. Give all but one of them "
+            "ocp.CheckpointManagerOptions(multiprocessing_options=ocp.options."
+            "MultiprocessingOptions(barrier_sync_key_prefix='...'))") from None
 
 
 def _read(client: Any, key: str) -> str | None:
