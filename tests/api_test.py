@@ -188,17 +188,23 @@ class _FormsWorld:
     def __init__(self, plan_kind: str, failed: tuple[int, ...] = ()):
         self.built = None
         self.runtime = _Closable()
-        self._record = types.SimpleNamespace(plan_kind=plan_kind, failed_processes=failed)
+        self._record = types.SimpleNamespace(plan_kind=plan_kind, failed_processes=failed,
+                                             generation=1)
 
     def recover(self, *args, **kwargs):
         return Resumed(self.runtime, [], 0, self._record)  # type: ignore[arg-type]
 
 
-def test_a_regrow_is_charged_only_when_the_world_did_not_only_grow():
+def test_a_regrow_is_charged_only_when_the_world_did_not_only_grow(monkeypatch):
     """A world re-formed on a regrow notice costs nothing of the recovery budgets when it
     only grew; one that formed otherwise (a joiner left, a member died meanwhile) is a
     failure after all, and its runtime is closed with the step. One step, built once,
-    goes through the three cases (each leaves its world unadopted)."""
+    goes through the three cases (each leaves its world unadopted). Each world formed is
+    told where this process goes on (a step: `_check_peers_at_the_work`)."""
+    from mnemojax._src.distributed.worker import coordination
+
+    posted: list[tuple[str, str]] = []
+    monkeypatch.setattr(coordination, "post_value", lambda *a: posted.append(a))
     rec = mnemojax.RecoveryOptions(run_stop=mnemojax.retry.stop_after_attempt(0))
     model, optimizer = h.make_mlp()
     step = _step(recovery=rec)
@@ -221,6 +227,7 @@ def test_a_regrow_is_charged_only_when_the_world_did_not_only_grow():
         assert b.runtime is world.runtime  # closed with the step
     step.close()
     assert grew.runtime.closed == 0 and world.runtime.closed == 1
+    assert posted == [("mnemojax/resume-position/1", "step:2")] * 3  # (one refused first)
 
 
 def test_min_devices_ends_in_typed_error():
