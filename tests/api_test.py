@@ -1039,3 +1039,16 @@ def test_an_input_on_a_device_lost_to_the_fault_injector_is_said_once(caplog):
     assert step.statistics.recoveries and len(said) == 1, said
     assert "batch['x'] is an array on devices [3]" in said[0]
     step.close()
+
+
+@pytest.mark.parametrize("where, past", [
+    ("step:5", True), ("step:4", False), ("step:3", False),  # in the next step / not yet
+    ("guard:5:2", False), ("guard:5:3", True), ("guard:5:1", False),  # at this call or before
+    ("guard:6:1", True)])
+def test_a_survivor_past_the_guarded_work_is_told_from_where_it_goes_on(where, past):
+    """After a recovery in the 2nd guarded call after step 4, the work runs again only if
+    no survivor has passed it: one in step 5, or in a later guarded call after step 4 (a
+    save without collective passed, an eval after it met the death)."""
+    from mnemojax._src.api import _past
+
+    assert _past(where, 4, 2) is past

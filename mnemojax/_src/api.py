@@ -225,6 +225,9 @@ class ResilientStep(Generic[P, R]):
         # (`_check_untouched`): what they hold now, it wrote (it runs again after a
         # recovery, so a recovery says nothing of it, `_recover_world`).
         self._guard_checked = False
+        # (the step, how many guarded calls after it so far): where guarded work stands,
+        # told to the new world at a recovery (`_check_peers_at_the_work`)
+        self._guard_seq = (0, 0)
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -516,6 +519,8 @@ class ResilientStep(Generic[P, R]):
             work = functools.partial(self._on_carried_state, b.form, fn, args, kwargs)
         else:
             work = functools.partial(self._on_recovered_state, fn, args, kwargs)
+        after, calls = self._guard_seq
+        self._guard_seq = (self._step, calls + 1 if after == self._step else 1)
         self._guarding, self._guard_checked = True, False
         try:
             return self._run(self._step + 1, b.last_written, None, beside=work)[1]
@@ -777,13 +782,14 @@ class ResilientStep(Generic[P, R]):
         positions = coordination.posted_values(
             f"{_POSITIONS}/{record.generation}", jax.process_count(), timeout_s=60.0,
             stop=lambda: peer_watch.known_death() is not None)
+        mine = self._guard_seq[1]
         ahead = None if positions is None else sorted(
-            p for p, where in positions.items()
-            if where.startswith("step:") and int(where.split(":")[1]) > after_step)
+            p for p, where in positions.items() if _past(where, after_step, mine))
         if ahead == []:
             return
         why = ("they did not say where they go on" if ahead is None else
-               f"processes {ahead} met it in step {after_step + 1}, past the work")
+               f"processes {ahead} met it past the work (in step {after_step + 1}, or in "
+               "guarded work after it)")
         log.warning("mnemojax: world %d: the guarded work after step %d does not run again "
                     "(GuardSkippedError): %s", record.generation, after_step, why)
         raise GuardSkippedError(
@@ -1188,8 +1194,9 @@ class ResilientStep(Generic[P, R]):
                 # Where this process goes on (guarded work, or a step): a process at the
                 # guarded work runs it again only if no peer is already past it
                 # (`_check_peers_at_the_work`).
-                coordination.post_value(f"{_POSITIONS}/{record.generation}",
-                                        f"{'guard' if self._guarding else 'step'}:{step}")
+                coordination.post_value(
+                    f"{_POSITIONS}/{record.generation}",
+                    f"guard:{step}:{self._guard_seq[1]}" if self._guarding else f"step:{step}")
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or
                     # a member died meanwhile): a failure after all. (The new runtime is
@@ -1695,6 +1702,17 @@ _build_numbers = itertools.count()
 
 # The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
 _POSITIONS = "mnemojax/resume-position"
+def _past(where: str, after_step: int, calls: int) -> bool:
+    """Whether a survivor that goes on at ``where`` (`_recover_world`'s post) has passed
+    the ``calls``-th guarded call after step ``after_step``: it is in a later step, or in
+    a later guarded call after that step."""
+    kind, step, *rest = where.split(":")
+    if kind == "step":
+        return int(step) > after_step
+    return int(step) > after_step + 1 or (int(step) == after_step + 1
+                                          and int(rest[0]) > calls)
+
+
 # The plan kinds of `_recover_world`'s recoveries (`recovery.ProcessRecovery`).
 _WORLD_RECOVERIES = ("process_loss", "grow_back")
 

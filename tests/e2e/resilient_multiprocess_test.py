@@ -473,8 +473,9 @@ def test_a_peer_dead_in_the_last_commit_leaves_no_barrier_to_wait_for_at_exit(
         assert left not in printed, left
 
 
+@pytest.mark.parametrize("then_eval", [False, True])
 def test_a_guarded_save_met_by_a_death_that_a_peer_met_in_the_next_step_is_skipped(
-        tmp_path, reference, capfd):
+        tmp_path, reference, capfd, then_eval):
     """The job's own Orbax checkpoints (the README's recipe, every 3 steps): worker 0
     spends 1 s in its own code before its guarded save after step 4 (a step Orbax does not
     keep: no collective), worker 1 is killed after step 4, worker 2 meets the death in step
@@ -482,18 +483,24 @@ def test_a_guarded_save_met_by_a_death_that_a_peer_met_in_the_next_step_is_skipp
     the new world's manager, whose first collective waits for worker 2, which replays step
     5 (a user trial's job ran out of recoveries). It is skipped (GuardSkippedError, caught
     by the job) and both go on together: exact, and the job's last checkpoint (step 9)
-    restores to the failure-free state."""
+    restores to the failure-free state. ``then_eval``: a guarded eval (a collective) after
+    each save, where worker 2 meets the death instead: it is past the save too (the 2nd
+    guarded call after step 4), runs its eval again, and worker 0 runs its own after the
+    skipped save: every eval exact."""
     import orbax.checkpoint as ocp
 
     ckpt = tmp_path / "user-ckpt"
     report = _run(tmp_path, [ProcessFault("kill", 1, 4)],
-                  extra=("--user-ckpt", str(ckpt), "--late-saver", "0", "--late-save-at", "4"))
+                  extra=("--user-ckpt", str(ckpt), "--late-saver", "0", "--late-save-at", "4",
+                         *(("--guarded-eval",) if then_eval else ())))
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["guarded"] and rec["failed_processes"] == [1]
+    if then_eval:
+        _assert_evals_exact(tmp_path)
     printed = capfd.readouterr()
     printed = printed.out + printed.err
     assert "w0: the save after step 4 skipped: guarded work after step 4 met a failure" in \
-        printed and "met it in step 5, past the work" in printed
+        printed and "met it past the work (in step 5, or in guarded work after it)" in printed
     assert "w2: the save after step 4 skipped" not in printed
     want = h.reference_run(h.make_batches(9)).state
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
