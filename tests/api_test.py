@@ -227,7 +227,7 @@ def test_a_regrow_is_charged_only_when_the_world_did_not_only_grow(monkeypatch):
         assert b.runtime is world.runtime  # closed with the step
     step.close()
     assert grew.runtime.closed == 0 and world.runtime.closed == 1
-    assert posted == [("mnemojax/resume-position/1", "step:2")] * 3  # (one refused first)
+    assert posted == [("mnemojax/resume-position/1", "step:2@0")] * 3  # (one refused first)
 
 
 def test_min_devices_ends_in_typed_error():

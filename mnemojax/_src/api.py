@@ -721,13 +721,17 @@ class ResilientStep(Generic[P, R]):
         return b.runtime.proxy.run(exe.compiled, leaves, device_batch, step,
                                    timeout_s=self._hang_timeout_s()), t_run
 
-    def _run_beside(self, work: Callable[[], Any], after_step: int) -> tuple[Any, float]:
+    def _run_beside(self, work: Callable[[], Any], after_step: int, *,
+                    recovered: RecoveryRecord | None = None) -> tuple[Any, float]:
         """Runs guarded work after step `after_step` and waits for the arrays of its
         result (`guard`), unbounded (an eval may take many step-times) but ended by a
         peer's death; a death already heard of fails it before it starts (a collective
         started in that world could read a dead peer's leftovers, `known_death`).
-        Returns its result and when it started."""
+        ``recovered``: it runs again after that recovery, if no survivor is past it
+        (`_check_peers_at_the_work`). Returns its result and when it started."""
         b = self._require_built()
+        if recovered is not None:
+            self._check_peers_at_the_work(recovered, after_step)
         if (error := peer_watch.known_death()) is not None:
             raise error
         t_run = time.perf_counter()
@@ -775,20 +779,25 @@ class ResilientStep(Generic[P, R]):
         new world's store (`_recover_world`).
 
         Raises:
-            GuardSkippedError: a survivor is in the next step, or did not say (in 60 s).
+            GuardSkippedError: a survivor is past the work, or did not say (in 60 s).
+            jax.errors.JaxRuntimeError: a peer's death heard of meanwhile (the recovery
+                runs again; so it does when the store fails).
         """
         if record.plan_kind not in _WORLD_RECOVERIES:  # (one process: nobody else)
             return
         positions = coordination.posted_values(
             f"{_POSITIONS}/{record.generation}", jax.process_count(), timeout_s=60.0,
             stop=lambda: peer_watch.known_death() is not None)
+        if positions is None and (death := peer_watch.known_death()) is not None:
+            raise death
         mine = self._guard_seq[1]
         ahead = None if positions is None else sorted(
-            p for p, where in positions.items() if _past(where, after_step, mine))
+            int(where.rpartition("@")[2]) for where in positions.values()
+            if _past(where.rpartition("@")[0], after_step, mine))
         if ahead == []:
             return
         why = ("they did not say where they go on" if ahead is None else
-               f"processes {ahead} met it past the work (in step {after_step + 1}, or in "
+               f"workers {ahead} met it past the work (in step {after_step + 1}, or in "
                "guarded work after it)")
         log.warning("mnemojax: world %d: the guarded work after step %d does not run again "
                     "(GuardSkippedError): %s", record.generation, after_step, why)
@@ -1001,8 +1010,9 @@ class ResilientStep(Generic[P, R]):
                     if pending is not None:  # recovered: the objects get the new state
                         self._write_back(leaves)
                         self._check_no_joiners(pending.record, step - 1)
-                        self._check_peers_at_the_work(pending.record, step - 1)
-                    run = functools.partial(self._run_beside, beside, step - 1)
+                    run = functools.partial(
+                        self._run_beside, beside, step - 1,
+                        recovered=pending.record if pending is not None else None)
                 else:
                     run_batch = batch if run_step == step else self._batches.batch(run_step)
                     run = functools.partial(self._run_step, self._executable_now(run_batch),
@@ -1194,9 +1204,10 @@ class ResilientStep(Generic[P, R]):
                 # Where this process goes on (guarded work, or a step): a process at the
                 # guarded work runs it again only if no peer is already past it
                 # (`_check_peers_at_the_work`).
-                coordination.post_value(
-                    f"{_POSITIONS}/{record.generation}",
-                    f"guard:{step}:{self._guard_seq[1]}" if self._guarding else f"step:{step}")
+                where = (f"guard:{step}:{self._guard_seq[1]}" if self._guarding
+                         else f"step:{step}")
+                coordination.post_value(f"{_POSITIONS}/{record.generation}",
+                                        f"{where}@{_worker_id(b.session)}")
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or
                     # a member died meanwhile): a failure after all. (The new runtime is
@@ -1702,6 +1713,14 @@ _build_numbers = itertools.count()
 
 # The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
 _POSITIONS = "mnemojax/resume-position"
+def _worker_id(session: dist_session.DistributedSession | None) -> int:
+    """This process's worker id (its slot at launch, kept across worlds), for messages."""
+    world = session.world if session is not None else None
+    if world is None:
+        return jax.process_index()
+    return world.worker_id if world.worker_id is not None else world.process_id
+
+
 def _past(where: str, after_step: int, calls: int) -> bool:
     """Whether a survivor that goes on at ``where`` (`_recover_world`'s post) has passed
     the ``calls``-th guarded call after step ``after_step``: it is in a later step, or in

@@ -500,7 +500,8 @@ def test_a_guarded_save_met_by_a_death_that_a_peer_met_in_the_next_step_is_skipp
     printed = capfd.readouterr()
     printed = printed.out + printed.err
     assert "w0: the save after step 4 skipped: guarded work after step 4 met a failure" in \
-        printed and "met it past the work (in step 5, or in guarded work after it)" in printed
+        printed and "workers [2] met it past the work (in step 5, or in guarded work after it)" in \
+        printed
     assert "w2: the save after step 4 skipped" not in printed
     want = h.reference_run(h.make_batches(9)).state
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
