@@ -1711,8 +1711,6 @@ class ResilientStep(Generic[P, R]):
 _build_numbers = itertools.count()
 
 
-# The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
-_POSITIONS = "mnemojax/resume-position"
 def _worker_id(session: dist_session.DistributedSession | None) -> int:
     """This process's worker id (its slot at launch, kept across worlds), for messages."""
     world = session.world if session is not None else None
@@ -1732,6 +1730,8 @@ def _past(where: str, after_step: int, calls: int) -> bool:
                                           and int(rest[0]) > calls)
 
 
+# The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
+_POSITIONS = "mnemojax/resume-position"
 # The plan kinds of `_recover_world`'s recoveries (`recovery.ProcessRecovery`).
 _WORLD_RECOVERIES = ("process_loss", "grow_back")
 
@@ -1777,10 +1777,10 @@ def _say_inputs_on_lost_devices(b: _Built, inputs: CallInputs) -> None:
             b.lost_device_inputs.add(name)
             log.warning(
                 "mnemojax: the step input %s is an array on devices %s, which this step "
-                "lost: after a real loss it cannot be read (here the devices were lost to "
-                "a fault injector, which leaves it readable). Pass host arrays (numpy), or "
-                "place inputs on the step's current mesh (train_step.mesh, "
-                "train_step.place)", name, lost)
+                "lost: after a real loss it cannot be read (devices lost to "
+                "mnemojax.testing.FaultInjector leave it readable, so a rehearsal runs on). "
+                "Pass host arrays (numpy), or place inputs on the step's current mesh "
+                "(train_step.mesh, train_step.place)", name, lost)
 
 
 def _refuse_arrays_of_other_processes(inputs: Any) -> None:
