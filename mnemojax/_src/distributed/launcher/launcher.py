@@ -109,8 +109,8 @@ class Launcher:
 
     def _record(self, event: dict[str, Any]) -> None:
         event = {**event, "t": time.time()}
-        if event["op"] == "decided":
-            self._unrecovered.clear()
+        if event["op"] in ("decided", "world"):  # (a new world: on several nodes, only
+            self._unrecovered.clear()           # the deciding node records "decided")
         if event["op"] == wire.Progress.OP:
             self.steps[event["worker_id"]] = event["step"]
         else:
