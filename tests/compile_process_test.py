@@ -27,7 +27,9 @@ pytestmark = pytest.mark.needs8
 def fresh(monkeypatch):
     """A compile process of this test's own as the process-wide one, killed after it."""
     process = compile_process.CompileProcess(len(jax.devices()), nice=19)
-    monkeypatch.setattr(compile_process, "_shared", process)
+    monkeypatch.setattr(compile_process, "_children",
+                        {(os.getpid(), len(jax.devices()), 19): process})
+    monkeypatch.setattr(compile_process, "_latest", process)
     yield process
     process.abandon()
     assert process.pid is None
@@ -77,7 +79,7 @@ def _outputs(compiler_, plan):
 
 def test_a_compile_ahead_runs_in_the_child_at_nice_19_and_computes_as_one_compiled_here(fresh):
     plan = ct._plan((3, 2))
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     here = ct._compiler()
     try:
         ahead.precompile([plan], ct.BATCH)
@@ -94,7 +96,7 @@ def test_a_compile_ahead_runs_in_the_child_at_nice_19_and_computes_as_one_compil
 
 
 def test_a_compile_on_a_recoverys_path_stops_the_child_until_it_is_done(fresh, monkeypatch):
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     try:
         ahead.precompile([ct._plan((3, 2))], ct.BATCH)
         assert ahead.wait_precompiled(timeout_s=120) and fresh.pid is not None
@@ -118,7 +120,7 @@ def test_a_compile_on_a_recoverys_path_stops_the_child_until_it_is_done(fresh, m
 
 
 def test_a_module_the_child_cannot_compile_is_left_to_this_process(fresh, caplog):
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     try:
         ahead.precompile([ct._plan((3, 2))], ct.BATCH)
         assert ahead.wait_precompiled(timeout_s=120)
@@ -145,7 +147,7 @@ def test_a_child_that_dies_is_replaced_up_to_max_starts(fresh, caplog, monkeypat
     thread compiles from now on. Every executable computes as one compiled here."""
     monkeypatch.setattr(compile_process, "MAX_STARTS", 2)
     killed, again, last = ct._plan((3, 2)), ct._plan((2, 2)), ct._plan((2, 1))
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     here = ct._compiler()
 
     def kill_during(plan):
@@ -183,7 +185,7 @@ def test_a_child_that_dies_is_replaced_up_to_max_starts(fresh, caplog, monkeypat
 
 
 def test_abandon_ends_the_compile_in_flight_at_once(fresh):
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     try:
         ahead.precompile([ct._plan((4, 2))], ct.BATCH)
         assert ahead.wait_precompiled(timeout_s=120)
@@ -284,12 +286,12 @@ def test_under_jax_distributed_the_child_compiles_for_every_processs_devices(tmp
 def test_a_second_step_compiles_in_the_child_after_the_first_one_closed(fresh):
     """The child outlives the compile thread that started it (PR_SET_PDEATHSIG fires when
     the starting thread ends: it is started from a thread as long-lived as the process)."""
-    first = ct._compiler(in_child=True)
+    first = ct._compiler(child_nice=19, in_child=True)
     first.precompile([ct._plan((4, 2))], ct.BATCH)
     assert first.wait_precompiled(timeout_s=120) and first.compiled_in_child == 1
     pid = fresh.pid
     first.close()  # its compile thread ends
-    second = ct._compiler(in_child=True)
+    second = ct._compiler(child_nice=19, in_child=True)
     try:
         second.precompile([ct._plan((3, 2))], ct.BATCH)
         assert second.wait_precompiled(timeout_s=120)
@@ -298,11 +300,53 @@ def test_a_second_step_compiles_in_the_child_after_the_first_one_closed(fresh):
         second.close()
 
 
+def test_a_step_with_another_nice_value_gets_a_child_of_its_own_and_the_idle_one_ends(
+        monkeypatch):
+    """One child per nice value (XLA's compile threads keep the value their process
+    starts with): a second step at another value compiles in a child at its value, the
+    first step's idle child ends, and starts again (its value kept) when that step
+    compiles next; an ending for that reason is no crash (`MAX_STARTS` 2 here: a crash
+    after it still leaves a restart)."""
+    monkeypatch.setattr(compile_process, "_children", {})
+    monkeypatch.setattr(compile_process, "_latest", None)
+    monkeypatch.setattr(compile_process, "MAX_STARTS", 2)
+    first = ct._compiler(child_nice=5, in_child=True)
+    second = ct._compiler(child_nice=19, in_child=True)
+    try:
+        first.precompile([ct._plan((4, 2))], ct.BATCH)
+        assert first.wait_precompiled(timeout_s=120) and first.compiled_in_child == 1
+        low = compile_process.current()
+        assert low is not None and low.pid is not None and _nice(low.pid) == 5
+        low_pid = low.pid
+        second.precompile([ct._plan((3, 2))], ct.BATCH)
+        assert second.wait_precompiled(timeout_s=120) and second.compiled_in_child == 1
+        high = compile_process.current()
+        assert high is not None and high is not low
+        assert high.pid is not None and _nice(high.pid) == 19
+        assert low.pid is None and _ends(low_pid) and low.ended is None
+        first.precompile([ct._plan((2, 2))], ct.BATCH)
+        assert first.wait_precompiled(timeout_s=120) and first.compiled_in_child == 2
+        assert low.pid is not None and low.pid != low_pid and _nice(low.pid) == 5
+        assert high.pid is not None  # (asked for before: both kept)
+        crashed = low.pid
+        os.kill(crashed, signal.SIGKILL)  # its one crash: compiled on the thread
+        assert _ends(crashed)
+        first.precompile([ct._plan((2, 1))], ct.BATCH)
+        assert first.wait_precompiled(timeout_s=120) and first.compiled_in_child == 2
+        assert low.ended is None and low.starts == 2 and low.retired == 1
+    finally:
+        first.close()
+        second.close()
+        for process in list(compile_process._children.values()):
+            process.abandon()
+            assert process.pid is None
+
+
 def test_the_child_ignores_the_terminals_keys(fresh):
     """In this process's session and group (its scheduling group too, where Linux groups
     by session: a session of its own got an equal share of the CPU whatever its nice
     value), so the terminal's Ctrl-C, Ctrl-\\ and Ctrl-Z reach it: it ignores them."""
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     try:
         ahead.precompile([ct._plan((4, 2))], ct.BATCH)
         assert ahead.wait_precompiled(timeout_s=120) and fresh.pid is not None
@@ -389,7 +433,7 @@ def test_an_exit_during_the_first_trace_starts_no_child_and_compiles_nothing():
 def test_a_compiler_starts_its_child_before_its_first_compile_ahead(fresh):
     """The child's start-up (importing JAX) overlaps the first step's compile
     (`api` starts it when it builds the step), not the first compile ahead."""
-    ahead = ct._compiler(in_child=True)
+    ahead = ct._compiler(child_nice=19, in_child=True)
     off = ct._compiler(in_child=False)
     try:
         off.start_child()

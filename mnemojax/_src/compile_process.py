@@ -34,8 +34,10 @@ compiled it, WORKSPACE_NOTES "One cache key for every process"), modules without
 callbacks. Whatever fails in the child (its start, a crash, a compile error, a load)
 makes the thread compile that module itself, so a compile error is raised by JAX as
 without the child; a child that ended (killed by the kernel's OOM killer, a crash) is
-started again at the next compile, up to `MAX_STARTS` children in all, after which the
-thread compiles (logged). The child
+started again at the next compile, up to `MAX_STARTS` children ended that way, after
+which the thread compiles (logged). One child per nice value: a step built with another
+`compile_process_nice` gets a child of its own, and the idle children of other values end
+(`shared`). The child
 costs ~0.2 GB of host memory and ~2 s of CPU to start (when the step is built, in a
 process that compiles ahead). Off: ``CompileOptions(compile_process=False)``.
 """
@@ -91,7 +93,8 @@ class CompileProcess:
         self._pauses = 0
         self._abandoned = False
         self.ended: str | None = None  # why the child is gone for good
-        self.starts = 0  # children started (`MAX_STARTS`)
+        self.starts = 0  # children started
+        self.retired = 0  # of them, ended by `retire` (not counted against `MAX_STARTS`)
         self.compiled = 0  # modules compiled there and loaded here
 
     @property
@@ -192,7 +195,7 @@ class CompileProcess:
             if self._proc is not proc or self.ended is not None:
                 return
             self._proc = None
-            if self.starts >= MAX_STARTS:
+            if self.starts - self.retired >= MAX_STARTS:
                 self.ended = why
             again = self.ended is None
         if again:
@@ -224,6 +227,24 @@ class CompileProcess:
                 self._pauses -= 1
                 if self._pauses == 0:
                     self._signal(signal.SIGCONT)
+
+    def retire(self) -> bool:
+        """Ends the child if it is idle (no compile in flight); the next compile starts
+        another. Whether it was idle."""
+        if not self._request_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                proc, self._proc = self._proc, None
+                if proc is not None:
+                    self.retired += 1
+            if proc is not None:
+                log.info("mnemojax: compile process %d (nice %d) ended: idle, and a step "
+                         "asked for another", proc.pid, self.nice)
+                _kill(proc)
+            return True
+        finally:
+            self._request_lock.release()
 
     def abandon(self) -> None:
         """Kills the child (a compile in flight raises `CompileAbandoned` on its thread);
@@ -305,37 +326,61 @@ def _kill(proc: subprocess.Popen) -> None:
                 stream.close()
 
 
-_shared: CompileProcess | None = None
+_children: dict[tuple[int, int, int], CompileProcess] = {}  # (owner pid, devices, nice)
+_latest: CompileProcess | None = None  # the one asked for last (`current`)
 _shared_lock = threading.Lock()
 _abandoned = threading.Event()  # `abandon` ran (at exit): nothing is compiled there again
 
 
 def shared(num_devices: int, nice: int = 0) -> CompileProcess:
     """This process's compile process for `num_devices` CPU devices at nice value `nice`
-    (started at its first compile; the first caller's values hold for the process: XLA's
-    compile threads take the nice value they start with; after `abandon`, one whose
-    compiles raise `CompileAbandoned`)."""
-    global _shared
+    (started at its first compile): one per pair of values (XLA's compile threads take
+    the nice value their process starts with). The first time a pair is asked for, the
+    children of other pairs that are idle end (each is started again if its pair is asked
+    for later): a step built with another nice value does not keep an earlier step's
+    child, nor two children alive. After `abandon`, one whose compiles raise
+    `CompileAbandoned`."""
+    global _latest
+    pid = os.getpid()
     with _shared_lock:
-        if _shared is None or _shared._owner != os.getpid():
-            _shared = CompileProcess(num_devices, nice)
-        return _shared
+        for key in [k for k in _children if k[0] != pid]:
+            del _children[key]  # a forked copy's: never talks to the child
+        process = _children.get((pid, num_devices, nice))
+        others: list[CompileProcess] = []
+        if process is None:
+            others = list(_children.values())
+            process = _children[(pid, num_devices, nice)] = CompileProcess(num_devices, nice)
+        _latest = process
+    for other in others:
+        other.retire()
+    return process
+
+
+def retire_idle() -> None:
+    """Ends every idle child of this process; each starts again at its next compile."""
+    for process in _all():
+        process.retire()
 
 
 def current() -> CompileProcess | None:
+    """The compile process asked for last in this process, if any."""
     with _shared_lock:
-        return _shared if _shared is not None and _shared._owner == os.getpid() else None
+        return _latest if _latest is not None and _latest._owner == os.getpid() else None
+
+
+def _all() -> list[CompileProcess]:
+    pid = os.getpid()
+    with _shared_lock:
+        return [p for k, p in _children.items() if k[0] == pid]
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """This process's compile process paused in this block (`CompileProcess.paused`);
+    """This process's compile processes paused in this block (`CompileProcess.paused`);
     nothing where there is none."""
-    process = current()
-    if process is None:
-        yield
-        return
-    with process.paused():
+    with contextlib.ExitStack() as stack:
+        for process in _all():
+            stack.enter_context(process.paused())
         yield
 
 
@@ -344,6 +389,5 @@ def abandon() -> None:
     interpreter's exit): a compile ahead that reaches its XLA part later raises
     `CompileAbandoned` rather than start a child or compile on its thread."""
     _abandoned.set()
-    process = current()
-    if process is not None:
+    for process in _all():
         process.abandon()

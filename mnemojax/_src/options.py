@@ -367,8 +367,9 @@ class CompileOptions:
             (on accelerators the background thread compiles as before); the child costs
             ~0.2 GB of host memory and ~2 s of CPU to start, when the step is built.
             Whatever fails there is compiled on the thread.
-        compile_process_nice: the compile process's nice value (0-19; process-wide, the
-            first step to start it sets it). Higher slows the steps beside the compiles
+        compile_process_nice: the compile process's nice value (0-19; one compile process
+            per value: a step with another value gets its own, and idle ones of other
+            values end). Higher slows the steps beside the compiles
             ahead less but makes them ready later, and a fault before they are ready
             compiles on the recovery's path: ``micro 9`` measured steps x1.57 of steady
             beside them at 0 (ready in 14 s), x1.23 at 10 (24 s), x1.15 at 19 (29 s).

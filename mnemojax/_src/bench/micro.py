@@ -270,9 +270,7 @@ def _steps_beside_compiles(cfg, mesh, batches, *, rounds: int = 2) -> list[str]:
     for r in range(rounds):
         for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
             in_child, nice = modes[mode]
-            if (old := compile_process.current()) is not None:  # (a child per nice value)
-                old.abandon()
-                compile_process._shared = None
+            compile_process.retire_idle()  # (each round starts its child afresh)
             jax.clear_caches()
             m, o = build_gpt(cfg)
             step = mnemojax.resilient(
