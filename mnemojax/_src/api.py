@@ -228,6 +228,13 @@ class ResilientStep(Generic[P, R]):
         # (the step, how many guarded calls after it so far): where guarded work stands,
         # told to the new world at a recovery (`_check_peers_at_the_work`)
         self._guard_seq = (0, 0)
+        # A process that joined a running job: the last guarded call (the step it comes
+        # after, its number there) that the survivors do not run (again), and its own
+        # calls counted alike (`_skip_what_survivors_passed`).
+        self._joined_posts: tuple[int, int, int] | None = None  # (world, posters, step)
+        self._joined_behind: tuple[int, float] | None = None
+        self._joined_seq = (0, 0)
+        self._joined_at = 0
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -503,6 +510,9 @@ class ResilientStep(Generic[P, R]):
     def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any],
                  checked: list[bool]) -> R2:
         b = self._built
+        if (self._joined_posts is not None or self._joined_behind is not None) \
+                and not self._guarding:
+            self._skip_what_survivors_passed(b)
         if (b is None or b.last_written is None  # no committed state on the devices yet
                 or not len(self._batches)  # (restored: no batch to compile a new mesh for)
                 or self._guarding):  # inside guarded work: the outer guard recovers
@@ -769,6 +779,67 @@ class ResilientStep(Generic[P, R]):
                 "mnemojax.errors.GuardSkippedError to skip it", after_step=after_step,
                 joined=record.joined_processes)
 
+    def _skip_what_survivors_passed(self, b: _Built | None) -> None:
+        """In a process that joined a running job at a step older than the survivors'
+        (the agreed state is older than the step they were at: a dead worker's copy of
+        that one was incomplete): the survivors replayed the steps in between inside the
+        call that met the failure, without the guarded work the user's code calls between
+        them, which they had run before the failure (and the call they were in, which
+        they skip: `_check_no_joiners`). This process runs that code from the agreed step
+        on: its guarded calls up to the survivors' position do not run.
+
+        Their position is read once a step ran here (they posted it before they replayed,
+        and before that step's collectives could end; read earlier, a wait for it could
+        hold up the world's first step, which waits for this process).
+
+        Raises:
+            GuardSkippedError: this call is at or before the survivors' position.
+        """
+        after, calls = self._joined_seq
+        self._joined_seq = seq = (self._step, calls + 1 if after == self._step else 1)
+        if self._joined_posts is not None:
+            if b is None or b.last_written is None:
+                return  # (no step ran yet: the call runs unguarded, as called)
+            generation, posters, joined_at = self._joined_posts
+            self._joined_posts = None
+            self._joined_behind = self._survivors_position(b, generation, posters)
+            self._joined_at = joined_at
+        behind = self._joined_behind
+        if behind is None or seq[0] > behind[0]:
+            self._joined_behind = None  # caught up (or nothing known)
+            return
+        if seq > behind:
+            return
+        log.warning("mnemojax: this process joined at step %d; guarded call %d after step "
+                    "%d does not run: the survivors had run it before the failure "
+                    "(GuardSkippedError)", self._joined_at, seq[1], seq[0])
+        raise GuardSkippedError(
+            f"this process joined the job at step {self._joined_at}, and the survivors "
+            f"had run guarded call {seq[1]} after step {seq[0]} before the failure (they "
+            "replayed the steps since the agreed state without it): it does not run here "
+            "(its collectives would meet their next step's); catch "
+            "mnemojax.errors.GuardSkippedError to skip it", after_step=seq[0], joined=())
+
+    def _survivors_position(self, b: _Built, generation: int, posters: int
+                            ) -> tuple[int, float] | None:
+        """For a process that joined world `generation`: the latest guarded call a
+        survivor had reached (the step it comes after, its number there; a survivor
+        that met the failure in step s had passed every call after s - 1), from what
+        the ``posters`` survivors posted (`_recover_world`); None where none is known (a
+        later world formed since, or they did not say within 60 s: nothing is skipped,
+        logged)."""
+        world = b.session.world if b.session is not None else None
+        if posters <= 0 or world is None or world.generation != generation:
+            return None
+        positions = coordination.posted_values(
+            f"{_POSITIONS}/{generation}", posters, timeout_s=60.0,
+            stop=lambda: peer_watch.known_death() is not None)
+        if positions is None:
+            log.warning("mnemojax: this process joined world %d, but the survivors did not "
+                        "say where they go on: its guarded work runs as called", generation)
+            return None
+        return max(_position(where.rpartition("@")[0]) for where in positions.values())
+
     def _check_peers_at_the_work(self, record: RecoveryRecord, after_step: int) -> None:
         """Guarded work runs again only if no survivor is past it: one that met the failure
         in the next step (it had passed the work, whose collectives then, if any, were
@@ -867,6 +938,10 @@ class ResilientStep(Generic[P, R]):
                 raise StateUnavailableError(
                     "this process joined a running job, but no copy of the job's state "
                     f"survives in memory ({joined.agreement.why}) and there is no checkpoint")
+            # (its guarded calls up to where the survivors were: `_skip_what_survivors_passed`)
+            self._joined_posts = (a.generation, a.num_processes - len(a.replaces),
+                                  restored[0] + 1)
+            self._joined_behind, self._joined_seq = None, (0, 0)
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step
@@ -1717,6 +1792,13 @@ def _worker_id(session: dist_session.DistributedSession | None) -> int:
     if world is None:
         return jax.process_index()
     return world.worker_id if world.worker_id is not None else world.process_id
+
+
+def _position(where: str) -> tuple[int, float]:
+    """A survivor's post (`_recover_world`) as the last guarded call it had reached: (the
+    step the call comes after, its number there); in step s, every call after s - 1."""
+    kind, step, *rest = where.split(":")
+    return (int(step) - 1, math.inf if kind == "step" else int(rest[0]))
 
 
 def _past(where: str, after_step: int, calls: int) -> bool:

@@ -225,6 +225,36 @@ def test_a_spare_joining_while_the_survivors_are_in_guarded_work_skips_that_work
         assert left == [], "a process outlived the job"
 
 
+@pytest.mark.slow  # ~45 s
+def test_a_spare_joining_at_an_older_step_skips_the_guarded_work_the_survivors_passed(
+        tmp_path):
+    """As above, but worker 0's snapshot of step 3 never reached its agent (nor its
+    buddy), and no survivor holds its live arrays: the new world agrees on step 2. The
+    survivors replay step 3 inside the eval's call and skip the eval after it; the spare
+    runs the job's loop from step 3 and must skip that eval too (run, its collectives
+    would meet the survivors' step 4). The state ends exact."""
+    steps, out = 8, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster:
+            codes, final, left, _ = two_nodes.run_spares(
+                cluster.url, out, steps=steps, second_kill=False,
+                job_args=("--guarded-eval", "--eval-slow-after", "3", "--no-held-replicas",
+                          "--withhold-publish", "0", "--withhold-publish-at", "3"))
+        assert codes == [0, 0]
+        assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3]}
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        want = h.reference_evals(h.make_batches(steps))
+        [rec] = two_nodes.recoveries(out, 1)
+        assert rec["guarded"] and rec["joined_processes"] == [4], rec
+        assert rec["steps_lost"] == 1, rec  # (agreed on step 2)
+        with open(f"{out}/evals-w4.json") as f:  # the spare: from step 3 on, 3 skipped
+            got = {int(k): v for k, v in json.load(f).items()}
+        assert sorted(got) == list(range(3, steps + 1)) and got[3] is None, got
+        assert all(abs(got[k] - want[k - 1]) <= 1e-5 * (1 + abs(want[k - 1]))
+                   for k in got if k != 3), (got, want)
+        assert left == [], "a process outlived the job"
+
+
 def _check_spares(out, steps, codes, final, left, answered):
     assert answered == []  # every connection without the secret closed unanswered
     assert codes == [0, 0]

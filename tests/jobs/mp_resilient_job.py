@@ -140,6 +140,12 @@ def main() -> None:
                              "eval after step --die-in-eval-at, before it dispatches it (the "
                              "others wait for it in their eval's collective)")
     parser.add_argument("--die-in-eval-at", type=int, default=-1, metavar="K")
+    parser.add_argument("--withhold-publish", type=int, default=-1, metavar="W",
+                        help="worker W does not hand its snapshot of step "
+                             "--withhold-publish-at to its agent (the agents' copies of "
+                             "that step are incomplete: a loss of W then agrees on the step "
+                             "before it)")
+    parser.add_argument("--withhold-publish-at", type=int, default=-1, metavar="K")
     parser.add_argument("--touch-before-eval", action="store_true",
                         help="with --guarded-eval: replace the optimizer's step count by an "
                              "equal new array before each eval (the guard compares the "
@@ -160,6 +166,8 @@ def main() -> None:
         poller = threading.Thread(target=_poll_process_index, args=(polling,), daemon=True)
         polling.set()
         poller.start()
+    if me == args.withhold_publish and session is not None:
+        _withhold_publish(session, args.withhold_publish_at)
     mesh = h.mesh_of((jax.device_count() // args.model_axis, args.model_axis))
     model, optimizer = h.make_mlp()
     events = os.path.join(args.out, f"mnemojax-events-w{me}.jsonl")
@@ -283,6 +291,19 @@ def main() -> None:
             json.dump({str(k): n for k, n in sorted(loader.rows_read.items())}, f)
     finish_job(args.out, nnx.state((model, optimizer)), step, session,
                before_close=last_commit if args.die_in_commit else None)
+
+
+def _withhold_publish(session, at: int) -> None:
+    """This worker's snapshot of step `at` never reaches its agent (nor its buddy)."""
+    publish = session.publish
+
+    def withheld(step_, leaves, **kw):
+        if step_ == at:
+            print(f"mnemojax job: the snapshot of step {at} withheld", flush=True)
+            return True
+        return publish(step_, leaves, **kw)
+
+    session.publish = withheld
 
 
 class _Tally(nnx.Module):
