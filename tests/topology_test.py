@@ -129,6 +129,26 @@ def test_the_axis_that_keeps_most_devices_shrinks():
     assert narrow.kind == "drop_replicas" and narrow.shape == {"data": 1, "model": 4}
 
 
+def test_a_fixed_axis_keeps_its_width_and_a_plan_without_it_says_so():
+    """An axis a shard_map maps over (`fixed_axes`) never narrows: replicas are dropped
+    instead (the plan above kept more devices by narrowing 'model'); where nothing else
+    fits, the error names it; every axis narrowing at once keeps it whole too."""
+    plan = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8,
+                             sharded_dims={"model": {48}}, fixed_axes=("model",))
+    assert plan.kind == "drop_replicas" and plan.shape == {"data": 1, "model": 4}
+    with pytest.raises(MeshTooSmallError, match="axis 'model' kept whole .*shard_map"):
+        plan_reduced_mesh(grid(1, 2), AXES, {1}, batch_size=4, fixed_axes=("model",))
+    assert plan_reduced_mesh(grid(1, 2), AXES, {1}, batch_size=4).kind == "shrink_model"
+    # deaths in slices of every axis (3 healthy of 12): every axis narrows at once, but
+    # 'model' stays at 2 (free, it narrows to 1 to keep 3 devices)
+    axes3 = ("data", "model", "x")
+    free = plan_reduced_mesh(grid(2, 2, 3), axes3, set(range(9)), batch_size=4)
+    assert free.shape == {"data": 1, "model": 1, "x": 3}
+    fixed = plan_reduced_mesh(grid(2, 2, 3), axes3, set(range(9)), batch_size=4,
+                              fixed_axes=("model",))
+    assert fixed.shape == {"data": 1, "model": 2, "x": 1}
+
+
 @pytest.mark.parametrize("scale,want", [
     (1, {"data": 2, "fsdp": 3, "tensor": 2}),  # 12 devices, against 8 dropping a replica
     (4, {"data": 6, "fsdp": 4, "tensor": 8}),  # 256 devices: 192 either way; data first

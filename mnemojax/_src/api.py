@@ -1357,10 +1357,15 @@ class ResilientStep(Generic[P, R]):
     def _rules(self) -> ShapeRules:
         b = self._require_built()
         rec = self.options.recovery
+        mapped = b.builder.facts.shard_map_axes or frozenset()
+        names = b.runtime.mesh.axis_names
+        batch_axes = self.options.batch_axes_of(names)
+        fixed = () if rec.shrink_shard_map_axes else tuple(
+            a for a in names if a in mapped and a not in batch_axes)
         return ShapeRules(data_axis=self.options.data_axis, sharded_dims=b.sharded_dims,
                           batch_size=b.batch_size, batch_policy=rec.batch_policy,
                           min_devices=rec.min_devices,
-                          max_model_shrink=self._max_model_shrink())
+                          max_model_shrink=self._max_model_shrink(), fixed_axes=fixed)
 
     def _max_model_shrink(self) -> float | None:
         """`RecoveryOptions.model_shrink_headroom`, and in one process also the least

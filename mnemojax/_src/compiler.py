@@ -175,6 +175,16 @@ class StepFacts:
     # Calls back to the host (`jax.debug.print`, a callback): JAX writes no persistent-
     # cache entry for its executables. None until a compile tells.
     host_callbacks: bool | None = None
+    # The mesh axes a ``jax.shard_map`` in the step maps over (`USER_SCOPE`), from its
+    # first trace (every process traces its first compile): no recovery narrows those
+    # that are not batch axes (`RecoveryOptions.shrink_shard_map_axes`). None until a
+    # trace tells.
+    shard_map_axes: frozenset[str] | None = None
+
+
+# The name scope the user's step is traced in, inside mnemojax's own wrapper (whose
+# shard_maps, the finiteness check and the packs, are not the step's).
+USER_SCOPE = "mnemojax_step"
 
 
 class ExportedSteps:
@@ -659,7 +669,8 @@ class StepCompiler:
                     if t == jax.sharding.AxisType.Explicit}
 
         def checked(leaves, batch):
-            new, metrics = self._pure(leaves, batch)
+            with jax.named_scope(USER_SCOPE):
+                new, metrics = self._pure(leaves, batch)
             # On Explicit axes a leaf the step resharded itself is read in the state's
             # layout (where the step's out_shardings put it too); shard_map refuses another.
             read = [jax.sharding.reshard(x, shd.explicit_part(spec, explicit))
@@ -741,7 +752,8 @@ class StepCompiler:
             log.warning("mnemojax: compiling the step for mesh %s from its export failed "
                         "(%s: %s); tracing it", plan.shape, type(e).__name__, e)
             with jax.set_mesh(mesh):
-                lowered, exported = jit(self._checked_for(mesh)).lower(*args), False
+                lowered = self._traced(jit(self._checked_for(mesh)), args).lower()
+                exported = False
             compiled, in_child = self._xla_compile(lowered, key, plan.shape, ahead)
         t2 = time.perf_counter()
         from_cache = getattr(_hits, "count", 0) > hits
@@ -874,9 +886,17 @@ class StepCompiler:
             # candidates' path (the watch makes a trace ~2.4x slower).
             # (A read refuses exports; the lowering itself is right for this world.)
             step = jit(self._checked_for(mesh))  # (outside: mnemojax's own reads)
-            lowered, _ = self._watched(exports, lambda: step.lower(*args))
+            lowered, _ = self._watched(exports, lambda: self._traced(step, args).lower())
             return lowered, False
-        return jit(self._checked_for(mesh)).lower(*args), False
+        return self._traced(jit(self._checked_for(mesh)), args).lower(), False
+
+    def _traced(self, step, args) -> Any:
+        """``step`` traced with ``args``; the first trace tells the step's facts
+        (`StepFacts.shard_map_axes`)."""
+        traced = step.trace(*args)
+        if self.facts.shard_map_axes is None:
+            self.facts.shard_map_axes = jax_private.shard_map_axes(traced.jaxpr, USER_SCOPE)
+        return traced
 
     @staticmethod
     def _watched(exports: ExportedSteps, trace: Callable[[], Any]) -> tuple[Any, bool]:

@@ -221,6 +221,14 @@ class RecoveryOptions:
             taken once per mesh at its first plan (everything on a device is taken to
             grow with the factor); across processes only this option bounds it, since
             every process must plan alike.
+        shrink_shard_map_axes: whether a recovery may narrow a mesh axis other than the
+            batch axes that a ``jax.shard_map`` in the step maps over. Off by default: the
+            map's body sees its local shapes and ``jax.lax.axis_size`` change with the
+            width (a pipeline written for a fixed number of stages would apply some of
+            them only: other math, silently), so plans keep such an axis whole (replicas
+            are dropped instead, or `MeshTooSmallError` names the axis). On for a body
+            written for any width (a tensor-parallel matmul that sums or gathers over the
+            axis).
         probe_timeout_s: a device that does not answer a health probe in this time is dead.
         hang_timeout_s: a step whose results are not ready after this long is treated as
             a failure (its devices are probed). None: ``hang_factor`` x the median step
@@ -242,6 +250,7 @@ class RecoveryOptions:
         default_factory=retry.exponential_backoff)
     min_devices: int = 1
     model_shrink_headroom: float | None = None
+    shrink_shard_map_axes: bool = False
     probe_timeout_s: float = 10.0
     hang_timeout_s: float | None = None
     hang_factor: float = 50.0

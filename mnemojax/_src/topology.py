@@ -86,6 +86,8 @@ class ShapeRules:
             plan (old width / new width; None: no bound), from
             `RecoveryOptions.model_shrink_headroom` and, in one process, the devices'
             memory.
+        fixed_axes: axes no plan narrows (a ``jax.shard_map`` in the step maps over them:
+            `RecoveryOptions.shrink_shard_map_axes`).
     """
 
     data_axis: str | tuple[str, ...] | None
@@ -94,6 +96,7 @@ class ShapeRules:
     batch_policy: str
     min_devices: int
     max_model_shrink: float | None = None
+    fixed_axes: tuple[str, ...] = ()
 
     def as_kwargs(self) -> dict[str, Any]:
         """The rules as keyword arguments of `plan_reduced_mesh`."""
@@ -142,6 +145,7 @@ def plan_reduced_mesh(
     batch_policy: str = "keep_math",
     min_devices: int = 1,
     max_model_shrink: float | None = None,
+    fixed_axes: Collection[str] = (),
 ) -> MeshPlan:
     """Plans the mesh to continue on after `failed` devices died.
 
@@ -159,7 +163,10 @@ def plan_reduced_mesh(
        A batch axis shrinking is ``drop_replicas`` (its slices are data-parallel
        replicas, or FSDP groups whose lost shards come from snapshots); any other axis
        is ``shrink_model``. Every such plan keeps the math (``keep_math``): the same
-       global batch and the same parameters, laid out on fewer devices.
+       global batch and the same parameters, laid out on fewer devices, for code that
+       the compiler partitions; a ``jax.shard_map`` over an axis sees its local shapes
+       and ``axis_size`` change, so the ``fixed_axes`` (those a step maps over) never
+       shrink.
     3. When no single axis can shrink onto the healthy devices (deaths in slices of every
        axis), every axis narrows at once (`_narrow_every_axis`), with the same rules.
 
@@ -178,6 +185,8 @@ def plan_reduced_mesh(
             axis, an FSDP axis) may narrow from width W to w only where W / w is at most
             this (each device then holds W / w times its share of what is sharded along
             it); None: no bound. Relative to this mesh: repeated recoveries compound.
+        fixed_axes: axes that keep their width in every plan (a ``jax.shard_map`` in the
+            step maps over them: its body's local shapes and ``axis_size`` would change).
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -241,9 +250,12 @@ def plan_reduced_mesh(
                 swapped[pos] = next(replacement)
         return finish(swapped, "spare_swap")
 
+    fixed = tuple(a for a in axis_names if a in set(fixed_axes))
     order = list(batch_axes) + [a for a in axis_names if a not in batch_axes]
     best, too_full = None, []
     for axis in order:
+        if axis in fixed:
+            continue
         plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
                             sharded_dims, batch_size, batch_policy)
         if plan is not None and sharded_dims.get(axis) and max_model_shrink is not None:
@@ -258,24 +270,27 @@ def plan_reduced_mesh(
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
     if best is None and (collapsed := _narrow_every_axis(
             device_ids, axis_names, failed, healthy_spares, batch_axes, sharded_dims,
-            batch_size, max_model_shrink)) is not None:
+            batch_size, max_model_shrink, fixed)) is not None:
         narrowed_sharded = any(
             sharded_dims.get(a) and w < n for a, w, n in
             zip(axis_names, collapsed.shape, device_ids.shape, strict=True))
         return finish(collapsed, "shrink_model" if narrowed_sharded else "drop_replicas")
     if best is None:
         mesh = dict(zip(axis_names, device_ids.shape, strict=True))
+        kept = (f"; {'axes' if len(fixed) > 1 else 'axis'} "
+                f"{', '.join(repr(a) for a in fixed)} kept whole (a jax.shard_map in the "
+                "step maps over it: RecoveryOptions.shrink_shard_map_axes)" if fixed else "")
         if too_full:
             raise MeshTooSmallError(
                 f"no axis of the mesh {mesh} can shrink onto the {healthy} healthy devices: "
                 f"{', '.join(too_full)} would exceed max_model_shrink={max_model_shrink:g} "
                 "(RecoveryOptions.model_shrink_headroom, or in one process the devices' "
-                "memory), and no other axis fits",
+                f"memory), and no other axis fits{kept}",
                 healthy_devices=healthy, required=math.prod(device_ids.shape))
         raise MeshTooSmallError(
             f"no axis of the mesh {mesh} can shrink onto the {healthy} healthy devices (each "
             "width must divide the array dimensions sharded along it and, for a batch "
-            "axis, the global batch)",
+            f"axis, the global batch){kept}",
             healthy_devices=healthy, required=math.prod(device_ids.shape))
     axis, new_ids, examples, math_changed = best
     return finish(new_ids, "drop_replicas" if axis in batch_axes else "shrink_model",
@@ -283,13 +298,15 @@ def plan_reduced_mesh(
 
 
 def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axes,
-                       sharded_dims, batch_size, max_model_shrink) -> np.ndarray | None:
+                       sharded_dims, batch_size, max_model_shrink, fixed=()
+                       ) -> np.ndarray | None:
     """The mesh when no single axis can shrink onto the healthy devices (deaths in slices
     of every axis: on a (2, 2) mesh, three of four devices): every axis narrowed at once,
     to the shape with the most devices whose widths divide the dimensions sharded along
     them (and the global batch, over the batch axes: the math is kept) and respect
-    ``max_model_shrink``; ties keep the non-batch axes wider. The healthy devices fill it
-    in mesh order, then the spares. None when no such shape fits (not even all ones)."""
+    ``max_model_shrink``, the ``fixed`` axes whole; ties keep the non-batch axes wider.
+    The healthy devices fill it in mesh order, then the spares. None when no such shape
+    fits (not even all ones)."""
     healthy = [int(d) for d in device_ids.flat if int(d) not in failed] + list(healthy_spares)
     widths = []
     for axis, n in zip(axis_names, device_ids.shape, strict=True):
@@ -297,7 +314,7 @@ def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axe
         ok = [w for w in range(1, n + 1) if all(d % w == 0 for d in dims)]
         if dims and max_model_shrink is not None:
             ok = [w for w in ok if n / w <= max_model_shrink * (1 + 1e-9)]
-        widths.append(ok)
+        widths.append([n] if axis in fixed else ok)
     best: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     for shape in itertools.product(*widths):
         size = math.prod(shape)

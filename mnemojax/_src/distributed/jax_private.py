@@ -448,6 +448,30 @@ def has_host_callbacks(lowered: Any) -> bool | None:
         return None
 
 
+def shard_map_axes(closed_jaxpr: Any, scope: str) -> frozenset[str] | None:
+    """The mesh axes a ``jax.shard_map`` maps over (made manual), in the top-level
+    equations of ``closed_jaxpr`` traced in the name scope ``scope`` and in every
+    computation they call. None where it cannot be told (the jaxpr's private layout
+    changed)."""
+    try:
+        from jax._src import core  # pyright: ignore[reportPrivateImportUsage]
+
+        found: set[str] = set()
+
+        def walk(eqns: Any) -> None:
+            for eqn in eqns:
+                if eqn.primitive.name == "shard_map":
+                    found.update(str(a) for a in eqn.params["newly_manual_axes"])
+                for sub in core.jaxprs_in_params(eqn.params):
+                    walk(getattr(sub, "jaxpr", sub).eqns)  # (a ClosedJaxpr or a Jaxpr)
+
+        walk(eqn for eqn in closed_jaxpr.jaxpr.eqns
+             if scope in str(eqn.source_info.name_stack))
+        return frozenset(found)
+    except (AttributeError, KeyError, TypeError, ImportError):
+        return None
+
+
 def export_without_vjp(exported: Any) -> Any:
     """A `jax.export.Exported` without its VJP closure, which holds the traced function
     and its concrete devices (and so their client) alive; such an export can be called,
