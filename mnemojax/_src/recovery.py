@@ -150,8 +150,10 @@ def compiling_for(plan: MeshPlan, durability: Durability, step: int) -> Iterator
         raise StepCompileError(
             f"the step cannot be compiled for the recovery's mesh {plan.shape} "
             f"({type(e).__name__}: {str(e)[:500]}); it compiled for the first mesh, so "
-            "it depends on the mesh's shape (a jax.shard_map made once, outside the step, "
-            "keeps the mesh of its first call: make it inside the step)",
+            "it depends on the mesh's shape: a shape computed while tracing from the "
+            "device count or an axis's width (a reshape into micro-batches per replica), "
+            "or a jax.shard_map given mesh= or made once outside the step (it keeps that "
+            "mesh: make it inside the step, without mesh=)",
             mesh_shape=plan.shape) from e
 
 
