@@ -149,6 +149,24 @@ def test_a_fixed_axis_keeps_its_width_and_a_plan_without_it_says_so():
     assert fixed.shape == {"data": 1, "model": 2, "x": 1}
 
 
+def test_a_refused_shape_is_passed_over_for_the_next_widest():
+    """A shape the step could not be compiled for is never planned: the next width that
+    fits the rules is taken, or the next axis; with none left, no plan."""
+    assert plan_reduced_mesh(grid(4, 2), AXES, {3}, batch_size=24).shape == {
+        "data": 3, "model": 2}
+    plan = plan_reduced_mesh(grid(4, 2), AXES, {3}, batch_size=24, refused_shapes=[(3, 2)])
+    assert plan.shape == {"data": 2, "model": 2} and plan.kind == "drop_replicas"
+    narrowed = plan_reduced_mesh(grid(2, 4), AXES, {1}, batch_size=8,
+                                 sharded_dims={"model": {48}}, refused_shapes=[(2, 3)])
+    assert narrowed.shape == {"data": 1, "model": 4}  # (2, 3) kept more devices
+    axes3 = ("data", "model", "x")
+    every = plan_reduced_mesh(grid(2, 2, 3), axes3, set(range(9)), batch_size=4,
+                              refused_shapes=[(1, 1, 3)])
+    assert every.shape != {"data": 1, "model": 1, "x": 3} and every.device_ids.size == 2
+    with pytest.raises(MeshTooSmallError):
+        plan_reduced_mesh(grid(1, 2), AXES, {1}, batch_size=4, refused_shapes=[(1, 1)])
+
+
 @pytest.mark.parametrize("scale,want", [
     (1, {"data": 2, "fsdp": 3, "tensor": 2}),  # 12 devices, against 8 dropping a replica
     (4, {"data": 6, "fsdp": 4, "tensor": 8}),  # 256 devices: 192 either way; data first

@@ -1365,7 +1365,8 @@ class ResilientStep(Generic[P, R]):
         return ShapeRules(data_axis=self.options.data_axis, sharded_dims=b.sharded_dims,
                           batch_size=b.batch_size, batch_policy=rec.batch_policy,
                           min_devices=rec.min_devices,
-                          max_model_shrink=self._max_model_shrink(), fixed_axes=fixed)
+                          max_model_shrink=self._max_model_shrink(), fixed_axes=fixed,
+                          refused_shapes=tuple(sorted(b.builder.facts.refused_shapes)))
 
     def _max_model_shrink(self) -> float | None:
         """`RecoveryOptions.model_shrink_headroom`, and in one process also the least

@@ -180,6 +180,10 @@ class StepFacts:
     # that are not batch axes (`RecoveryOptions.shrink_shard_map_axes`). None until a
     # trace tells.
     shard_map_axes: frozenset[str] | None = None
+    # Mesh shapes the step could not be compiled for at a recovery in one process (its
+    # trace or compile failed there: a shape computed from an axis's width): later plans
+    # take another (`DeviceRecovery.recover`).
+    refused_shapes: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
 
 
 # The name scope the user's step is traced in, inside mnemojax's own wrapper (whose

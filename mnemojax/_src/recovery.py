@@ -298,11 +298,9 @@ class DeviceRecovery:
             self._statistics.corrupt_snapshots_detected += exc.corrupt
             unavailable = exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
-        t = time.perf_counter()
-        with compiling_for(plan, self._durability, step):
-            exe, how = runtime.compiler.get(
-                plan, batch_struct(self._batches.last, plan.examples_per_step))
-        phases["compile"] = time.perf_counter() - t
+        t, planned = time.perf_counter(), phases["plan"]
+        exe, how, plan = self._compiled(runtime, plan, old_plan, rules, step, phases)
+        phases["compile"] = time.perf_counter() - t - (phases["plan"] - planned)
         t = time.perf_counter()
         if host is None:
             assert unavailable is not None
@@ -329,6 +327,46 @@ class DeviceRecovery:
         log.warning("mnemojax: step %d: continuing on mesh %s (%s, state from %s)",
                     step, plan.shape, plan.kind, host.source)
         return Resumed(new_runtime, new_leaves, host.step, record)
+
+
+    def _compiled(self, runtime: Runtime, plan: MeshPlan, old_plan: MeshPlan,
+                  rules: ShapeRules, step: int, phases: dict[str, float]
+                  ) -> tuple[Executable, str, MeshPlan]:
+        """The step compiled for ``plan``; where it cannot be (`StepCompileError`: its
+        trace fails for that shape, e.g. micro-batches computed from the data axis's
+        width), the next plan around the shapes refused so far (kept in the step's facts,
+        so later plans pass them over too), until one compiles or none is left (the first
+        error is raised). In one process only: across processes every process would have
+        to plan around the same failures (not done). Adds the re-plans to
+        ``phases["plan"]``."""
+        facts = runtime.compiler.facts
+        first: StepCompileError | None = None
+        while True:
+            try:
+                with compiling_for(plan, self._durability, step):
+                    exe, how = runtime.compiler.get(
+                        plan, batch_struct(self._batches.last, plan.examples_per_step))
+                return exe, how, plan
+            except StepCompileError as e:
+                shape = tuple(int(n) for n in plan.device_ids.shape)
+                if jax.process_count() > 1 or plan.kind == "spare_swap":
+                    raise  # (a spare swap keeps the shape the step compiled for)
+                first = first or e
+                facts.refused_shapes.add(shape)
+                t = time.perf_counter()
+                try:
+                    plan = plan_reduced_mesh(
+                        old_plan.device_ids, old_plan.axis_names, runtime.proxy.dead,
+                        spares=runtime.proxy.spares, **dataclasses.replace(
+                            rules, refused_shapes=tuple(sorted(facts.refused_shapes))
+                        ).as_kwargs())
+                except MeshTooSmallError:
+                    raise first from None
+                finally:
+                    phases["plan"] += time.perf_counter() - t
+                log.warning("mnemojax: step %d: the step cannot be compiled for mesh %s; "
+                            "planning around it: mesh %s", step, dict(
+                                zip(old_plan.axis_names, shape, strict=True)), plan.shape)
 
 
 def _replanned(plan: MeshPlan, places: Mapping[int, Place], previous_members: Sequence[int],

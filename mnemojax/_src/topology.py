@@ -88,6 +88,7 @@ class ShapeRules:
             memory.
         fixed_axes: axes no plan narrows (a ``jax.shard_map`` in the step maps over them:
             `RecoveryOptions.shrink_shard_map_axes`).
+        refused_shapes: mesh shapes the step could not be compiled for (at a recovery).
     """
 
     data_axis: str | tuple[str, ...] | None
@@ -97,6 +98,7 @@ class ShapeRules:
     min_devices: int
     max_model_shrink: float | None = None
     fixed_axes: tuple[str, ...] = ()
+    refused_shapes: tuple[tuple[int, ...], ...] = ()
 
     def as_kwargs(self) -> dict[str, Any]:
         """The rules as keyword arguments of `plan_reduced_mesh`."""
@@ -146,6 +148,7 @@ def plan_reduced_mesh(
     min_devices: int = 1,
     max_model_shrink: float | None = None,
     fixed_axes: Collection[str] = (),
+    refused_shapes: Collection[Sequence[int]] = (),
 ) -> MeshPlan:
     """Plans the mesh to continue on after `failed` devices died.
 
@@ -187,6 +190,8 @@ def plan_reduced_mesh(
             it); None: no bound. Relative to this mesh: repeated recoveries compound.
         fixed_axes: axes that keep their width in every plan (a ``jax.shard_map`` in the
             step maps over them: its body's local shapes and ``axis_size`` would change).
+        refused_shapes: mesh shapes no plan takes (the step could not be compiled for
+            them): the next widest width is taken instead.
 
     Returns:
         The plan; ``kind == "unchanged"`` if no failed device is in the mesh.
@@ -251,13 +256,14 @@ def plan_reduced_mesh(
         return finish(swapped, "spare_swap")
 
     fixed = tuple(a for a in axis_names if a in set(fixed_axes))
+    refused = {tuple(int(n) for n in shape) for shape in refused_shapes}
     order = list(batch_axes) + [a for a in axis_names if a not in batch_axes]
     best, too_full = None, []
     for axis in order:
         if axis in fixed:
             continue
         plan = _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
-                            sharded_dims, batch_size, batch_policy)
+                            sharded_dims, batch_size, batch_policy, refused)
         if plan is not None and sharded_dims.get(axis) and max_model_shrink is not None:
             d = axis_names.index(axis)
             factor = device_ids.shape[d] / plan[0].shape[d]
@@ -270,7 +276,7 @@ def plan_reduced_mesh(
     healthy = len(in_mesh) - len(failed_in_mesh) + len(healthy_spares)
     if best is None and (collapsed := _narrow_every_axis(
             device_ids, axis_names, failed, healthy_spares, batch_axes, sharded_dims,
-            batch_size, max_model_shrink, fixed)) is not None:
+            batch_size, max_model_shrink, fixed, refused)) is not None:
         narrowed_sharded = any(
             sharded_dims.get(a) and w < n for a, w, n in
             zip(axis_names, collapsed.shape, device_ids.shape, strict=True))
@@ -298,13 +304,14 @@ def plan_reduced_mesh(
 
 
 def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axes,
-                       sharded_dims, batch_size, max_model_shrink, fixed=()
+                       sharded_dims, batch_size, max_model_shrink, fixed=(), refused=()
                        ) -> np.ndarray | None:
     """The mesh when no single axis can shrink onto the healthy devices (deaths in slices
     of every axis: on a (2, 2) mesh, three of four devices): every axis narrowed at once,
     to the shape with the most devices whose widths divide the dimensions sharded along
     them (and the global batch, over the batch axes: the math is kept) and respect
-    ``max_model_shrink``, the ``fixed`` axes whole; ties keep the non-batch axes wider.
+    ``max_model_shrink``, the ``fixed`` axes whole, no ``refused`` shape; ties keep the
+    non-batch axes wider.
     The healthy devices fill it in mesh order, then the spares. None when no such shape
     fits (not even all ones)."""
     healthy = [int(d) for d in device_ids.flat if int(d) not in failed] + list(healthy_spares)
@@ -320,7 +327,8 @@ def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axe
         size = math.prod(shape)
         along_batch = math.prod(w for a, w in zip(axis_names, shape, strict=True)
                                 if a in batch_axes)
-        if size > len(healthy) or (batch_size is not None and batch_size % along_batch):
+        if (size > len(healthy) or (batch_size is not None and batch_size % along_batch)
+                or tuple(shape) in refused):
             continue
         rank = (size, *(w for a, w in zip(axis_names, shape, strict=True)
                         if a not in batch_axes))
@@ -333,9 +341,17 @@ def _narrow_every_axis(device_ids, axis_names, failed, healthy_spares, batch_axe
 
 
 def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axes,
-                 sharded_dims, batch_size, batch_policy):
-    """(new ids, examples per step, math changed) with `axis` shrunk, or None."""
+                 sharded_dims, batch_size, batch_policy, refused: Collection = ()):
+    """(new ids, examples per step, math changed) with `axis` shrunk, or None (no width
+    fits; widths giving a ``refused`` shape are passed over)."""
     d = axis_names.index(axis)
+
+    def widest(limit: int, sizes) -> int:
+        w = _widest_dividing(limit, sizes)
+        while w and (*device_ids.shape[:d], w, *device_ids.shape[d + 1:]) in refused:
+            w = _widest_dividing(w - 1, sizes)
+        return w
+
     slices = np.moveaxis(device_ids, d, 0)
     slice_shape = slices.shape[1:]
     survivors = [s for s in slices if not any(int(x) in failed for x in s.flat)]
@@ -348,7 +364,7 @@ def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axe
     candidates = survivors + fresh
     dims = tuple(sharded_dims.get(axis, ()))
     examples, math_changed = batch_size, False
-    width = _widest_dividing(len(candidates), dims)
+    width = widest(len(candidates), dims)
     if batch_size is not None:
         # The batch axes other than `axis` keep their widths: the batch is split over
         # their product, times the new width when `axis` is one of them.
@@ -359,7 +375,7 @@ def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axe
             if batch_size % other:
                 width = 0
             elif along:
-                width = _widest_dividing(len(candidates), (batch_size // other, *dims))
+                width = widest(len(candidates), (batch_size // other, *dims))
         elif width:
             split = other * (width if along else 1)
             examples = batch_size // split * split

@@ -1,6 +1,7 @@
 """End to end: devices die mid-run; the run ends equal to a failure-free plain Flax run."""
 
 import functools
+import logging
 
 import jax
 import numpy as np
@@ -80,6 +81,35 @@ def test_spare_swapped_in_keeps_mesh_shape():
     # Only the groups through device 2 changed: one model group and one data group.
     assert rec.groups_changed == 2 and rec.groups_kept == 3
     assert step.statistics.spare_devices == (7,)
+
+
+def _not_on_three_replicas(model, optimizer, batch):
+    """A step that cannot be traced for three data replicas (as one that reshapes its
+    batch into micro-batches by the data axis's width, for a width that does not fit)."""
+    if jax.sharding.get_abstract_mesh().shape.get("data") == 3:
+        raise ValueError("4 micro-batches per replica do not split 8 rows")
+    return h.train_step(model, optimizer, batch)
+
+
+def test_a_mesh_the_step_cannot_compile_for_is_planned_around(caplog):
+    """The loss of one device of (4, 2) plans (3, 2), for which the step's trace fails:
+    the recovery plans around that shape, (2, 2), and the run ends as the failure-free
+    one (a user trial's job ended with a StepCompileError where (2, 2) worked)."""
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(_not_on_three_replicas, mesh=h.mesh_of((4, 2)),
+                              options=h.no_precompile(),
+                              fault_injector=FaultInjector().lose_devices(4, [3]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="mnemojax"):
+            losses = [float(step(model, optimizer, b)["loss"]) for b in h.make_batches(STEPS)]
+        [rec] = step.statistics.recoveries
+        assert rec.new_mesh_shape == {"data": 2, "model": 2} and rec.plan_kind == "drop_replicas"
+        assert "cannot be compiled for mesh {'data': 3, 'model': 2}; planning around it" \
+            in caplog.text
+        assert step._require_built().builder.facts.refused_shapes == {(3, 2)}
+    finally:
+        step.close()
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)), reference())
 
 
 def test_snapshot_cadence_rolls_back_and_replays_buffered_batches():
