@@ -34,6 +34,7 @@ from mnemojax._src import monitoring
 from mnemojax._src.compiler import (
     Executable,
     GivenUp,
+    StepFacts,
     cache_dir,
     export_name,
     shares_cache_entries,
@@ -336,9 +337,9 @@ class DeviceRecovery:
         trace fails for that shape, e.g. micro-batches computed from the data axis's
         width), the next plan around the shapes refused so far (kept in the step's facts,
         so later plans pass them over too), until one compiles or none is left (the first
-        error is raised). In one process only: across processes every process would have
-        to plan around the same failures (not done). Adds the re-plans to
-        ``phases["plan"]``."""
+        error is raised). Adds the re-plans to ``phases["plan"]``. In one process (across
+        processes, `ProcessRecovery.recover` plans around it once every process failed
+        alike)."""
         facts = runtime.compiler.facts
         first: StepCompileError | None = None
         while True:
@@ -349,24 +350,30 @@ class DeviceRecovery:
                 return exe, how, plan
             except StepCompileError as e:
                 shape = tuple(int(n) for n in plan.device_ids.shape)
-                if jax.process_count() > 1 or plan.kind == "spare_swap":
+                if plan.kind == "spare_swap" or jax.process_count() > 1:
                     raise  # (a spare swap keeps the shape the step compiled for)
                 first = first or e
-                facts.refused_shapes.add(shape)
+                rules = _refused(facts, plan, rules, step)
                 t = time.perf_counter()
                 try:
                     plan = plan_reduced_mesh(
                         old_plan.device_ids, old_plan.axis_names, runtime.proxy.dead,
-                        spares=runtime.proxy.spares, **dataclasses.replace(
-                            rules, refused_shapes=tuple(sorted(facts.refused_shapes))
-                        ).as_kwargs())
+                        spares=runtime.proxy.spares, **rules.as_kwargs())
                 except MeshTooSmallError:
                     raise first from None
                 finally:
                     phases["plan"] += time.perf_counter() - t
-                log.warning("mnemojax: step %d: the step cannot be compiled for mesh %s; "
-                            "planning around it: mesh %s", step, dict(
-                                zip(old_plan.axis_names, shape, strict=True)), plan.shape)
+                log.warning("mnemojax: step %d: planning around mesh %s: mesh %s", step,
+                            dict(zip(old_plan.axis_names, shape, strict=True)), plan.shape)
+
+
+def _refused(facts: StepFacts, plan: MeshPlan, rules: ShapeRules, step: int) -> ShapeRules:
+    """``rules`` with ``plan``'s shape refused (the step could not be compiled for it),
+    kept in the step's facts for later plans (`ResilientStep._rules`)."""
+    facts.refused_shapes.add(tuple(int(n) for n in plan.device_ids.shape))
+    log.warning("mnemojax: step %d: the step cannot be compiled for mesh %s; planning "
+                "around it", step, plan.shape)
+    return dataclasses.replace(rules, refused_shapes=tuple(sorted(facts.refused_shapes)))
 
 
 def _replanned(plan: MeshPlan, places: Mapping[int, Place], previous_members: Sequence[int],
@@ -465,42 +472,56 @@ class ProcessRecovery:
         rec = session.recover(last_step=last_step, reason=reason,
                               first_replayable=self._batches.first_step)
         plan_s, left = 0.0, []
-        while True:
+        while True:  # (again when every process failed to compile the planned mesh)
+            while True:
+                t = time.perf_counter()
+                agreement = rec.agreement
+                new_devices: dict[int, list[int]] = {}
+                for d in jax.devices():
+                    new_devices.setdefault(d.process_index, []).append(d.id)
+                # A world grown back to world 0's size (`book.AgreementBook.decide`): more
+                # processes than the world it was decided from.
+                grown = agreement.num_processes > len(agreement.previous_members)
+                try:
+                    if grown:
+                        plan = self._grown_plan(agreement.num_processes, new_devices, rules)
+                    else:
+                        # A joiner (a spare) takes a dead member's rank: its devices take
+                        # that member's places in the mesh, which keeps its size.
+                        as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
+                        plan = _replanned(old_plan, places, rec.members, as_old,
+                                          new_devices, rules, spares)
+                except MeshTooSmallError as exc:
+                    self._persist_agreed_state(rec, exc)
+                plan_s += time.perf_counter() - t
+                idle = _idle_processes(plan, new_devices)
+                if not idle:
+                    break
+                leaving = [rec.agreement.survivors[p] for p in idle]
+                rec = self._without_idle(rec, idle, leaving, plan, step=step,
+                                         last_step=last_step)
+                left += leaving
+            phases = {"detect": t0 - t_fault - close_s, "close": close_s,
+                      "agree": rec.phases["detach"] + rec.phases["agree"], "plan": plan_s}
             t = time.perf_counter()
-            agreement = rec.agreement
-            new_devices: dict[int, list[int]] = {}
-            for d in jax.devices():
-                new_devices.setdefault(d.process_index, []).append(d.id)
-            # A world grown back to world 0's size (`book.AgreementBook.decide`): more
-            # processes than the world it was decided from.
-            grown = agreement.num_processes > len(agreement.previous_members)
+            runtime = self.built = self._builder.build(plan, spares=plan.idle)
+            self._durability.reopen_tier(runtime.layer)
+            outcome = (f"mnemojax/compile-outcome/{rec.world.generation}/"
+                       + "x".join(str(n) for n in plan.device_ids.shape))
             try:
-                if grown:
-                    plan = self._grown_plan(agreement.num_processes, new_devices, rules)
-                else:
-                    # A joiner (a spare) takes a dead member's rank: its devices take that
-                    # member's places in the mesh, which keeps its size.
-                    as_old = [rec.replaces.get(w, w) for w in agreement.survivors]
-                    plan = _replanned(old_plan, places, rec.members, as_old, new_devices,
-                                      rules, spares)
-            except MeshTooSmallError as exc:
-                self._persist_agreed_state(rec, exc)
-            plan_s += time.perf_counter() - t
-            idle = _idle_processes(plan, new_devices)
-            if not idle:
-                break
-            leaving = [rec.agreement.survivors[p] for p in idle]
-            rec = self._without_idle(rec, idle, leaving, plan, step=step, last_step=last_step)
-            left += leaving
-        phases = {"detect": t0 - t_fault - close_s, "close": close_s,
-                  "agree": rec.phases["detach"] + rec.phases["agree"], "plan": plan_s}
-        t = time.perf_counter()
-        runtime = self.built = self._builder.build(plan, spares=plan.idle)
-        self._durability.reopen_tier(runtime.layer)
-        with compiling_for(plan, self._durability, step):
-            exe, compiled_now = compile_for_world(
-                session, runtime, self._batches.last, plan.examples_per_step,
-                timeout_s=compiled_barrier_s(self._builder))
+                with compiling_for(plan, self._durability, step):
+                    exe, compiled_now = compile_for_world(
+                        session, runtime, self._batches.last, plan.examples_per_step,
+                        timeout_s=compiled_barrier_s(self._builder))
+            except StepCompileError:
+                if not self._every_process_failed(outcome):
+                    raise
+                rules = _refused(runtime.compiler.facts, plan, rules, step)
+                self.built = None
+                runtime.close()
+                continue
+            coordination.post_value(outcome, "ok")  # (a peer that failed waits for it)
+            break
         compile_s = time.perf_counter() - t
         t = time.perf_counter()
         shardings = exe.state_shardings
@@ -554,6 +575,19 @@ class ProcessRecovery:
                     ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v >= 0.005),
                     record.executable, record.steps_lost, step, step)
         return Resumed(runtime, leaves, resume, record, publish_replayed=True)
+
+    def _every_process_failed(self, outcome: str) -> bool:
+        """After this process failed to compile the planned mesh: whether every process
+        of the new world did (each posts its outcome under ``outcome``; a trace that fails
+        for a shape fails alike everywhere). Only then do they plan around it together;
+        a process that compiled goes on to the compile barrier, and this one raises (the
+        job ends, as before the planning around). Waits as long as the compile barrier,
+        ended by a peer's death."""
+        coordination.post_value(outcome, "failed")
+        found = coordination.posted_values(
+            outcome, jax.process_count(), timeout_s=compiled_barrier_s(self._builder),
+            stop=lambda: peer_watch.known_death() is not None)
+        return found is not None and set(found.values()) == {"failed"}
 
     def _without_idle(self, rec: WorldRecovery, idle: Sequence[int], workers: Sequence[int],
                       plan: MeshPlan, *, step: int, last_step: int) -> WorldRecovery:

@@ -608,6 +608,20 @@ def test_no_whole_replica_left_shrinks_the_model_axis_and_an_idle_survivor_leave
     assert [d["survivors"] for d in decided] == [[0, 1, 2], [0, 1]]
 
 
+def test_a_mesh_no_process_can_compile_for_is_planned_around_together(tmp_path, reference):
+    """4 processes x 2 devices on (4, 2); worker 3 is killed. The step's trace fails on
+    (3, 2) in every survivor: they see that every process failed, plan around it, (2, 2),
+    which leaves one survivor idle (it leaves the job), and end exact (a user trial's job
+    ended with a StepCompileError where (2, 2) worked)."""
+    report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
+                  extra=("--untraceable-data-width", "3"))
+    assert report["rc"] == 0, report
+    stats = _assert_exact(tmp_path, reference)
+    [rec] = stats["recoveries"]
+    assert rec["new_mesh_shape"] == {"data": 2, "model": 2}, rec
+    assert rec["failed_processes"] == [3] and len(rec["left_processes"]) == 1, rec
+
+
 @pytest.mark.slow  # ~35 s; the default test above leaves a survivor idle too
 def test_a_survivor_the_new_mesh_leaves_idle_leaves_the_job_and_the_rest_end_exact(
         tmp_path, reference):
