@@ -9,6 +9,7 @@ and a state; the loop then replays the steps since that state and runs the faile
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from mnemojax._src import checksum as checksums
-from mnemojax._src import ownership
+from mnemojax._src import ownership, persistent
 from mnemojax._src import sharding as shd
 from mnemojax._src.compiler import (
     Executable,
@@ -745,7 +746,10 @@ class ResilientStep(Generic[P, R]):
         if (error := peer_watch.known_death()) is not None:
             raise error
         t_run = time.perf_counter()
-        out = work()
+        # (Orbax's barriers in a save there wait in the store: a death ends them at once)
+        with persistent.syncs_through_the_store() if b.session is not None \
+                else contextlib.nullcontext():
+            out = work()
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
         try:
             if arrays:

@@ -23,12 +23,14 @@ so a failure is known as soon as the write ends, without blocking the training t
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -107,14 +109,8 @@ class PersistentTier:
         self._ocp = ocp
         self.directory = Path(directory).expanduser().resolve()
         self._keys = [tuple(k) for k in keys]
-        self._manager = ocp.CheckpointManager(
-            self.directory, item_names=("state", "mnemojax"),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=True,
-                async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier()),
-                # (its barriers' names apart from a user's own manager's in the same job)
-                multiprocessing_options=ocp.options.MultiprocessingOptions(
-                    barrier_sync_key_prefix="mnemojax")))
+        with syncs_through_the_store():  # (it waits for every process: a death ends it)
+            self._manager = self._make_manager(ocp, max_to_keep)
         self.last_saved_step: int | None = None
         self._attempts = 0  # saves started; a failure is recorded once per attempt
         self._in_flight: tuple[int, int] | None = None  # (step, attempt) not yet settled
@@ -125,6 +121,16 @@ class PersistentTier:
         self._lock = threading.Lock()
         if clean_tmp:
             self._clean_tmp(None)
+
+    def _make_manager(self, ocp: Any, max_to_keep: int) -> Any:
+        return ocp.CheckpointManager(
+            self.directory, item_names=("state", "mnemojax"),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(barrier_sync_fn=checkpoint_barrier()),
+                # (its barriers' names apart from a user's own manager's in the same job)
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix="mnemojax")))
 
     def _describe(self, leaves: Sequence[Any]) -> list[dict[str, Any]]:
         return [{"path": "/".join(k), "shape": list(np.shape(x)), "dtype": str(x.dtype)}
@@ -154,9 +160,11 @@ class PersistentTier:
                 # Its barriers would wait for the dead peer (Orbax's own timeout, 20 min)
                 # and this manager's last save never ends: the recovery opens a new one.
                 raise CheckpointLostError(f"a peer process of this world died: {death}")
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(nest(self._keys, leaves)),
-                mnemojax=ocp.args.JsonSave({"step": step, "leaves": self._describe(leaves)})))
+            with syncs_through_the_store():  # (a death ends its barriers at once)
+                self._manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(nest(self._keys, leaves)),
+                    mnemojax=ocp.args.JsonSave({"step": step,
+                                                "leaves": self._describe(leaves)})))
         except jax.errors.JaxRuntimeError:
             raise
         except Exception as e:
@@ -392,6 +400,70 @@ def checkpoint_barrier() -> Callable[..., None]:
         return None
 
     return store_barrier(client, jax.process_index(), jax.process_count(), given_up)
+
+
+# `syncs_through_the_store`: this thread's barrier, while in such a block.
+_synced = threading.local()
+_sync_lock = threading.Lock()
+_sync_barrier: tuple[Any, Callable[..., None]] | None = None  # (client, its barrier)
+_sync_installed = False
+# How long a process waits at such a barrier for the others, when no death is heard of
+# (Orbax's own default for its barriers).
+_SYNC_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def syncs_through_the_store() -> Iterator[None]:
+    """In this block, on this thread, ``jax.experimental.multihost_utils.
+    sync_global_devices`` (the barrier between processes that Orbax takes in a save and
+    when a `CheckpointManager` is made, and that a user may call) waits through the
+    coordination service's key-value store (`checkpoint_barrier`'s, one per world, each
+    name counted per call) rather than in a collective over every device: a peer's death
+    heard of ends it at once with `CheckpointLostError`, where the collective waited for
+    gloo's timeout (a user trial: 20 s, a worker killed just before a guarded save of the
+    README's own manager). Used where every process runs the same code at once (guarded
+    work, mnemojax's own saves), so a name is waited for the same way in every process;
+    other threads (Orbax's commit threads) keep JAX's. Nothing without a distributed
+    client."""
+    global _sync_barrier
+    client = jax_private.global_state().client
+    if client is None or getattr(_synced, "barrier", None) is not None:
+        yield  # (one process; or nested: the outer block's barrier)
+        return
+    _install_sync()
+    with _sync_lock:
+        if _sync_barrier is None or _sync_barrier[0] is not client:  # (a new world)
+            _sync_barrier = (client, checkpoint_barrier())
+        barrier = _sync_barrier[1]
+    _synced.barrier = barrier
+    try:
+        yield
+    finally:
+        _synced.barrier = None
+
+
+def _install_sync() -> None:
+    """Puts `syncs_through_the_store`'s dispatch in front of JAX's
+    ``sync_global_devices`` (Orbax calls it through the module: the name is looked up at
+    each call), once."""
+    global _sync_installed
+    from jax.experimental import multihost_utils
+
+    with _sync_lock:
+        if _sync_installed:
+            return
+        original = multihost_utils.sync_global_devices
+
+        @functools.wraps(original)
+        def sync_global_devices(name: str) -> None:
+            barrier = getattr(_synced, "barrier", None)
+            if barrier is None:
+                return original(name)
+            barrier(key=f"sync/{name}", timeout_ms=int(_SYNC_TIMEOUT_S * 1000))
+            return None
+
+        multihost_utils.sync_global_devices = sync_global_devices
+        _sync_installed = True
 
 
 def store_barrier(client: Any, me: int, count: int,

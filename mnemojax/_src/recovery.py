@@ -564,7 +564,8 @@ class ProcessRecovery:
             math_changed=plan.math_changed, failed_processes=dead,
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
-            from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)))
+            from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)),
+            cause=reason[:500])
         log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d process(es), mesh %s, "
                     "ready to resume from step %d after %.2f s (%s; executable %s): %d "
                     "step(s) to replay before step %d (the recovery's total, logged once "

@@ -62,6 +62,9 @@ class RecoveryRecord:
         waited_s: how long the failed step (or guarded work) had run when the failure
             surfaced: a collective timeout run into (a stopped or dead peer, across
             processes) shows here, before ``total_s`` starts.
+        cause: multi-process: how the failure surfaced in this process (the error's
+            type and text, shortened: the launcher's news of a death, a collective's
+            error, a barrier given up).
     """
 
     step: int
@@ -93,6 +96,7 @@ class RecoveryRecord:
     guarded: bool = False
     joined_processes: tuple[int, ...] = ()
     waited_s: float = 0.0
+    cause: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -549,6 +549,23 @@ def test_the_users_own_orbax_checkpoints_made_as_the_readme_says_survive_a_kill(
         np.testing.assert_allclose(np.asarray(got), w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_death_just_before_a_guarded_save_ends_the_others_barrier_at_once(tmp_path,
+                                                                              reference):
+    """4 processes; worker 1 SIGKILLs itself as its guarded own save after step 3 starts:
+    the others wait for it in the save's first barrier (Orbax's ``sync_global_devices``, a
+    collective over every device, which a survivor not connected to the dead one left only
+    at gloo's timeout: 20 s in a user trial, 10 s here). In guarded work that barrier
+    waits in the coordination service's store, which a death heard of ends at once
+    (`CheckpointLostError`, the recovery's cause): the others recover, save again in the
+    new world, and end exact."""
+    report = _run(tmp_path, [], nproc=4,
+                  extra=("--user-ckpt", str(tmp_path / "user-ckpt"),
+                         "--die-before-save", "1", "--die-before-save-at", "3"))
+    rec = _one_recovery(tmp_path, reference, report, nproc=4)
+    assert rec["failed_processes"] == [1] and rec["guarded"], rec
+    assert "CheckpointLostError" in rec["cause"] and "barrier sync/" in rec["cause"], rec
+
+
 def test_a_nan_batch_and_a_transient_error_in_place_then_a_host_lost_with_its_buddy(
         tmp_path, reference):
     """One job of 4 processes on a (4, 2) mesh, four faults.

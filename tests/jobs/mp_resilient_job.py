@@ -58,6 +58,11 @@ def main() -> None:
                              "to the save's first barrier (the others wait for it there, on "
                              "their main thread)")
     parser.add_argument("--die-in-save-at", type=int, default=-1, metavar="K")
+    parser.add_argument("--die-before-save", type=int, default=-1, metavar="W",
+                        help="worker W kills itself (SIGKILL) as its guarded own save after "
+                             "step --die-before-save-at starts, before Orbax's first "
+                             "barrier (the others meet the death in that barrier)")
+    parser.add_argument("--die-before-save-at", type=int, default=-1, metavar="K")
     parser.add_argument("--late-saver", type=int, default=-1, metavar="W",
                         help="with --user-ckpt: worker W spends 1 s in its own code before "
                              "its (guarded) save after step --late-save-at")
@@ -212,7 +217,9 @@ def main() -> None:
     gathered = threading.Event()  # (--die-in-commit: the final state is gathered)
     user_save, user_manager = (_user_checkpoints(step, args.user_ckpt, args.user_ckpt_every,
                                                  die_at, gathered if args.die_in_commit
-                                                 else None)
+                                                 else None,
+                                                 die_before=args.die_before_save_at
+                                                 if me == args.die_before_save else None)
                                if args.user_ckpt else (None, None))
     loader = None
     if args.host_data:
@@ -337,14 +344,15 @@ def _tallied(train_step):
 
 
 def _user_checkpoints(step, directory: str, every: int, die_at: int | None,
-                      in_commit: threading.Event | None):
+                      in_commit: threading.Event | None, *, die_before: int | None = None):
     """The user's own Orbax checkpoints across processes (README, "Your own Orbax
     checkpoints"): a manager per world (Orbax keeps the distributed client it was made
     with), the barrier that gives up on a peer's death, the save guarded (it starts with a
     collective across the processes). ``die_at``: this process kills itself (SIGKILL) as
     it comes to the first barrier of its save after that step; with ``in_commit``, to the
     first one of that step's commit (Orbax's thread; its keys end in ``.<step>``), once
-    ``in_commit`` is set."""
+    ``in_commit`` is set. ``die_before``: it kills itself as its save after that step
+    starts, before any barrier."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     made: dict = {"mesh": None, "manager": None, "saving": None}
@@ -374,6 +382,9 @@ def _user_checkpoints(step, directory: str, every: int, die_at: int | None,
 
     @step.guard
     def save(k, model, optimizer):
+        if k == die_before:
+            print(f"mnemojax job: killing myself before the save after step {k}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if manager().should_save(k):
             made["saving"] = k  # (the commit of the step saved last)
         manager().save(k, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
