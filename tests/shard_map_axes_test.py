@@ -59,6 +59,11 @@ def _train_step(model, optimizer, x):
     return {"loss": value}
 
 
+def wrapped_scope(f, *args):
+    with jax.named_scope(USER_SCOPE):
+        return f(*args)
+
+
 def test_the_axes_a_shard_map_maps_over_are_read_from_the_users_scope_only():
     """Only the equations traced in the user's scope count (mnemojax's own shard_maps,
     the finiteness check and the packs, map over every axis), nested calls included."""
@@ -79,6 +84,24 @@ def test_the_axes_a_shard_map_maps_over_are_read_from_the_users_scope_only():
         traced = jax.jit(wrapped).trace(jnp.ones((2, 3, 3)), jnp.ones((2, 3)))
     assert jax_private.shard_map_axes(traced.jaxpr, USER_SCOPE) == {"stage"}
     assert jax_private.shard_map_axes(traced.jaxpr, "elsewhere") == frozenset()
+
+    # Without axis_names= a shard_map makes every axis manual; only those its specs split
+    # along or its collectives name count ('stage' here only through the ppermute).
+    def data_only(x):
+        with jax.named_scope(USER_SCOPE):
+            y = jax.shard_map(lambda x: x * 2.0, mesh=mesh, in_specs=P("data"),
+                              out_specs=P("data"))(x)
+            z = jax.shard_map(lambda x: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)]),
+                              mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(x)
+        return y, z
+
+    with jax.set_mesh(mesh):
+        traced = jax.jit(data_only).trace(jnp.ones((2, 3)))
+        alone = jax.jit(lambda x: wrapped_scope(jax.shard_map(
+            lambda x: x * 2.0, mesh=mesh, in_specs=P("data"), out_specs=P("data")), x)
+        ).trace(jnp.ones((2, 3)))
+    assert jax_private.shard_map_axes(traced.jaxpr, USER_SCOPE) == {"data", "stage"}
+    assert jax_private.shard_map_axes(alone.jaxpr, USER_SCOPE) == {"data"}
 
 
 def test_a_pipelines_stage_axis_is_kept_whole_and_its_loss_is_a_typed_error():

@@ -900,6 +900,11 @@ class StepCompiler:
         traced = step.trace(*args)
         if self.facts.shard_map_axes is None:
             self.facts.shard_map_axes = jax_private.shard_map_axes(traced.jaxpr, USER_SCOPE)
+            if self.facts.shard_map_axes is None:
+                self.facts.shard_map_axes = frozenset()  # (said once)
+                log.warning("mnemojax: could not read which mesh axes a jax.shard_map in the "
+                            "step maps over (this JAX's jaxprs differ): a recovery may "
+                            "narrow them (RecoveryOptions.shrink_shard_map_axes)")
         return traced
 
     @staticmethod

@@ -342,6 +342,7 @@ class DeviceRecovery:
         alike)."""
         facts = runtime.compiler.facts
         first: StepCompileError | None = None
+        tried: list[dict[str, int]] = []
         while True:
             try:
                 with compiling_for(plan, self._durability, step):
@@ -349,10 +350,12 @@ class DeviceRecovery:
                         plan, batch_struct(self._batches.last, plan.examples_per_step))
                 return exe, how, plan
             except StepCompileError as e:
-                shape = tuple(int(n) for n in plan.device_ids.shape)
                 if plan.kind == "spare_swap" or jax.process_count() > 1:
                     raise  # (a spare swap keeps the shape the step compiled for)
                 first = first or e
+                tried.append(plan.shape)
+                if len(tried) >= _MAX_REFUSED:
+                    break
                 rules = _refused(facts, plan, rules, step)
                 t = time.perf_counter()
                 try:
@@ -360,11 +363,17 @@ class DeviceRecovery:
                         old_plan.device_ids, old_plan.axis_names, runtime.proxy.dead,
                         spares=runtime.proxy.spares, **rules.as_kwargs())
                 except MeshTooSmallError:
-                    raise first from None
+                    break
                 finally:
                     phases["plan"] += time.perf_counter() - t
-                log.warning("mnemojax: step %d: planning around mesh %s: mesh %s", step,
-                            dict(zip(old_plan.axis_names, shape, strict=True)), plan.shape)
+        if len(tried) > 1:  # (its cause stays the first mesh's error)
+            first.args = (f"{first.args[0]}; nor for meshes {tried[1:]}",)
+        raise first
+
+
+# The meshes a recovery in one process tries to compile the step for before it raises
+# (`DeviceRecovery._compiled`): each try traces the step on the recovery's path.
+_MAX_REFUSED = 3
 
 
 def _refused(facts: StepFacts, plan: MeshPlan, rules: ShapeRules, step: int) -> ShapeRules:

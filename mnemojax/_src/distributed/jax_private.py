@@ -449,24 +449,38 @@ def has_host_callbacks(lowered: Any) -> bool | None:
 
 
 def shard_map_axes(closed_jaxpr: Any, scope: str) -> frozenset[str] | None:
-    """The mesh axes a ``jax.shard_map`` maps over (made manual), in the top-level
-    equations of ``closed_jaxpr`` traced in the name scope ``scope`` and in every
-    computation they call. None where it cannot be told (the jaxpr's private layout
-    changed)."""
+    """The mesh axes a ``jax.shard_map`` maps over, in the top-level equations of
+    ``closed_jaxpr`` traced in the name scope ``scope`` and in every computation they
+    call: of the axes it makes manual (every axis of the mesh unless ``axis_names=``),
+    those its in/out specs split along or a collective in its body names (``psum``,
+    ``ppermute``, ``axis_index``...). ``jax.lax.axis_size`` leaves no trace (a constant).
+    None where it cannot be told (the jaxpr's private layout changed)."""
     try:
         from jax._src import core  # pyright: ignore[reportPrivateImportUsage]
 
         found: set[str] = set()
 
-        def walk(eqns: Any) -> None:
-            for eqn in eqns:
-                if eqn.primitive.name == "shard_map":
-                    found.update(str(a) for a in eqn.params["newly_manual_axes"])
-                for sub in core.jaxprs_in_params(eqn.params):
-                    walk(getattr(sub, "jaxpr", sub).eqns)  # (a ClosedJaxpr or a Jaxpr)
+        def names(value: Any) -> list[str]:
+            values = value if isinstance(value, tuple | list | set | frozenset) else (value,)
+            return [v for v in values if isinstance(v, str)]
 
-        walk(eqn for eqn in closed_jaxpr.jaxpr.eqns
-             if scope in str(eqn.source_info.name_stack))
+        def walk(eqns: Any, manual: frozenset[str]) -> None:
+            for eqn in eqns:
+                inner = manual
+                if eqn.primitive.name == "shard_map":
+                    mapped = frozenset(str(a) for a in eqn.params["newly_manual_axes"])
+                    found.update(a for spec in (*eqn.params["in_specs"],
+                                                *eqn.params["out_specs"])
+                                 for entry in spec for a in names(entry) if a in mapped)
+                    inner = manual | mapped
+                elif manual:  # a collective in a shard_map's body
+                    found.update(a for key in ("axes", "axis_name")
+                                 for a in names(eqn.params.get(key)) if a in manual)
+                for sub in core.jaxprs_in_params(eqn.params):
+                    walk(getattr(sub, "jaxpr", sub).eqns, inner)  # (a ClosedJaxpr or Jaxpr)
+
+        walk((eqn for eqn in closed_jaxpr.jaxpr.eqns
+              if scope in str(eqn.source_info.name_stack)), frozenset())
         return frozenset(found)
     except (AttributeError, KeyError, TypeError, ImportError):
         return None
