@@ -64,6 +64,7 @@ from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
 from mnemojax._src.proxy import Verdict, host_batch, looks_local, looks_transient
 from mnemojax._src.recovery import (
+    POSITIONS,
     DeviceRecovery,
     ProcessRecovery,
     Resumed,
@@ -232,7 +233,6 @@ class ResilientStep(Generic[P, R]):
         # A process that joined a running job: the last guarded call (the step it comes
         # after, its number there) that the survivors do not run (again), and its own
         # calls counted alike (`_skip_what_survivors_passed`).
-        self._joined_posts: tuple[int, int, int] | None = None  # (world, posters, step)
         self._joined_behind: tuple[int, float] | None = None
         self._joined_seq = (0, 0)
         self._joined_at = 0
@@ -511,9 +511,8 @@ class ResilientStep(Generic[P, R]):
     def _guarded(self, fn: Callable[..., R2], args: tuple, kwargs: dict[str, Any],
                  checked: list[bool]) -> R2:
         b = self._built
-        if (self._joined_posts is not None or self._joined_behind is not None) \
-                and not self._guarding:
-            self._skip_what_survivors_passed(b)
+        if self._joined_behind is not None and not self._guarding:
+            self._skip_what_survivors_passed()
         if (b is None or b.last_written is None  # no committed state on the devices yet
                 or not len(self._batches)  # (restored: no batch to compile a new mesh for)
                 or self._guarding):  # inside guarded work: the outer guard recovers
@@ -783,34 +782,25 @@ class ResilientStep(Generic[P, R]):
                 "mnemojax.errors.GuardSkippedError to skip it", after_step=after_step,
                 joined=record.joined_processes)
 
-    def _skip_what_survivors_passed(self, b: _Built | None) -> None:
+    def _skip_what_survivors_passed(self) -> None:
         """In a process that joined a running job at a step older than the survivors'
         (the agreed state is older than the step they were at: a dead worker's copy of
         that one was incomplete): the survivors replayed the steps in between inside the
         call that met the failure, without the guarded work the user's code calls between
         them, which they had run before the failure (and the call they were in, which
         they skip: `_check_no_joiners`). This process runs that code from the agreed step
-        on: its guarded calls up to the survivors' position do not run.
-
-        Their position is read once a step ran here (they posted it before they replayed,
-        and before that step's collectives could end; read earlier, a wait for it could
-        hold up the world's first step, which waits for this process).
+        on: its guarded calls up to the survivors' position do not run (those before its
+        first step too).
 
         Raises:
             GuardSkippedError: this call is at or before the survivors' position.
         """
+        behind = self._joined_behind
+        assert behind is not None
         after, calls = self._joined_seq
         self._joined_seq = seq = (self._step, calls + 1 if after == self._step else 1)
-        if self._joined_posts is not None:
-            if b is None or b.last_written is None:
-                return  # (no step ran yet: the call runs unguarded, as called)
-            generation, posters, joined_at = self._joined_posts
-            self._joined_posts = None
-            self._joined_behind = self._survivors_position(b, generation, posters)
-            self._joined_at = joined_at
-        behind = self._joined_behind
-        if behind is None or seq[0] > behind[0]:
-            self._joined_behind = None  # caught up (or nothing known)
+        if seq[0] > behind[0]:
+            self._joined_behind = None  # caught up
             return
         if seq > behind:
             return
@@ -824,23 +814,25 @@ class ResilientStep(Generic[P, R]):
             "(its collectives would meet their next step's); catch "
             "mnemojax.errors.GuardSkippedError to skip it", after_step=seq[0], joined=())
 
-    def _survivors_position(self, b: _Built, generation: int, posters: int
-                            ) -> tuple[int, float] | None:
-        """For a process that joined world `generation`: the latest guarded call a
-        survivor had reached (the step it comes after, its number there; a survivor
-        that met the failure in step s had passed every call after s - 1), from what
-        the ``posters`` survivors posted (`_recover_world`); None where none is known (a
-        later world formed since, or they did not say within 60 s: nothing is skipped,
-        logged)."""
-        world = b.session.world if b.session is not None else None
-        if posters <= 0 or world is None or world.generation != generation:
+    @staticmethod
+    def _survivors_position(generation: int, posters: int) -> tuple[int, float] | None:
+        """For a process that joined world `generation` (read at `restore`): the latest
+        guarded call a survivor had reached (the step it comes after, its number there; a
+        survivor that met the failure in step s had passed every call after s - 1), from
+        what the ``posters`` survivors posted as the world formed (`ProcessRecovery.
+        recover`, before its compile barrier: no wait on this process); None where none
+        is known (logged: its guarded work then runs as called)."""
+        if posters <= 0:
             return None
         positions = coordination.posted_values(
-            f"{_POSITIONS}/{generation}", posters, timeout_s=60.0,
+            f"{POSITIONS}/{generation}", posters, timeout_s=60.0,
             stop=lambda: peer_watch.known_death() is not None)
         if positions is None:
-            log.warning("mnemojax: this process joined world %d, but the survivors did not "
-                        "say where they go on: its guarded work runs as called", generation)
+            why = ("a death was heard of first" if peer_watch.known_death() is not None
+                   else "they did not say within 60 s")
+            log.warning("mnemojax: this process joined world %d, but where its survivors go "
+                        "on is not known (%s): its guarded work runs as called",
+                        generation, why)
             return None
         return max(_position(where.rpartition("@")[0]) for where in positions.values())
 
@@ -861,7 +853,7 @@ class ResilientStep(Generic[P, R]):
         if record.plan_kind not in _WORLD_RECOVERIES:  # (one process: nobody else)
             return
         positions = coordination.posted_values(
-            f"{_POSITIONS}/{record.generation}", jax.process_count(), timeout_s=60.0,
+            f"{POSITIONS}/{record.generation}", jax.process_count(), timeout_s=60.0,
             stop=lambda: peer_watch.known_death() is not None)
         if positions is None and (death := peer_watch.known_death()) is not None:
             raise death
@@ -943,9 +935,9 @@ class ResilientStep(Generic[P, R]):
                     "this process joined a running job, but no copy of the job's state "
                     f"survives in memory ({joined.agreement.why}) and there is no checkpoint")
             # (its guarded calls up to where the survivors were: `_skip_what_survivors_passed`)
-            self._joined_posts = (a.generation, a.num_processes - len(a.replaces),
-                                  restored[0] + 1)
-            self._joined_behind, self._joined_seq = None, (0, 0)
+            self._joined_behind = self._survivors_position(
+                a.generation, a.num_processes - len(a.replaces))
+            self._joined_seq, self._joined_at = (0, 0), restored[0] + 1
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step
@@ -1275,18 +1267,18 @@ class ResilientStep(Generic[P, R]):
             t_close = time.perf_counter()
             self._forget_world()  # waits for a background compile that is running
             close_s += time.perf_counter() - t_close
+            # Where this process goes on (guarded work, or a step), told to each world it
+            # forms: a process at the guarded work runs it again only if no peer is already
+            # past it (`_check_peers_at_the_work`), and a spare that joins skips what the
+            # survivors passed (`_skip_what_survivors_passed`).
+            where = (f"guard:{step}:{self._guard_seq[1]}" if self._guarding
+                     else f"step:{step}")
             try:
                 resumed = b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
-                    t_fault=t_fault, rules=self._rules(), spares=spares, close_s=close_s)
+                    t_fault=t_fault, rules=self._rules(), spares=spares, close_s=close_s,
+                    position=f"{where}@{_worker_id(b.session)}")
                 record = resumed.record
-                # Where this process goes on (guarded work, or a step): a process at the
-                # guarded work runs it again only if no peer is already past it
-                # (`_check_peers_at_the_work`).
-                where = (f"guard:{step}:{self._guard_seq[1]}" if self._guarding
-                         else f"step:{step}")
-                coordination.post_value(f"{_POSITIONS}/{record.generation}",
-                                        f"{where}@{_worker_id(b.session)}")
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or
                     # a member died meanwhile): a failure after all. (The new runtime is
@@ -1822,8 +1814,6 @@ def _past(where: str, after_step: int, calls: int) -> bool:
                                           and int(rest[0]) > calls)
 
 
-# The new world's store: where each survivor goes on (`_check_peers_at_the_work`).
-_POSITIONS = "mnemojax/resume-position"
 # The plan kinds of `_recover_world`'s recoveries (`recovery.ProcessRecovery`).
 _WORLD_RECOVERIES = ("process_loss", "grow_back")
 

@@ -371,6 +371,10 @@ class DeviceRecovery:
         raise first
 
 
+# Where each process of a new world goes on (`ProcessRecovery.recover`'s ``position``:
+# ``step:<s>`` or ``guard:<s>:<n>``, then ``@<worker id>``), in that world's store.
+POSITIONS = "mnemojax/resume-position"
+
 # The meshes a recovery in one process tries to compile the step for before it raises
 # (`DeviceRecovery._compiled`): each try traces the step on the recovery's path.
 _MAX_REFUSED = 3
@@ -438,7 +442,8 @@ class ProcessRecovery:
 
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
-                spares: Sequence[int], close_s: float = 0.0) -> Resumed:
+                spares: Sequence[int], close_s: float = 0.0,
+                position: str | None = None) -> Resumed:
         """Agrees with the survivors, joins their world, plans its mesh, compiles and
         restores the agreed state.
 
@@ -459,6 +464,9 @@ class ProcessRecovery:
                 runtimes took, over every round so far (the first waits for a background
                 compile that is running), with the held copy handed to the agent before:
                 the ``close`` phase, apart from ``detect``.
+            position: where this process goes on, posted under `POSITIONS` in the store
+                of every world it forms, as soon as it is formed (before the compile
+                barrier, which a joining spare reaches only after reading them).
 
         A process the new mesh gives no device (a model replica that spans processes,
         with an odd number left) leaves the job, and the others agree again without it
@@ -480,6 +488,8 @@ class ProcessRecovery:
                     step, reason[:200])
         rec = session.recover(last_step=last_step, reason=reason,
                               first_replayable=self._batches.first_step)
+        if position is not None:
+            coordination.post_value(f"{POSITIONS}/{rec.world.generation}", position)
         plan_s, left = 0.0, []
         while True:  # (again when every process failed to compile the planned mesh)
             while True:
@@ -509,6 +519,8 @@ class ProcessRecovery:
                 leaving = [rec.agreement.survivors[p] for p in idle]
                 rec = self._without_idle(rec, idle, leaving, plan, step=step,
                                          last_step=last_step)
+                if position is not None:
+                    coordination.post_value(f"{POSITIONS}/{rec.world.generation}", position)
                 left += leaving
             phases = {"detect": t0 - t_fault - close_s, "close": close_s,
                       "agree": rec.phases["detach"] + rec.phases["agree"], "plan": plan_s}

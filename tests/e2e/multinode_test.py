@@ -226,20 +226,24 @@ def test_a_spare_joining_while_the_survivors_are_in_guarded_work_skips_that_work
 
 
 @pytest.mark.slow  # ~45 s
+@pytest.mark.parametrize("eval_first", [False, True])
 def test_a_spare_joining_at_an_older_step_skips_the_guarded_work_the_survivors_passed(
-        tmp_path):
+        tmp_path, eval_first):
     """As above, but worker 0's snapshot of step 3 never reached its agent (nor its
     buddy), and no survivor holds its live arrays: the new world agrees on step 2. The
     survivors replay step 3 inside the eval's call and skip the eval after it; the spare
     runs the job's loop from step 3 and must skip that eval too (run, its collectives
-    would meet the survivors' step 4). The state ends exact."""
+    would meet the survivors' step 4). ``eval_first``: the loop evaluates before each
+    step, so the spare's first call is the eval after step 2, before its first step,
+    which the survivors had passed as well. The state ends exact."""
     steps, out = 8, str(tmp_path)
     with _logs_on_failure(out):
         with etcd_cluster(3) as cluster:
             codes, final, left, _ = two_nodes.run_spares(
                 cluster.url, out, steps=steps, second_kill=False,
                 job_args=("--guarded-eval", "--eval-slow-after", "3", "--no-held-replicas",
-                          "--withhold-publish", "0", "--withhold-publish-at", "3"))
+                          "--withhold-publish", "0", "--withhold-publish-at", "3",
+                          *(("--eval-first",) if eval_first else ())))
         assert codes == [0, 0]
         assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3]}
         h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
@@ -249,9 +253,11 @@ def test_a_spare_joining_at_an_older_step_skips_the_guarded_work_the_survivors_p
         assert rec["steps_lost"] == 1, rec  # (agreed on step 2)
         with open(f"{out}/evals-w4.json") as f:  # the spare: from step 3 on, 3 skipped
             got = {int(k): v for k, v in json.load(f).items()}
-        assert sorted(got) == list(range(3, steps + 1)) and got[3] is None, got
+        skipped = [2, 3] if eval_first else [3]
+        assert sorted(got) == list(range(skipped[0], steps + (not eval_first))), got
+        assert [k for k in got if got[k] is None] == skipped, got
         assert all(abs(got[k] - want[k - 1]) <= 1e-5 * (1 + abs(want[k - 1]))
-                   for k in got if k != 3), (got, want)
+                   for k in got if k not in skipped), (got, want)
         assert left == [], "a process outlived the job"
 
 

@@ -137,6 +137,9 @@ def main() -> None:
                              "over the data axis (a collective across the processes) through "
                              "step.guard; writes DIR/evals-wI.json (step -> loss, null "
                              "where GuardSkippedError skipped it)")
+    parser.add_argument("--eval-first", action="store_true",
+                        help="with --guarded-eval: the loop evaluates before each step "
+                             "(the eval after step k - 1, at iteration k) instead of after")
     parser.add_argument("--eval-slow-after", type=int, default=-1, metavar="K",
                         help="with --guarded-eval: the first eval after step K sleeps 2 s "
                              "before it starts (a kill at K lands inside it)")
@@ -232,6 +235,17 @@ def main() -> None:
         batches = enumerate(loader, start=start + 1)
     else:
         batches = enumerate(h.make_batches(args.steps), start=1)
+    def _evaluate_after(k: int) -> None:
+        if args.eval_on_host and k == args.eval_slow_after and me == 0:
+            time.sleep(2.0)
+        if args.touch_before_eval:
+            optimizer.step[...] = optimizer.step[...] + 0
+        try:
+            evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
+        except mnemojax.errors.GuardSkippedError as exc:  # spares joined: no eval
+            print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
+            evals[k] = None
+
     for k, batch in batches:
         if k <= start:
             continue
@@ -246,6 +260,8 @@ def main() -> None:
             model.l1.bias.set_value(jnp.copy(model.l1.bias.get_value()))
         if k == args.raise_at_step and me == args.raise_worker:
             raise RuntimeError(f"user bug in worker {me} at step {k}")
+        if args.guarded_eval and args.eval_first and k > 1:
+            _evaluate_after(k - 1)
         if args.global_array_batch:  # as MaxText does: each process gives its own rows
             rows = jax.sharding.NamedSharding(mesh, jax.P(mesh.axis_names[0]))
             n = h.BATCH // jax.process_count()
@@ -271,16 +287,8 @@ def main() -> None:
             except mnemojax.errors.GuardSkippedError as exc:  # (the README: catch it)
                 print(f"mnemojax job: w{me}: the save after step {k} skipped: {exc}",
                       flush=True)
-        if args.guarded_eval:
-            if args.eval_on_host and k == args.eval_slow_after and me == 0:
-                time.sleep(2.0)
-            if args.touch_before_eval:
-                optimizer.step[...] = optimizer.step[...] + 0
-            try:
-                evals[k] = float(evaluate(model, h.EVAL_BATCH)["loss"])
-            except mnemojax.errors.GuardSkippedError as exc:  # spares joined: no eval
-                print(f"mnemojax job: eval after step {k} skipped: {exc}", flush=True)
-                evals[k] = None
+        if args.guarded_eval and not args.eval_first:
+            _evaluate_after(k)
         time.sleep(args.pause_s if k == args.pause_after else args.step_sleep_s)
 
     def last_commit() -> None:
