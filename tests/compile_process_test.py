@@ -27,8 +27,8 @@ pytestmark = pytest.mark.needs8
 def fresh(monkeypatch):
     """A compile process of this test's own as the process-wide one, killed after it."""
     process = compile_process.CompileProcess(len(jax.devices()), nice=19)
-    monkeypatch.setattr(compile_process, "_children",
-                        {(os.getpid(), len(jax.devices()), 19): process})
+    monkeypatch.setattr(compile_process, "_children", {(os.getpid(), 19): process})
+    monkeypatch.setattr(compile_process, "_made", [process])
     monkeypatch.setattr(compile_process, "_latest", process)
     yield process
     process.abandon()
@@ -308,6 +308,7 @@ def test_a_step_with_another_nice_value_gets_a_child_of_its_own_and_the_idle_one
     compiles next; an ending for that reason is no crash (`MAX_STARTS` 2 here: a crash
     after it still leaves a restart)."""
     monkeypatch.setattr(compile_process, "_children", {})
+    monkeypatch.setattr(compile_process, "_made", [])
     monkeypatch.setattr(compile_process, "_latest", None)
     monkeypatch.setattr(compile_process, "MAX_STARTS", 2)
     first = ct._compiler(child_nice=5, in_child=True)
@@ -340,6 +341,30 @@ def test_a_step_with_another_nice_value_gets_a_child_of_its_own_and_the_idle_one
         for process in list(compile_process._children.values()):
             process.abandon()
             assert process.pid is None
+
+
+def test_a_world_with_fewer_devices_keeps_the_child_and_one_made_in_a_pause_starts_paused(
+        monkeypatch):
+    """A later world with fewer devices uses the child of its nice value (a new one would
+    start cold after a process loss); one with more gets a new one. A compile process made
+    while a recovery's compile holds the children paused starts paused, and continues when
+    the block ends."""
+    monkeypatch.setattr(compile_process, "_children", {})
+    monkeypatch.setattr(compile_process, "_made", [])
+    monkeypatch.setattr(compile_process, "_latest", None)
+    first = compile_process.shared(6, nice=3)
+    assert compile_process.shared(4, nice=3) is first
+    wider = compile_process.shared(8, nice=3)
+    assert wider is not first and wider.num_devices == 8
+    try:
+        with compile_process.paused():
+            late = compile_process.shared(8, nice=4)  # made inside the block
+            late.start()
+            assert late.pid is not None and _stopped(late.pid)
+        assert not _stopped(late.pid)
+    finally:
+        for process in list(compile_process._made):
+            process.abandon()
 
 
 def test_the_child_ignores_the_terminals_keys(fresh):

@@ -69,8 +69,9 @@ _LOADER = ("import importlib.util, sys; "
            "worker.serve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
 
 
-# Children started in one process at most: one that keeps dying (a module that crashes XLA,
-# a host short of memory) leaves the compiles to the thread from then on.
+# Children of one compile process (one nice value) that may end other than by `retire`:
+# one that keeps dying (a module that crashes XLA, a host short of memory) leaves the
+# compiles to the thread from then on.
 MAX_STARTS = 3
 
 
@@ -216,17 +217,24 @@ class CompileProcess:
     def paused(self) -> Iterator[None]:
         """The child stopped (SIGSTOP) in this block, where the cores are needed: a compile
         on a recovery's path. Blocks nest across threads; the last one out resumes it."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def pause(self) -> None:
+        """`paused`'s start (counted: the last `resume` continues the child)."""
         with self._lock:
             self._pauses += 1
             if self._pauses == 1:
                 self._signal(signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._pauses -= 1
-                if self._pauses == 0:
-                    self._signal(signal.SIGCONT)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._pauses -= 1
+            if self._pauses == 0:
+                self._signal(signal.SIGCONT)
 
     def retire(self) -> bool:
         """Ends the child if it is idle (no compile in flight); the next compile starts
@@ -248,7 +256,7 @@ class CompileProcess:
 
     def abandon(self) -> None:
         """Kills the child (a compile in flight raises `CompileAbandoned` on its thread);
-        nothing is started again."""
+        this object starts none again."""
         with self._lock:
             self._abandoned = True
             proc, self._proc = self._proc, None
@@ -326,30 +334,36 @@ def _kill(proc: subprocess.Popen) -> None:
                 stream.close()
 
 
-_children: dict[tuple[int, int, int], CompileProcess] = {}  # (owner pid, devices, nice)
+_children: dict[tuple[int, int], CompileProcess] = {}  # (owner pid, nice) -> its process
 _latest: CompileProcess | None = None  # the one asked for last (`current`)
 _shared_lock = threading.Lock()
 _abandoned = threading.Event()  # `abandon` ran (at exit): nothing is compiled there again
+_pause_depth = 0  # `paused` blocks open: a process made inside one starts paused as often
+_made: list[CompileProcess] = []  # every one made (those replaced too): paused, abandoned
 
 
 def shared(num_devices: int, nice: int = 0) -> CompileProcess:
-    """This process's compile process for `num_devices` CPU devices at nice value `nice`
-    (started at its first compile): one per pair of values (XLA's compile threads take
-    the nice value their process starts with). The first time a pair is asked for, the
-    children of other pairs that are idle end (each is started again if its pair is asked
-    for later): a step built with another nice value does not keep an earlier step's
-    child, nor two children alive. After `abandon`, one whose compiles raise
-    `CompileAbandoned`."""
+    """This process's compile process at nice value `nice`, for at least `num_devices`
+    CPU devices (started at its first compile; a later world with fewer devices uses
+    it): one per nice value (XLA's compile threads take the nice value their process
+    starts with). When one is made (a new value, or more devices than the one of that
+    value has), the idle children of the others end (each is started again if its
+    value is asked for later; one with a compile in flight is left to finish it). After
+    `abandon`, one whose compiles raise `CompileAbandoned`."""
     global _latest
     pid = os.getpid()
     with _shared_lock:
         for key in [k for k in _children if k[0] != pid]:
             del _children[key]  # a forked copy's: never talks to the child
-        process = _children.get((pid, num_devices, nice))
+        _made[:] = [p for p in _made if p._owner == pid]
+        process = _children.get((pid, nice))
         others: list[CompileProcess] = []
-        if process is None:
+        if process is None or process.num_devices < num_devices:
             others = list(_children.values())
-            process = _children[(pid, num_devices, nice)] = CompileProcess(num_devices, nice)
+            process = _children[(pid, nice)] = CompileProcess(num_devices, nice)
+            _made.append(process)
+            for _ in range(_pause_depth):
+                process.pause()
         _latest = process
     for other in others:
         other.retire()
@@ -369,19 +383,30 @@ def current() -> CompileProcess | None:
 
 
 def _all() -> list[CompileProcess]:
-    pid = os.getpid()
     with _shared_lock:
-        return [p for k, p in _children.items() if k[0] == pid]
+        return _mine()
+
+
+def _mine() -> list[CompileProcess]:  # (with _shared_lock held)
+    return [p for p in _made if p._owner == os.getpid()]
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """This process's compile processes paused in this block (`CompileProcess.paused`);
-    nothing where there is none."""
-    with contextlib.ExitStack() as stack:
-        for process in _all():
-            stack.enter_context(process.paused())
+    """This process's compile processes paused in this block (`CompileProcess.paused`),
+    those made inside it too; nothing where there is none."""
+    global _pause_depth
+    with _shared_lock:
+        _pause_depth += 1
+        for process in _mine():
+            process.pause()
+    try:
         yield
+    finally:
+        with _shared_lock:
+            _pause_depth -= 1
+            for process in _mine():
+                process.resume()
 
 
 def abandon() -> None:
