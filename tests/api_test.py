@@ -191,7 +191,12 @@ class _FormsWorld:
         self._record = types.SimpleNamespace(plan_kind=plan_kind, failed_processes=failed,
                                              generation=1)
 
-    def recover(self, *args, **kwargs):
+    def recover(self, *args, position=None, **kwargs):
+        from mnemojax._src.distributed.worker import coordination
+        from mnemojax._src.recovery import POSITIONS
+
+        # (as `ProcessRecovery.recover`: told to the world as it forms)
+        coordination.post_value(f"{POSITIONS}/{self._record.generation}", position)
         return Resumed(self.runtime, [], 0, self._record)  # type: ignore[arg-type]
 
 
