@@ -261,6 +261,38 @@ def test_a_spare_joining_at_an_older_step_skips_the_guarded_work_the_survivors_p
         assert left == [], "a process outlived the job"
 
 
+def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp_path):
+    """SIGTERM to node 1's launcher (a scheduler's preemption notice there): it tells the
+    other node through etcd (`stopping`, which leaves worlds decidable until the end, so
+    that a recovery under way completes), both forward it to their workers, which agree
+    on a step to stop after and checkpoint it together; both launchers exit 143 and the
+    checkpoint equals the failure-free state at its step."""
+    import signal
+
+    import mnemojax
+
+    out, ckpt = str(tmp_path), tmp_path / "ckpt"
+    with _logs_on_failure(out):
+        with etcd_cluster(1) as cluster:
+            with two_nodes.started(cluster.url, out, steps=200, sleep_s=0.2,
+                                   job_args=("--ckpt", str(ckpt))) as job:
+                two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
+                               "three steps")
+                job.launchers[1].send_signal(signal.SIGTERM)
+                codes = [p.wait(timeout=120) for p in job.launchers]
+                left = two_nodes.leftover_pids(job.nodes)
+        assert codes == [128 + signal.SIGTERM] * 2, codes
+        assert left == [], "a process outlived the job"
+    [saved] = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 1)), options=h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
+    assert step.restore(model, optimizer) == saved
+    step.close()
+    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                      h.Run([], h.reference_run(h.make_batches(saved)).state))
+
+
 def _check_spares(out, steps, codes, final, left, answered):
     assert answered == []  # every connection without the secret closed unanswered
     assert codes == [0, 0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import mnemojax
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
 
@@ -564,6 +566,30 @@ def test_a_death_just_before_a_guarded_save_ends_the_others_barrier_at_once(tmp_
     rec = _one_recovery(tmp_path, reference, report, nproc=4)
     assert rec["failed_processes"] == [1] and rec["guarded"], rec
     assert "CheckpointLostError" in rec["cause"] and "barrier sync/" in rec["cause"], rec
+
+
+def test_a_stop_signal_during_a_recovery_still_checkpoints_an_agreed_step(tmp_path):
+    """Worker 1 is killed after step 3; as the first survivor comes to the agreement, the
+    launcher gets SIGTERM (a preemption notice, forwarded to the workers). The recovery
+    completes, the survivors agree in the new world on a step to stop after, checkpoint
+    it together and exit; the launcher exits 143. (A user trial across nodes: the
+    agreement was refused once the signal came, every survivor raised, nothing was
+    checkpointed though the agents held the state.)"""
+    ckpt = tmp_path / "ckpt"
+    report = _run(tmp_path, [ProcessFault("kill", 1, 3),
+                             ProcessFault("stop_in_agreement", 0, 0)],
+                  extra=("--ckpt", str(ckpt)))
+    assert report["rc"] == 128 + signal.SIGTERM, report
+    assert _launcher_events(report, "decided"), "no world was decided"
+    [saved] = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+    assert 3 <= saved < STEPS
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
+    assert step.restore(model, optimizer) == saved
+    step.close()
+    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
+                      h.Run([], h.reference_run(h.make_batches(saved)).state))
 
 
 def test_a_nan_batch_and_a_transient_error_in_place_then_a_host_lost_with_its_buddy(

@@ -53,6 +53,8 @@ class WorldArbiter(Protocol):
     def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
             signal: int | None = None) -> None: ...
 
+    def stopping(self, why: str, *, signal: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -88,6 +90,13 @@ class Arbiter:
         if self._ending is None:
             self._ending = why
         self._roster.cv.notify_all()
+
+    def stopping(self, why: str, *, signal: int) -> None:
+        """The job stops (a ``signal`` to the launcher, forwarded to the workers): worlds
+        may still be decided until `end` (a recovery under way completes, so that its
+        survivors stop at an agreed step and checkpoint it). One launcher: nothing to
+        tell."""
+        del why, signal
 
     def close(self) -> None:
         """The launcher is shutting down: `end`, and every `watch` returns at once. Call

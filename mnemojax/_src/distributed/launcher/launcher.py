@@ -176,9 +176,8 @@ class Launcher:
             if (error := self._worker_error) is not None:  # the job is ending: no new world
                 return wire.ErrorReply(message=f"the job is ending: worker {error[0]} "
                                                f"exited with status {error[1]}")
-            if self._stop_signals:
-                return wire.ErrorReply(message="the job is ending: the launcher was "
-                                               f"signalled ({self._stop_signals[0]})")
+            # (after a stop signal too, until its grace ends: a recovery under way
+            # completes, and its survivors stop at an agreed step and checkpoint it)
             try:
                 return wire.AgreementReply(agreement=self.arbiter.agree(message))
             except AgreementError as e:
@@ -348,8 +347,11 @@ class Launcher:
         ``stop_grace_s`` (or a second signal) for them to exit (call with ``roster.cv``
         held). Returns 128 + the first signal."""
         first = self._stop_signals[0]
-        self.arbiter.end(f"the job is ending: the launcher was signalled ({first})",
-                         signal=first)
+        why = f"the job is ending: the launcher was signalled ({first})"
+        # Worlds may still form meanwhile: survivors of a failure the signal met in their
+        # recovery stop at a step agreed in the new world and checkpoint it (a user
+        # trial's job lost its checkpoint when the agreement was refused).
+        self.arbiter.stopping(why, signal=first)
         self._record({"op": "stop_signal", "signal": first})
         logger.warning("mnemojax launch: signal %d: stopping the workers (SIGTERM), up to "
                        "%.0f s", first, self.options.stop_grace_s)
@@ -361,6 +363,7 @@ class Launcher:
         while (any(w not in self.roster.exit_codes for w in running)
                and len(self._stop_signals) == 1 and time.monotonic() < deadline):
             self.roster.cv.wait(timeout=0.2)
+        self.arbiter.end(why, signal=first)
         self._record({"op": "stopped", "signal": first,
                       "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
         if unwatched := [w for w in running

@@ -197,6 +197,13 @@ class NodeLauncher(Launcher):
             if w not in self.roster.exit_codes and w not in self._killed | self._departed:
                 self._killed.add(w)  # evicted by another node: fence it here
                 self.roster.command(w, wire.KillWorker())
+        stopping = view.stopping()
+        if stopping is not None and not self._stop_signals:
+            if stopping.get("node") != o.node_rank:
+                self._record({"op": "job_stopping", **stopping})
+                logger.warning("mnemojax launch: node %s stops the job (signal %s)",
+                               stopping.get("node"), stopping.get("signal"))
+            self._stop_signals.append(int(stopping["signal"]))
         end = view.end()
         if end is not None and not self._end_seen:
             self._end_seen = True

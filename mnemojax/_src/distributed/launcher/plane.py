@@ -275,6 +275,9 @@ class JobView:
     def end(self) -> Mapping[str, Any] | None:
         return self.items.get("end")
 
+    def stopping(self) -> Mapping[str, Any] | None:
+        return self.items.get("stopping")
+
     def book(self, generation: int) -> AgreementBook:
         """World ``generation``'s agreement book as this view sees it."""
         book = AgreementBook(generation, self.worlds().get(generation, ()))
@@ -431,6 +434,15 @@ class EtcdArbiter:
             self._write(lambda: self.store.create(self.store.key("end"), {
                 "why": why, "code": code, "worker_id": worker_id, "signal": signal,
                 "node": self.node_rank}))
+        self._roster.cv.notify_all()
+
+    def stopping(self, why: str, *, signal: int) -> None:
+        """The job stops (``signal``): every node forwards it to its workers (the first
+        ``stopping`` of the job is every node's); worlds may still be decided until `end`,
+        so that a recovery under way completes and its survivors stop at an agreed step
+        and checkpoint it."""
+        self._write(lambda: self.store.create(self.store.key("stopping"), {
+            "why": why, "signal": signal, "node": self.node_rank}))
         self._roster.cv.notify_all()
 
     def close(self) -> None:

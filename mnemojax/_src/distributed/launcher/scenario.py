@@ -11,6 +11,8 @@ launcher has decided a new world that includes it (the others must agree again),
 ``kill_in_compile`` kills it as soon as it starts compiling (its agent passes the
 worker's ``compile`` phase on to the launcher): the others are compiling too, or waiting
 at the barrier after the compile.
+``stop_in_agreement`` is the scheduler's preemption notice (SIGTERM to the launcher) as
+the victim calls ``agree`` in a recovery.
 ``intrude`` harms nothing by itself: an outsider without the job secret connects to the
 launcher's port and to the victim's agent and sends forged requests (a ``hello`` that would
 replace the agent's link, an ``agree``, an ``alloc`` that would wipe the replicas, a ``get``
@@ -40,9 +42,10 @@ from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import InvalidOptionError, ProtocolError
 
 KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision",
-         "kill_in_compile", "intrude")
+         "kill_in_compile", "intrude", "stop_in_agreement")
 # Kinds that fire on an event of the recovery path, once every earlier fault has fired.
-ORDERED_KINDS = ("kill_in_agreement", "kill_after_decision", "kill_in_compile")
+ORDERED_KINDS = ("kill_in_agreement", "kill_after_decision", "kill_in_compile",
+                 "stop_in_agreement")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,8 @@ class ProcessFault:
 
     Attributes:
         kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement``,
-            ``kill_after_decision``, ``kill_in_compile`` or ``intrude`` (module docstring).
+            ``kill_after_decision``, ``kill_in_compile``, ``stop_in_agreement`` or
+            ``intrude`` (module docstring).
         victim: the worker's stable id (its process id at launch).
         at_step: the step after which it fires (ignored by the agreement kinds and
             ``kill_in_compile``).
@@ -155,6 +159,12 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
     def fire(fault: ProcessFault, event: dict) -> None:
         record = {"kind": fault.kind, "victim": fault.victim, "step": event.get("step"),
                   "t": time.time()}
+        if fault.kind == "stop_in_agreement":  # (as the launcher's SIGTERM handler does)
+            with launcher.roster.cv:
+                launcher._stop_signals.append(signal.SIGTERM)
+                launcher.roster.cv.notify_all()
+            fired.append(record)
+            return
         if fault.kind == "intrude":
             v = fault.victim
             record["answered"] = forged_requests_answered(launcher.control, [
@@ -182,7 +192,7 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
             earlier = faults[:faults.index(fault)]
             if any(f in pending for f in earlier):
                 return False
-            if fault.kind == "kill_in_agreement":
+            if fault.kind in ("kill_in_agreement", "stop_in_agreement"):
                 return op == "agree" and event["worker_id"] == fault.victim
             if fault.kind == "kill_in_compile":
                 return (op == "worker_phase" and event["worker_id"] == fault.victim
