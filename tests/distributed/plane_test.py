@@ -40,6 +40,15 @@ def test_a_lost_node_kills_its_workers_that_had_not_exited_zero():
     assert _view({**items, "world/1": {"members": [0, 1]}}).failed_members(0) == (2, 3)
 
 
+def test_a_node_that_finished_is_not_lost():
+    """A node ends its part (every worker of its ended) and says so before its lease goes:
+    the others do not take it for lost (a user trial: "node 0, which ran the coordination
+    service, is lost" after a clean end)."""
+    items = {"world/0": {"members": [0, 1, 2, 3]}, "nodes/1": {}}
+    assert _view(items).lost_nodes() == {0}
+    assert _view({**items, "finished/0": {"exit_codes": {"0": 0, "1": 0}}}).lost_nodes() == set()
+
+
 def test_the_book_counts_arrivals_of_live_members_only():
     items = {"world/0": {"members": [0, 1, 2]}, "nodes/0": {}, "nodes/1": {},
              "arrive/0/0": {"last_step": 5, "first_replayable": None},

@@ -273,14 +273,13 @@ def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp
 
     out, ckpt = str(tmp_path), tmp_path / "ckpt"
     with _logs_on_failure(out):
-        with etcd_cluster(1) as cluster:
-            with two_nodes.started(cluster.url, out, steps=200, sleep_s=0.2,
-                                   job_args=("--ckpt", str(ckpt))) as job:
-                two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
-                               "three steps")
-                job.launchers[1].send_signal(signal.SIGTERM)
-                codes = [p.wait(timeout=120) for p in job.launchers]
-                left = two_nodes.leftover_pids(job.nodes)
+        with etcd_cluster(1) as cluster, two_nodes.started(
+                cluster.url, out, steps=200, sleep_s=0.2, job_args=("--ckpt", str(ckpt))) as job:
+            two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
+                           "three steps")
+            job.launchers[1].send_signal(signal.SIGTERM)
+            codes = [p.wait(timeout=120) for p in job.launchers]
+            left = two_nodes.leftover_pids(job.nodes)
         assert codes == [128 + signal.SIGTERM] * 2, codes
         assert left == [], "a process outlived the job"
     [saved] = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
@@ -291,6 +290,30 @@ def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp
     step.close()
     h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
                       h.Run([], h.reference_run(h.make_batches(saved)).state))
+
+
+@pytest.mark.slow  # ~25 s
+def test_a_clean_end_says_no_node_lost_and_a_grow_back_launcher_after_it_is_refused(
+        tmp_path):
+    """A failure-free job ends 0 on both nodes: each says it finished (etcd
+    ``finished/<rank>``) before its lease goes, so no launcher reports a node lost (a user
+    trial: "node 0, which ran world 0's coordination service, is lost" after a clean end,
+    2 runs in 14). A launcher started with ``--grow-back`` afterwards is refused at once
+    (it waited silently, then claimed to rejoin the finished job)."""
+    out = str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(1) as cluster, two_nodes.started(cluster.url, out, steps=4,
+                                                           sleep_s=0.1) as job:
+            codes = [p.wait(timeout=120) for p in job.launchers]
+            finished = sorted(job.store.items("finished/"))
+            again = job.relaunch(1)
+            rc = again.wait(timeout=60)
+        assert codes == [0, 0] and finished == ["finished/0", "finished/1"], (codes, finished)
+        for rank in (0, 1):
+            assert not _launcher_lines(out, rank, "is lost"), rank
+        assert rc == 2
+        with open(f"{out}/launcher-1-again.log") as f:
+            assert "cannot rejoin: the job has finished" in f.read()
 
 
 def _check_spares(out, steps, codes, final, left, answered):

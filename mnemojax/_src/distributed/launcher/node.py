@@ -32,6 +32,7 @@ joins it like a restarted worker, with Python and JAX already loaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -475,6 +476,10 @@ class NodeLauncher(Launcher):
         record = view.world(0) or {}
         self._record({"op": "world", "generation": 0, "members": record["members"],
                       "coordinator": record["coordinator"], "host_node": record["host_node"]})
+        logger.warning("mnemojax launch: world 0: workers %s, coordination service on node "
+                       "%s (%s); this node %d runs workers %s", record["members"],
+                       record["host_node"], record["coordinator"], o.node_rank,
+                       list(o.local_workers))
         threading.Thread(target=self._respawn_loop, name="mnemojax-respawn",
                          daemon=True).start()
         everyone = view.agents()
@@ -513,14 +518,30 @@ class NodeLauncher(Launcher):
         initial = range(o.world_size, o.world_size + o.nnodes * o.spares)
         deadline = time.monotonic() + FORM_TIMEOUT_S
         claim = {"node": o.node_rank, "count": count, "nonce": secrets.token_hex(8)}
+        said = time.monotonic()
         while True:
             view = JobView(self.store.items(), o.nproc)
             if view.end() is not None:
                 raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job is "
                                        f"ending ({view.end()})")
+            if view.finished_nodes() and not view.live_nodes():
+                raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job has "
+                                       f"finished (nodes {sorted(view.finished_nodes())} "
+                                       "ended their part)")
+            if o.node_rank in view.live_nodes():
+                other = self.store.get(self.store.key("nodes", o.node_rank)) or {}
+                raise WorldConfigError(
+                    f"node {o.node_rank} cannot rejoin: it is running (launcher pid "
+                    f"{other.get('pid')}); --grow-back restarts a node that was lost")
             current = view.worlds().get(view.latest(), ())
             exits = view.exits()
             mine = [w for w in current if view.node(w) == o.node_rank and w not in exits]
+            if mine and time.monotonic() - said >= SAY_WAIT_S:
+                said = time.monotonic()
+                logger.warning("mnemojax launch: node %d waits to rejoin: its old workers %s "
+                               "are still members of world %d (until the others leave "
+                               "them out, at most %.0f s)", o.node_rank, mine,
+                               view.latest(), FORM_TIMEOUT_S)
             if not mine:
                 first = max(view.used_ids(initial), default=-1) + 1
                 if self.store.create(self.store.key("rejoin", first), claim,
@@ -633,6 +654,14 @@ class NodeLauncher(Launcher):
 
     def cleanup(self) -> None:
         super().cleanup()
+        with self.roster.cv:
+            done = (not self._lease_lost and self._lease is not None
+                    and all(w in self.roster.exit_codes for w in self.roster.worker_pids))
+            codes = {str(w): c for w, c in sorted(self.roster.exit_codes.items())}
+        if done:  # (before the lease goes: the others must not take it for a node lost)
+            with contextlib.suppress(Exception):  # (etcd gone: it is lost to them, as before)
+                self.store.put(self.store.key("finished", self.options.node_rank),
+                               {"exit_codes": codes})
         self._progress_stop.set()
         if self._progress_thread is not None:
             self._progress_thread.join(timeout=PROGRESS_EVERY_S)

@@ -98,12 +98,17 @@ class JobView:
     def live_nodes(self) -> set[int]:
         return {int(r) for r in self._under("nodes/")}
 
+    def finished_nodes(self) -> set[int]:
+        """Nodes that ended their part of the job on purpose, every worker of theirs
+        ended (`node.NodeLauncher.cleanup`): their lease is gone, but they are not lost."""
+        return {int(r) for r in self._under("finished/")}
+
     def lost_nodes(self) -> set[int]:
         """Nodes of the job (seen alive once, or running a member of a world) whose lease
-        is gone."""
+        is gone, other than those that finished."""
         known = set(self.seen_nodes) | {self.node(w)
                                         for g in self.worlds().values() for w in g}
-        return known - self.live_nodes()
+        return known - self.live_nodes() - self.finished_nodes()
 
     def homes(self) -> dict[int, int]:
         """Spare -> its node."""
