@@ -465,7 +465,8 @@ def test_a_node_waiting_for_others_says_which_and_what_to_check(monkeypatch, cap
     launcher = types.SimpleNamespace(
         options=types.SimpleNamespace(node_rank=0, nnodes=3, rdzv_id="job7"),
         roster=types.SimpleNamespace(cv=threading.Condition()),
-        plane=types.SimpleNamespace(view=types.SimpleNamespace(live_nodes=lambda: {0, 2})))
+        plane=types.SimpleNamespace(view=types.SimpleNamespace(live_nodes=lambda: {0, 2},
+                                                               refused=dict)))
     with caplog.at_level("WARNING"), pytest.raises(
             DistributedError, match=r"nodes \[1\] have not registered: is each launched with "
                                     r"the same --rdzv and --rdzv-id 'job7', --nnodes 3"):
@@ -473,6 +474,27 @@ def test_a_node_waiting_for_others_says_which_and_what_to_check(monkeypatch, cap
                                      missing=lambda v: sorted({0, 1, 2} - v.live_nodes()))
     assert any("waiting for all 3 nodes to register" in r.getMessage()
                and "nodes [1] have not registered" in r.getMessage() for r in caplog.records)
+
+
+def test_a_node_waiting_for_one_that_refused_the_job_ends_at_once_saying_why(monkeypatch):
+    """Nodes launched with another job secret refuse the job and leave; a node that came
+    later waited the full 120 s for them (a user trial): their refusal is in etcd, and the
+    wait ends with it."""
+    import types
+
+    from mnemojax._src.distributed.launcher import node
+    from mnemojax._src.errors import WorldConfigError
+
+    monkeypatch.setattr(node, "FORM_TIMEOUT_S", 30.0)
+    why = "node 2 was launched with another MNEMOJAX_JOB_SECRET than node 0"
+    launcher = types.SimpleNamespace(
+        options=types.SimpleNamespace(node_rank=1, nnodes=3, rdzv_id="job7"),
+        roster=types.SimpleNamespace(cv=threading.Condition()),
+        plane=types.SimpleNamespace(view=types.SimpleNamespace(
+            live_nodes=lambda: {1}, refused=lambda: {0: why})))
+    with pytest.raises(WorldConfigError, match=f"node 1: node 0 refused to run the job: {why}"):
+        node.NodeLauncher._wait_view(launcher, lambda v: False, "all 3 nodes to register",
+                                     missing=lambda v: sorted({0, 1, 2} - v.live_nodes()))
 
 
 def test_a_launch_that_fails_in_the_multi_process_layer_ends_with_one_line(monkeypatch,

@@ -455,7 +455,12 @@ class NodeLauncher(Launcher):
                                or v.world(0) is not None,
                                f"all {o.nnodes} nodes to register",
                                missing=lambda v: sorted(set(range(o.nnodes)) - v.live_nodes()))
-        self._check_nodes(view)
+        try:
+            self._check_nodes(view)
+        except WorldConfigError as e:  # (the others must not wait for this node)
+            with contextlib.suppress(Exception):
+                self.store.put(self.store.key("refused", o.node_rank), {"why": str(e)})
+            raise
         if o.rejoin_first_id is not None:
             with cv:
                 self._start_spares()
@@ -616,6 +621,10 @@ class NodeLauncher(Launcher):
         with self.roster.cv:
             while not ready(view := self.plane.view):
                 waited = time.monotonic() - t0
+                if missing and (refused := view.refused()):
+                    rank, why = sorted(refused.items())[0]
+                    raise WorldConfigError(f"node {o.node_rank}: node {rank} refused to run "
+                                           f"the job: {why}")
                 absent = f"; nodes {missing(view)} have not registered" if missing else ""
                 if waited >= FORM_TIMEOUT_S:
                     hint = (": is each launched with the same --rdzv and --rdzv-id "

@@ -98,6 +98,11 @@ class JobView:
     def live_nodes(self) -> set[int]:
         return {int(r) for r in self._under("nodes/")}
 
+    def refused(self) -> dict[int, str]:
+        """Node rank -> why it refused to run this job (launched unlike another node)."""
+        return {int(r): str(v.get("why") if isinstance(v, dict) else v)
+                for r, v in self._under("refused/").items()}
+
     def finished_nodes(self) -> set[int]:
         """Nodes that ended their part of the job on purpose, every worker of theirs
         ended (`node.NodeLauncher.cleanup`): their lease is gone, but they are not lost."""
