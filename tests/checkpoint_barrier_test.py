@@ -120,6 +120,23 @@ def test_a_death_heard_of_ends_the_wait_with_the_checkpoint_lost(clients, regrow
     assert e.value.mnemojax_regrow is regrow  # type: ignore[attr-defined]
 
 
+@pytest.mark.timeout(60)
+def test_a_barrier_a_peer_gave_up_on_a_death_is_a_lost_checkpoint_not_a_timeout(
+        clients, monkeypatch):
+    """Process 0 hears of a death and gives up; process 1 arrives after, having heard of
+    nothing yet: it fails as a lost checkpoint (a peer failure once its own news comes),
+    not as its own barrier's timeout after 0 s (a review: "processes [] of 2 did not
+    arrive within 300 s", which the guard retried in place as a transient error)."""
+    monkeypatch.setattr(persistent, "_GIVEN_UP_WAIT_S", 0.2)
+    died = ("a peer died", False)
+    zero = persistent.store_barrier(clients[0], 0, 2, lambda: died)
+    one = persistent.store_barrier(clients[1], 1, 2, lambda: None)
+    with pytest.raises(CheckpointLostError, match="barrier gave-up: a peer died"):
+        zero(key="gave-up", timeout_ms=300_000)
+    with pytest.raises(CheckpointLostError, match="barrier gave-up: a peer process gave up"):
+        one(key="gave-up", timeout_ms=300_000)
+
+
 def test_two_barrier_functions_of_one_process_at_one_name_are_a_typed_error(clients):
     """Two Orbax managers of one job with the same barrier names (no
     ``barrier_sync_key_prefix``): the second to arrive at a name it shares is refused by

@@ -236,6 +236,9 @@ class ResilientStep(Generic[P, R]):
         self._joined_behind: tuple[int, float] | None = None
         self._joined_seq = (0, 0)
         self._joined_at = 0
+        # (the step, its recovery) after which processes joined in guarded work: the
+        # guarded calls after that step do not run (`_check_no_joiners`)
+        self._joiners_after: tuple[int, RecoveryRecord] | None = None
 
     def with_options(self, **changes: Any) -> ResilientStep[P, R]:
         """A new, unbuilt resilient step of the same function with some arguments changed
@@ -513,10 +516,18 @@ class ResilientStep(Generic[P, R]):
         b = self._built
         if self._joined_behind is not None and not self._guarding:
             self._skip_what_survivors_passed()
+        if (joiners := self._joiners_after) is not None and not self._guarding:
+            if joiners[0] == self._step:  # processes joined before the next step
+                self._check_no_joiners(joiners[1], self._step)
+            self._joiners_after = None
         if (b is None or b.last_written is None  # no committed state on the devices yet
                 or not len(self._batches)  # (restored: no batch to compile a new mesh for)
                 or self._guarding):  # inside guarded work: the outer guard recovers
-            return fn(*args, **kwargs)
+            # (Orbax's barriers wait as in guarded work: a spare's call before its first
+            # step meets the survivors' guarded one)
+            with persistent.syncs_through_the_store() if b is not None \
+                    and b.session is not None else contextlib.nullcontext():
+                return fn(*args, **kwargs)
         if (left := b.session.left if b.session is not None else None) is not None:
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if isinstance(b.form, NnxForm):  # the objects in the arguments hold the state
@@ -771,9 +782,10 @@ class ResilientStep(Generic[P, R]):
         """
         if record.joined_processes:
             log.warning("mnemojax: workers %s joined world %d at step %d: the guarded work "
-                        "after step %d does not run again (GuardSkippedError)",
-                        list(record.joined_processes), record.generation, after_step + 1,
-                        after_step)
+                        "after step %d does not run again (GuardSkippedError), nor any "
+                        "after it before step %d", list(record.joined_processes),
+                        record.generation, after_step + 1, after_step, after_step + 1)
+            self._joiners_after = (after_step, record)  # (the calls after it: skipped too)
             raise GuardSkippedError(
                 f"guarded work after step {after_step} met a failure; the state is "
                 f"recovered, but workers {list(record.joined_processes)} joined world "
@@ -934,9 +946,11 @@ class ResilientStep(Generic[P, R]):
                 raise StateUnavailableError(
                     "this process joined a running job, but no copy of the job's state "
                     f"survives in memory ({joined.agreement.why}) and there is no checkpoint")
-            # (its guarded calls up to where the survivors were: `_skip_what_survivors_passed`)
-            self._joined_behind = self._survivors_position(
-                a.generation, a.num_processes - len(a.replaces))
+            # (its guarded calls up to where the survivors were: `_skip_what_survivors_passed`;
+            # every process of the new world posts, a fresh one too, which passed nothing)
+            coordination.post_value(f"{POSITIONS}/{a.generation}",
+                                    f"fresh:{restored[0]}@{_worker_id(b.session)}")
+            self._joined_behind = self._survivors_position(a.generation, a.num_processes)
             self._joined_seq, self._joined_at = (0, 0), restored[0] + 1
         if restored is not None:
             self._step, leaves = restored
@@ -1797,10 +1811,13 @@ def _worker_id(session: dist_session.DistributedSession | None) -> int:
 
 
 def _position(where: str) -> tuple[int, float]:
-    """A survivor's post (`_recover_world`) as the last guarded call it had reached: (the
-    step the call comes after, its number there); in step s, every call after s - 1."""
-    kind, step, *rest = where.split(":")
-    return (int(step) - 1, math.inf if kind == "step" else int(rest[0]))
+    """A post (`_recover_world`, `restore`) as the last guarded call a spare must not run:
+    (the step the call comes after, its number there). A survivor in step s, or in
+    guarded work after s - 1 (which, with joiners, skips every guarded call before step s:
+    `_check_no_joiners`): every call after s - 1. A fresh process restored at r: none
+    after r."""
+    kind, step, *_ = where.split(":")
+    return (int(step), 0) if kind == "fresh" else (int(step) - 1, math.inf)
 
 
 def _past(where: str, after_step: int, calls: int) -> bool:
@@ -1808,6 +1825,8 @@ def _past(where: str, after_step: int, calls: int) -> bool:
     the ``calls``-th guarded call after step ``after_step``: it is in a later step, or in
     a later guarded call after that step."""
     kind, step, *rest = where.split(":")
+    if kind == "fresh":  # (restored: it passed nothing)
+        return False
     if kind == "step":
         return int(step) > after_step
     return int(step) > after_step + 1 or (int(step) == after_step + 1

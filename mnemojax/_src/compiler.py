@@ -1035,8 +1035,8 @@ class StepCompiler:
             if not (self._closing.is_set() or said or theirs):  # (said now, once: no fault yet)
                 log.warning("mnemojax: compiling the step ahead of time for mesh %s failed "
                             "(%s: %s): a recovery onto such a mesh would fail the same way "
-                            "(StepCompileError)", plan.shape, type(e).__name__,
-                            str(e)[:500])
+                            "and plan around it (another mesh, or a StepCompileError)",
+                            plan.shape, type(e).__name__, str(e)[:500])
             raise
         finally:
             if self._switch_interval_s is not None:

@@ -402,6 +402,9 @@ def checkpoint_barrier() -> Callable[..., None]:
     return store_barrier(client, jax.process_index(), jax.process_count(), given_up)
 
 
+# How long a process that finds a barrier given up by a peer waits to hear of the death
+# itself (its error is then a peer failure's, recovered as one).
+_GIVEN_UP_WAIT_S = 5.0
 # `syncs_through_the_store`: this thread's barrier, while in such a block.
 _synced = threading.local()
 _sync_lock = threading.Lock()
@@ -422,24 +425,35 @@ def syncs_through_the_store() -> Iterator[None]:
     heard of ends it at once with `CheckpointLostError`, where the collective waited for
     gloo's timeout (a user trial: 20 s, a worker killed just before a guarded save of the
     README's own manager). Used where every process runs the same code at once (guarded
-    work, mnemojax's own saves), so a name is waited for the same way in every process;
-    other threads (Orbax's commit threads) keep JAX's. Nothing without a distributed
-    client."""
+    calls, a spare's before its first step too, and mnemojax's own saves), so a name is
+    waited for the same way in every process; other threads (Orbax's commit threads)
+    keep JAX's. A block nested in one of another world (a recovery inside) waits in its
+    own world's store. Nothing without a distributed client or without the peer watch
+    (``MNEMOJAX_PEER_WATCH=0``: a death would end the store's wait only at its timeout,
+    where gloo's collective timeout ends JAX's)."""
     global _sync_barrier
+    from mnemojax._src.distributed.worker import session as dist_session
+
     client = jax_private.global_state().client
-    if client is None or getattr(_synced, "barrier", None) is not None:
-        yield  # (one process; or nested: the outer block's barrier)
+    outer = getattr(_synced, "barrier", None)
+    session = dist_session.current()
+    if (client is None or session is None or session.peer_watch is None
+            or (outer is not None and _synced.client is client)):
+        # (one process; no peer watch, which alone ends the store's wait at a death, where
+        # gloo's timeout ends the collective; or nested in the same world)
+        yield
         return
     _install_sync()
     with _sync_lock:
         if _sync_barrier is None or _sync_barrier[0] is not client:  # (a new world)
             _sync_barrier = (client, checkpoint_barrier())
         barrier = _sync_barrier[1]
-    _synced.barrier = barrier
+    outer_client = getattr(_synced, "client", None)
+    _synced.barrier, _synced.client = barrier, client
     try:
         yield
     finally:
-        _synced.barrier = None
+        _synced.barrier, _synced.client = outer, outer_client
 
 
 def _install_sync() -> None:
@@ -510,14 +524,22 @@ def store_barrier(client: Any, me: int, count: int,
                 if (result := _read(client, f"{root}/outcome")) is not None:
                     break
                 if (why := given_up()) is not None:
-                    outcome(root, "failed")
+                    outcome(root, "failed:given up")
                     raise _lost(key, *why)
                 if time.monotonic() > deadline:
-                    result = outcome(root, "failed")  # (unless done meanwhile)
+                    result = outcome(root, "failed:deadline")  # (unless done meanwhile)
                     break
                 time.sleep(poll_s)
                 poll_s = min(poll_s * 1.5, _BARRIER_POLL_S)
             if result != "done":
+                if result != "failed:deadline":
+                    # A peer gave up (a death, the world re-forming): the news reaches this
+                    # process within moments, and the error then is a peer failure's.
+                    wait_until = time.monotonic() + _GIVEN_UP_WAIT_S
+                    while (why := given_up()) is None and time.monotonic() < wait_until:
+                        time.sleep(0.01)
+                    raise _lost(key, *(why or ("a peer process gave up the barrier (a "
+                                               "death it heard of)", False)))
                 if (why := given_up()) is not None:
                     raise _lost(key, *why)
                 there = {int(k.rsplit("/", 1)[-1])

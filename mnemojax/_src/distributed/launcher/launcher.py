@@ -84,6 +84,10 @@ class Launcher:
         # sys.exit(n)): (worker id, status, when). It ends the job; nothing is recovered.
         self._worker_error: tuple[int, int, float] | None = None
         self._stop_signals: list[int] = []  # SIGTERM / SIGINT received, in order
+        # A stop another node received (several nodes): stops this one too, but is not a
+        # signal of its own (its own SIGTERM after it is a first one, not a second).
+        self._stop_forwarded: int | None = None
+        self._ended_by_job = False  # `run` ended as the job did (a stop, an end, a status)
         self._departed: set[int] = set()  # workers that left the job (`wire.Leave`): not dead
         self._leave_reasons: dict[int, str] = {}  # why each left (said if nobody is left)
         self._finished_workers: set[int] = set()  # reported their "finish" phase
@@ -208,7 +212,8 @@ class Launcher:
             logger.warning("mnemojax launch: worker %d was ended by signal %d after it "
                            "finished (a crash at exit: what it did after the step's close, "
                            "files it wrote then, may be missing)", worker_id, -code)
-        if code > 0 and self._worker_error is None and not self._stop_signals:
+        if (code > 0 and self._worker_error is None and not self._stop_signals
+                and self._stop_forwarded is None):
             self._end_on_worker_error(worker_id, code)
         if code != 0:
             self.arbiter.member_died(worker_id)
@@ -311,7 +316,9 @@ class Launcher:
         SIGTERM and SIGINT (caught when run in the main thread) are forwarded to the workers
         as SIGTERM, their preemption notice: each takes its just-in-time checkpoint (where
         the persistent tier is on) and exits; after ``stop_grace_s``, or at a second signal,
-        everything left is killed. No world recovery runs meanwhile.
+        everything left is killed. A recovery under way meanwhile completes (its
+        survivors then stop at a step agreed in the new world); no new world forms once
+        the grace is over.
         """
         t_end = None if self.options.job_timeout_s is None else (
             time.monotonic() + self.options.job_timeout_s)
@@ -320,13 +327,15 @@ class Launcher:
             self._start()
             with self.roster.cv:
                 while (rc := self._finished()) is None:
-                    if self._stop_signals:
+                    if self._stop_signals or self._stop_forwarded is not None:
+                        self._ended_by_job = True
                         return self._stop_workers()
                     if t_end is not None and time.monotonic() > t_end:
                         self._record({"op": "job_timeout"})
                         self.arbiter.end("the job is ending: --timeout-s ran out", code=124)
                         return 124
                     self.roster.cv.wait(timeout=0.2)
+            self._ended_by_job = True
             return rc
         except KeyboardInterrupt:
             return 130
@@ -346,7 +355,8 @@ class Launcher:
         """Forwards the stop to every running worker (SIGTERM) and waits up to
         ``stop_grace_s`` (or a second signal) for them to exit (call with ``roster.cv``
         held). Returns 128 + the first signal."""
-        first = self._stop_signals[0]
+        first = self._stop_signals[0] if self._stop_signals else self._stop_forwarded
+        assert first is not None
         why = f"the job is ending: the launcher was signalled ({first})"
         # Worlds may still form meanwhile: survivors of a failure the signal met in their
         # recovery stop at a step agreed in the new world and checkpoint it (a user
@@ -360,10 +370,15 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.roster.worker_pids[w], signal.SIGTERM)
         deadline = time.monotonic() + self.options.stop_grace_s
-        while (any(w not in self.roster.exit_codes for w in running)
-               and len(self._stop_signals) == 1 and time.monotonic() < deadline):
-            self.roster.cv.wait(timeout=0.2)
-        self.arbiter.end(why, signal=first)
+        while ((any(w not in self.roster.exit_codes for w in running)
+                or self._others_running())
+               and len(self._stop_signals) < 2 and time.monotonic() < deadline):
+            self.roster.cv.wait(timeout=0.2)  # (a second signal of its own cuts it short)
+        if any(w not in self.roster.exit_codes for w in running):
+            # Its workers outlived the grace: no world forms from now on. (A node whose
+            # workers all ended says nothing: another node's survivors may still be
+            # forming the world they stop in.)
+            self.arbiter.end(why, signal=first)
         self._record({"op": "stopped", "signal": first,
                       "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
         if unwatched := [w for w in running
@@ -375,6 +390,12 @@ class Launcher:
                            "step with PersistentOptions(directory=...) stops at an agreed "
                            "step and checkpoints it)", unwatched)
         return 128 + first
+
+    def _others_running(self) -> bool:
+        """Whether workers of the job this launcher does not run are still running (one
+        launcher: none). A launcher whose own workers ended keeps its services (a world's
+        coordination service, its agents' copies) for them during a stop."""
+        return False
 
     def cleanup(self) -> None:
         """Ends every agent and worker (process groups), then the services. Idempotent."""

@@ -155,7 +155,8 @@ class NodeLauncher(Launcher):
                     logger.warning("mnemojax launch: spare %d joined world %d in place of "
                                    "worker %s, from step %d", w, g,
                                    agreement.replaces.get(w), agreement.resume_step)
-        if (g := view.regrow_due()) is not None and g not in self._regrow_asked and o.recover:
+        if (g := view.regrow_due()) is not None and g not in self._regrow_asked and o.recover \
+                and not self._stopping():
             self._regrow_asked.add(g)
             self.plane.request_regrow(g)
             self._record({"op": "regrow", "generation": g, "spares": view.idle_spares()})
@@ -199,12 +200,12 @@ class NodeLauncher(Launcher):
                 self._killed.add(w)  # evicted by another node: fence it here
                 self.roster.command(w, wire.KillWorker())
         stopping = view.stopping()
-        if stopping is not None and not self._stop_signals:
-            if stopping.get("node") != o.node_rank:
-                self._record({"op": "job_stopping", **stopping})
-                logger.warning("mnemojax launch: node %s stops the job (signal %s)",
-                               stopping.get("node"), stopping.get("signal"))
-            self._stop_signals.append(int(stopping["signal"]))
+        if (stopping is not None and stopping.get("node") != o.node_rank
+                and self._stop_forwarded is None):
+            self._record({"op": "job_stopping", **stopping})
+            logger.warning("mnemojax launch: node %s stops the job (signal %s)",
+                           stopping.get("node"), stopping.get("signal"))
+            self._stop_forwarded = int(stopping["signal"])
         end = view.end()
         if end is not None and not self._end_seen:
             self._end_seen = True
@@ -212,8 +213,8 @@ class NodeLauncher(Launcher):
                 self._record({"op": "job_ending", **end})
                 logger.warning("mnemojax launch: node %s ends the job: %s", end.get("node"),
                                str(end.get("why", "")).removeprefix("the job is ending: "))
-                if end.get("signal") is not None and not self._stop_signals:
-                    self._stop_signals.append(int(end["signal"]))
+                if end.get("signal") is not None and self._stop_forwarded is None:
+                    self._stop_forwarded = int(end["signal"])
                 elif end.get("code") and self._worker_error is None:
                     # Every node ends with the status of the one that ended the job.
                     worker = end.get("worker_id")
@@ -309,6 +310,9 @@ class NodeLauncher(Launcher):
                     return
                 generation = min(self._respawning.values())
                 first = min(w for w, g in self._respawning.items() if g == generation)
+                if self._stopping():  # (a fresh process never got the stop: none now)
+                    self._restart(generation, {})
+                    continue
             try:  # drives the decision; the others' arrivals are in (`_worker_gone`)
                 self.plane.agree(wire.Agree(worker_id=first, generation=generation,
                                             last_step=ANY_STEP))
@@ -523,17 +527,22 @@ class NodeLauncher(Launcher):
         initial = range(o.world_size, o.world_size + o.nnodes * o.spares)
         deadline = time.monotonic() + FORM_TIMEOUT_S
         claim = {"node": o.node_rank, "count": count, "nonce": secrets.token_hex(8)}
-        said = time.monotonic()
+        said = started = time.monotonic()
         while True:
             view = JobView(self.store.items(), o.nproc)
             if view.end() is not None:
                 raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job is "
                                        f"ending ({view.end()})")
+            if view.stopping() is not None:
+                raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job is "
+                                       f"stopping ({view.stopping()})")
             if view.finished_nodes() and not view.live_nodes():
                 raise WorldConfigError(f"node {o.node_rank} cannot rejoin: the job has "
                                        f"finished (nodes {sorted(view.finished_nodes())} "
                                        "ended their part)")
-            if o.node_rank in view.live_nodes():
+            if (o.node_rank in view.live_nodes()
+                    and time.monotonic() > started + o.node_ttl_s + 2):
+                # (a lost launcher's key lives until its lease ends: waited for that)
                 other = self.store.get(self.store.key("nodes", o.node_rank)) or {}
                 raise WorldConfigError(
                     f"node {o.node_rank} cannot rejoin: it is running (launcher pid "
@@ -661,12 +670,25 @@ class NodeLauncher(Launcher):
         else:
             self._progress_put = steps
 
+    def _stopping(self) -> bool:
+        """A stop signal reached this node or another (call with ``roster.cv`` held)."""
+        return (bool(self._stop_signals) or self._stop_forwarded is not None
+                or self.plane.view.stopping() is not None)
+
+    def _others_running(self) -> bool:
+        """Whether a member of the current world on another node has neither exited nor
+        died (call with ``roster.cv`` held)."""
+        view = self.plane.view
+        exits, dead = view.exits(), view.dead()
+        return any(view.node(m) != self.options.node_rank and m not in exits
+                   and m not in dead for m in view.worlds().get(view.latest(), ()))
+
     def cleanup(self) -> None:
-        super().cleanup()
-        with self.roster.cv:
-            done = (not self._lease_lost and self._lease is not None
+        with self.roster.cv:  # (before cleanup kills what is left: a clean end only)
+            done = (self._ended_by_job and not self._lease_lost and self._lease is not None
                     and all(w in self.roster.exit_codes for w in self.roster.worker_pids))
             codes = {str(w): c for w, c in sorted(self.roster.exit_codes.items())}
+        super().cleanup()
         if done:  # (before the lease goes: the others must not take it for a node lost)
             with contextlib.suppress(Exception):  # (etcd gone: it is lost to them, as before)
                 self.store.put(self.store.key("finished", self.options.node_rank),
