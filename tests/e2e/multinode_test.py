@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -104,6 +105,9 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         assert stats["joined"]["generation"] == 1
         assert stats["joined"]["members"] == o.final["members"]
         assert len(_launcher_lines(out, survivor, "joined world 1 in place of")) == spares
+        # Every process of world 1 said where it goes on (the fresh ones too): none waited
+        # for the others' word in restore() (a review: 60 s each, for posts never made).
+        assert not _launcher_lines(out, survivor, "where its survivors go on is not known")
     else:  # re-initialised in place, the world shrunk to the survivors
         assert o.final["members"] == kept
         assert restarted == []
@@ -265,8 +269,10 @@ def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp
     """SIGTERM to node 1's launcher (a scheduler's preemption notice there): it tells the
     other node through etcd (`stopping`, which leaves worlds decidable until the end, so
     that a recovery under way completes), both forward it to their workers, which agree
-    on a step to stop after and checkpoint it together; both launchers exit 143 and the
-    checkpoint equals the failure-free state at its step."""
+    on a step to stop after and checkpoint it together; node 0's own SIGTERM 0.5 s later
+    is its first, not a second that would cut the grace (a review: then nothing was
+    checkpointed). Both launchers exit 143 and the checkpoint equals the failure-free
+    state at its step."""
     import signal
 
     import mnemojax
@@ -278,6 +284,8 @@ def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp
             two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
                            "three steps")
             job.launchers[1].send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the scheduler's notice reaches node 0 too: its first signal
+            job.launchers[0].send_signal(signal.SIGTERM)
             codes = [p.wait(timeout=120) for p in job.launchers]
             left = two_nodes.leftover_pids(job.nodes)
         assert codes == [128 + signal.SIGTERM] * 2, codes
@@ -314,6 +322,31 @@ def test_a_clean_end_says_no_node_lost_and_a_grow_back_launcher_after_it_is_refu
         assert rc == 2
         with open(f"{out}/launcher-1-again.log") as f:
             assert "cannot rejoin: the job has finished" in f.read()
+
+
+@pytest.mark.slow  # ~40 s
+def test_spares_joining_in_a_guarded_save_skip_the_guarded_eval_after_it_too(tmp_path):
+    """The README's recipe after every step: a guarded own save, then a guarded eval; one
+    spare per node. Worker 0's host dies while the others are in the save after step 3
+    (worker 1 comes to it late). The survivors skip the save (the spare starts at step
+    4) and the eval after it too: run, its collectives met the spare's step 4 (a review:
+    gloo's "collective mismatch" abort, which used the second spare). One spare joins,
+    the job ends exact."""
+    steps, out = 8, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(1) as cluster:
+            codes, final, left, _ = two_nodes.run_spares(
+                cluster.url, out, steps=steps, second_kill=False,
+                job_args=("--guarded-eval", "--user-ckpt", str(tmp_path / "uck"),
+                          "--late-saver", "1", "--late-save-at", "3"))
+        assert codes == [0, 0]
+        assert final["worlds"] == {0: [0, 1, 2, 3], 1: [4, 1, 2, 3]}, final["worlds"]
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        for w in (1, 2, 3):
+            with open(f"{out}/evals-w{w}.json") as f:
+                got = {int(k): v for k, v in json.load(f).items()}
+            assert got[3] is None, (w, got)
+        assert left == [], "a process outlived the job"
 
 
 def _check_spares(out, steps, codes, final, left, answered):
