@@ -265,6 +265,7 @@ def test_a_spare_joining_at_an_older_step_skips_the_guarded_work_the_survivors_p
         assert left == [], "a process outlived the job"
 
 
+@pytest.mark.slow  # ~13 s; a stop during a recovery: resilient_multiprocess_test, default
 def test_a_stop_signal_to_one_node_stops_every_node_at_one_checkpointed_step(tmp_path):
     """SIGTERM to node 1's launcher (a scheduler's preemption notice there): it tells the
     other node through etcd (`stopping`, which leaves worlds decidable until the end, so

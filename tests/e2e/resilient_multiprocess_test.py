@@ -651,6 +651,7 @@ def test_no_whole_replica_left_shrinks_the_model_axis_and_an_idle_survivor_leave
     assert [d["survivors"] for d in decided] == [[0, 1, 2], [0, 1]]
 
 
+@pytest.mark.slow  # ~12 s; the planning around is tested in one process by default
 def test_a_mesh_no_process_can_compile_for_is_planned_around_together(tmp_path, reference):
     """4 processes x 2 devices on (4, 2); worker 3 is killed. The step's trace fails on
     (3, 2) in every survivor: they see that every process failed, plan around it, (2, 2),
