@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -123,6 +124,21 @@ def assert_same_run(got: Run, want: Run, tol: float = 1e-5) -> None:
     assert len(got.state) == len(want.state)
     for a, b in zip(got.state, want.state, strict=True):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def assert_only_checkpoint_is_the_reference(ckpt, mesh_shape) -> int:
+    """The one checkpoint of the test MLP in directory `ckpt` (a job's agreed stop
+    checkpoint), restored through a resilient step on a mesh of `mesh_shape`, equals the
+    failure-free plain run's state after its step; returns that step."""
+    [saved] = [int(p.name) for p in Path(ckpt).iterdir() if p.name.isdigit()]
+    model, optimizer = make_mlp()
+    step = mnemojax.resilient(train_step, mesh=mesh_of(mesh_shape), options=no_precompile(
+        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
+    assert step.restore(model, optimizer) == saved
+    step.close()
+    assert_same_run(Run([], host_state(model, optimizer)),
+                    Run([], reference_run(make_batches(saved)).state))
+    return saved
 
 
 def mesh_of(shape, names=("data", "model"), devices=None):

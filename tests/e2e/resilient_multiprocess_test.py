@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mnemojax
 from mnemojax.testing import ProcessFault, run_scenario
 from tests import helpers as h
 
@@ -581,15 +580,8 @@ def test_a_stop_signal_during_a_recovery_still_checkpoints_an_agreed_step(tmp_pa
                   extra=("--ckpt", str(ckpt)))
     assert report["rc"] == 128 + signal.SIGTERM, report
     assert _launcher_events(report, "decided"), "no world was decided"
-    [saved] = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+    saved = h.assert_only_checkpoint_is_the_reference(ckpt, (4, 2))
     assert 3 <= saved < STEPS
-    model, optimizer = h.make_mlp()
-    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(
-        persistent=mnemojax.PersistentOptions(directory=str(ckpt))))
-    assert step.restore(model, optimizer) == saved
-    step.close()
-    h.assert_same_run(h.Run([], h.host_state(model, optimizer)),
-                      h.Run([], h.reference_run(h.make_batches(saved)).state))
 
 
 def test_a_nan_batch_and_a_transient_error_in_place_then_a_host_lost_with_its_buddy(
