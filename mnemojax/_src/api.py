@@ -230,11 +230,9 @@ class ResilientStep(Generic[P, R]):
         # (the step, how many guarded calls after it so far): where guarded work stands,
         # told to the new world at a recovery (`_check_peers_at_the_work`)
         self._guard_seq = (0, 0)
-        # A process that joined a running job: the last guarded call (the step it comes
-        # after, its number there) that the survivors do not run (again), and its own
-        # calls counted alike (`_skip_what_survivors_passed`).
-        self._joined_behind: tuple[int, float] | None = None
-        self._joined_seq = (0, 0)
+        # A process that joined a running job: the last step after which the survivors
+        # run no guarded work (`_skip_what_survivors_passed`), and the step it joined at.
+        self._joined_behind: int | None = None
         self._joined_at = 0
         # (the step, its recovery) after which processes joined in guarded work: the
         # guarded calls after that step do not run (`_check_no_joiners`)
@@ -795,45 +793,41 @@ class ResilientStep(Generic[P, R]):
                 joined=record.joined_processes)
 
     def _skip_what_survivors_passed(self) -> None:
-        """In a process that joined a running job at a step older than the survivors'
-        (the agreed state is older than the step they were at: a dead worker's copy of
-        that one was incomplete): the survivors replayed the steps in between inside the
+        """In a process that joined a running job: the survivors run no guarded work after
+        the step they were at, before their next one (guarded work with joiners,
+        `_check_no_joiners`), and where the agreed state is older than that step (a dead
+        worker's copy of it was incomplete) they replayed the steps in between inside the
         call that met the failure, without the guarded work the user's code calls between
-        them, which they had run before the failure (and the call they were in, which
-        they skip: `_check_no_joiners`). This process runs that code from the agreed step
-        on: its guarded calls up to the survivors' position do not run (those before its
-        first step too).
+        them (which they had run before the failure). This process runs that code from
+        the agreed step on: its guarded calls up to the survivors' step do not run (those
+        before its first step too).
 
         Raises:
-            GuardSkippedError: this call is at or before the survivors' position.
+            GuardSkippedError: this call comes at or before the survivors' step.
         """
         behind = self._joined_behind
         assert behind is not None
-        after, calls = self._joined_seq
-        self._joined_seq = seq = (self._step, calls + 1 if after == self._step else 1)
-        if seq[0] > behind[0]:
+        if self._step > behind:
             self._joined_behind = None  # caught up
             return
-        if seq > behind:
-            return
-        log.warning("mnemojax: this process joined at step %d; guarded call %d after step "
-                    "%d does not run: the survivors had run it before the failure "
-                    "(GuardSkippedError)", self._joined_at, seq[1], seq[0])
+        log.warning("mnemojax: this process joined at step %d; its guarded work after step "
+                    "%d does not run: the survivors run none there (GuardSkippedError)",
+                    self._joined_at, self._step)
         raise GuardSkippedError(
-            f"this process joined the job at step {self._joined_at}, and the survivors "
-            f"had run guarded call {seq[1]} after step {seq[0]} before the failure (they "
-            "replayed the steps since the agreed state without it): it does not run here "
-            "(its collectives would meet their next step's); catch "
-            "mnemojax.errors.GuardSkippedError to skip it", after_step=seq[0], joined=())
+            f"this process joined the job at step {self._joined_at}; the survivors run no "
+            f"guarded work after step {self._step} (they ran it before the failure, or "
+            "skip it with this process in the world): it does not run here (its "
+            "collectives would meet their next step's); catch "
+            "mnemojax.errors.GuardSkippedError to skip it", after_step=self._step, joined=())
 
     @staticmethod
-    def _survivors_position(generation: int, posters: int) -> tuple[int, float] | None:
-        """For a process that joined world `generation` (read at `restore`): the latest
-        guarded call a survivor had reached (the step it comes after, its number there; a
-        survivor that met the failure in step s had passed every call after s - 1), from
-        what the ``posters`` survivors posted as the world formed (`ProcessRecovery.
-        recover`, before its compile barrier: no wait on this process); None where none
-        is known (logged: its guarded work then runs as called)."""
+    def _survivors_position(generation: int, posters: int) -> int | None:
+        """For a process that joined world `generation` (read at `restore`): the last step
+        after which the survivors run no guarded work (`_position`), from what the
+        ``posters`` processes of the world posted as it formed (`ProcessRecovery.recover`,
+        before its compile barrier: no wait on this process); None where no survivor is
+        (every process fresh) or none is known (logged: its guarded work then runs as
+        called)."""
         if posters <= 0:
             return None
         positions = coordination.posted_values(
@@ -846,7 +840,9 @@ class ResilientStep(Generic[P, R]):
                         "on is not known (%s): its guarded work runs as called",
                         generation, why)
             return None
-        return max(_position(where.rpartition("@")[0]) for where in positions.values())
+        return max((step for where in positions.values()
+                    if (step := _position(where.rpartition("@")[0])) is not None),
+                   default=None)
 
     def _check_peers_at_the_work(self, record: RecoveryRecord, after_step: int) -> None:
         """Guarded work runs again only if no survivor is past it: one that met the failure
@@ -951,7 +947,7 @@ class ResilientStep(Generic[P, R]):
             coordination.post_value(f"{POSITIONS}/{a.generation}",
                                     f"fresh:{restored[0]}@{_worker_id(b.session)}")
             self._joined_behind = self._survivors_position(a.generation, a.num_processes)
-            self._joined_seq, self._joined_at = (0, 0), restored[0] + 1
+            self._joined_at = restored[0] + 1
         if restored is not None:
             self._step, leaves = restored
             self._statistics.steps_run = self._step
@@ -1810,14 +1806,13 @@ def _worker_id(session: dist_session.DistributedSession | None) -> int:
     return world.worker_id if world.worker_id is not None else world.process_id
 
 
-def _position(where: str) -> tuple[int, float]:
-    """A post (`_recover_world`, `restore`) as the last guarded call a spare must not run:
-    (the step the call comes after, its number there). A survivor in step s, or in
-    guarded work after s - 1 (which, with joiners, skips every guarded call before step s:
-    `_check_no_joiners`): every call after s - 1. A fresh process restored at r: none
-    after r."""
+def _position(where: str) -> int | None:
+    """A post (`_recover_world`, `restore`) as the last step after which a joining spare
+    runs no guarded work: a survivor in step s, or in guarded work after s - 1 (which,
+    with joiners, skips every guarded call before step s: `_check_no_joiners`): s - 1. A
+    fresh process (restored, it passed nothing): None."""
     kind, step, *_ = where.split(":")
-    return (int(step), 0) if kind == "fresh" else (int(step) - 1, math.inf)
+    return None if kind == "fresh" else int(step) - 1
 
 
 def _past(where: str, after_step: int, calls: int) -> bool:
