@@ -27,7 +27,6 @@ pytestmark = pytest.mark.needs8
 def fresh(monkeypatch):
     """A compile process of this test's own as the process-wide one, killed after it."""
     process = compile_process.CompileProcess(len(jax.devices()), nice=19)
-    monkeypatch.setattr(compile_process, "_children", {(os.getpid(), 19): process})
     monkeypatch.setattr(compile_process, "_made", [process])
     monkeypatch.setattr(compile_process, "_latest", process)
     yield process
@@ -307,7 +306,6 @@ def test_a_step_with_another_nice_value_gets_a_child_of_its_own_and_the_idle_one
     first step's idle child ends, and starts again (its value kept) when that step
     compiles next; an ending for that reason is no crash (`MAX_STARTS` 2 here: a crash
     after it still leaves a restart)."""
-    monkeypatch.setattr(compile_process, "_children", {})
     monkeypatch.setattr(compile_process, "_made", [])
     monkeypatch.setattr(compile_process, "_latest", None)
     monkeypatch.setattr(compile_process, "MAX_STARTS", 2)
@@ -338,7 +336,7 @@ def test_a_step_with_another_nice_value_gets_a_child_of_its_own_and_the_idle_one
     finally:
         first.close()
         second.close()
-        for process in list(compile_process._children.values()):
+        for process in list(compile_process._made):
             process.abandon()
             assert process.pid is None
 
@@ -349,7 +347,6 @@ def test_a_world_with_fewer_devices_keeps_the_child_and_one_made_in_a_pause_star
     start cold after a process loss); one with more gets a new one. A compile process made
     while a recovery's compile holds the children paused starts paused, and continues when
     the block ends."""
-    monkeypatch.setattr(compile_process, "_children", {})
     monkeypatch.setattr(compile_process, "_made", [])
     monkeypatch.setattr(compile_process, "_latest", None)
     first = compile_process.shared(6, nice=3)

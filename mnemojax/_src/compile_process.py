@@ -334,12 +334,13 @@ def _kill(proc: subprocess.Popen) -> None:
                 stream.close()
 
 
-_children: dict[tuple[int, int], CompileProcess] = {}  # (owner pid, nice) -> its process
 _latest: CompileProcess | None = None  # the one asked for last (`current`)
 _shared_lock = threading.Lock()
 _abandoned = threading.Event()  # `abandon` ran (at exit): nothing is compiled there again
 _pause_depth = 0  # `paused` blocks open: a process made inside one starts paused as often
-_made: list[CompileProcess] = []  # every one made (those replaced too): paused, abandoned
+# Every one made, oldest first (the newest of a nice value serves it; those replaced
+# stay: paused and abandoned with the others).
+_made: list[CompileProcess] = []
 
 
 def shared(num_devices: int, nice: int = 0) -> CompileProcess:
@@ -353,14 +354,12 @@ def shared(num_devices: int, nice: int = 0) -> CompileProcess:
     global _latest
     pid = os.getpid()
     with _shared_lock:
-        for key in [k for k in _children if k[0] != pid]:
-            del _children[key]  # a forked copy's: never talks to the child
-        _made[:] = [p for p in _made if p._owner == pid]
-        process = _children.get((pid, nice))
+        _made[:] = [p for p in _made if p._owner == pid]  # (a forked copy's: never used)
+        process = next((p for p in reversed(_made) if p.nice == nice), None)
         others: list[CompileProcess] = []
         if process is None or process.num_devices < num_devices:
-            others = list(_children.values())
-            process = _children[(pid, nice)] = CompileProcess(num_devices, nice)
+            others = list(_made)
+            process = CompileProcess(num_devices, nice)
             _made.append(process)
             for _ in range(_pause_depth):
                 process.pause()
