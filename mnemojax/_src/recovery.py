@@ -366,18 +366,25 @@ class DeviceRecovery:
                     break
                 finally:
                     phases["plan"] += time.perf_counter() - t
-        if len(tried) > 1:  # (its cause stays the first mesh's error)
-            first.args = (f"{first.args[0]}; nor for meshes {tried[1:]}",)
-        raise first
+        raise _tried_too(first, tried)
 
 
 # Where each process of a new world goes on (`ProcessRecovery.recover`'s ``position``:
 # ``step:<s>`` or ``guard:<s>:<n>``, then ``@<worker id>``), in that world's store.
 POSITIONS = "mnemojax/resume-position"
 
-# The meshes a recovery in one process tries to compile the step for before it raises
-# (`DeviceRecovery._compiled`): each try traces the step on the recovery's path.
+# The meshes a recovery tries to compile the step for before it raises
+# (`DeviceRecovery._compiled`, `ProcessRecovery.recover`): each try traces the step on
+# the recovery's path (across processes, with an agreement round per idle process).
 _MAX_REFUSED = 3
+
+
+def _tried_too(first: StepCompileError, tried: Sequence[dict[str, int]]) -> StepCompileError:
+    """The first mesh's `StepCompileError` (its cause kept), naming the meshes tried after
+    it."""
+    if len(tried) > 1:
+        first.args = (f"{first.args[0]}; nor for meshes {list(tried[1:])}",)
+    return first
 
 
 def _refused(facts: StepFacts, plan: MeshPlan, rules: ShapeRules, step: int) -> ShapeRules:
@@ -491,6 +498,8 @@ class ProcessRecovery:
         if position is not None:
             coordination.post_value(f"{POSITIONS}/{rec.world.generation}", position)
         plan_s, left = 0.0, []
+        first: StepCompileError | None = None  # (every process failed this mesh too)
+        tried: list[dict[str, int]] = []
         while True:  # (again when every process failed to compile the planned mesh)
             while True:
                 t = time.perf_counter()
@@ -534,9 +543,13 @@ class ProcessRecovery:
                     exe, compiled_now = compile_for_world(
                         session, runtime, self._batches.last, plan.examples_per_step,
                         timeout_s=compiled_barrier_s(self._builder))
-            except StepCompileError:
+            except StepCompileError as e:
                 if not self._every_process_failed(outcome):
                     raise
+                first = first or e
+                tried.append(plan.shape)
+                if len(tried) >= _MAX_REFUSED:  # (as in one process; the cause kept)
+                    raise _tried_too(first, tried) from first.__cause__
                 rules = _refused(runtime.compiler.facts, plan, rules, step)
                 self.built = None
                 runtime.close()
