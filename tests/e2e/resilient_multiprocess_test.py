@@ -138,15 +138,18 @@ def test_a_death_inside_a_guarded_eval_names_nothing_as_changed_outside_the_step
 def test_survivors_that_meet_a_death_in_a_guarded_eval_and_in_the_next_step_go_on_together(
         tmp_path, reference):
     """An eval with no collective across processes (each computes the whole loss from
-    the host batch): worker 0 pauses before its eval after step 3, worker 1 is killed
-    meanwhile, worker 2 has finished its eval and meets the death in step 4. Worker 0
+    the host batch): worker 0 pauses before its eval after step 3, worker 1 dies
+    1 s into its own eval (it kills itself there: an outside kill at its step 3 could
+    come before worker 2 finished its eval, seen once under the full suite), worker 2
+    has finished its eval and meets the death in step 4. Worker 0
     meets it in the guarded eval (the death heard of before it starts) and recovers
     there; as worker 2 is past the eval, worker 0 does not run it again (work with
     collectives run alone would wait for worker 2: `GuardSkippedError`, which the job
     catches); then both run step 4 in the new world, with no compile barrier that only
     worker 0 would wait at. Every other eval and the final state exact."""
-    report = _run(tmp_path, [ProcessFault("kill", 1, 3)],
-                  extra=("--guarded-eval", "--eval-on-host", "--eval-slow-after", "3"))
+    report = _run(tmp_path, [],
+                  extra=("--guarded-eval", "--eval-on-host", "--eval-slow-after", "3",
+                         "--die-in-eval", "1", "--die-in-eval-at", "3"))
     rec = _one_recovery(tmp_path, reference, report)
     assert rec["guarded"] and rec["step"] == 4  # (worker 0's record: it writes stats.json)
     want = h.reference_evals(h.make_batches(STEPS))

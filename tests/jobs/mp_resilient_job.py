@@ -438,15 +438,15 @@ def _guarded_eval(step, slow_after: int, on_host: bool, die_at: int | None):
 
     @step.guard
     def evaluate(model, batch):
+        if step.step_count == die_at:
+            time.sleep(1.0)
+            print(f"mnemojax job: killing myself in the eval after step {die_at}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if on_host:
             return loss(model, batch)
         if step.step_count == slow_after and not slept:
             slept.append(True)
             time.sleep(2.0)
-        if step.step_count == die_at:
-            time.sleep(1.0)
-            print(f"mnemojax job: killing myself in the eval after step {die_at}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
         with jax.set_mesh(step.mesh):  # (step.place: no collective, unlike device_put)
             return loss(model, step.place(batch))
 
