@@ -4,6 +4,7 @@ and ``axis_size`` change with it, so a pipeline written for two stages, narrowed
 trained other math silently (a user trial: `shrink_model`, ``math_changed`` False)."""
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -132,5 +133,35 @@ def test_a_pipelines_stage_axis_is_kept_whole_and_its_loss_is_a_typed_error():
         step.options = dataclasses.replace(step.options, recovery=dataclasses.replace(
             step.options.recovery, shrink_shard_map_axes=True))
         assert step._rules().fixed_axes == ()
+    finally:
+        step.close()
+
+
+def test_a_recovery_that_narrows_a_mapped_axis_under_the_option_says_so(caplog):
+    """With ``shrink_shard_map_axes=True`` the loss of a stage's device narrows 'stage'
+    from 2 to 1, and the log says that the math is the same only if the body is (trial
+    38: nothing said so)."""
+    mesh = _mesh((1, 2))
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
+        model = _Pipeline(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.tree.map(
+            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), state,
+            nnx.get_partition_spec(state)))
+    step = mnemojax.resilient(
+        _train_step, mesh=mesh,
+        options=mnemojax.ResilienceOptions(
+            compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
+            recovery=mnemojax.RecoveryOptions(shrink_shard_map_axes=True)),
+        fault_injector=FaultInjector().lose_devices(2, [1]))
+    xs = [np.random.default_rng(i).normal(size=(4, D)).astype(np.float32) for i in range(2)]
+    try:
+        with jax.set_mesh(mesh), caplog.at_level(logging.WARNING, logger="mnemojax"):
+            for x in xs:
+                step(model, optimizer, x)
+        assert step.statistics.recoveries[0].new_mesh_shape == {"data": 1, "stage": 1}
+        [said] = [r.getMessage() for r in caplog.records if "narrows mesh axes" in r.getMessage()]
+        assert "'stage' 2 -> 1" in said and "shrink_shard_map_axes" in said
     finally:
         step.close()

@@ -1341,6 +1341,8 @@ class ResilientStep(Generic[P, R]):
     def _adopt(self, resumed: Resumed) -> None:
         """Continues on a recovery's runtime, from the state of ``resumed.state_step``."""
         b = self._require_built()
+        self._say_mapped_axes_narrowed(b.runtime.mesh, resumed.runtime.mesh,
+                                       resumed.record.step)
         shd.follow_ambient_mesh(b.meshes, resumed.runtime.mesh)
         b.meshes.append(resumed.runtime.mesh)
         b.runtime = resumed.runtime
@@ -1373,6 +1375,27 @@ class ResilientStep(Generic[P, R]):
                           min_devices=rec.min_devices,
                           max_model_shrink=self._max_model_shrink(), fixed_axes=fixed,
                           refused_shapes=tuple(sorted(b.builder.facts.refused_shapes)))
+
+    def _say_mapped_axes_narrowed(self, old: jax.sharding.Mesh, new: jax.sharding.Mesh,
+                                  step: int) -> None:
+        """With ``RecoveryOptions.shrink_shard_map_axes``, a recovery that narrows an axis
+        a ``jax.shard_map`` in the step maps over says so: the user vouched that the body
+        computes the same at any width, which nothing here checks (a user trial: a
+        pipeline narrowed under the option applied some stages only, and nothing said)."""
+        b = self._require_built()
+        mapped = b.builder.facts.shard_map_axes or frozenset()
+        if not self.options.recovery.shrink_shard_map_axes or not mapped:
+            return
+        batch_axes = self.options.batch_axes_of(old.axis_names)
+        narrowed = [f"'{a}' {old.shape[a]} -> {new.shape.get(a, 1)}"
+                    for a in old.axis_names if a in mapped and a not in batch_axes
+                    and new.shape.get(a, 1) < old.shape[a]]
+        if narrowed:
+            log.warning("mnemojax: step %d: the recovery narrows mesh axes a jax.shard_map "
+                        "in the step maps over (%s), as RecoveryOptions.shrink_shard_map_"
+                        "axes allows: the run computes what a failure-free run computes "
+                        "only if the map's body gives the same result at any width of "
+                        "them", step, ", ".join(narrowed))
 
     def _max_model_shrink(self) -> float | None:
         """`RecoveryOptions.model_shrink_headroom`, and in one process also the least
