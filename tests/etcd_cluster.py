@@ -9,9 +9,11 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -88,6 +90,7 @@ class EtcdCluster:
         self.url = ""
         self._pick_ports()
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self._commands: list[list[str]] = [[] for _ in range(size)]
 
     def start(self, timeout_s: float = 30.0, attempts: int = 3) -> None:
         """Starts every member and waits until each is healthy. A member that exits at
@@ -129,16 +132,15 @@ class EtcdCluster:
             tls = [] if self.tls is None else [
                 "--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
                 "--client-cert-auth", "--trusted-ca-file", self.tls.ca]
-            with open(f"{self.dir}/m{i}.log", "wb") as log:  # the member keeps its copy
-                self.procs[i] = subprocess.Popen(
-                    [self.binary, "--name", f"m{i}", "--data-dir", f"{self.dir}/m{i}",
-                     "--listen-client-urls", client, "--advertise-client-urls", client,
-                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                     "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                     "--initial-cluster-token", token,
-                     "--heartbeat-interval", "50", "--election-timeout", "500",
-                     "--log-level", "error", *tls],
-                    stdout=subprocess.DEVNULL, stderr=log)
+            self._commands[i] = [
+                self.binary, "--name", f"m{i}", "--data-dir", f"{self.dir}/m{i}",
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--initial-cluster-token", token,
+                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--log-level", "error", *tls]
+            self._spawn(i, "wb")
         deadline = time.monotonic() + timeout_s
         for i in range(self.size):
             while not self._healthy(i):
@@ -149,6 +151,24 @@ class EtcdCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"etcd member m{i} not healthy in {timeout_s} s:\n"
                                        f"{self._log(i)}")
+                time.sleep(0.1)
+
+    def _spawn(self, i: int, mode: str) -> None:
+        with open(f"{self.dir}/m{i}.log", mode) as log:  # the member keeps its copy
+            self.procs[i] = subprocess.Popen(self._commands[i], stdout=subprocess.DEVNULL,
+                                             stderr=log)
+
+    def restart(self, *members: int, timeout_s: float = 30.0) -> None:
+        """Starts killed members again on their data directories and ports (their WAL
+        makes them rejoin the cluster as they were) and waits until each is healthy."""
+        for i in members:
+            self._spawn(i, "ab")
+        deadline = time.monotonic() + timeout_s
+        for i in members:
+            while not self._healthy(i):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"etcd member m{i} not healthy again in {timeout_s} "
+                                       f"s:\n{self._log(i)}")
                 time.sleep(0.1)
 
     def _healthy(self, i: int) -> bool:
@@ -190,3 +210,75 @@ def etcd_cluster(size: int = 3, *, tls: bool = False) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+class CutOff:
+    """One client's own way to the cluster (a TCP relay per member on loopback), that the
+    test can cut and mend: a node cut off from etcd alone while the others reach it.
+    ``url`` names the relays; `cut` closes them and every connection through them, `mend`
+    listens again on the same ports. Ended (threads and sockets) at `close`."""
+
+    def __init__(self, cluster: EtcdCluster):
+        self._targets = list(cluster.client_ports)
+        self._ports = [transport.free_port() for _ in self._targets]
+        scheme = "etcds://" if cluster.tls else "etcd://"
+        self.url = scheme + ",".join(f"127.0.0.1:{p}" for p in self._ports)
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._open = False
+        self.mend()
+
+    def mend(self) -> None:
+        with self._lock:
+            self._open = True
+            for port, target in zip(self._ports, self._targets, strict=True):
+                listener = socket.socket()
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(("127.0.0.1", port))
+                listener.listen(16)
+                self._sockets.append(listener)
+                threading.Thread(target=self._accept, args=(listener, target),
+                                 daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            self._open = False
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    close = cut
+
+    def _accept(self, listener: socket.socket, target: int) -> None:
+        while True:
+            try:
+                inbound, _ = listener.accept()
+            except OSError:  # cut
+                return
+            try:
+                outbound = socket.create_connection(("127.0.0.1", target), timeout=2)
+            except OSError:
+                inbound.close()
+                continue
+            with self._lock:
+                if not self._open:
+                    inbound.close()
+                    outbound.close()
+                    return
+                self._sockets += [inbound, outbound]
+            for a, b in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)

@@ -11,7 +11,12 @@ import pytest
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
-from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, LeaseKeeper, parse_rdzv
+from mnemojax._src.distributed.launcher.etcd_store import (
+    EtcdStore,
+    LeaseKeeper,
+    RendezvousError,
+    parse_rdzv,
+)
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.launcher.plane import EtcdArbiter, JobView, ring
 from mnemojax._src.distributed.launcher.roster import AgentRoster
@@ -47,6 +52,64 @@ def test_a_node_that_finished_is_not_lost():
     items = {"world/0": {"members": [0, 1, 2, 3]}, "nodes/1": {}}
     assert _view(items).lost_nodes() == {0}
     assert _view({**items, "finished/0": {"exit_codes": {"0": 0, "1": 0}}}).lost_nodes() == set()
+
+
+class _FlakyStore:
+    """An `EtcdStore`'s lease calls, answering as told: ``reach`` False, no member
+    answers; ``ttl``, what a keepalive says (-1: the lease expired)."""
+
+    def __init__(self):
+        self.reach, self.ttl, self.revoked = True, 2, []
+
+    def grant(self, ttl_s):
+        return 7
+
+    def keepalive(self, lease, *, retry_s=None):
+        if not self.reach:
+            time.sleep(0.05)
+            raise RendezvousError("no etcd member answered")
+        return self.ttl
+
+    def revoke(self, lease):
+        self.revoked.append(lease)
+
+
+def _keeper(store, outage_s):
+    lost = threading.Event()
+    return LeaseKeeper(store, 2, on_lost=lost.set, outage_s=outage_s), lost  # type: ignore[arg-type]
+
+
+def test_a_lease_is_not_taken_for_lost_while_etcd_is_silent_within_the_outage_bound():
+    """No member answering for longer than the TTL is not a lost lease (a leader elected
+    after a whole-cluster outage renews every lease): the keeper goes on until etcd
+    answers; once it answers that the lease expired (the node was cut off alone), it is
+    lost at once, and not revoked (nothing left)."""
+    store = _FlakyStore()
+    keeper, lost = _keeper(store, outage_s=30)
+    try:
+        store.reach = False
+        assert not lost.wait(3.5)  # well past the 2 s TTL
+        store.reach = True
+        assert not lost.wait(1.5)  # renewed
+        store.reach = False
+        time.sleep(1.0)
+        store.reach, store.ttl = True, -1  # back, and the lease had ended meanwhile
+        assert lost.wait(3)
+    finally:
+        keeper.close(revoke=True)
+    assert store.revoked == []
+
+
+def test_a_lease_is_lost_once_etcd_stays_silent_for_the_outage_bound():
+    store = _FlakyStore()
+    keeper, lost = _keeper(store, outage_s=3)
+    try:
+        store.reach = False
+        t0 = time.monotonic()
+        assert lost.wait(10)
+        assert 3 <= time.monotonic() - t0 + 0.7 < 6  # (the last renewal came <= 0.7 s before)
+    finally:
+        keeper.close(revoke=True)
 
 
 def test_the_book_counts_arrivals_of_live_members_only():
@@ -298,6 +361,24 @@ def test_an_ambiguous_create_is_read_back(cluster):
     assert store.create(key, value)
     assert store.create(key, value)  # the retry of our own commit
     assert not store.create(key, {"nonce": "other"})
+
+
+def test_a_node_etcd_took_for_lost_cannot_end_or_stop_the_job(nodes):
+    """Node 1's registration is gone (its lease ended while it was cut off from etcd):
+    its `end` and `stopping` are not written, so the job the others went on with goes on;
+    node 0's are."""
+    nodes.store.delete(nodes.store.key("nodes", 1))
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].stopping("a stop told to the cut-off node", signal=15)
+        nodes.arbiters[1].end("the job is ending: a worker of the cut-off node failed",
+                              code=1, worker_id=2)
+    nodes.arbiters[1]._writes.submit(lambda: None).result(timeout=30)  # (written or not)
+    assert nodes.store.get(nodes.store.key("end")) is None
+    assert nodes.store.get(nodes.store.key("stopping")) is None
+    with nodes.arbiters[0]._roster.cv:
+        nodes.arbiters[0].end("the job is ending: worker 0 failed", code=1, worker_id=0)
+    nodes.arbiters[0]._writes.submit(lambda: None).result(timeout=30)
+    assert nodes.store.get(nodes.store.key("end"))["node"] == 0
 
 
 def test_store_survives_a_member_loss(cluster):

@@ -21,8 +21,9 @@ import time
 
 import pytest
 
+from mnemojax._src.distributed.launcher.status import summary
 from tests import helpers as h
-from tests.etcd_cluster import etcd_cluster
+from tests.etcd_cluster import CutOff, etcd_cluster
 from tests.jobs import two_nodes
 
 pytestmark = pytest.mark.multiprocess
@@ -350,3 +351,64 @@ def _check_spares(out, steps, codes, final, left, answered):
     kept = two_nodes.recoveries(out, 1)  # a survivor throughout, recovered in place twice
     assert [e["new_mesh"] for e in kept] == [{"data": 4, "model": 1}] * 2
     assert left == [], "a process outlived the job"
+
+
+@pytest.mark.slow  # ~40 s
+def test_an_outage_of_the_whole_etcd_cluster_longer_than_the_lease_is_ridden_out(tmp_path):
+    """Every etcd member is killed after step 3 and started again (on its data) after
+    twice ``--node-ttl-s``: the launchers keep their workers training meanwhile (a lease
+    etcd did not say had ended is not taken for lost: a new leader renews every lease),
+    no node is taken for lost, and the job ends exact with the world it started with."""
+    steps, out = 40, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster, two_nodes.started(cluster.url, out, steps=steps,
+                                                           sleep_s=0.2) as job:
+            two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
+                           "three steps")
+            for i in range(3):
+                cluster.kill(i)
+            time.sleep(2 * 5 + 1)  # the launchers' --node-ttl-s is 5 s
+            cluster.restart(0, 1, 2)
+            codes = [p.wait(timeout=180) for p in job.launchers]
+            final = summary(job.store, two_nodes.NPROC)
+            left = two_nodes.leftover_pids(job.nodes)
+        assert codes == [0, 0], codes
+        assert final["generation"] == 0 and final["members"] == [0, 1, 2, 3], final
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        for rank in (0, 1):
+            assert not _launcher_lines(out, rank, "is lost"), rank
+            assert not _launcher_lines(out, rank, "lost its etcd lease"), rank
+        assert left == [], "a process outlived the job"
+
+
+@pytest.mark.slow  # ~45 s
+def test_a_node_cut_off_from_etcd_alone_ends_its_part_once_it_reaches_etcd_again(tmp_path):
+    """Node 1 reaches etcd through a way of its own, cut after step 3 while node 0 still
+    reaches it: node 0 takes node 1 for lost once its lease ends and goes on in world 1
+    with its own workers; node 1 keeps waiting for etcd (it cannot tell this from an
+    outage of the whole cluster) until its way is mended, then finds its lease ended and
+    ends its part, without ending the job the others went on with (its ``end`` needs its
+    registration). Node 0 ends 0 and exact."""
+    steps, out = 40, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster, contextlib.closing(CutOff(cluster)) as way, \
+                two_nodes.started(cluster.url, out, steps=steps, sleep_s=0.2,
+                                  urls={1: way.url}) as job:
+            two_nodes.wait(lambda: len(two_nodes.step_times(out).get(0, ())) >= 3, 120,
+                           "three steps")
+            way.cut()
+            world1 = two_nodes.wait(lambda: job.store.get(job.store.key("world", 1)), 120,
+                                    "world 1")
+            time.sleep(3)
+            waited = job.launchers[1].poll()  # (still waiting for etcd)
+            way.mend()
+            codes = [p.wait(timeout=180) for p in job.launchers]
+            end = job.store.get(job.store.key("end"))
+            left = two_nodes.leftover_pids(job.nodes)
+        assert waited is None
+        assert codes[0] == 0 and codes[1] != 0, codes
+        assert world1["members"] == [0, 1], world1
+        assert end is None or end.get("node") != 1, end
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        assert _launcher_lines(out, 1, "lost its etcd lease")
+        assert left == [], "a process outlived the job"

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import wire
@@ -110,16 +110,18 @@ class Job:
 
 @contextlib.contextmanager
 def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: int = 0,
-            job_args: Sequence[str] = ()):
+            job_args: Sequence[str] = (), urls: Mapping[int, str] | None = None):
     """Starts both nodes and waits for world 0; at exit kills whatever is left of them
-    and removes the killed node's shared memory (its agents never could)."""
+    and removes the killed node's shared memory (its agents never could). ``urls``: a
+    node's own way to the cluster (rank -> its ``--rdzv``), ``cluster_url`` otherwise."""
+    urls = {r: (urls or {}).get(r, cluster_url) for r in (0, 1)}
     env = {**os.environ, "MNEMOJAX_JOB_SECRET": secrets.token_hex(32)}
     job = f"two-nodes-{os.getpid()}-{secrets.token_hex(3)}"
     store = EtcdStore.from_url(cluster_url, job)
     launchers: list[subprocess.Popen[bytes]] = []
     nodes: dict[int, dict[str, Any]] = {}
     try:
-        launchers = [launch(cluster_url, job, r, out, env, steps=steps, sleep_s=sleep_s,
+        launchers = [launch(urls[r], job, r, out, env, steps=steps, sleep_s=sleep_s,
                             spares=spares, job_args=job_args) for r in (0, 1)]
         world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
         nodes.update({r: store.get(store.key("nodes", r)) for r in (0, 1)})
@@ -127,7 +129,7 @@ def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: i
         def relaunch(rank: int) -> subprocess.Popen[bytes]:
             """Node ``rank`` again (a restarted host), with ``--grow-back``; ended and
             swept with the others."""
-            p = launch(cluster_url, job, rank, out, env, steps=steps, sleep_s=sleep_s,
+            p = launch(urls[rank], job, rank, out, env, steps=steps, sleep_s=sleep_s,
                        spares=spares, job_args=job_args, launcher_args=("--grow-back",))
             launchers.append(p)
             return p

@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, default=0, help="this node (0..nnodes-1)")
     parser.add_argument("--node-ttl-s", type=int, default=5,
                         help="a node silent in etcd for this long is lost")
+    parser.add_argument("--etcd-outage-s", type=float, default=300.0,
+                        help="with --rdzv: how long this node keeps its workers running "
+                             "while no etcd member answers (a lease etcd has not said "
+                             "ended is kept: a new leader renews every lease)")
     parser.add_argument("--spares", type=int, default=0,
                         help="with --rdzv: idle agents this node keeps; a world formed after "
                              "a loss takes one in place of each dead member")
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         recover=not args.no_recover, job_timeout_s=args.timeout_s,
         stop_grace_s=args.stop_grace_s, rdzv=args.rdzv, rdzv_id=args.rdzv_id,
         nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s,
+        etcd_outage_s=args.etcd_outage_s,
         host=args.host, spares=args.spares, grow_back=args.grow_back)
     if options.rdzv is not None:
         from mnemojax._src.distributed.launcher.node import NodeLauncher

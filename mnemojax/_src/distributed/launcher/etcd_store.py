@@ -227,9 +227,11 @@ class EtcdStore:
         self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload), retry_s)
 
     def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
-               lease: int | None = None, also: Mapping[str, Any] | None = None) -> bool:
+               only_if: Sequence[str] = (), lease: int | None = None,
+               also: Mapping[str, Any] | None = None) -> bool:
         """Puts ``key`` (and the keys of ``also``) only if neither it nor any key of
-        ``unless`` exists, in one transaction; True if this call created it.
+        ``unless`` exists and every key of ``only_if`` does, in one transaction; True if
+        this call created it.
 
         A transaction retried on another member after a timeout may have committed the
         first time: when it then fails, the key is read back, and a value equal to
@@ -243,7 +245,9 @@ class EtcdStore:
                 put["lease"] = lease
             puts.append({"request_put": put})
         txn = {"compare": [{"key": _encode(k), "result": "EQUAL", "target": "CREATE",
-                            "create_revision": 0} for k in (key, *unless)],
+                            "create_revision": 0} for k in (key, *unless)]
+               + [{"key": _encode(k), "result": "GREATER", "target": "CREATE",
+                   "create_revision": 0} for k in only_if],
                "success": puts, "failure": []}
         if self._call(lambda c: c.transaction(txn)).get("succeeded", False):
             return True
@@ -290,14 +294,21 @@ class EtcdStore:
 class LeaseKeeper:
     """Keeps one lease alive from a daemon thread (renewed every third of its TTL).
 
-    ``on_lost()`` runs once if the lease expired (the cluster was unreachable for longer
-    than the TTL): every key attached to it is gone, and the owner must act as if dead.
+    ``on_lost()`` runs once when the lease is gone: etcd answered that it expired (every
+    key attached to it is gone, and the owner must act as if dead), or no member answered
+    for ``outage_s`` (at least the TTL). While no member answers, the lease is not taken
+    for lost before that: a leader elected after an outage of the whole cluster renews
+    every lease it holds (etcd's lessor promotion), so a cluster restarted after longer
+    than the TTL still holds the lease; a launcher cut off alone finds it expired once it
+    reaches etcd again, the others having taken its node for lost meanwhile.
     """
 
     def __init__(self, store: EtcdStore, ttl_s: int, *,
-                 on_lost: Callable[[], None] | None = None):
+                 on_lost: Callable[[], None] | None = None, outage_s: float = 0.0):
         self.store, self.ttl_s = store, ttl_s
+        self.outage_s = max(float(ttl_s), outage_s)
         self.lease = store.grant(ttl_s)
+        self.lost = False
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mnemojax-etcd-lease",
@@ -306,16 +317,27 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         renewed = time.monotonic()
+        told = 0.0  # (how long etcd had been silent when that was last logged)
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 alive = self.store.keepalive(self.lease, retry_s=self.ttl_s / 3) > 0
             except RendezvousError as e:
-                logger.warning("etcd lease %x not renewed: %s", self.lease, e)
-                alive = time.monotonic() - renewed < self.ttl_s
+                silent = time.monotonic() - renewed
+                if not told or silent >= told + 10:
+                    logger.warning("etcd lease %x not renewed for %.1f s; this launcher "
+                                   "goes on until etcd answers, at most %.0f s: %s",
+                                   self.lease, silent, self.outage_s, e)
+                    told = silent
+                alive = silent < self.outage_s
             else:
-                renewed = time.monotonic() if alive else renewed
-            if not alive:  # expired, or etcd out of reach for a whole TTL: as good as gone
+                if alive and told:
+                    logger.warning("etcd lease %x renewed after %.1f s without etcd",
+                                   self.lease, time.monotonic() - renewed)
+                if alive:
+                    renewed, told = time.monotonic(), 0.0
+            if not alive:  # expired, or etcd out of reach for the whole outage bound
                 logger.error("etcd lease %x lost: this launcher's keys are gone", self.lease)
+                self.lost = True
                 if self._on_lost is not None:
                     self._on_lost()
                 return
@@ -324,7 +346,7 @@ class LeaseKeeper:
         """Stops renewing; ``revoke`` deletes the lease's keys now (not at its expiry)."""
         self._stop.set()
         self._thread.join(timeout=5)
-        if revoke:
+        if revoke and not self.lost:  # (a lost lease has nothing left to revoke)
             try:
                 self.store.revoke(self.lease)
             except RendezvousError as e:

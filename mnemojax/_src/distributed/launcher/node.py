@@ -441,7 +441,8 @@ class NodeLauncher(Launcher):
                 raise DistributedError(
                     f"only {len(self.roster.addresses)}/{count} agents said hello")
             agents = dict(self.roster.addresses)
-        self._lease = LeaseKeeper(self.store, o.node_ttl_s, on_lost=self._on_lease_lost)
+        self._lease = LeaseKeeper(self.store, o.node_ttl_s, on_lost=self._on_lease_lost,
+                                  outage_s=o.etcd_outage_s)
         for w, address in agents.items():
             self.store.put(self.store.key("agents", w), address, lease=self._lease.lease)
         for w in o.spare_ids:  # joinable once warm (`_await_join`)

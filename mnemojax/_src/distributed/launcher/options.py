@@ -41,6 +41,11 @@ class LaunchOptions:
             are global: node r runs ``r * nproc ... (r + 1) * nproc - 1``.
         node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
             lost (its workers are dead).
+        etcd_outage_s: how long a launcher that reaches no etcd member keeps its part of
+            the job running (at least ``node_ttl_s``). An outage of the whole cluster is
+            ridden out: the leader elected after it renews every lease. A node cut off
+            alone ends its part once etcd answers that its lease expired (the others
+            took it for lost after ``node_ttl_s``), or after this long.
         spares: warm spares this node keeps ready (ids after every node's workers): an
             agent and a worker process started with the job, waiting in
             ``mnemojax.initialize()``. A world formed after a loss takes one in place of
@@ -72,6 +77,7 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     node_ttl_s: int = 5
+    etcd_outage_s: float = 300.0
     spares: int = 0
     host: str = "127.0.0.1"
     grow_back: bool = False
@@ -97,6 +103,9 @@ class LaunchOptions:
         if self.grow_back and self.rdzv is None:
             raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
                                      "rejoins a job kept in etcd)")
+        if self.etcd_outage_s < 0:
+            raise InvalidOptionError(f"etcd_outage_s={self.etcd_outage_s} is invalid: "
+                                     "expected >= 0")
         if self.node_ttl_s < 2:
             raise InvalidOptionError(f"node_ttl_s={self.node_ttl_s} is invalid: expected >= 2 "
                                      "(etcd's shortest lease)")

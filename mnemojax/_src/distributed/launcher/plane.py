@@ -438,12 +438,15 @@ class EtcdArbiter:
     def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
             signal: int | None = None) -> None:
         """No new world from now on, on every node: the first ``end`` of the job is every
-        node's (a worker's error status ``code``, or a stop ``signal`` they all forward)."""
+        node's (a worker's error status ``code``, or a stop ``signal`` they all forward).
+        Written only while this node is registered (its key lives under its lease): a node
+        that etcd took for lost, cut off from it meanwhile, cannot end the job the others
+        went on with once it reaches etcd again."""
         if self._ending is None:
             self._ending = why
             self._write(lambda: self.store.create(self.store.key("end"), {
                 "why": why, "code": code, "worker_id": worker_id, "signal": signal,
-                "node": self.node_rank}))
+                "node": self.node_rank}, only_if=[self.store.key("nodes", self.node_rank)]))
         self._roster.cv.notify_all()
 
     def stopping(self, why: str, *, signal: int) -> None:
@@ -452,7 +455,8 @@ class EtcdArbiter:
         so that a recovery under way completes and its survivors stop at an agreed step
         and checkpoint it."""
         self._write(lambda: self.store.create(self.store.key("stopping"), {
-            "why": why, "signal": signal, "node": self.node_rank}))
+            "why": why, "signal": signal, "node": self.node_rank},
+            only_if=[self.store.key("nodes", self.node_rank)]))  # (as `end`)
         self._roster.cv.notify_all()
 
     def close(self) -> None:
