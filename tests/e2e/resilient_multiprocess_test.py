@@ -653,12 +653,29 @@ def test_a_mesh_no_process_can_compile_for_is_planned_around_together(tmp_path, 
     which leaves one survivor idle (it leaves the job), and end exact (a user trial's job
     ended with a StepCompileError where (2, 2) worked)."""
     report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
-                  extra=("--untraceable-data-width", "3"))
+                  extra=("--untraceable-mesh", "3x2"))
     assert report["rc"] == 0, report
     stats = _assert_exact(tmp_path, reference)
     [rec] = stats["recoveries"]
     assert rec["new_mesh_shape"] == {"data": 2, "model": 2}, rec
     assert rec["failed_processes"] == [3] and len(rec["left_processes"]) == 1, rec
+
+
+@pytest.mark.slow  # ~35 s
+def test_a_recovery_across_processes_tries_at_most_three_meshes_the_step_cannot_compile_for(
+        tmp_path, capfd):
+    """As above, but the step's trace fails on every mesh the survivors plan: they try
+    three together ((3, 2), then (2, 2), which one of them leaves, then (4, 1), the model
+    axis narrowed), then end with the first mesh's error naming the other two
+    (they went on re-planning, an agreement round each, until no mesh was left)."""
+    report = _run(tmp_path, [ProcessFault("kill", 3, 4)], nproc=4,
+                  extra=("--untraceable-mesh", "3x2,2x2,4x1,1x2"))
+    assert report["rc"] != 0, report
+    printed = capfd.readouterr()
+    said = [line for line in (printed.out + printed.err).splitlines()
+            if "StepCompileError" in line and "nor for meshes" in line]
+    assert said and "{'data': 3, 'model': 2}" in said[0], said
+    assert "nor for meshes [{'data': 2, 'model': 2}, {'data': 4, 'model': 1}]" in said[0], said
 
 
 @pytest.mark.slow  # ~35 s; the default test above leaves a survivor idle too

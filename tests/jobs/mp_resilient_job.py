@@ -148,9 +148,9 @@ def main() -> None:
                              "eval after step --die-in-eval-at, before it dispatches it (the "
                              "others wait for it in their eval's collective)")
     parser.add_argument("--die-in-eval-at", type=int, default=-1, metavar="K")
-    parser.add_argument("--untraceable-data-width", type=int, default=-1, metavar="N",
-                        help="the step's trace fails on a mesh whose data axis is N wide "
-                             "(as one that splits its batch into micro-batches by it)")
+    parser.add_argument("--untraceable-mesh", default="", metavar="DxM[,DxM...]",
+                        help="the step's trace fails on a (data D, model M) mesh (as one "
+                             "that splits its batch into micro-batches by its width)")
     parser.add_argument("--withhold-publish", type=int, default=-1, metavar="W",
                         help="worker W does not hand its snapshot of step "
                              "--withhold-publish-at to its agent (the agents' copies of "
@@ -198,8 +198,9 @@ def main() -> None:
     train_step = h.train_step if args.key_seed is None else h.noisy_train_step
     if args.debug_print:
         train_step = h.printing_train_step
-    if args.untraceable_data_width > 0:
-        train_step = _untraceable_at(train_step, args.untraceable_data_width)
+    if args.untraceable_mesh:
+        train_step = _untraceable_on(train_step, {
+            tuple(int(n) for n in shape.split("x")) for shape in args.untraceable_mesh.split(",")})
     seed = None if args.key_seed is None else args.key_seed + me * args.key_per_process
     inputs = () if seed is None else (jax.random.key(seed),)
     tally = None
@@ -313,12 +314,13 @@ def main() -> None:
                before_close=last_commit if args.die_in_commit else None)
 
 
-def _untraceable_at(train_step, width: int):
-    """`train_step`, whose trace fails on a mesh whose data axis is `width` wide."""
+def _untraceable_on(train_step, shapes: set[tuple[int, ...]]):
+    """`train_step`, whose trace fails on a (data, model) mesh of one of `shapes`."""
     def step(*args):
-        if jax.sharding.get_abstract_mesh().shape.get("data") == width:
-            raise ValueError(f"the batch does not split into micro-batches for {width} "
-                             "replicas")
+        mesh = jax.sharding.get_abstract_mesh().shape
+        if (mesh.get("data"), mesh.get("model")) in shapes:
+            raise ValueError(f"the batch does not split into micro-batches for "
+                             f"{mesh.get('data')} replicas")
         return train_step(*args)
     return step
 
