@@ -105,10 +105,10 @@ def test_the_axes_a_shard_map_maps_over_are_read_from_the_users_scope_only():
     assert jax_private.shard_map_axes(alone.jaxpr, USER_SCOPE) == {"data"}
 
 
-def test_a_pipelines_stage_axis_is_kept_whole_and_its_loss_is_a_typed_error():
-    """On a (data 1, stage 2) mesh the loss of a stage's device leaves no plan that keeps
-    the stage axis: `MeshTooSmallError` naming it (it was narrowed to one stage, which the
-    body then applied alone). The option lets a body written for any width narrow it."""
+def _pipeline_losing_a_stage(**recovery):
+    """The pipeline on a (data 1, stage 2) mesh, its state placed, and its resilient step
+    (with ``RecoveryOptions(**recovery)``) that loses device 1 at its second call; the
+    two batches."""
     mesh = _mesh((1, 2))
     with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
         model = _Pipeline(nnx.Rngs(0))
@@ -119,10 +119,19 @@ def test_a_pipelines_stage_axis_is_kept_whole_and_its_loss_is_a_typed_error():
             nnx.get_partition_spec(state)))
     step = mnemojax.resilient(
         _train_step, mesh=mesh,
-        options=mnemojax.ResilienceOptions(compile=mnemojax.CompileOptions(
-            precompile=False, cache_dir=None)),
+        options=mnemojax.ResilienceOptions(
+            compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
+            recovery=mnemojax.RecoveryOptions(**recovery)),
         fault_injector=FaultInjector().lose_devices(2, [1]))
     xs = [np.random.default_rng(i).normal(size=(4, D)).astype(np.float32) for i in range(2)]
+    return mesh, model, optimizer, step, xs
+
+
+def test_a_pipelines_stage_axis_is_kept_whole_and_its_loss_is_a_typed_error():
+    """On a (data 1, stage 2) mesh the loss of a stage's device leaves no plan that keeps
+    the stage axis: `MeshTooSmallError` naming it (it was narrowed to one stage, which the
+    body then applied alone). The option lets a body written for any width narrow it."""
+    mesh, model, optimizer, step, xs = _pipeline_losing_a_stage()
     try:
         with jax.set_mesh(mesh):
             step(model, optimizer, xs[0])
@@ -141,21 +150,7 @@ def test_a_recovery_that_narrows_a_mapped_axis_under_the_option_says_so(caplog):
     """With ``shrink_shard_map_axes=True`` the loss of a stage's device narrows 'stage'
     from 2 to 1, and the log says that the math is the same only if the body is (trial
     38: nothing said so)."""
-    mesh = _mesh((1, 2))
-    with jax.set_mesh(mesh), nnx.use_eager_sharding(False):
-        model = _Pipeline(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.tree.map(
-            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), state,
-            nnx.get_partition_spec(state)))
-    step = mnemojax.resilient(
-        _train_step, mesh=mesh,
-        options=mnemojax.ResilienceOptions(
-            compile=mnemojax.CompileOptions(precompile=False, cache_dir=None),
-            recovery=mnemojax.RecoveryOptions(shrink_shard_map_axes=True)),
-        fault_injector=FaultInjector().lose_devices(2, [1]))
-    xs = [np.random.default_rng(i).normal(size=(4, D)).astype(np.float32) for i in range(2)]
+    mesh, model, optimizer, step, xs = _pipeline_losing_a_stage(shrink_shard_map_axes=True)
     try:
         with jax.set_mesh(mesh), caplog.at_level(logging.WARNING, logger="mnemojax"):
             for x in xs:
