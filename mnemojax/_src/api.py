@@ -642,18 +642,24 @@ class ResilientStep(Generic[P, R]):
             "(README: known limits)", restored_step, self._step, listed(paths))
 
     def _snapshot_outside_change(self, b: _Built, leaves: list) -> None:
-        """One process: the NNX objects' state changed since the last step, outside it (a
-        metrics reset between steps). A recovery in this step that restores the host
-        snapshot (a shard with no live replica, a donated state) would restore the last
-        step's state without that change: the snapshot is taken again, now, of what the
-        objects hold. (Across processes the agents' copies are the last step's; a change
-        there stays uncovered, see the README.)"""
+        """One process: the state changed since the last step, outside it (the NNX
+        objects' metrics reset between steps; in the pure form, a state the caller changed
+        or another step returned). A recovery in this step that restores the host snapshot
+        (a shard with no live replica, a donated state) would restore the last step's
+        state without that change and replay this step's batches from there: the snapshot
+        is taken again, now, of the state given (a user trial: two pure steps of a GAN
+        with donation each rolled back over the other's updates, silently). (Across
+        processes the agents' copies are the last step's; a change there stays
+        uncovered, see the README.)"""
         form = b.form
-        if (b.session is not None or not isinstance(form, NnxForm)
-                or b.last_written is None or not b.snapshot_every
-                or not self._changed_leaves(b, form, leaves)):
+        if b.session is not None or b.last_written is None or not b.snapshot_every:
             return
-        form.mark_written()  # (the step's state now: snapshotted below)
+        if isinstance(form, NnxForm):
+            if not self._changed_leaves(b, form, leaves):
+                return
+            form.mark_written()  # (the step's state now: snapshotted below)
+        elif not _replaced(leaves, b.last_written):
+            return
         b.last_written = leaves
         rt = b.runtime
         self._wait_snapshot(rt, self._step)
@@ -1965,6 +1971,17 @@ class _Built:
     restored_unrun: bool = False  # restore() filled the objects; no step has run since
     # Batch layout -> its shapes and dtypes, the newest last (`CompileOptions.ahead_layouts`).
     layouts: dict = dataclasses.field(default_factory=dict)
+
+
+def _replaced(leaves: list, last: list) -> bool:
+    """Whether the pure form's state given (placed) is other than the step last wrote:
+    not the same arrays, and the last ones gone (donated to another step) or of other
+    values."""
+    if all(x is y for x, y in zip(leaves, last, strict=True)):
+        return False
+    if any(isinstance(y, jax.Array) and y.is_deleted() for y in last):
+        return True
+    return not bool(np.asarray(_leaves_equal(leaves, last)).all())
 
 
 @jax.jit
