@@ -1057,3 +1057,37 @@ def test_a_survivor_past_the_guarded_work_is_told_from_where_it_goes_on(where, p
     from mnemojax._src.api import _past
 
     assert _past(where, 4, 2) is past
+
+
+class _NoSession:
+    """Stands for a distributed session that a build must not reach past its claim."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"the build went on to session.{name}")
+
+
+def test_a_second_live_step_in_a_distributed_job_is_refused_until_the_first_closes(
+        monkeypatch):
+    """Under ``mnemojax launch`` a process runs one live resilient step (trial 40: two
+    steps of a GAN, each forming worlds of its own, ended every survivor with an
+    IndexError after a kill): the second is refused at its first call, naming the first
+    and what to do; once the first is closed it may build."""
+    from mnemojax._src.distributed.worker import session as dist_session
+
+    monkeypatch.setattr(dist_session, "current", lambda: _NoSession())
+    batches = h.make_batches(1)
+    first, second = _step(), _step()
+    model, optimizer = h.make_mlp()
+    other_model, other_optimizer = h.make_mlp(seed=1)
+    try:
+        with pytest.raises(RuntimeError, match="the build went on"):
+            first(model, optimizer, batches[0])  # (claimed, then stopped by the fake)
+        with pytest.raises(UnsupportedStateError, match=r"another resilient step \(mlp_train_step\) "
+                           r"is live .*train_step.guard\(other_step\).* close\(\)"):
+            second(other_model, other_optimizer, batches[0])
+        first.close()
+        with pytest.raises(RuntimeError, match="the build went on"):
+            second(other_model, other_optimizer, batches[0])
+    finally:
+        first.close()
+        second.close()

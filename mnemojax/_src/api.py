@@ -981,6 +981,7 @@ class ResilientStep(Generic[P, R]):
         opts = self.options
         session = dist_session.current()
         if session is not None:
+            ownership.claim_session(self)  # (one live step per process: before building)
             # The agent holds the snapshots, outside this process: in-process snapshots
             # would only get in the way. (Background compiles stay: they prepare the
             # worlds a process loss forms, `_schedule_precompile`.)

@@ -29,6 +29,8 @@ class Form(Protocol):
 
 # id(object) -> the live step that carries it.
 _owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+# The live step of this process's distributed session (`claim_session`).
+_session_step: weakref.ref[Any] | None = None
 
 
 def check_unclaimed(owner: object, form: Form) -> None:
@@ -54,10 +56,35 @@ def claim(owner: object, form: Form) -> None:
         _owners[id(obj)] = owner
 
 
+def claim_session(owner: object) -> None:
+    """Makes `owner` the live resilient step of this process's distributed session (under
+    ``mnemojax launch``): one at a time. The agents keep one worker's copies by step
+    number and a recovery re-forms the world for the step that meets the failure, so a
+    second live step would find its own world gone at its next call (a user trial: two
+    steps of a GAN ended every survivor with an ``IndexError`` after a kill).
+
+    Raises:
+        UnsupportedStateError: naming the other live step.
+    """
+    global _session_step
+    other = _session_step() if _session_step is not None else None
+    if other is not None and other is not owner:
+        raise UnsupportedStateError(
+            f"another resilient step ({getattr(other, '__name__', other)!s}) is live in "
+            "this process's distributed job: across processes a process runs one "
+            "resilient step at a time. Make one step of both (a GAN's discriminator and "
+            "generator updates in one function), run the other computation through the "
+            "first (train_step.guard(other_step)), or call close() on the first")
+    _session_step = weakref.ref(owner)
+
+
 def release(owner: object) -> None:
     """Forgets every claim of `owner` (at its ``close()``)."""
+    global _session_step
     for key in [k for k, v in _owners.items() if v is owner]:
         _owners.pop(key, None)
+    if _session_step is not None and _session_step() is owner:
+        _session_step = None
 
 
 def weak_method(owner: object, name: str, *, default: Any) -> Callable[[], Any]:
