@@ -46,8 +46,9 @@ def check_unclaimed(owner: object, form: Form) -> None:
             raise UnsupportedStateError(
                 f"state {'/'.join(key)} is already carried by another resilient step "
                 f"({getattr(other, '__name__', other)!s}); two resilient steps cannot share "
-                "a model: call other.close() first, or run the second computation (an eval "
-                "step, say) through the first: train_step.guard(eval_step)")
+                "a model: make one step of both (a GAN's two updates in one function), run "
+                "the second computation (an eval step, say) through the first: "
+                "train_step.guard(eval_step), or call other.close() first")
 
 
 def claim(owner: object, form: Form) -> None:
