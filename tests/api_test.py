@@ -1072,6 +1072,7 @@ def test_a_second_live_step_in_a_distributed_job_is_refused_until_the_first_clos
     steps of a GAN, each forming worlds of its own, ended every survivor with an
     IndexError after a kill): the second is refused at its first call, naming the first
     and what to do; once the first is closed it may build."""
+    from mnemojax._src import ownership
     from mnemojax._src.distributed.worker import session as dist_session
 
     monkeypatch.setattr(dist_session, "current", lambda: _NoSession())
@@ -1082,8 +1083,11 @@ def test_a_second_live_step_in_a_distributed_job_is_refused_until_the_first_clos
     try:
         with pytest.raises(RuntimeError, match="the build went on"):
             first(model, optimizer, batches[0])  # (claimed, then stopped by the fake)
-        with pytest.raises(UnsupportedStateError, match=r"another resilient step \(mlp_train_step\) "
-                           r"is live .*train_step.guard\(other_step\).* close\(\)"):
+        with pytest.raises(UnsupportedStateError, match=r"another resilient step \(mlp_train_step, "
+                           r"built earlier\) is live .*train_step.guard\(eval_step\).* close\(\)"):
+            second(other_model, other_optimizer, batches[0])
+        ownership.release(first, session=False)  # (other objects carried from now on)
+        with pytest.raises(UnsupportedStateError, match="another resilient step"):
             second(other_model, other_optimizer, batches[0])
         first.close()
         with pytest.raises(RuntimeError, match="the build went on"):

@@ -222,6 +222,7 @@ class ResilientStep(Generic[P, R]):
                                          self.options.persistent.every_steps, 1) + 1)
         self._built: _Built | None = None
         self._warned_no_loss = False
+        self._said_pure_change = False  # (`_snapshot_outside_change`: said once)
         self._guarding = False  # guarded work runs (`guard`): a guard inside runs plainly
         # The guarded work running found the objects holding the last step's state
         # (`_check_untouched`): what they hold now, it wrote (it runs again after a
@@ -585,7 +586,7 @@ class ResilientStep(Generic[P, R]):
         replaced those before): ownership moves to them, and the log says `what`
         happened (across processes a warning: the agents' copies lack their values until
         this step has run)."""
-        ownership.release(self)
+        ownership.release(self, session=False)
         ownership.claim(self, form)
         if b.session is not None:
             log.warning(
@@ -660,6 +661,12 @@ class ResilientStep(Generic[P, R]):
             form.mark_written()  # (the step's state now: snapshotted below)
         elif not _replaced(leaves, b.last_written):
             return
+        elif not self._said_pure_change:
+            self._said_pure_change = True
+            log.warning("mnemojax: step %d: the state given is not what the step returned "
+                        "(the caller changed it, or another step returned it): it is copied "
+                        "to host memory before the step, so that a recovery keeps the "
+                        "change, at each such call (said once)", self._step + 1)
         b.last_written = leaves
         rt = b.runtime
         self._wait_snapshot(rt, self._step)

@@ -71,20 +71,22 @@ def claim_session(owner: object) -> None:
     other = _session_step() if _session_step is not None else None
     if other is not None and other is not owner:
         raise UnsupportedStateError(
-            f"another resilient step ({getattr(other, '__name__', other)!s}) is live in "
-            "this process's distributed job: across processes a process runs one "
-            "resilient step at a time. Make one step of both (a GAN's discriminator and "
-            "generator updates in one function), run the other computation through the "
-            "first (train_step.guard(other_step)), or call close() on the first")
+            f"another resilient step ({getattr(other, '__name__', other)!s}, built "
+            "earlier) is live in this process's distributed job: across processes a "
+            "process runs one resilient step at a time. Make one step of both (a GAN's "
+            "discriminator and generator updates in one function), run work that leaves "
+            "the carried state alone (an eval) through the first "
+            "(train_step.guard(eval_step)), or call close() on the first")
     _session_step = weakref.ref(owner)
 
 
-def release(owner: object) -> None:
-    """Forgets every claim of `owner` (at its ``close()``)."""
+def release(owner: object, *, session: bool = True) -> None:
+    """Forgets every claim of `owner` (at its ``close()``); ``session=False``: its
+    objects' only (it carries others from now on, and stays the session's step)."""
     global _session_step
     for key in [k for k, v in _owners.items() if v is owner]:
         _owners.pop(key, None)
-    if _session_step is not None and _session_step() is owner:
+    if session and _session_step is not None and _session_step() is owner:
         _session_step = None
 
 

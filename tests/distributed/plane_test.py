@@ -4,6 +4,7 @@ etcd: `make etcd`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -13,6 +14,7 @@ from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.launcher.etcd_store import (
     EtcdStore,
+    FencedOutError,
     LeaseKeeper,
     RendezvousError,
     parse_rdzv,
@@ -22,7 +24,7 @@ from mnemojax._src.distributed.launcher.plane import EtcdArbiter, JobView, ring
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError, InvalidOptionError
-from tests.etcd_cluster import etcd_cluster
+from tests.etcd_cluster import CutOff, etcd_cluster
 
 
 def test_ring_puts_each_buddy_on_another_node():
@@ -363,22 +365,75 @@ def test_an_ambiguous_create_is_read_back(cluster):
     assert not store.create(key, {"nonce": "other"})
 
 
-def test_a_node_etcd_took_for_lost_cannot_end_or_stop_the_job(nodes):
-    """Node 1's registration is gone (its lease ended while it was cut off from etcd):
-    its `end` and `stopping` are not written, so the job the others went on with goes on;
-    node 0's are."""
-    nodes.store.delete(nodes.store.key("nodes", 1))
-    with nodes.arbiters[1]._roster.cv:
-        nodes.arbiters[1].stopping("a stop told to the cut-off node", signal=15)
-        nodes.arbiters[1].end("the job is ending: a worker of the cut-off node failed",
-                              code=1, worker_id=2)
-    nodes.arbiters[1]._writes.submit(lambda: None).result(timeout=30)  # (written or not)
-    assert nodes.store.get(nodes.store.key("end")) is None
-    assert nodes.store.get(nodes.store.key("stopping")) is None
-    with nodes.arbiters[0]._roster.cv:
-        nodes.arbiters[0].end("the job is ending: worker 0 failed", code=1, worker_id=0)
-    nodes.arbiters[0]._writes.submit(lambda: None).result(timeout=30)
-    assert nodes.store.get(nodes.store.key("end"))["node"] == 0
+def test_a_node_cut_off_from_etcd_evicts_no_one_and_writes_nothing_once_back(cluster):
+    """Node 1 reaches etcd through a way of its own, cut while worker 2 waits in its
+    agreement; its lease ends and node 0 decides world 1 without it. Node 1's mirror is
+    stale meanwhile: it evicts none of the workers it cannot see arrive (a review: its
+    ``dead/0``, ``dead/1`` landed once it was back, and node 0 killed its own healthy
+    workers). Back, worker 2 learns it is out. A launcher of the same rank registered
+    since (``--grow-back``): the old one's `stopping` and `end` are refused by the fence
+    (its own lease), not only by the key's absence."""
+    job = "cut-off-node"
+    with contextlib.closing(CutOff(cluster)) as way:
+        s0, s1 = EtcdStore.from_url(cluster.url, job), EtcdStore.from_url(way.url, job)
+        s0.put(s0.key("world", 0), {"members": [0, 1, 2, 3], "coordinator": "-",
+                                    "host_node": 0})
+        s0.put(s0.key("nodes", 0), {})
+        lease1 = s1.grant(2)
+        s1.put(s1.key("nodes", 1), {}, lease=lease1)
+        s1.fence(s1.key("nodes", 1), lease1)
+        arbiters = [EtcdArbiter(store, node_rank=rank, nproc=2, agree_timeout_s=2,
+                                roster=AgentRoster(secret=b"s" * 32),
+                                services=ServiceHost(heartbeat_s=10), record=lambda e: None,
+                                poll_s=0.02) for rank, store in ((0, s0), (1, s1))]
+        for a in arbiters:
+            a.start()
+        try:
+            got: dict = {}
+
+            def agree(w):
+                try:
+                    got[w] = arbiters[w // 2].agree(wire.Agree(worker_id=w, generation=0,
+                                                               last_step=7))
+                except AgreementError as e:
+                    got[w] = e
+            waiting = threading.Thread(target=agree, args=(2,))
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while s0.get(s0.key("arrive", 0, 2)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            way.cut()
+            time.sleep(3.5)  # node 1's lease (2 s) ends
+            assert s0.get(s0.key("nodes", 1)) is None
+            others = [threading.Thread(target=agree, args=(w,)) for w in (0, 1)]
+            for t in others:
+                t.start()
+            for t in others:
+                t.join(60)
+            assert s0.get(s0.key("world", 1))["members"] == [0, 1]
+            time.sleep(3)  # past node 1's agreement timeout (2 s), its mirror stale
+            assert not arbiters[1]._local_dead  # (evicted no one it could not see)
+            way.mend()
+            waiting.join(60)
+            assert isinstance(got[2], AgreementError), got
+            arbiters[1]._writes.submit(lambda: None).result(timeout=30)
+            assert s0.get(s0.key("dead", 0)) is None and s0.get(s0.key("dead", 1)) is None
+            assert arbiters[0].refresh().failed_members(1) == ()
+            # A launcher of rank 1 registered again, under its own lease:
+            s0.put(s0.key("nodes", 1), {"again": True}, lease=s0.grant(30))
+            with arbiters[1]._roster.cv:
+                arbiters[1].stopping("a stop told to the cut-off node", signal=15)
+                arbiters[1].end("the job is ending: a worker of the cut-off node failed",
+                                code=1)
+            arbiters[1]._writes.submit(lambda: None).result(timeout=30)
+            assert s0.get(s0.key("end")) is None and s0.get(s0.key("stopping")) is None
+            with pytest.raises(FencedOutError, match="held under another lease"):
+                s1.put(s1.key("progress", 1), {"steps": {}})
+        finally:
+            for a in arbiters:
+                with a._roster.cv:
+                    a.close()
+                a.join()
 
 
 def test_store_survives_a_member_loss(cluster):

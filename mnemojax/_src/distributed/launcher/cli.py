@@ -57,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-ttl-s", type=int, default=5,
                         help="a node silent in etcd for this long is lost")
     parser.add_argument("--etcd-outage-s", type=float, default=300.0,
-                        help="with --rdzv: how long this node keeps its workers running "
-                             "while no etcd member answers (a lease etcd has not said "
-                             "ended is kept: a new leader renews every lease)")
+                        help="with --rdzv: how long this node keeps its workers running, "
+                             "and an agreement waits, while no etcd member answers (an "
+                             "outage of the etcd cluster itself: its new leader renews "
+                             "every lease)")
     parser.add_argument("--spares", type=int, default=0,
                         help="with --rdzv: idle agents this node keeps; a world formed after "
                              "a loss takes one in place of each dead member")

@@ -115,6 +115,11 @@ class RendezvousError(DistributedError):
     """The etcd cluster could not be reached (no member answered in time)."""
 
 
+class FencedOutError(RendezvousError):
+    """etcd refused a write of a launcher whose registration is gone (its lease ended:
+    the other nodes took its node for lost), or is another launcher's (`EtcdStore.fence`)."""
+
+
 def _endpoints(url: str, rest: str) -> tuple[tuple[str, int], ...]:
     endpoints = []
     for part in rest.rstrip("/").split(","):
@@ -187,6 +192,7 @@ class EtcdStore:
         self._current = 0
         self._retry_s = retry_s
         self._errors = _client_errors()
+        self._fence: tuple[str, int] | None = None
 
     @classmethod
     def from_url(cls, url: str, job: str, **kwargs: Any) -> EtcdStore:
@@ -218,20 +224,58 @@ class EtcdStore:
         return self.prefix + "/".join(str(p) for p in parts)
 
     # -- values -------------------------------------------------------------------------------
+    def fence(self, key: str, lease: int) -> None:
+        """From now on every write of this store commits only while ``key`` is held under
+        ``lease`` (this launcher's registration), and raises `FencedOutError` otherwise: a
+        launcher that etcd took for lost while it was cut off cannot write once it
+        reaches etcd again (a review: its evictions of the others' healthy workers, made
+        from its stale mirror, landed then and ended the job the others went on with), nor
+        can it once a launcher of the same rank registered in its place."""
+        self._fence = (key, lease)
+
+    def _fenced(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+                retry_s: float | None = None) -> dict[str, Any]:
+        """One transaction of ``compare`` (and the fence) then ``success``; the reply.
+
+        Raises:
+            FencedOutError: the fence's compare failed.
+        """
+        from etcd3gw.utils import _encode
+        fence = []
+        if self._fence is not None:
+            key, lease = self._fence
+            fence = [{"key": _encode(key), "result": "EQUAL", "target": "LEASE",
+                      "lease": lease}]
+        txn = {"compare": compare + fence, "success": success,
+               "failure": [{"request_range": {"key": _encode(self._fence[0])}}]
+               if self._fence is not None else []}
+        reply = self._call(lambda c: c.transaction(txn), retry_s)
+        if not reply.get("succeeded", False) and self._fence is not None:
+            held = reply.get("responses", [{}])[-1].get("response_range", {}).get("kvs", [])
+            if not held or int(held[0].get("lease", 0)) != self._fence[1]:
+                raise FencedOutError(
+                    f"etcd refuses this launcher's writes: {self._fence[0]} is "
+                    f"{'gone' if not held else 'held under another lease'} (this node was "
+                    "taken for lost)")
+        return reply
+
     def put(self, key: str, value: Any, *, lease: int | None = None,
             retry_s: float | None = None) -> None:
+        """Puts ``key`` (under ``lease``), within the fence (`fence`)."""
         from etcd3gw.utils import _encode
         payload: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
         if lease is not None:
             payload["lease"] = lease
-        self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload), retry_s)
+        if self._fence is None:
+            self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload), retry_s)
+        else:
+            self._fenced([], [{"request_put": payload}], retry_s)
 
     def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
-               only_if: Sequence[str] = (), lease: int | None = None,
-               also: Mapping[str, Any] | None = None) -> bool:
+               lease: int | None = None, also: Mapping[str, Any] | None = None) -> bool:
         """Puts ``key`` (and the keys of ``also``) only if neither it nor any key of
-        ``unless`` exists and every key of ``only_if`` does, in one transaction; True if
-        this call created it.
+        ``unless`` exists, in one transaction, within the fence (`fence`); True if this
+        call created it.
 
         A transaction retried on another member after a timeout may have committed the
         first time: when it then fails, the key is read back, and a value equal to
@@ -244,12 +288,9 @@ class EtcdStore:
             if lease is not None and k == key:
                 put["lease"] = lease
             puts.append({"request_put": put})
-        txn = {"compare": [{"key": _encode(k), "result": "EQUAL", "target": "CREATE",
-                            "create_revision": 0} for k in (key, *unless)]
-               + [{"key": _encode(k), "result": "GREATER", "target": "CREATE",
-                   "create_revision": 0} for k in only_if],
-               "success": puts, "failure": []}
-        if self._call(lambda c: c.transaction(txn)).get("succeeded", False):
+        compare = [{"key": _encode(k), "result": "EQUAL", "target": "CREATE",
+                    "create_revision": 0} for k in (key, *unless)]
+        if self._fenced(compare, puts).get("succeeded", False):
             return True
         return self.get(key) == json.loads(json.dumps(value))
 
@@ -272,7 +313,12 @@ class EtcdStore:
         return out
 
     def delete(self, key: str) -> None:
-        self._call(lambda c: c.delete(key))
+        """Deletes ``key``, within the fence (`fence`)."""
+        from etcd3gw.utils import _encode
+        if self._fence is None:
+            self._call(lambda c: c.delete(key))
+        else:
+            self._fenced([], [{"request_delete_range": {"key": _encode(key)}}])
 
     # -- leases -------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:

@@ -105,7 +105,8 @@ class NodeLauncher(Launcher):
         self.plane = EtcdArbiter(
             self.store, node_rank=options.node_rank, nproc=options.nproc,
             agree_timeout_s=options.agree_timeout_s, roster=self.roster,
-            services=self.services, record=self._record, on_view=self._on_view)
+            services=self.services, record=self._record, on_view=self._on_view,
+            outage_s=options.etcd_outage_s)
         self.arbiter = self.plane
         self._lease: LeaseKeeper | None = None
         self._lease_lost = False
@@ -452,6 +453,9 @@ class NodeLauncher(Launcher):
                         "nproc": o.nproc, "nnodes": o.nnodes, "spares": o.spares,
                         "secret_id": auth.fingerprint(self.secret),
                         "agent_pids": {str(w): p.pid for w, p in self.agents.items()}})
+        # Every write from now on needs this registration (this lease's), which the
+        # others' view of this node lives by (`EtcdStore.fence`).
+        self.store.fence(self.store.key("nodes", o.node_rank), self._lease.lease)
         self.plane.start()
         self._progress_thread = threading.Thread(target=self._progress_loop,
                                                  name="mnemojax-progress", daemon=True)

@@ -42,10 +42,12 @@ class LaunchOptions:
         node_ttl_s: a node whose launcher has not renewed its etcd lease for this long is
             lost (its workers are dead).
         etcd_outage_s: how long a launcher that reaches no etcd member keeps its part of
-            the job running (at least ``node_ttl_s``). An outage of the whole cluster is
-            ridden out: the leader elected after it renews every lease. A node cut off
-            alone ends its part once etcd answers that its lease expired (the others
-            took it for lost after ``node_ttl_s``), or after this long.
+            the job running (at least ``node_ttl_s``), and an agreement waits for etcd.
+            An outage of the cluster itself is ridden out: the leader elected after it
+            renews every lease (not so a cluster that stays up while the launchers lose
+            their way to it: their leases end). A node cut off alone ends its part once
+            etcd answers that its lease expired (the others took it for lost after
+            ``node_ttl_s``), or after this long; its writes are refused meanwhile.
         spares: warm spares this node keeps ready (ids after every node's workers): an
             agent and a worker process started with the job, waiting in
             ``mnemojax.initialize()``. A world formed after a loss takes one in place of

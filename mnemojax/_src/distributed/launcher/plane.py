@@ -41,15 +41,23 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, compiled_barrier
 from mnemojax._src.distributed.launcher.book import AgreementBook
-from mnemojax._src.distributed.launcher.etcd_store import EtcdStore, RendezvousError
+from mnemojax._src.distributed.launcher.etcd_store import (
+    EtcdStore,
+    FencedOutError,
+    RendezvousError,
+)
 from mnemojax._src.distributed.launcher.roster import AgentRoster, ask_holdings
 from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
+
+T = TypeVar("T")
+# The mirror not read for this long (etcd out of reach) evicts nobody (`EtcdArbiter._stale`).
+STALE_S = 2.0
 
 logger = logging.getLogger("mnemojax")
 
@@ -328,14 +336,17 @@ class EtcdArbiter:
         record: logs a launcher event.
         on_view: called with ``roster.cv`` held after each change of the mirror.
         poll_s: how often the mirror reads the keys.
+        outage_s: how long an agreement or a barrier waits for etcd to answer again.
     """
 
     def __init__(self, store: EtcdStore, *, node_rank: int, nproc: int,
                  agree_timeout_s: float, roster: AgentRoster, services: ServiceHost,
                  record: Callable[[dict[str, Any]], None],
-                 on_view: Callable[[JobView], None] | None = None, poll_s: float = 0.05):
+                 on_view: Callable[[JobView], None] | None = None, poll_s: float = 0.05,
+                 outage_s: float = 0.0):
         self.store, self.node_rank, self.nproc = store, node_rank, nproc
-        self._timeout_s = agree_timeout_s
+        self._timeout_s, self._outage_s = agree_timeout_s, outage_s
+        self._read_at = time.monotonic()  # the mirror's last read of etcd
         self._roster, self._services, self._record = roster, services, record
         self._on_view, self._poll_s = on_view, poll_s
         self._seen: set[int] = set()
@@ -361,7 +372,36 @@ class EtcdArbiter:
         """Reads the keys now; returns (and keeps) the new view."""
         with self._refreshing:
             items = self.store.items()
+            self._read_at = time.monotonic()
             return self._install(items)
+
+    def _stale(self) -> bool:
+        """Whether the mirror has not read etcd for `STALE_S` (etcd out of reach): what it
+        shows missing may have arrived, so nobody is evicted on it."""
+        return time.monotonic() - self._read_at > STALE_S
+
+    def _through_outage(self, fn: Callable[[], T], generation: int) -> T:
+        """``fn()``, again while etcd does not answer, up to ``outage_s`` (an outage of
+        the whole cluster: the members wait for it, as the launchers do).
+
+        Raises:
+            AgreementError: etcd did not answer within it, or refused this node's writes
+                (`FencedOutError`: the others took this node for lost).
+        """
+        deadline = time.monotonic() + self._outage_s
+        while True:
+            try:
+                return fn()
+            except FencedOutError as e:
+                raise AgreementError(str(e), generation=generation) from e
+            except RendezvousError as e:
+                if time.monotonic() >= deadline or self._closed:
+                    raise AgreementError(f"etcd could not be reached: {e}",
+                                         generation=generation) from e
+                logger.warning("mnemojax launch: etcd does not answer; world %d's agreement "
+                               "waits for it (at most %.0f s more)", generation,
+                               deadline - time.monotonic())
+                time.sleep(0.5)
 
     def _install(self, items: dict[str, Any]) -> JobView:
         with self._roster.cv:
@@ -439,14 +479,14 @@ class EtcdArbiter:
             signal: int | None = None) -> None:
         """No new world from now on, on every node: the first ``end`` of the job is every
         node's (a worker's error status ``code``, or a stop ``signal`` they all forward).
-        Written only while this node is registered (its key lives under its lease): a node
-        that etcd took for lost, cut off from it meanwhile, cannot end the job the others
-        went on with once it reaches etcd again."""
+        Like every write of a registered node, written only while its registration is
+        its own (`EtcdStore.fence`): a node that etcd took for lost cannot end the job the
+        others went on with once it reaches etcd again."""
         if self._ending is None:
             self._ending = why
             self._write(lambda: self.store.create(self.store.key("end"), {
                 "why": why, "code": code, "worker_id": worker_id, "signal": signal,
-                "node": self.node_rank}, only_if=[self.store.key("nodes", self.node_rank)]))
+                "node": self.node_rank}))
         self._roster.cv.notify_all()
 
     def stopping(self, why: str, *, signal: int) -> None:
@@ -455,8 +495,7 @@ class EtcdArbiter:
         so that a recovery under way completes and its survivors stop at an agreed step
         and checkpoint it."""
         self._write(lambda: self.store.create(self.store.key("stopping"), {
-            "why": why, "signal": signal, "node": self.node_rank},
-            only_if=[self.store.key("nodes", self.node_rank)]))  # (as `end`)
+            "why": why, "signal": signal, "node": self.node_rank}))
         self._roster.cv.notify_all()
 
     def close(self) -> None:
@@ -506,11 +545,7 @@ class EtcdArbiter:
         Raises:
             AgreementError: as `arbiter.Arbiter.agree`.
         """
-        try:
-            return self._agree(request)
-        except RendezvousError as e:
-            raise AgreementError(f"etcd could not be reached: {e}",
-                                 generation=request.generation) from e
+        return self._through_outage(lambda: self._agree(request), request.generation)
 
     def _agree(self, request: wire.Agree) -> Agreement:
         w, g, cv = request.worker_id, request.generation, self._roster.cv
@@ -535,7 +570,9 @@ class EtcdArbiter:
                 book = view.book(g)
                 if not (book.complete() and w in book.arrived):
                     left = deadline - time.monotonic()
-                    if left <= 0:
+                    if self._stale():  # (a full window once etcd answers again)
+                        deadline = time.monotonic() + self._timeout_s
+                    elif left <= 0:
                         self._evict(book.missing())
                         deadline = time.monotonic() + self._timeout_s
                     cv.wait(timeout=min(max(left, 0.01), 0.2))
@@ -612,11 +649,7 @@ class EtcdArbiter:
         Raises:
             AgreementError: the caller is not a live member of the current world.
         """
-        try:
-            return self._barrier(request)
-        except RendezvousError as e:
-            raise AgreementError(f"etcd could not be reached: {e}",
-                                 generation=request.generation) from e
+        return self._through_outage(lambda: self._barrier(request), request.generation)
 
     def _barrier(self, request: wire.Barrier) -> wire.BarrierReply:
         w, g, name, cv = request.worker_id, request.generation, request.name, self._roster.cv
@@ -638,7 +671,9 @@ class EtcdArbiter:
                         proposal = gone
                     else:
                         left = deadline - time.monotonic()
-                        if left <= 0:
+                        if self._stale():  # (as in `_agree`)
+                            deadline = time.monotonic() + request.timeout_s
+                        elif left <= 0:
                             self._evict([m for m in members if m not in arrived],
                                         barrier=name)
                             deadline = time.monotonic() + request.timeout_s
