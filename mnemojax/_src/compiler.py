@@ -1251,6 +1251,7 @@ class StepCompiler:
         self._closing.set()
         self.cancel_pending()
         self._pool.shutdown(wait=False, cancel_futures=True)  # nothing else starts
+        world_ends = leave_running
         leave_running = leave_running and bool(self._leavable) and _keys_shared()
         newly_left = False
         with self._lock:
@@ -1266,4 +1267,12 @@ class StepCompiler:
                          "second loss forms; this world's end does not wait for it)",
                          running[1])
             return
+        t = time.perf_counter()
         self._pool.shutdown(wait=True)
+        if world_ends and (waited := time.perf_counter() - t) > 1.0:
+            # (a user trial: the others' agreement took 13 s, with nothing saying why)
+            log.warning("mnemojax: the end of this world waited %.1f s for the compile "
+                        "ahead under way%s (a trace, an export or an XLA compile cannot be "
+                        "cancelled; the next world's processes load what it wrote); the "
+                        "other processes wait for this one at the agreement meanwhile",
+                        waited, f" (mesh {running[1]})" if running is not None else "")

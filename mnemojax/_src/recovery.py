@@ -326,7 +326,7 @@ class DeviceRecovery:
             groups=_groups_of(plan), examples_per_step=plan.examples_per_step,
             math_changed=plan.math_changed)
         log.warning("mnemojax: step %d: continuing on mesh %s (%s, state from %s)",
-                    step, plan.shape, plan.kind, host.source)
+                    step, plan.shape, _KIND_SAID.get(plan.kind, plan.kind), host.source)
         return Resumed(new_runtime, new_leaves, host.step, record)
 
 
@@ -377,6 +377,10 @@ POSITIONS = "mnemojax/resume-position"
 # (`DeviceRecovery._compiled`, `ProcessRecovery.recover`): each try traces the step on
 # the recovery's path (across processes, with an agreement round per idle process).
 _MAX_REFUSED = 3
+# How the log says a plan's kind (`topology.PlanKind`): a user trial took "spare_swap" for
+# spares it never reserved (the healthy devices an earlier shrink left idle).
+_KIND_SAID = {"spare_swap": "spare_swap: spare or idle devices, left by an earlier "
+                            "shrink, in place of the lost"}
 
 
 def _tried_too(first: StepCompileError, tried: Sequence[dict[str, int]]) -> StepCompileError:
