@@ -379,9 +379,9 @@ def test_a_node_cut_off_from_etcd_evicts_no_one_and_writes_nothing_once_back(clu
         s0.put(s0.key("world", 0), {"members": [0, 1, 2, 3], "coordinator": "-",
                                     "host_node": 0})
         s0.put(s0.key("nodes", 0), {})
-        lease1 = s1.grant(2)
-        s1.put(s1.key("nodes", 1), {}, lease=lease1)
-        s1.fence(s1.key("nodes", 1), lease1)
+        keeper = LeaseKeeper(s1, 2, outage_s=120)  # (renewed through the way until cut)
+        s1.put(s1.key("nodes", 1), {}, lease=keeper.lease)
+        s1.fence(s1.key("nodes", 1), keeper.lease)
         arbiters = [EtcdArbiter(store, node_rank=rank, nproc=2, agree_timeout_s=2,
                                 roster=AgentRoster(secret=b"s" * 32),
                                 services=ServiceHost(heartbeat_s=10), record=lambda e: None,
@@ -399,12 +399,15 @@ def test_a_node_cut_off_from_etcd_evicts_no_one_and_writes_nothing_once_back(clu
                     got[w] = e
             waiting = threading.Thread(target=agree, args=(2,))
             waiting.start()
-            deadline = time.monotonic() + 10
-            while s0.get(s0.key("arrive", 0, 2)) is None and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30
+            while s0.get(s0.key("arrive", 0, 2)) is None:
+                assert time.monotonic() < deadline, "worker 2's arrival was not written"
                 time.sleep(0.05)
             way.cut()
-            time.sleep(3.5)  # node 1's lease (2 s) ends
-            assert s0.get(s0.key("nodes", 1)) is None
+            deadline = time.monotonic() + 30
+            while s0.get(s0.key("nodes", 1)) is not None:  # node 1's lease (2 s) ends
+                assert time.monotonic() < deadline, "node 1's lease did not end"
+                time.sleep(0.1)
             others = [threading.Thread(target=agree, args=(w,)) for w in (0, 1)]
             for t in others:
                 t.start()
@@ -430,6 +433,7 @@ def test_a_node_cut_off_from_etcd_evicts_no_one_and_writes_nothing_once_back(clu
             with pytest.raises(FencedOutError, match="held under another lease"):
                 s1.put(s1.key("progress", 1), {"steps": {}})
         finally:
+            keeper.close(revoke=False)
             for a in arbiters:
                 with a._roster.cv:
                     a.close()
