@@ -97,6 +97,7 @@ def test_a_lease_is_not_taken_for_lost_while_etcd_is_silent_within_the_outage_bo
         time.sleep(1.0)
         store.reach, store.ttl = True, -1  # back, and the lease had ended meanwhile
         assert lost.wait(3)
+        assert keeper.why.startswith("etcd says its lease ended")
     finally:
         keeper.close(revoke=True)
     assert store.revoked == []
@@ -110,6 +111,7 @@ def test_a_lease_is_lost_once_etcd_stays_silent_for_the_outage_bound():
         t0 = time.monotonic()
         assert lost.wait(10)
         assert 3 <= time.monotonic() - t0 + 0.7 < 6  # (the last renewal came <= 0.7 s before)
+        assert keeper.why.startswith("no etcd member answered for")
     finally:
         keeper.close(revoke=True)
 
@@ -438,6 +440,34 @@ def test_a_node_cut_off_from_etcd_evicts_no_one_and_writes_nothing_once_back(clu
                 with a._roster.cv:
                     a.close()
                 a.join()
+
+
+def test_a_write_made_while_etcd_does_not_answer_lands_once_it_does(cluster):
+    """A stop told to a node while no etcd member answers (node 1's way cut for longer
+    than one call's retries) is written once etcd answers, within ``outage_s`` (trial 41:
+    it was lost after one call's 15 s, and the other node trained on)."""
+    job = "write-through-outage"
+    with contextlib.closing(CutOff(cluster)) as way:
+        store = EtcdStore.from_url(way.url, job, retry_s=0.5)
+        arbiter = EtcdArbiter(store, node_rank=1, nproc=2, agree_timeout_s=5,
+                              roster=AgentRoster(secret=b"s" * 32),
+                              services=ServiceHost(heartbeat_s=10), record=lambda e: None,
+                              poll_s=0.05, outage_s=30)
+        arbiter.start()
+        try:
+            way.cut()
+            with arbiter._roster.cv:
+                arbiter.stopping("a stop told during an outage", signal=15)
+            time.sleep(2)  # four calls' retries
+            assert arbiter.stale()
+            way.mend()
+            arbiter._writes.submit(lambda: None).result(timeout=30)
+            direct = EtcdStore.from_url(cluster.url, job)
+            assert direct.get(direct.key("stopping"))["signal"] == 15
+        finally:
+            with arbiter._roster.cv:
+                arbiter.close()
+            arbiter.join()
 
 
 def test_store_survives_a_member_loss(cluster):

@@ -355,6 +355,7 @@ class LeaseKeeper:
         self.outage_s = max(float(ttl_s), outage_s)
         self.lease = store.grant(ttl_s)
         self.lost = False
+        self.why = ""  # (once lost: etcd said it expired, or no member answered)
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mnemojax-etcd-lease",
@@ -365,8 +366,10 @@ class LeaseKeeper:
         renewed = time.monotonic()
         told = 0.0  # (how long etcd had been silent when that was last logged)
         while not self._stop.wait(self.ttl_s / 3):
+            answered = False
             try:
                 alive = self.store.keepalive(self.lease, retry_s=self.ttl_s / 3) > 0
+                answered = True
             except RendezvousError as e:
                 silent = time.monotonic() - renewed
                 if not told or silent >= told + 10:
@@ -382,7 +385,11 @@ class LeaseKeeper:
                 if alive:
                     renewed, told = time.monotonic(), 0.0
             if not alive:  # expired, or etcd out of reach for the whole outage bound
-                logger.error("etcd lease %x lost: this launcher's keys are gone", self.lease)
+                self.why = ("etcd says its lease ended (the other nodes took it for lost)"
+                            if answered else f"no etcd member answered for "
+                            f"{time.monotonic() - renewed:.0f} s (--etcd-outage-s "
+                            f"{self.outage_s:.0f})")
+                logger.error("etcd lease %x given up: %s", self.lease, self.why)
                 self.lost = True
                 if self._on_lost is not None:
                     self._on_lost()

@@ -171,9 +171,10 @@ class NodeLauncher(Launcher):
                           "node": current.get("host_node")})
             logger.warning(
                 "mnemojax launch: node %s, which ran world %d's coordination service, is "
-                "lost. With jaxlib 0.10 a JAX client whose service dies aborts its process, "
-                "so the survivors are restarted into the next world from their agents' "
-                "copies", current.get("host_node"), view.latest())
+                "lost (dead, or cut off from etcd). Where its service is gone, jaxlib 0.10 "
+                "aborts every JAX client of it: those survivors are restarted into the next "
+                "world from their agents' copies; the others recover in place",
+                current.get("host_node"), view.latest())
         dead = view.dead()
         if new := dead - self._dead_seen:
             self._dead_seen |= new
@@ -256,6 +257,12 @@ class NodeLauncher(Launcher):
             return
         if code > 0 and (worker_id in self._killed or worker_id in self.plane.view.dead()):
             code = -9  # evicted elsewhere: its exit (its agreement failed) is no user error
+        if code != 0 and self.plane.stale() and worker_id not in self.roster.exit_codes:
+            # (the job-wide line comes from etcd's keys, which do not change meanwhile: a
+            # user trial saw nothing for 16 s)
+            logger.warning("mnemojax launch: worker %d of this node ended (status %d) while "
+                           "etcd does not answer; the other nodes learn of it once it does",
+                           worker_id, code)
         if (code < 0 and worker_id not in self.roster.exit_codes and self.options.recover
                 and self._world_service_gone(worker_id)):
             # It died with its world's coordination service (jaxlib 0.10 aborts every
@@ -415,9 +422,10 @@ class NodeLauncher(Launcher):
 
     def _finished(self) -> int | None:
         if self._lease_lost:  # the others have declared this node's workers dead
-            self._record({"op": "lease_lost"})
-            logger.error("mnemojax launch: node %d lost its etcd lease; ending its part",
-                         self.options.node_rank)
+            why = self._lease.why if self._lease is not None else "its etcd lease is gone"
+            self._record({"op": "lease_lost", "why": why})
+            logger.error("mnemojax launch: node %d: %s; ending its part (status 1)",
+                         self.options.node_rank, why)
             return 1
         return super()._finished()
 

@@ -56,7 +56,7 @@ from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
 
 T = TypeVar("T")
-# The mirror not read for this long (etcd out of reach) evicts nobody (`EtcdArbiter._stale`).
+# The mirror not read for this long (etcd out of reach) evicts nobody (`EtcdArbiter.stale`).
 STALE_S = 2.0
 
 logger = logging.getLogger("mnemojax")
@@ -347,6 +347,7 @@ class EtcdArbiter:
         self.store, self.node_rank, self.nproc = store, node_rank, nproc
         self._timeout_s, self._outage_s = agree_timeout_s, outage_s
         self._read_at = time.monotonic()  # the mirror's last read of etcd
+        self._fenced_said = False
         self._roster, self._services, self._record = roster, services, record
         self._on_view, self._poll_s = on_view, poll_s
         self._seen: set[int] = set()
@@ -375,7 +376,7 @@ class EtcdArbiter:
             self._read_at = time.monotonic()
             return self._install(items)
 
-    def _stale(self) -> bool:
+    def stale(self) -> bool:
         """Whether the mirror has not read etcd for `STALE_S` (etcd out of reach): what it
         shows missing may have arrived, so nobody is evicted on it."""
         return time.monotonic() - self._read_at > STALE_S
@@ -425,11 +426,27 @@ class EtcdArbiter:
                 logger.exception("mnemojax launch: error while acting on etcd's keys")
 
     def _write(self, fn: Callable[[], object]) -> None:
+        """``fn()`` (a write) on the write thread, after the writes before it; tried
+        again while etcd does not answer, up to ``outage_s`` (a stop told during an outage
+        of the whole cluster reaches the others once it ends: a user trial's was lost
+        after one call's 15 s, and the other node trained on), once more after `close`."""
         def run() -> None:
-            try:
-                fn()
-            except RendezvousError as e:
-                logger.error("etcd write lost: %s", e)
+            deadline = time.monotonic() + self._outage_s
+            while True:
+                try:
+                    fn()
+                    return
+                except FencedOutError as e:
+                    if not self._fenced_said:
+                        self._fenced_said = True
+                        logger.error("mnemojax launch: %s; this node's writes are refused "
+                                     "from now on", e)
+                    return
+                except RendezvousError as e:
+                    if self._closed or time.monotonic() >= deadline:
+                        logger.error("etcd write lost: %s", e)
+                        return
+                    time.sleep(0.5)
         if not self._closed:
             self._writes.submit(run)
 
@@ -570,7 +587,7 @@ class EtcdArbiter:
                 book = view.book(g)
                 if not (book.complete() and w in book.arrived):
                     left = deadline - time.monotonic()
-                    if self._stale():  # (a full window once etcd answers again)
+                    if self.stale():  # (a full window once etcd answers again)
                         deadline = time.monotonic() + self._timeout_s
                     elif left <= 0:
                         self._evict(book.missing())
@@ -671,7 +688,7 @@ class EtcdArbiter:
                         proposal = gone
                     else:
                         left = deadline - time.monotonic()
-                        if self._stale():  # (as in `_agree`)
+                        if self.stale():  # (as in `_agree`)
                             deadline = time.monotonic() + request.timeout_s
                         elif left <= 0:
                             self._evict([m for m in members if m not in arrived],
