@@ -542,6 +542,11 @@ def test_status_tells_a_finished_job_and_no_job_from_one_still_starting():
     assert not status.summary_of({**running, "exit/1": 1})["finished"]
     stopped = {**running, "exit/1": 0, "end": {"why": "the launcher was signalled (15)"}}
     assert not status.summary_of(stopped)["finished"]  # stopped, not finished
+    # A stop told (workers that checkpointed and exited 0, no end written): stopped too
+    # (trial 41: "finished: every worker exited 0" after a SIGTERM at step 11 of 90).
+    told = status.summary_of({**running, "exit/1": 0,
+                              "stopping": {"signal": 15, "node": 1, "why": "SIGTERM"}})
+    assert not told["finished"] and told["stopping"]["signal"] == 15
 
 
 def test_status_shows_the_newest_step_of_every_member_and_where_each_world_resumed():

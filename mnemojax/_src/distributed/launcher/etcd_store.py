@@ -216,8 +216,9 @@ class EtcdStore:
                     last = e
                     self._current = (self._current + 1) % len(self._clients)
             if time.monotonic() > deadline:
-                raise RendezvousError(f"no etcd member of {list(self.endpoints)} answered "
-                                      f"within {retry_s:.1f} s: {_describe(last)}") from last
+                raise RendezvousError(f"no etcd member of {list(self.endpoints)} served "
+                                      f"the call within {retry_s:.1f} s (down, out of reach, "
+                                      f"or without a quorum): {_describe(last)}") from last
             time.sleep(0.1)
 
     def key(self, *parts: object) -> str:

@@ -50,10 +50,12 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
             "dead": sorted(view.dead() - left), "left": sorted(left),
             "idle_spares": view.idle_spares(), "exits": exits, "end": view.end(),
-            # Every member of the last world exited 0: done (no node writes an end then,
-            # as one node's end is not the job's).
-            "finished": view.end() is None and bool(world.get("members")) and all(
-                exits.get(w) == 0 for w in world["members"]),
+            "stopping": view.stopping(),
+            # Every member of the last world exited 0, with no stop told: done (no node
+            # writes an end then, as one node's end is not the job's).
+            "finished": view.end() is None and view.stopping() is None
+            and bool(world.get("members")) and all(exits.get(w) == 0
+                                                   for w in world["members"]),
             "empty": not items}
 
 
@@ -106,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  workers that left the job: {s['left']}")
     if s["exits"]:
         print(f"  exits: {s['exits']}")
+    if s["stopping"]:  # (a trial: a stopped job read "finished")
+        print(f"  stopped: signal {s['stopping'].get('signal')} to node "
+              f"{s['stopping'].get('node')} ({s['stopping'].get('why')})")
     if s["end"]:
         print(f"  ended: {s['end'].get('why')}")
     elif s["finished"]:
