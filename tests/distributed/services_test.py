@@ -38,3 +38,20 @@ def test_stopping_an_old_world_service_does_not_block_the_decision():
     other.release.set()
     host._services[3] = CoordinationService("127.0.0.1:3", 2, other)  # as a late start
     assert host.stop(3) and other.stopped.is_set() and host._stopping == [stopping]
+
+
+def test_a_decision_made_again_takes_the_service_it_started_for_that_world():
+    """A decision whose etcd transaction failed may have committed it, naming the service
+    it started: made again (`EtcdArbiter._through_outage`), it takes that service rather
+    than starting a second and leaving the first running (review 28); for another number
+    of processes the first is stopped."""
+    host = ServiceHost(heartbeat_s=10)
+    try:
+        first = host.start(1, 2)
+        assert host.start(1, 2) is first
+        other = host.start(1, 3)
+        for stopping in host._stopping:
+            stopping.join(30)
+        assert other is not first and first.handle is None and host._services[1] is other
+    finally:
+        host.stop_all()

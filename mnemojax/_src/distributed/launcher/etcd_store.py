@@ -115,6 +115,12 @@ class RendezvousError(DistributedError):
     """The etcd cluster could not be reached (no member answered in time)."""
 
 
+class EtcdRefusedError(RendezvousError):
+    """etcd answered that the call itself is wrong or not allowed (HTTP 400, 403, 404,
+    413: too many operations in a transaction, a permission, a lease it does not know):
+    trying again, here or on another member, gives the same answer."""
+
+
 class FencedOutError(RendezvousError):
     """etcd refused a write of a launcher whose registration is gone (its lease ended:
     the other nodes took its node for lost), or is another launcher's (`EtcdStore.fence`)."""
@@ -138,6 +144,11 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     from etcd3gw import exceptions
     return (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
             exceptions.InternalServerError, exceptions.Etcd3Exception)
+
+
+# The HTTP reasons of etcd's answers that no retry changes (`EtcdRefusedError`; etcd3gw
+# keeps the reason as the exception's argument).
+_REFUSALS = {("Bad Request",), ("Forbidden",), ("Not Found",), ("Request Entity Too Large",)}
 
 
 def _describe(exc: BaseException | None) -> str:
@@ -213,6 +224,8 @@ class EtcdStore:
                 try:
                     return fn(client)
                 except self._errors as e:
+                    if e.args[:1] in _REFUSALS:
+                        raise EtcdRefusedError(f"etcd refused the call: {_describe(e)}") from e
                     last = e
                     self._current = (self._current + 1) % len(self._clients)
             if time.monotonic() > deadline:
@@ -371,6 +384,8 @@ class LeaseKeeper:
             try:
                 alive = self.store.keepalive(self.lease, retry_s=self.ttl_s / 3) > 0
                 answered = True
+            except EtcdRefusedError:  # (a lease etcd does not know: ended)
+                alive, answered = False, True
             except RendezvousError as e:
                 silent = time.monotonic() - renewed
                 if not told or silent >= told + 10:

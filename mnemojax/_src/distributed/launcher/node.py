@@ -258,6 +258,7 @@ class NodeLauncher(Launcher):
         if code > 0 and (worker_id in self._killed or worker_id in self.plane.view.dead()):
             code = -9  # evicted elsewhere: its exit (its agreement failed) is no user error
         if code != 0 and self.plane.stale() and worker_id not in self.roster.exit_codes:
+            # (`stale` is False once the plane closed: its mirror stops then)
             # (the job-wide line comes from etcd's keys, which do not change meanwhile: a
             # user trial saw nothing for 16 s)
             logger.warning("mnemojax launch: worker %d of this node ended (status %d) while "

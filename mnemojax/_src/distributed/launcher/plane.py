@@ -47,6 +47,7 @@ from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, compiled_barrier
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.etcd_store import (
+    EtcdRefusedError,
     EtcdStore,
     FencedOutError,
     RendezvousError,
@@ -346,8 +347,9 @@ class EtcdArbiter:
                  outage_s: float = 0.0):
         self.store, self.node_rank, self.nproc = store, node_rank, nproc
         self._timeout_s, self._outage_s = agree_timeout_s, outage_s
-        self._read_at = time.monotonic()  # the mirror's last read of etcd
+        self._read_at = self._read_started = time.monotonic()  # the mirror's last read
         self._fenced_said = False
+        self._given_up = False  # a write failed after `close`: the others are not tried
         self._roster, self._services, self._record = roster, services, record
         self._on_view, self._poll_s = on_view, poll_s
         self._seen: set[int] = set()
@@ -372,28 +374,38 @@ class EtcdArbiter:
     def refresh(self) -> JobView:
         """Reads the keys now; returns (and keeps) the new view."""
         with self._refreshing:
+            started = time.monotonic()
             items = self.store.items()
-            self._read_at = time.monotonic()
+            self._read_started, self._read_at = started, time.monotonic()
             return self._install(items)
 
     def stale(self) -> bool:
         """Whether the mirror has not read etcd for `STALE_S` (etcd out of reach): what it
-        shows missing may have arrived, so nobody is evicted on it."""
-        return time.monotonic() - self._read_at > STALE_S
+        shows missing may have arrived, so nobody is evicted on it, and a deadline is
+        moved on until it reads again (a full window: the arrivals waited for etcd too)."""
+        return not self._closed and time.monotonic() - self._read_at > STALE_S
 
-    def _through_outage(self, fn: Callable[[], T], generation: int) -> T:
-        """``fn()``, again while etcd does not answer, up to ``outage_s`` (an outage of
-        the whole cluster: the members wait for it, as the launchers do).
+    def _read_since(self, deadline: float) -> bool:
+        """Whether the mirror holds a read begun at or after ``deadline``: what it shows
+        missing then had not arrived by the deadline (a review: a view read just before
+        the deadline, etcd silent since, evicted members that had arrived)."""
+        return self._read_started >= deadline
+
+    def _through_outage(self, fn: Callable[[bool], T], generation: int) -> T:
+        """``fn(again)``, again while etcd does not answer, up to ``outage_s`` (an outage of
+        the whole cluster: the members wait for it, as the launchers do); ``again`` is
+        True from the second call on.
 
         Raises:
             AgreementError: etcd did not answer within it, or refused this node's writes
                 (`FencedOutError`: the others took this node for lost).
         """
         deadline = time.monotonic() + self._outage_s
+        again = False
         while True:
             try:
-                return fn()
-            except FencedOutError as e:
+                return fn(again)
+            except (FencedOutError, EtcdRefusedError) as e:
                 raise AgreementError(str(e), generation=generation) from e
             except RendezvousError as e:
                 if time.monotonic() >= deadline or self._closed:
@@ -403,6 +415,7 @@ class EtcdArbiter:
                                "waits for it (at most %.0f s more)", generation,
                                deadline - time.monotonic())
                 time.sleep(0.5)
+                again = True
 
     def _install(self, items: dict[str, Any]) -> JobView:
         with self._roster.cv:
@@ -425,14 +438,19 @@ class EtcdArbiter:
             except Exception:  # the mirror must outlive a bug in a reaction to it
                 logger.exception("mnemojax launch: error while acting on etcd's keys")
 
-    def _write(self, fn: Callable[[], object]) -> None:
+    def _write(self, fn: Callable[[], object], *, told: bool = False) -> None:
         """``fn()`` (a write) on the write thread, after the writes before it; tried
         again while etcd does not answer, up to ``outage_s`` (a stop told during an outage
         of the whole cluster reaches the others once it ends: a user trial's was lost
-        after one call's 15 s, and the other node trained on), once more after `close`."""
+        after one call's 15 s, and the other node trained on). After `close`, a write
+        ``told`` to the other nodes (a stop, the job's end) goes on trying as long, and
+        `join` waits for it; the others are given up after one failure (a review: each
+        waited 15 s at the exit)."""
         def run() -> None:
             deadline = time.monotonic() + self._outage_s
             while True:
+                if self._closed and not told and self._given_up:
+                    return
                 try:
                     fn()
                     return
@@ -443,7 +461,9 @@ class EtcdArbiter:
                                      "from now on", e)
                     return
                 except RendezvousError as e:
-                    if self._closed or time.monotonic() >= deadline:
+                    if ((self._closed and not told) or time.monotonic() >= deadline
+                            or isinstance(e, EtcdRefusedError)):
+                        self._given_up = self._given_up or self._closed
                         logger.error("etcd write lost: %s", e)
                         return
                     time.sleep(0.5)
@@ -503,7 +523,7 @@ class EtcdArbiter:
             self._ending = why
             self._write(lambda: self.store.create(self.store.key("end"), {
                 "why": why, "code": code, "worker_id": worker_id, "signal": signal,
-                "node": self.node_rank}))
+                "node": self.node_rank}), told=True)
         self._roster.cv.notify_all()
 
     def stopping(self, why: str, *, signal: int) -> None:
@@ -512,7 +532,7 @@ class EtcdArbiter:
         so that a recovery under way completes and its survivors stop at an agreed step
         and checkpoint it."""
         self._write(lambda: self.store.create(self.store.key("stopping"), {
-            "why": why, "signal": signal, "node": self.node_rank}))
+            "why": why, "signal": signal, "node": self.node_rank}), told=True)
         self._roster.cv.notify_all()
 
     def close(self) -> None:
@@ -562,11 +582,17 @@ class EtcdArbiter:
         Raises:
             AgreementError: as `arbiter.Arbiter.agree`.
         """
-        return self._through_outage(lambda: self._agree(request), request.generation)
+        return self._through_outage(lambda again: self._agree(request, again),
+                                    request.generation)
 
-    def _agree(self, request: wire.Agree) -> Agreement:
+    def _agree(self, request: wire.Agree, again: bool = False) -> Agreement:
+        """``again``: run again after an etcd error, which the decision may have outlived
+        (committed, then the reply or the read after it lost): its agreement if so."""
         w, g, cv = request.worker_id, request.generation, self._roster.cv
         with cv:
+            if (again and (record := self.view.world(g + 1)) is not None
+                    and (agreement := agreement_of(record, w)) is not None):
+                return agreement
             self._check_member(w, g)
         self.store.put(self.store.key("arrive", g, w), {
             "last_step": request.last_step, "first_replayable": request.first_replayable})
@@ -589,7 +615,7 @@ class EtcdArbiter:
                     left = deadline - time.monotonic()
                     if self.stale():  # (a full window once etcd answers again)
                         deadline = time.monotonic() + self._timeout_s
-                    elif left <= 0:
+                    elif left <= 0 and self._read_since(deadline):
                         self._evict(book.missing())
                         deadline = time.monotonic() + self._timeout_s
                     cv.wait(timeout=min(max(left, 0.01), 0.2))
@@ -666,11 +692,14 @@ class EtcdArbiter:
         Raises:
             AgreementError: the caller is not a live member of the current world.
         """
-        return self._through_outage(lambda: self._barrier(request), request.generation)
+        return self._through_outage(lambda again: self._barrier(request, again),
+                                    request.generation)
 
-    def _barrier(self, request: wire.Barrier) -> wire.BarrierReply:
+    def _barrier(self, request: wire.Barrier, again: bool = False) -> wire.BarrierReply:
         w, g, name, cv = request.worker_id, request.generation, request.name, self._roster.cv
         with cv:
+            if again and (outcome := self.view.outcome(g, name)) is not None:  # (`_agree`)
+                return wire.BarrierReply(failed=tuple(outcome))
             self._check_member(w, g)
         self.store.put(self.store.key("barrier", g, name, w), 1)
         deadline = time.monotonic() + request.timeout_s
@@ -690,7 +719,7 @@ class EtcdArbiter:
                         left = deadline - time.monotonic()
                         if self.stale():  # (as in `_agree`)
                             deadline = time.monotonic() + request.timeout_s
-                        elif left <= 0:
+                        elif left <= 0 and self._read_since(deadline):
                             self._evict([m for m in members if m not in arrived],
                                         barrier=name)
                             deadline = time.monotonic() + request.timeout_s

@@ -72,7 +72,15 @@ class ServiceHost:
         self._closed = False  # `stop_all` ran: what stops later stops at once
 
     def start(self, generation: int, num_processes: int) -> CoordinationService:
-        """Starts world ``generation``'s service on a free port."""
+        """Starts world ``generation``'s service on a free port; the one it has, for as
+        many processes, when a decision is made again (etcd failed the first one's
+        transaction: it may have committed it, naming that service)."""
+        with self._lock:
+            held = self._services.get(generation)
+            if held is not None and held.num_processes == num_processes:
+                return held
+        if held is not None:
+            self.stop(generation)
         service = start_service(transport.free_port(self.host), num_processes,
                                 heartbeat_s=self.heartbeat_s, host=self.host)
         with self._lock:
