@@ -161,9 +161,10 @@ class NodeLauncher(Launcher):
             self._regrow_asked.add(g)
             self.plane.request_regrow(g)
             self._record({"op": "regrow", "generation": g, "spares": view.idle_spares()})
-            logger.warning("mnemojax launch: world %d has %d of world 0's %d workers and "
-                           "idle spares %s can fill it: it re-forms, larger", g,
-                           len(view.worlds()[g]), view.full_size(), view.idle_spares())
+            logger.warning("mnemojax launch: world %d has %d of world 0's %d workers, and "
+                           "idle spares %s are there to fill it: it re-forms, larger (the "
+                           "agreement says which join)", g, len(view.worlds()[g]),
+                           view.full_size(), view.idle_spares())
         current = view.world(view.latest()) or {}
         if current.get("host_node") in view.lost_nodes() and not self._coordinator_lost:
             self._coordinator_lost = True
@@ -185,6 +186,10 @@ class NodeLauncher(Launcher):
             if died and (end := view.end()) is not None:  # (a stop, an error: expected)
                 logger.warning("mnemojax launch: workers %s ended (%s)", died,
                                end.get("why", "the job is ending"))
+            elif died and o.node_rank in lost:  # (a trial: "dead (nodes [1] lost)" on 1)
+                logger.warning("mnemojax launch: the other nodes took this node (%d) for lost "
+                               "(its etcd lease ended): workers %s are out of the job",
+                               o.node_rank, died)
             elif died:
                 logger.warning("mnemojax launch: workers %s dead%s", died,
                                f" (nodes {lost} lost)" if lost else "")
