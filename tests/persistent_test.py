@@ -102,6 +102,46 @@ def test_all_in_memory_copies_lost_falls_back_to_orbax(tmp_path):
     assert rec.source == "persistent" and rec.source_step == 3 and rec.steps_lost == 2
 
 
+def test_a_fresh_run_in_an_earlier_runs_directory_is_told_its_steps_are_not_written(
+        tmp_path):
+    """Run A leaves checkpoint 4; run B starts fresh (no restore) in the same directory.
+    Orbax writes no step at or below 4 and said so only by returning False: B's
+    checkpoint of step 2 was silently not written (a user trial; a preemption then said
+    "checkpointed"). Now B's next call raises `CheckpointSaveError` naming the
+    directory's step and what to do, once; a call again continues, and A's checkpoint is
+    untouched. A run that restores writes on from there."""
+    import orbax.checkpoint as ocp
+
+    batches = h.make_batches(5)
+    opts = _opts(tmp_path, every_steps=2)
+    h.resilient_run(batches[:4], mesh=h.mesh_of((4, 2)), options=opts)
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts)
+    try:
+        step(model, optimizer, batches[0])
+        step(model, optimizer, batches[1])  # its checkpoint of step 2 is refused
+        with pytest.raises(CheckpointSaveError, match=r"holds step 4 of an earlier run.*"
+                           r"step.restore"):
+            step(model, optimizer, batches[2])
+        step(model, optimizer, batches[2])  # the run goes on; step 4 is not refused again
+        step(model, optimizer, batches[3])
+    finally:
+        step.close()
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "mnemojax"))
+    assert list(mngr.all_steps()) == [2, 4]  # (run A's, untouched)
+    assert mngr.latest_step() == 4
+    model, optimizer = h.make_mlp()
+    again = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=opts)
+    try:
+        assert again.restore(model, optimizer) == 4
+        again(model, optimizer, batches[4])
+        again(model, optimizer, batches[4])  # step 6: written
+    finally:
+        again.close()
+    mngr.reload()
+    assert mngr.latest_step() == 6
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     h.resilient_run(h.make_batches(2), mesh=h.mesh_of((4, 2)),
                     options=_opts(tmp_path, every_steps=2))

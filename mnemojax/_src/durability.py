@@ -73,7 +73,11 @@ class Durability:
             else None
         self._keys = keys
         self._failed: list[SaveFailure] = []  # known, not yet raised
+        # The newest step an earlier run left in the directory, until this run restores
+        # (`restore_latest`): Orbax writes no step at or below it (`PersistentTier.save`).
+        self._earlier: int | None = None
         self.tier = self._open_tier(clean_tmp=True) if popts.directory else None
+        self._earlier = self.tier.latest_step() if self.tier is not None else None
         self._preemption = PreemptionWatch(popts.preemption_signals) \
             if self.tier is not None and popts.preemption_signals else None
         self._memory = MemoryWatch(popts.memory_pressure_fraction) \
@@ -268,7 +272,8 @@ class Durability:
     def _open_tier(self, *, clean_tmp: bool) -> PersistentTier:
         assert self._popts.directory is not None  # only called with a directory
         return PersistentTier(os.fspath(self._popts.directory), keys=self._keys,
-                              max_to_keep=self._popts.max_to_keep, clean_tmp=clean_tmp)
+                              max_to_keep=self._popts.max_to_keep, clean_tmp=clean_tmp,
+                              earlier=lambda: self._earlier)
 
     def reopen_tier(self, layer: DeviceLayer) -> None:
         """A new Orbax manager for a new multi-process world (the old one's processes and
@@ -303,6 +308,7 @@ class Durability:
         """
         if self.tier is None:
             return None
+        self._earlier = None  # (this run continues what the directory holds)
         steps = self.tier.steps()
         errors: list[BaseException] = []
         for step in steps:

@@ -103,12 +103,15 @@ class PersistentTier:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keys: Sequence[Key],
-                 max_to_keep: int, clean_tmp: bool = True):
+                 max_to_keep: int, clean_tmp: bool = True,
+                 earlier: Callable[[], int | None] = lambda: None):
         import orbax.checkpoint as ocp  # lazily: only jobs with a persistent tier need it
 
         self._ocp = ocp
         self.directory = Path(directory).expanduser().resolve()
         self._keys = [tuple(k) for k in keys]
+        self._earlier = earlier
+        self._refused_earlier = False  # a step at or below `earlier` was refused
         with syncs_through_the_store():  # (it waits for every process: a death ends it)
             self._manager = self._make_manager(ocp, max_to_keep)
         self.last_saved_step: int | None = None
@@ -160,6 +163,21 @@ class PersistentTier:
                 # Its barriers would wait for the dead peer (Orbax's own timeout, 20 min)
                 # and this manager's last save never ends: the recovery opens a new one.
                 raise CheckpointLostError(f"a peer process of this world died: {death}")
+            if (earlier := self._earlier()) is not None and step <= earlier:
+                # Orbax writes no step at or below the newest it holds, and says so only
+                # by returning False (a user trial: a fresh run in an earlier run's
+                # directory wrote nothing, and a preemption said "checkpointed"). Raised
+                # once (at the next call, or here with `wait`); later ones only skipped.
+                if self._refused_earlier and not wait:
+                    return time.perf_counter() - t0
+                self._refused_earlier = True
+                raise CheckpointSaveError(
+                    f"the checkpoint of step {step} was not written: {self.directory} "
+                    f"holds step {earlier} of an earlier run, which this run did not "
+                    "restore; Orbax writes no step at or below it. Call step.restore(...) "
+                    "before the first step to continue that run, or give this run its "
+                    "own PersistentOptions(directory=...)", steps=[step],
+                    directory=str(self.directory))
             with syncs_through_the_store():  # (a death ends its barriers at once)
                 self._manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(nest(self._keys, leaves)),
