@@ -940,6 +940,7 @@ class ResilientStep(Generic[P, R]):
         leaves = b.form.state_of(state_args)
         shardings = shd.named(b.runtime.mesh, b.form.specs)
         joined = b.session.resume if b.session is not None else None
+        b.durability.continues_the_directory()  # (whatever restores: the job's own steps)
         restored = b.session.take_resume(shardings, put=b.runtime.layer.put) \
             if b.session is not None else None
         if restored is None:

@@ -297,6 +297,11 @@ class Durability:
                 log.info("mnemojax: the old world's checkpoint manager closed with %s", e)
         threading.Thread(target=close_quietly, daemon=True).start()
 
+    def continues_the_directory(self) -> None:
+        """This run continues what the checkpoint directory holds (`restore()`, from it or
+        from the agents' copies of the same job): its steps are not an earlier run's."""
+        self._earlier = None
+
     def restore_latest(self, shardings, structs):
         """(step, leaves on `shardings`) of the newest readable checkpoint, or None when
         there is none. An unreadable checkpoint (truncated, garbled) is skipped for the
@@ -308,7 +313,7 @@ class Durability:
         """
         if self.tier is None:
             return None
-        self._earlier = None  # (this run continues what the directory holds)
+        self.continues_the_directory()
         steps = self.tier.steps()
         errors: list[BaseException] = []
         for step in steps:
