@@ -249,7 +249,8 @@ class EtcdStore:
 
     def _fenced(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
                 retry_s: float | None = None) -> dict[str, Any]:
-        """One transaction of ``compare`` (and the fence) then ``success``; the reply.
+        """One transaction of ``compare`` (and the fence, once set) then ``success``; the
+        reply. Every write goes through it, fenced or not.
 
         Raises:
             FencedOutError: the fence's compare failed.
@@ -280,10 +281,7 @@ class EtcdStore:
         payload: dict[str, Any] = {"key": _encode(key), "value": _encode(json.dumps(value))}
         if lease is not None:
             payload["lease"] = lease
-        if self._fence is None:
-            self._call(lambda c: c.post(c.get_url("/kv/put"), json=payload), retry_s)
-        else:
-            self._fenced([], [{"request_put": payload}], retry_s)
+        self._fenced([], [{"request_put": payload}], retry_s)
 
     def create(self, key: str, value: Any, *, unless: Sequence[str] = (),
                lease: int | None = None, also: Mapping[str, Any] | None = None) -> bool:
@@ -329,10 +327,7 @@ class EtcdStore:
     def delete(self, key: str) -> None:
         """Deletes ``key``, within the fence (`fence`)."""
         from etcd3gw.utils import _encode
-        if self._fence is None:
-            self._call(lambda c: c.delete(key))
-        else:
-            self._fenced([], [{"request_delete_range": {"key": _encode(key)}}])
+        self._fenced([], [{"request_delete_range": {"key": _encode(key)}}])
 
     # -- leases -------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
