@@ -293,6 +293,32 @@ def test_a_lost_host_s_state_comes_from_its_buddy_which_an_outsider_could_not_ha
     assert rec["fetched_from"] == {"0": report["agents"][1]}  # 0's ring buddy
 
 
+def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_loss(
+        tmp_path, reference):
+    """`mnemojax launch --spares 1` without etcd: 3 workers x 2 devices on (3, 2) and one
+    warm spare (worker 3). Host 0 (worker and agent; worker 0 owns every snapshot shard)
+    is lost at step 3: the spare takes its rank, and the mesh stays (3, 2). Then the
+    spare's own host is lost at step 6: no spare is left, the world shrinks to (2, 2), and
+    the state comes from the replica the spare made at its ring buddy. Exact at the end."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 3), ProcessFault("host", 3, 6)],
+                  spares=1, extra=("--restore", "--no-held-replicas"))
+    assert report["rc"] == 0, report
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[3, 1, 2], [1, 2]], decided
+    assert decided[0]["replaces"] == {"3": 0} and decided[1]["replaces"] == {}
+    assert [(e["worker_id"], e["replaces"]) for e in _launcher_events(report, "joined")] \
+        == [(3, 0)]
+    stats = _assert_exact(tmp_path, reference)  # written by worker 1, a survivor throughout
+    first, second = stats["recoveries"]
+    assert first["new_mesh_shape"] == first["old_mesh_shape"] == {"data": 3, "model": 2}
+    assert first["joined_processes"] == [3] and first["failed_processes"] == [0]
+    assert second["failed_processes"] == [3]
+    assert second["new_mesh_shape"] == {"data": 2, "model": 2}
+    # (the spare's state came from its ring buddy, agent 1: its own agent died with it)
+    assert set(second["fetched_from"]) == {"3"}, second
+    assert second["fetched_from"]["3"] == report["agents"][1], (second, report["agents"])
+
+
 @pytest.mark.slow  # ~25 s; the default host-loss test above covers the overlapped copy
 def test_a_lost_host_with_replication_in_series_resumes_exact_from_its_buddy(
         tmp_path, reference):

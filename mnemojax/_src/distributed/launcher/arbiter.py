@@ -50,6 +50,8 @@ class WorldArbiter(Protocol):
 
     def live_members(self) -> list[int]: ...
 
+    def ending(self) -> str | None: ...
+
     def end(self, why: str, *, code: int | None = None, worker_id: int | None = None,
             signal: int | None = None) -> None: ...
 
@@ -67,13 +69,22 @@ class Arbiter:
         roster: the agents (and the launcher's lock, ``roster.cv``).
         services: the coordination services (one per live world).
         record: logs a launcher event (``op`` and fields).
+        spares: the warm spares waiting for a world, in the order they join (``roster.cv``
+            held); none by default.
+        on_join: called with ``roster.cv`` held for each spare a world took in, with its
+            agreement.
     """
 
     def __init__(self, members: Sequence[int], *, agree_timeout_s: float,
                  roster: AgentRoster, services: ServiceHost,
-                 record: Callable[[dict[str, Any]], None]):
+                 record: Callable[[dict[str, Any]], None],
+                 spares: Callable[[], Sequence[int]] = tuple,
+                 on_join: Callable[[int, Agreement], None] | None = None):
         self.book = AgreementBook(0, members)
         self.worlds: dict[int, tuple[int, ...]] = {0: self.book.members}  # gen -> members
+        # Member -> its rank in world 0's layout (a spare takes the one of whom it replaces).
+        self._slots = {w: i for i, w in enumerate(self.book.members)}
+        self._spares, self._on_join = spares, on_join
         self._timeout_s = agree_timeout_s
         self._roster, self._services, self._record = roster, services, record
         self._barriers = BarrierBook()
@@ -114,6 +125,20 @@ class Arbiter:
     def live_members(self) -> list[int]:
         """The current world's members not (yet) known dead."""
         return [m for m in self.book.members if m not in self.book.dead]
+
+    def ending(self) -> str | None:
+        """Why no new world may be decided any more (None: worlds may still form)."""
+        return self._ending
+
+    def _joiners(self, book: AgreementBook) -> list[int]:
+        """The spares the world after ``book``'s may take in: only while every member holds
+        its world-0 rank. A spare builds its mesh from the user's code, which fits world
+        0's size and layout only; a shrunk world never takes one (no process joins it)."""
+        full = len(self.worlds[0])
+        if len(book.members) != full or any(self._slots.get(m) != r
+                                            for r, m in enumerate(book.members)):
+            return []
+        return list(self._spares())
 
     def agree(self, request: wire.Agree) -> Agreement:
         """Barrier, then the decision (`distributed.agreement`); the caller's part of it.
@@ -228,20 +253,31 @@ class Arbiter:
             for bad in reply.corrupt:
                 self._record({"op": "corrupt_copy", "agent": address, **dataclasses.asdict(bad)})
         holdings = {address: list(reply.copies) for address, reply in replies.items()}
-        survivors = [m for m in book.members if m in book.arrived]
+        arrived = [m for m in book.members if m in book.arrived]
         generation = book.generation + 1
-        service = self._services.start(generation, len(survivors))
+        joiners = self._joiners(book)
+        # A spare for every dead member (`AgreementBook.decide`), or none joins.
+        dead = len(book.members) - len(arrived)
+        size = len(book.members) if dead and len(joiners) >= dead else len(arrived)
+        service = self._services.start(generation, size)
         try:
             decision = book.decide(coordinator=service.address, holdings=holdings,
-                                   homes=self._roster.addresses, members_of=self.worlds)
+                                   homes=self._roster.addresses, members_of=self.worlds,
+                                   joiners=joiners)
         except AgreementError:
             self._services.stop(generation)
             raise
-        first = decision[survivors[0]]
+        first = next(iter(decision.values()))
+        survivors = list(first.survivors)  # the new world's members, in rank order
         self._record({"op": "decided", "generation": generation, "survivors": survivors,
-                      "resume_step": first.resume_step, "lost": list(first.lost)})
+                      "resume_step": first.resume_step, "lost": list(first.lost),
+                      "replaces": {str(j): d for j, d in first.replaces.items()}})
         logger.info("mnemojax launch: world %d: workers %s, from step %d, coordination "
                     "service on %s", generation, survivors, first.resume_step, service.address)
+        for joiner, dead_member in first.replaces.items():
+            self._slots[joiner] = self._slots[dead_member]
+            if self._on_join is not None:
+                self._on_join(joiner, decision[joiner])
         self.book = AgreementBook(generation, survivors)
         self.worlds[generation] = tuple(survivors)
         if self._services.stop(book.generation):  # service last: every survivor detached

@@ -62,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "outage of the etcd cluster itself: its new leader renews "
                              "every lease)")
     parser.add_argument("--spares", type=int, default=0,
-                        help="with --rdzv: idle agents this node keeps; a world formed after "
-                             "a loss takes one in place of each dead member")
+                        help="warm spare processes this node keeps (on one machine too); "
+                             "a world formed after a loss takes one in place of each dead "
+                             "member, so the mesh keeps its size (the job's loop must start "
+                             "at step.restore())")
     parser.add_argument("--grow-back", action="store_true",
                         help="with --rdzv: this node may rejoin the job while it runs (a "
                              "restarted host): its processes wait as spares, and the job "

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mnemojax._src.distributed import auth, shm, wire
+from mnemojax._src.distributed import auth, env, shm, wire
+from mnemojax._src.distributed.agreement import Agreement
 from mnemojax._src.distributed.launcher.arbiter import Arbiter, WorldArbiter
 from mnemojax._src.distributed.launcher.control import ControlServer
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
@@ -76,8 +77,13 @@ class Launcher:
         self.secret = auth.new_secret() if secret is None else secret
         self.roster = AgentRoster(secret=self.secret)
         self.services = ServiceHost(heartbeat_s=options.heartbeat_s, host=options.host)
-        self.arbiter: WorldArbiter = Arbiter(range(options.nproc), agree_timeout_s=options.agree_timeout_s,
-                               roster=self.roster, services=self.services, record=self._record)
+        self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
+        self._warm: set[int] = set()  # spares that asked to join (Python and JAX loaded)
+        self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
+        self.arbiter: WorldArbiter = Arbiter(
+            range(options.nproc), agree_timeout_s=options.agree_timeout_s,
+            roster=self.roster, services=self.services, record=self._record,
+            spares=lambda: sorted(self._idle & self._warm), on_join=self._spare_joined)
         self._failed_code: int | None = None
         self._uncaught: dict[int, str] = {}  # worker id -> the exception it reported
         # The first worker that ended itself with a non-zero status (an uncaught exception,
@@ -188,6 +194,8 @@ class Launcher:
                 return wire.ErrorReply(message=str(e))
         if isinstance(message, wire.WatchWorld):  # not recorded: one per world and worker
             return self.arbiter.watch(message)
+        if isinstance(message, wire.AwaitJoin):
+            return self._await_join(message)
         if isinstance(message, wire.Barrier):
             self._record(message.to_wire())
             try:
@@ -196,9 +204,71 @@ class Launcher:
                 return wire.ErrorReply(message=str(e))
         return wire.ErrorReply(message=f"unknown op {message.OP!r}")
 
+    def _spare_joined(self, worker_id: int, agreement: Agreement) -> None:
+        """A world took spare ``worker_id`` in: its `wire.AwaitJoin` gets ``agreement``
+        (call with ``roster.cv`` held)."""
+        self._idle.discard(worker_id)
+        self._joins[worker_id] = agreement
+        self._record({"op": "joined", "worker_id": worker_id,
+                      "generation": agreement.generation,
+                      "replaces": agreement.replaces.get(worker_id)})
+        logger.warning("mnemojax launch: spare %d joined world %d in place of worker %s, "
+                       "from step %d", worker_id, agreement.generation,
+                       agreement.replaces.get(worker_id), agreement.resume_step)
+        self.roster.cv.notify_all()
+
+    def _await_join(self, request: wire.AwaitJoin) -> wire.Message:
+        """A warm spare's long poll: its agreement once a world takes it in; an error once
+        the job ends (it exits 0)."""
+        w, cv = request.worker_id, self.roster.cv
+        deadline = time.monotonic() + request.timeout_s
+        with cv:
+            if w in self._idle and w not in self._warm:
+                self._warm.add(w)  # only now may a world take it in: none waits on a cold
+                self._spare_warm(w)  # start
+            while (agreement := self._joins.get(w)) is None:
+                why = self._join_refused(w)
+                if why is not None:
+                    return wire.ErrorReply(message=why)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return wire.Joined()
+                cv.wait(timeout=min(left, 0.5))
+            return wire.Joined(agreement=agreement)
+
+    def _spare_warm(self, worker_id: int) -> None:
+        """Spare ``worker_id`` waits, warm (call with ``roster.cv`` held): one launcher
+        has nobody to tell."""
+        del worker_id
+
+    def _join_refused(self, worker_id: int) -> str | None:
+        """Why spare ``worker_id`` will never join (the job ends), or None (call with
+        ``roster.cv`` held)."""
+        if worker_id not in self._idle:
+            return f"spare {worker_id} is not waiting for a world"
+        return self.arbiter.ending()
+
+    def _start_spares(self) -> None:
+        """Starts this launcher's spares warm: each waits in ``mnemojax.initialize()``
+        until a world takes it in (``roster.cv`` held)."""
+        o = self.options
+        for w in o.spare_ids:
+            self._idle.add(w)
+            self.roster.command(w, wire.Start(env={
+                **worker_env(o, w, coordinator="", control=self.control,
+                             extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
+
     def _worker_gone(self, worker_id: int, code: int) -> None:
         """Its worker ended (call with ``roster.cv`` held)."""
         if worker_id in self.roster.exit_codes:
+            return
+        if worker_id in self._idle:  # a waiting spare ended: one spare fewer, nothing more
+            self._idle.discard(worker_id)
+            self.roster.exit_codes[worker_id] = code
+            self._record({"op": "spare_lost", "worker_id": worker_id, "code": code})
+            if code != 0 and self.arbiter.ending() is None:  # (not the job's end)
+                logger.warning("mnemojax launch: spare %d ended (status %d) before a world "
+                               "took it in: one spare fewer", worker_id, code)
             return
         self.roster.exit_codes[worker_id] = code
         if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
@@ -247,19 +317,23 @@ class Launcher:
         o = self.options
         self._control.start()
         self.supervisor.start()
+        count = len(o.local_agents)  # the workers' and the spares'
         with self.roster.cv:
-            if not self.roster.cv.wait_for(lambda: len(self.roster.addresses) == o.nproc,
+            if not self.roster.cv.wait_for(lambda: len(self.roster.addresses) == count,
                                            timeout=60):
                 raise DistributedError(
-                    f"only {len(self.roster.addresses)}/{o.nproc} agents said hello")
+                    f"only {len(self.roster.addresses)}/{count} agents said hello")
         service = self.services.start(0, o.nproc)
-        logger.info("mnemojax launch: world 0: workers %s, coordination service on %s",
-                    list(range(o.nproc)), service.address)
-        for w in range(o.nproc):
-            buddy = self.roster.addresses[(w + 1) % o.nproc] if o.nproc > 1 else None
-            self.roster.command(w, wire.Start(
-                env=worker_env(o, w, coordinator=service.address, control=self.control,
-                               extra_env=self.extra_env), buddy=buddy))
+        logger.info("mnemojax launch: world 0: workers %s, coordination service on %s%s",
+                    list(range(o.nproc)), service.address,
+                    f"; spares {list(o.spare_ids)}" if o.spares else "")
+        with self.roster.cv:
+            for w in range(o.nproc):
+                buddy = self.roster.addresses[(w + 1) % o.nproc] if o.nproc > 1 else None
+                self.roster.command(w, wire.Start(
+                    env=worker_env(o, w, coordinator=service.address, control=self.control,
+                                   extra_env=self.extra_env), buddy=buddy))
+            self._start_spares()
 
     def _finished(self) -> int | None:
         if (error := self._worker_error) is not None:
@@ -300,9 +374,10 @@ class Launcher:
                      f"; left, as this launcher heard: {why}" if why else "")
 
     def _running_workers(self) -> list[int]:
-        """This launcher's workers that were started and have not ended (call with
-        ``roster.cv`` held)."""
-        return [m for m in self.roster.addresses if m not in self.roster.exit_codes]
+        """This launcher's workers that were started and have not ended, but idle spares
+        (call with ``roster.cv`` held)."""
+        return [m for m in self.roster.addresses
+                if m not in self.roster.exit_codes and m not in self._idle]
 
     def _exit_codes(self) -> dict[int, int]:
         """Worker id -> its exit status, of every worker of the job known to have ended."""
@@ -366,6 +441,7 @@ class Launcher:
         logger.warning("mnemojax launch: signal %d: stopping the workers (SIGTERM), up to "
                        "%.0f s", first, self.options.stop_grace_s)
         running = [w for w in self.roster.worker_pids if w not in self.roster.exit_codes]
+        spares = set(self._idle)  # (no step to stop at: they just end)
         for w in running:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.roster.worker_pids[w], signal.SIGTERM)
@@ -381,8 +457,8 @@ class Launcher:
             self.arbiter.end(why, signal=first)
         self._record({"op": "stopped", "signal": first,
                       "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
-        if unwatched := [w for w in running
-                         if self.roster.exit_codes.get(w) == -signal.SIGTERM]:
+        if unwatched := [w for w in running if w not in spares
+                         and self.roster.exit_codes.get(w) == -signal.SIGTERM]:
             # A step with PersistentOptions(directory=...) takes SIGTERM over and exits 0
             # after the agreed checkpoint; ended by the signal, nothing watched it.
             logger.warning("mnemojax launch: workers %s ended by the SIGTERM, not at a step "

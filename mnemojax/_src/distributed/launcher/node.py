@@ -118,10 +118,7 @@ class NodeLauncher(Launcher):
         # Crashed with their world's service, to restart: worker -> that world.
         self._respawning: dict[int, int] = {}
         self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
-        self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
-        self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
         self._regrow_asked: set[int] = set()  # worlds this node asked to grow back
-        self._warm: set[int] = set()  # spares that asked to join (published as spares)
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         self._progress_put: dict[int, int] = {}  # what `progress/<rank>` holds
@@ -149,13 +146,7 @@ class NodeLauncher(Launcher):
             for w in o.spare_ids:  # this node's spares the world takes in
                 agreement = agreement_of(record, w)
                 if agreement is not None and w in self._idle:
-                    self._idle.discard(w)
-                    self._joins[w] = agreement  # answers its `wire.AwaitJoin`
-                    self._record({"op": "joined", "worker_id": w, "generation": g,
-                                  "replaces": agreement.replaces.get(w)})
-                    logger.warning("mnemojax launch: spare %d joined world %d in place of "
-                                   "worker %s, from step %d", w, g,
-                                   agreement.replaces.get(w), agreement.resume_step)
+                    self._spare_joined(w, agreement)  # answers its `wire.AwaitJoin`
         if (g := view.regrow_due()) is not None and g not in self._regrow_asked and o.recover \
                 and not self._stopping():
             self._regrow_asked.add(g)
@@ -395,33 +386,17 @@ class NodeLauncher(Launcher):
                 self.plane.member_died(worker_id)
         super().agent_lost(worker_id)
 
-    def _running_workers(self) -> list[int]:
-        return [w for w in super()._running_workers() if w not in self._idle]
+    def _spare_warm(self, worker_id: int) -> None:
+        # Warm (Python and JAX loaded, waiting): only now may a world take it in
+        # (`plane.JobView.idle_spares`), so no world waits on a cold start.
+        if self._lease is not None:
+            self.plane.publish_spare(worker_id, self.options.node_rank, self._lease.lease)
 
-    def request(self, message: wire.Message) -> wire.Message:
-        if isinstance(message, wire.AwaitJoin):
-            return self._await_join(message)
-        return super().request(message)
-
-    def _await_join(self, request: wire.AwaitJoin) -> wire.Message:
-        """A warm spare's long poll: its agreement once a world takes it in."""
-        w, cv = request.worker_id, self.roster.cv
-        deadline = time.monotonic() + request.timeout_s
-        with cv:
-            if w in self._idle and w not in self._warm and self._lease is not None:
-                # Warm (Python and JAX loaded, waiting here): only now may a world take it
-                # in (`plane.JobView.idle_spares`), so no world waits on a cold start.
-                self._warm.add(w)
-                self.plane.publish_spare(w, self.options.node_rank, self._lease.lease)
-            while (agreement := self._joins.get(w)) is None:
-                why = self.plane.ending()
-                if why is not None or w in self.plane.view.dead():
-                    return wire.ErrorReply(message=why or f"spare {w} is dead")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return wire.Joined()
-                cv.wait(timeout=min(left, 0.5))
-            return wire.Joined(agreement=agreement)
+    def _join_refused(self, worker_id: int) -> str | None:
+        why = self.plane.ending()
+        if why is None and worker_id in self.plane.view.dead():
+            why = f"spare {worker_id} is dead"
+        return why
 
     def _exit_codes(self) -> dict[int, int]:
         return {**self.plane.view.exits(), **self.roster.exit_codes}
@@ -520,16 +495,6 @@ class NodeLauncher(Launcher):
                                    control=self.control, extra_env=self.extra_env),
                     buddy=everyone.get(nxt) if len(order) > 1 else None))
             self._start_spares()
-
-    def _start_spares(self) -> None:
-        """Starts this node's spares warm: each waits in ``mnemojax.initialize()`` until a
-        world takes it in (``roster.cv`` held)."""
-        o = self.options
-        for w in o.spare_ids:
-            self._idle.add(w)
-            self.roster.command(w, wire.Start(env={
-                **worker_env(o, w, coordinator="", control=self.control,
-                             extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
 
     def _rejoin_ids(self) -> None:
         """Takes fresh worker ids for this node, which rejoins a running job

@@ -52,7 +52,8 @@ class LaunchOptions:
             agent and a worker process started with the job, waiting in
             ``mnemojax.initialize()``. A world formed after a loss takes one in place of
             each dead member when there are enough, so it keeps its size; the spare's
-            process then joins it and takes the agreed state at ``step.restore()``.
+            process then joins it and takes the agreed state at ``step.restore()``. On one
+            machine (no ``rdzv``) too: the one launcher keeps them.
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.
@@ -99,9 +100,8 @@ class LaunchOptions:
         if self.rdzv is None and self.nnodes > 1:
             raise InvalidOptionError(f"nnodes={self.nnodes} needs rdzv=etcd://HOST:PORT (the "
                                      "launchers of several nodes meet in etcd)")
-        if self.spares < 0 or (self.spares and self.rdzv is None):
-            raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0, and "
-                                     "spares need rdzv=etcd://HOST:PORT")
+        if self.spares < 0:
+            raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0")
         if self.grow_back and self.rdzv is None:
             raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
                                      "rejoins a job kept in etcd)")

@@ -133,8 +133,9 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
                  faults: Sequence[ProcessFault] = (), collective_timeout_s: int = 10,
                  heartbeat_s: int = 10, agree_timeout_s: float = 30.0,
                  hang_min_s: float = 3.0, job_timeout_s: float = 280.0,
-                 extra_env: dict[str, str] | None = None) -> dict:
-    """Runs ``cmd`` on ``nproc`` workers under the launcher, firing ``faults``.
+                 extra_env: dict[str, str] | None = None, spares: int = 0) -> dict:
+    """Runs ``cmd`` on ``nproc`` workers (and ``spares`` warm spares, ids ``nproc`` on)
+    under the launcher, firing ``faults``.
 
     Every process is ended by the launcher's cleanup, also on the job timeout.
 
@@ -153,7 +154,8 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
     options = LaunchOptions(nproc=nproc, devices_per_proc=devices_per_proc,
                             heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,
                             agree_timeout_s=agree_timeout_s, hang_factor=10.0,
-                            hang_min_s=hang_min_s, job_timeout_s=job_timeout_s)
+                            hang_min_s=hang_min_s, job_timeout_s=job_timeout_s,
+                            spares=spares)
     launcher = Launcher(options, list(cmd), extra_env=extra_env)
 
     def fire(fault: ProcessFault, event: dict) -> None:
