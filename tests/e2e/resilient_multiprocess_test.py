@@ -319,6 +319,30 @@ def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_l
     assert second["fetched_from"]["3"] == report["agents"][1], (second, report["agents"])
 
 
+def test_a_crashed_worker_restarted_as_a_spare_grows_the_job_back_to_its_first_mesh(
+        tmp_path, reference):
+    """`mnemojax launch --max-restarts 1` (one machine): worker 0 of 3 (it owns every
+    snapshot shard) is killed at step 2; the survivors go on at (2, 2) while the launcher
+    starts a fresh process (worker 3, a warm spare, 3 s slower to get ready than usual).
+    Once it is warm, the world re-forms at its first size: the survivors keep their first
+    ranks, the spare takes rank 0, and the mesh is (3, 2) again. Exact at the end."""
+    report = _run(tmp_path, [ProcessFault("kill", 0, 2)], max_restarts=1,
+                  extra=("--restore", "--step-sleep-s", "1.5"),
+                  extra_env={"MP_JOB_SPARE_DELAY_S": "3"})
+    assert report["rc"] == 0, report
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[1, 2], [3, 1, 2]], decided
+    assert decided[1]["replaces"] == {"3": 0}
+    [restart] = _launcher_events(report, "restarting")
+    assert (restart["worker_id"], restart["restarts"]) == (3, 0)
+    assert [e["generation"] for e in _launcher_events(report, "regrow")] == [1]
+    _assert_exact(tmp_path, reference)  # (written by the spare, now process 0)
+    with open(tmp_path / "mnemojax-events-w1.jsonl") as f:  # a survivor throughout
+        shrink, grow = [e for e in map(json.loads, f) if e.get("kind") == "recovery"]
+    assert shrink["new_mesh"] == {"data": 2, "model": 2}
+    assert grow["new_mesh"] == {"data": 3, "model": 2} and grow["joined_processes"] == [3]
+
+
 @pytest.mark.slow  # ~25 s; the default host-loss test above covers the overlapped copy
 def test_a_lost_host_with_replication_in_series_resumes_exact_from_its_buddy(
         tmp_path, reference):
@@ -730,6 +754,33 @@ def test_a_survivor_the_new_mesh_leaves_idle_leaves_the_job_and_the_rest_end_exa
     with open(tmp_path / "mnemojax-events-w2.jsonl") as f:
         left = [e for e in map(json.loads, f) if e.get("classification") == "left_job"]
     assert len(left) == 1 and "no device" in left[0]["detail"]
+
+
+@pytest.mark.slow  # ~45 s; the default test above grows a job back after a crash
+def test_an_idle_survivor_and_a_crashed_worker_restarted_as_spares_restore_the_first_mesh(
+        tmp_path):
+    """As above ((2, 4), worker 3 killed, worker 2 left idle by the (1, 4) mesh of the
+    survivors), under `--max-restarts 2`: the crashed worker and the one that left the
+    job are each started again as a spare (workers 4 and 5; 3 s slower to get ready than
+    usual, so that the first agreement does not find 4 ready). Once both are warm the world
+    re-forms at its first size with workers 0 and 1 at their first ranks, and the mesh is
+    (2, 4) again: a second loss would find a whole replica. Exact at the end."""
+    steps = 16
+    cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", str(tmp_path),
+           "--steps", str(steps), "--model-axis", "4", "--restore", "--step-sleep-s", "1.5"]
+    report = h.check_job_report(run_scenario(
+        cmd, nproc=4, devices_per_proc=2, faults=[ProcessFault("kill", 3, 2)],
+        job_timeout_s=240, max_restarts=2, extra_env={"MP_JOB_SPARE_DELAY_S": "3"}))
+    assert report["rc"] == 0, report
+    restarts = {e["restarts"]: e["worker_id"] for e in _launcher_events(report, "restarting")}
+    assert restarts.keys() == {2, 3}, restarts
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided][:2] == [[0, 1, 2], [0, 1]], decided
+    assert decided[-1]["survivors"] == [0, 1, *sorted(restarts.values())], decided
+    h.assert_job_exact(tmp_path, h.reference_run(h.make_batches(steps)), steps)
+    with open(tmp_path / "mnemojax-events-w0.jsonl") as f:  # a survivor throughout
+        meshes = [e["new_mesh"] for e in map(json.loads, f) if e.get("kind") == "recovery"]
+    assert meshes[-1] == {"data": 2, "model": 4}, meshes
 
 
 @pytest.mark.slow  # ~35 s

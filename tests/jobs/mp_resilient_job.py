@@ -24,6 +24,8 @@ import warnings
 
 import mnemojax
 
+if os.environ.get("MNEMOJAX_SPARE") == "1":  # a spare slow to get ready (tests: a world
+    time.sleep(float(os.environ.get("MP_JOB_SPARE_DELAY_S", "0")))  # decided before it is)
 session = mnemojax.initialize()  # joins the launcher's world: before any JAX use
 
 import jax  # noqa: E402

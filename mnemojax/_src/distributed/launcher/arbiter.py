@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from mnemojax._src.distributed import wire
-from mnemojax._src.distributed.agreement import Agreement
+from mnemojax._src.distributed.agreement import Agreement, compiled_barrier
 from mnemojax._src.distributed.launcher.barriers import BarrierBook
 from mnemojax._src.distributed.launcher.book import AgreementBook
 from mnemojax._src.distributed.launcher.roster import AgentRoster
@@ -85,6 +85,8 @@ class Arbiter:
         # Member -> its rank in world 0's layout (a spare takes the one of whom it replaces).
         self._slots = {w: i for i, w in enumerate(self.book.members)}
         self._spares, self._on_join = spares, on_join
+        self._fresh: dict[int, tuple[int, ...]] = {}  # gen -> the spares that joined it
+        self._regrow: set[int] = set()  # worlds asked to re-form, larger (`request_regrow`)
         self._timeout_s = agree_timeout_s
         self._roster, self._services, self._record = roster, services, record
         self._barriers = BarrierBook()
@@ -131,14 +133,42 @@ class Arbiter:
         return self._ending
 
     def _joiners(self, book: AgreementBook) -> list[int]:
-        """The spares the world after ``book``'s may take in: only while every member holds
-        its world-0 rank. A spare builds its mesh from the user's code, which fits world
-        0's size and layout only; a shrunk world never takes one (no process joins it)."""
+        """The spares the world after ``book``'s may take in. A spare builds its mesh from
+        the user's code, which fits world 0's size and layout only: in place of dead
+        members of a world whose every member holds its world-0 rank, or to grow a shrunk
+        world back to world 0's size and layout (`AgreementBook.decide` takes them only
+        then: a spare for every dead member or free rank, or none)."""
         full = len(self.worlds[0])
-        if len(book.members) != full or any(self._slots.get(m) != r
-                                            for r, m in enumerate(book.members)):
+        if len(book.members) == full and any(self._slots.get(m) != r
+                                             for r, m in enumerate(book.members)):
             return []
         return list(self._spares())
+
+    def _open_slots(self, book: AgreementBook) -> int:
+        """How many joiners the world after ``book``'s needs to take any: one per free rank
+        of world 0's layout when it is smaller, else one per dead member."""
+        arrived = sum(m in book.arrived for m in book.members)
+        full = len(self.worlds[0])
+        return full - arrived if len(book.members) < full else len(book.members) - arrived
+
+    def regrow_due(self, warm: int) -> int | None:
+        """The current world, when it is smaller than world 0, none of its members is dead
+        or at the next agreement, it was not yet asked to re-form, and ``warm`` spares can
+        fill every free rank: the job should grow back now (call with ``roster.cv``
+        held)."""
+        book = self.book
+        if (self._ending is not None or len(book.members) >= len(self.worlds[0])
+                or book.dead or book.arrived or book.generation in self._regrow):
+            return None
+        free = len(self.worlds[0]) - len(book.members)  # (every member will arrive)
+        return book.generation if warm >= free else None
+
+    def request_regrow(self, generation: int) -> None:
+        """Asks world ``generation``'s members to re-form it, larger: their watch says so
+        (`wire.WorldFailed.regrow`), they fail their pending step and agree, and the
+        spares take the free ranks (call with ``roster.cv`` held)."""
+        self._regrow.add(generation)
+        self._roster.cv.notify_all()
 
     def agree(self, request: wire.Agree) -> Agreement:
         """Barrier, then the decision (`distributed.agreement`); the caller's part of it.
@@ -226,10 +256,13 @@ class Arbiter:
         with cv:
             while True:
                 failed, gone = self._failed_members(g), self._left(g)
+                regrow = g in self._regrow and g == self.book.generation
                 remaining = deadline - time.monotonic()
-                if failed or gone or remaining <= 0 or self._closed:
+                if failed or gone or regrow or remaining <= 0 or self._closed:
                     break
                 cv.wait(timeout=min(remaining, 0.5))
+            if regrow and not failed and not gone:  # no one died: re-form, larger
+                return wire.WorldFailed(generation=g, failed=(), regrow=True)
             return wire.WorldFailed(generation=g, failed=failed, left=() if failed else gone)
 
     def _left(self, generation: int) -> tuple[int, ...]:
@@ -253,17 +286,30 @@ class Arbiter:
             for bad in reply.corrupt:
                 self._record({"op": "corrupt_copy", "agent": address, **dataclasses.asdict(bad)})
         holdings = {address: list(reply.copies) for address, reply in replies.items()}
+        g = book.generation
+        if (g > 0 and len(self.worlds[g]) > len(self.worlds[g - 1])
+                and self._barriers.decided((g, compiled_barrier(g))) != ()):
+            # A world that grew back and never formed (a member died before its first
+            # compile's barrier): its joiners leave with it. They hold nothing, and the
+            # survivors are still on the smaller world's layout; they may grow again.
+            for joiner in self._fresh.get(g, ()):
+                if joiner in book.arrived:
+                    book.mark_dead(joiner)
+                    self._record({"op": "evicted", "worker_id": joiner,
+                                  "why": f"world {g} never formed"})
+                    self._roster.command(joiner, wire.KillWorker())
         arrived = [m for m in book.members if m in book.arrived]
-        generation = book.generation + 1
+        generation = g + 1
         joiners = self._joiners(book)
-        # A spare for every dead member (`AgreementBook.decide`), or none joins.
-        dead = len(book.members) - len(arrived)
-        size = len(book.members) if dead and len(joiners) >= dead else len(arrived)
+        # A spare for every dead member or free rank (`AgreementBook.decide`), or none.
+        need = self._open_slots(book)
+        size = len(arrived) + need if need and len(joiners) >= need else len(arrived)
         service = self._services.start(generation, size)
         try:
             decision = book.decide(coordinator=service.address, holdings=holdings,
                                    homes=self._roster.addresses, members_of=self.worlds,
-                                   joiners=joiners)
+                                   joiners=joiners, slots=self._slots,
+                                   full_size=len(self.worlds[0]))
         except AgreementError:
             self._services.stop(generation)
             raise
@@ -274,6 +320,7 @@ class Arbiter:
                       "replaces": {str(j): d for j, d in first.replaces.items()}})
         logger.info("mnemojax launch: world %d: workers %s, from step %d, coordination "
                     "service on %s", generation, survivors, first.resume_step, service.address)
+        self._fresh[generation] = tuple(first.replaces)
         for joiner, dead_member in first.replaces.items():
             self._slots[joiner] = self._slots[dead_member]
             if self._on_join is not None:

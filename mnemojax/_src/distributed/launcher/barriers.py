@@ -31,6 +31,10 @@ class BarrierBook:
     def arrive(self, key: BarrierKey, worker_id: int) -> None:
         self._arrived.setdefault(key, set()).add(worker_id)
 
+    def decided(self, key: BarrierKey) -> tuple[int, ...] | None:
+        """The barrier's outcome if decided (``()`` passed), else None."""
+        return self._outcome.get(key)
+
     def missing(self, key: BarrierKey, members: Sequence[int]) -> list[int]:
         """Members that have not arrived."""
         arrived = self._arrived.get(key, set())

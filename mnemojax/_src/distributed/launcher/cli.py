@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a world formed after a loss takes one in place of each dead "
                              "member, so the mesh keeps its size (the job's loop must start "
                              "at step.restore())")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="one machine: a worker that crashes (or leaves the job) is "
+                             "started again as a warm spare, at most this many times; the "
+                             "job grows back to its first size once spares can fill every "
+                             "rank it lost")
     parser.add_argument("--grow-back", action="store_true",
                         help="with --rdzv: this node may rejoin the job while it runs (a "
                              "restarted host): its processes wait as spares, and the job "
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         stop_grace_s=args.stop_grace_s, rdzv=args.rdzv, rdzv_id=args.rdzv_id,
         nnodes=args.nnodes, node_rank=args.node_rank, node_ttl_s=args.node_ttl_s,
         etcd_outage_s=args.etcd_outage_s,
-        host=args.host, spares=args.spares, grow_back=args.grow_back)
+        host=args.host, spares=args.spares, grow_back=args.grow_back,
+        max_restarts=args.max_restarts)
     if options.rdzv is not None:
         from mnemojax._src.distributed.launcher.node import NodeLauncher
         return NodeLauncher(options, command).run()

@@ -6,6 +6,13 @@ world 0 (`services`), tell each agent to start its worker (environment: `options
 and who its ring buddy is, then serve agent events and the survivors' agreement calls
 (`arbiter`) until the current world's workers have all exited. The launcher itself keeps
 the job's state: the event log, who failed, and when the job is over.
+
+**Spares** (``--spares S``): agents whose workers start with the job and wait, warm, in
+``mnemojax.initialize()`` (`wire.AwaitJoin`, answered here once a world takes them in).
+**Restarts** (``--max-restarts N``, one machine): a worker that crashes or leaves the job
+is replaced by a fresh agent and warm spare with a new id; a world that shrank re-forms
+at world 0's size once warm spares can fill every rank it lost (`Launcher._maybe_regrow`,
+`Arbiter.request_regrow`). The node launcher (`node`) shares the spares' half.
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ class Launcher:
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._warm: set[int] = set()  # spares that asked to join (Python and JAX loaded)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
+        # `max_restarts`: workers started again as spares (fresh id -> the one it restarts),
+        # and the next fresh id.
+        self._restarted: dict[int, int] = {}
+        self._next_id = options.world_size + options.nnodes * options.spares
         self.arbiter: WorldArbiter = Arbiter(
             range(options.nproc), agree_timeout_s=options.agree_timeout_s,
             roster=self.roster, services=self.services, record=self._record,
@@ -132,6 +143,8 @@ class Launcher:
     def agent_joined(self, hello: wire.Hello, link: socket.socket) -> None:
         with self.roster.cv:
             self.roster.join(hello.worker_id, link, hello.address)
+            if hello.worker_id in self._restarted and hello.worker_id not in self._idle:
+                self._start_spare(hello.worker_id)  # a restart's agent: its worker, warm
             self.roster.cv.notify_all()
         self._record(hello.to_wire())
 
@@ -251,12 +264,54 @@ class Launcher:
     def _start_spares(self) -> None:
         """Starts this launcher's spares warm: each waits in ``mnemojax.initialize()``
         until a world takes it in (``roster.cv`` held)."""
+        for w in self.options.spare_ids:
+            self._start_spare(w)
+
+    def _start_spare(self, worker_id: int) -> None:
+        """Tells agent ``worker_id`` to start its worker as a warm spare (``roster.cv``
+        held)."""
+        self._idle.add(worker_id)
+        self.roster.command(worker_id, wire.Start(env={
+            **worker_env(self.options, worker_id, coordinator="", control=self.control,
+                         extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
+
+    def _restart_as_spare(self, worker_id: int, why: str) -> None:
+        """``max_restarts``: starts a fresh process (a new agent and a warm spare, with a
+        new id) for worker ``worker_id``, which crashed or left the job (``roster.cv``
+        held). Not once the job is stopping or ending, nor past the budget."""
         o = self.options
-        for w in o.spare_ids:
-            self._idle.add(w)
-            self.roster.command(w, wire.Start(env={
-                **worker_env(o, w, coordinator="", control=self.control,
-                             extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
+        if (len(self._restarted) >= o.max_restarts or not o.recover
+                or self.arbiter.ending() is not None or self._stop_signals
+                or self._stop_forwarded is not None or self._worker_error is not None):
+            return
+        fresh, self._next_id = self._next_id, self._next_id + 1
+        self._restarted[fresh] = worker_id
+        self.supervisor.start_agent(fresh)
+        self._record({"op": "restarting", "worker_id": fresh, "restarts": worker_id,
+                      "why": why})
+        logger.warning("mnemojax launch: worker %d %s: starting spare %d in its place "
+                       "(restart %d of %d); the job grows back once spares can fill every "
+                       "rank it lost", worker_id, why, fresh, len(self._restarted),
+                       o.max_restarts)
+
+    def _maybe_regrow(self) -> None:
+        """Asks the current world to re-form at world 0's size once warm spares can fill
+        every rank it lost (one machine; ``roster.cv`` held)."""
+        arbiter = self.arbiter
+        if not isinstance(arbiter, Arbiter) or not self.options.recover or (
+                self._stop_signals or self._stop_forwarded is not None
+                or self._worker_error is not None):
+            return
+        warm = sorted(self._idle & self._warm)
+        if not warm or any(m in self._finished_workers or m in self.roster.exit_codes
+                           for m in arbiter.book.members):
+            return  # (a member done with its loop would never come to the agreement)
+        if (g := arbiter.regrow_due(len(warm))) is not None:
+            arbiter.request_regrow(g)
+            self._record({"op": "regrow", "generation": g, "spares": warm})
+            logger.warning("mnemojax launch: world %d has %d of world 0's %d workers, and "
+                           "spares %s are ready to fill it: it re-forms, larger", g,
+                           len(arbiter.book.members), len(arbiter.worlds[0]), warm)
 
     def _worker_gone(self, worker_id: int, code: int) -> None:
         """Its worker ended (call with ``roster.cv`` held)."""
@@ -272,6 +327,7 @@ class Launcher:
             return
         self.roster.exit_codes[worker_id] = code
         if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
+            self._restart_as_spare(worker_id, "left the job")
             return
         if code < 0 and worker_id not in self._finished_workers:
             self._unrecovered[worker_id] = code
@@ -290,6 +346,8 @@ class Launcher:
             # The survivors may now block for up to the collective timeout.
             self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
             self._failed_code = 128 - code if code < 0 else code  # the newest failure
+        if code < 0 and worker_id not in self._finished_workers:
+            self._restart_as_spare(worker_id, f"ended by signal {-code}")
 
     def _end_on_worker_error(self, worker_id: int, code: int) -> None:
         """A worker ended itself with a non-zero status: the user's exception (reported by
@@ -409,6 +467,7 @@ class Launcher:
                         self._record({"op": "job_timeout"})
                         self.arbiter.end("the job is ending: --timeout-s ran out", code=124)
                         return 124
+                    self._maybe_regrow()
                     self.roster.cv.wait(timeout=0.2)
             self._ended_by_job = True
             return rc

@@ -54,6 +54,11 @@ class LaunchOptions:
             each dead member when there are enough, so it keeps its size; the spare's
             process then joins it and takes the agreed state at ``step.restore()``. On one
             machine (no ``rdzv``) too: the one launcher keeps them.
+        max_restarts: one machine (no ``rdzv``): a worker whose process crashed (a signal),
+            or left the job (no device for it in the new mesh), is started again as a warm
+            spare with a fresh id, at most this many times in the job; once warm spares can
+            fill every rank a shrunk world lost, it re-forms at its first size
+            (`Launcher`). Across nodes ``grow_back`` restarts a node instead.
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.
@@ -82,6 +87,7 @@ class LaunchOptions:
     node_ttl_s: int = 5
     etcd_outage_s: float = 300.0
     spares: int = 0
+    max_restarts: int = 0
     host: str = "127.0.0.1"
     grow_back: bool = False
     rejoin_first_id: int | None = None
@@ -102,6 +108,10 @@ class LaunchOptions:
                                      "launchers of several nodes meet in etcd)")
         if self.spares < 0:
             raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0")
+        if self.max_restarts < 0 or (self.max_restarts and self.rdzv is not None):
+            raise InvalidOptionError(f"max_restarts={self.max_restarts} is invalid: expected "
+                                     ">= 0, and on one machine only (across nodes a "
+                                     "restarted node rejoins with grow_back=True)")
         if self.grow_back and self.rdzv is None:
             raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
                                      "rejoins a job kept in etcd)")

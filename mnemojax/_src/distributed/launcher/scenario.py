@@ -133,9 +133,10 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
                  faults: Sequence[ProcessFault] = (), collective_timeout_s: int = 10,
                  heartbeat_s: int = 10, agree_timeout_s: float = 30.0,
                  hang_min_s: float = 3.0, job_timeout_s: float = 280.0,
-                 extra_env: dict[str, str] | None = None, spares: int = 0) -> dict:
-    """Runs ``cmd`` on ``nproc`` workers (and ``spares`` warm spares, ids ``nproc`` on)
-    under the launcher, firing ``faults``.
+                 extra_env: dict[str, str] | None = None, spares: int = 0,
+                 max_restarts: int = 0) -> dict:
+    """Runs ``cmd`` on ``nproc`` workers (and ``spares`` warm spares, ids ``nproc`` on;
+    ``max_restarts``: `LaunchOptions.max_restarts`) under the launcher, firing ``faults``.
 
     Every process is ended by the launcher's cleanup, also on the job timeout.
 
@@ -155,7 +156,7 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
                             heartbeat_s=heartbeat_s, collective_timeout_s=collective_timeout_s,
                             agree_timeout_s=agree_timeout_s, hang_factor=10.0,
                             hang_min_s=hang_min_s, job_timeout_s=job_timeout_s,
-                            spares=spares)
+                            spares=spares, max_restarts=max_restarts)
     launcher = Launcher(options, list(cmd), extra_env=extra_env)
 
     def fire(fault: ProcessFault, event: dict) -> None:

@@ -47,17 +47,22 @@ class AgentSupervisor:
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
+        for w in self.options.local_agents:
+            self.start_agent(w)
+
+    def start_agent(self, w: int) -> None:
+        """Starts the agent of worker ``w`` (it says hello to the launcher, then waits to
+        be told to start its worker)."""
         o = self.options
-        for w in o.local_agents:
-            self.agents[w] = subprocess.Popen(
-                agent_command(
-                    "--worker-id", str(w), "--launcher", self.control,
-                    "--parent-pid", str(os.getpid()), "--shm-prefix", self.shm_prefix,
-                    "--hang-factor", str(o.hang_factor), "--hang-min-s", str(o.hang_floor_s),
-                    "--host", o.host,
-                    "--", *self.command),
-                env={**os.environ, **auth.secret_env(self._secret)},
-                start_new_session=True)
+        self.agents[w] = subprocess.Popen(
+            agent_command(
+                "--worker-id", str(w), "--launcher", self.control,
+                "--parent-pid", str(os.getpid()), "--shm-prefix", self.shm_prefix,
+                "--hang-factor", str(o.hang_factor), "--hang-min-s", str(o.hang_floor_s),
+                "--host", o.host,
+                "--", *self.command),
+            env={**os.environ, **auth.secret_env(self._secret)},
+            start_new_session=True)
 
     def kill_group(self, worker_id: int, sig: int) -> None:
         """Signals an agent's process group (the agent and its worker)."""
