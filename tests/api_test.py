@@ -762,6 +762,28 @@ def test_a_donated_state_rolls_back_to_its_snapshot_and_recovers_exact():
                       h.reference_run(batches))
 
 
+def test_every_replica_of_a_shard_lost_before_the_first_cadence_rolls_back_to_step_0():
+    """A replicated state, not donated: the first snapshot at the cadence comes at step
+    20, but the state the first step starts from is snapshotted too (in the background).
+    Every device holding one model shard is lost at step 3: no live copy of it survives,
+    and the recovery rolls back to that snapshot and replays steps 1-2 (a user trial's
+    run ended with `StateUnavailableError` here)."""
+    batches = h.make_batches(5)
+    faults = FaultInjector().lose_devices(3, [1, 3, 5, 7])
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(h.train_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                              fault_injector=faults)
+    try:
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    finally:
+        step.close()
+    assert step.statistics.snapshot_every_steps == mnemojax.SnapshotOptions().every_steps
+    [rec] = step.statistics.recoveries
+    assert (rec.source, rec.source_step, rec.steps_lost) == ("host_snapshot", 0, 2), rec
+    h.assert_same_run(h.Run(losses, h.host_state(model, optimizer)),
+                      h.reference_run(batches))
+
+
 class _ArrayLeavesMLP(nnx.Module):
     """Flax's `nnx_toy_examples/07_array_leaves.py`: plain array attributes, no Variables,
     and a call counter the forward pass bumps."""

@@ -168,7 +168,8 @@ def test_only_corrupt_snapshots_is_a_typed_error_that_counts_them():
     snaps = [_snapshot(s, _on((1, 8), _host())) for s in (4, 5)]
     for snap in snaps:
         _flip_a_bit(snap)
-    with pytest.raises(StateUnavailableError, match="2 failed their checksums") as info:
+    with pytest.raises(StateUnavailableError,
+                       match=r"2 host snapshot\(s\) failed their checksums") as info:
         gather_state(_on((1, 8), _host()), 5, set(range(8)), snaps, JaxDeviceLayer(),
                      live_ok=True)
     assert info.value.corrupt == 2

@@ -1735,20 +1735,22 @@ class ResilientStep(Generic[P, R]):
             b.durability.emit("fault", step=step, classification="snapshot_budget")
 
     def _snapshot_initial(self, b: _Built, leaves: list) -> None:
-        """The snapshot of the state the first call starts from, complete before it runs,
+        """The snapshot of the state the first call starts from. Complete before it runs
         where a recovery may find no live copy of some shard: single-copy shards (a device
         lost in either of the first two steps then costs at most one step too, see
         `_wait_snapshot`), or a donated state (a step that fails after donating leaves no
-        live copy at all: a loss before the first snapshot at the cadence rolls back to
-        this one)."""
+        live copy at all). Taken in the background for a replicated state: the first
+        snapshot at the cadence comes only at step ``every_steps``, and until then a loss
+        of every replica of one shard (two devices, one after the other) had nothing to
+        roll back to (a user trial's run ended with `StateUnavailableError`)."""
         b.snapshot_every = self._snapshot_cadence(leaves)
-        donated = self.options.compile.donate_state
-        if (self._statistics.unreplicated_state or donated) and b.snapshot_every:
-            b.runtime.store.submit(self._step, leaves)
-            if self.options.compile.donate_state:
-                b.runtime.store.wait_idle()  # the first step donates these buffers
-            else:
-                self._wait_snapshot(b.runtime, self._step + 1)
+        if not b.snapshot_every:
+            return
+        b.runtime.store.submit(self._step, leaves)
+        if self.options.compile.donate_state:
+            b.runtime.store.wait_idle()  # the first step donates these buffers
+        elif self._statistics.unreplicated_state:
+            self._wait_snapshot(b.runtime, self._step + 1)
 
     def _wait_snapshot(self, rt: Runtime, step: int) -> None:
         """Backpressure: the snapshot in flight completes before `step`'s is queued (it

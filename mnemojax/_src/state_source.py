@@ -128,8 +128,12 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
             corrupt.append(snap)
     live = (f"the live copy of step {step} lost a shard with every replica" if live_ok
             else f"the live state of step {step} was donated to the step that failed")
+    held = (f"{len(corrupt)} host snapshot(s) failed their checksums" if corrupt
+            else "no host snapshot is complete")
     raise StateUnavailableError(
-        f"no complete copy of the state survives: {live}, and there is no host snapshot "
-        f"({len(corrupt)} failed their checksums; keep SnapshotOptions.every_steps, or "
-        "unreplicated_every_steps where some shard has a single copy, above 0)",
+        f"no complete copy of the state survives: {live}, and {held}. Snapshots are "
+        "taken of the state the first step starts from, then every SnapshotOptions."
+        "every_steps steps (every unreplicated_every_steps where some shard has a single "
+        "copy; 0: never): lower the cadence to cover losing every replica of a shard "
+        "between two snapshots, or keep persistent checkpoints (PersistentOptions)",
         corrupt=len(corrupt))
