@@ -720,3 +720,60 @@ def test_equal_typed_keys_read_as_equal_values_and_other_keys_do_not():
     rbg = jax.random.split(jax.random.key(0, impl="rbg"), 8)  # (another impl, other data)
     assert not _same_local_values(keys, rbg, deadline)
     assert not _same_local_values(keys, jax.random.key_data(keys), deadline)
+
+
+def _k_updates(model, optimizer, stack):
+    """K updates in one call, over a stack of K micro-batches (K, B, ...) (MaxText's and
+    T5X's steps per loop)."""
+    out = None
+    for k in range(stack["x"].shape[0]):
+        out = h.train_step(model, optimizer, {"x": stack["x"][k], "y": stack["y"][k]})
+    return out
+
+
+def _stacks(batches, k):
+    return [{name: np.stack([b[name] for b in batches[i:i + k]]) for name in ("x", "y")}
+            for i in range(0, len(batches), k)]
+
+
+def test_a_stack_of_micro_batches_is_split_along_the_example_axis_it_is_given():
+    """``example_axes={"stack": 1}``: each (K, B, ...) input is split along B over the data
+    axis (the plain run of the 12 micro-batches in order is the reference), also through a
+    device loss; without it, K = 4 is taken for the examples and refused on a data axis of
+    width 8, the message naming example_axes."""
+    batches = h.make_batches(12)
+    with pytest.raises(BatchSplitError, match=r"example_axes=\{name: 1\}"):
+        step = mnemojax.resilient(_k_updates, mesh=h.mesh_of((8, 1)),
+                                  options=h.no_precompile())
+        try:
+            step(*h.make_mlp(), stack=_stacks(batches, 4)[0])
+        finally:
+            step.close()
+    model, optimizer = h.make_mlp()
+    faults = mnemojax.testing.FaultInjector().lose_devices(2, [3])
+    step = mnemojax.resilient(_k_updates, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                              fault_injector=faults, example_axes={"stack": 1})
+    try:
+        for stack in _stacks(batches, 4):
+            step(model, optimizer, stack=stack)
+        stats = step.statistics
+    finally:
+        step.close()
+    [rec] = stats.recoveries
+    assert rec.examples_per_step == h.BATCH, rec  # the micro-batch's, not K
+    for got, want in zip(h.host_state(model, optimizer), h.reference_run(batches).state,
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_example_axes_naming_a_static_argument_or_an_axis_an_input_lacks_is_refused():
+    with pytest.raises(InvalidOptionError, match="static or replicated"):
+        Convention(_k_updates, static_argnames=("stack",), example_axes={"stack": 1})
+    with pytest.raises(InvalidOptionError, match="has no parameter 'batch'"):
+        Convention(_k_updates, example_axes={"batch": 1})
+    with pytest.raises(InvalidOptionError, match="axes >= 0"):
+        Convention(_k_updates, example_axes={"stack": -1})
+    args = (*h.make_mlp(), {"x": np.zeros((4,), np.float32)})
+    form = form_for(_k_updates, args, None, Convention(_k_updates, example_axes={2: 1}))
+    with pytest.raises(BatchSplitError, match=r"shape \(4,\), which has no example axis 1"):
+        form.split_call(args)

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
@@ -84,6 +84,7 @@ from mnemojax._src.step_forms import (
     StepForm,
     batch_splits,
     consume_flax_static_cache,
+    example_axes,
     form_for,
     is_ready,
     listed,
@@ -189,6 +190,7 @@ class ResilientStep(Generic[P, R]):
                  donate_argnames: str | Sequence[str] | None = None,
                  replicated_argnums: int | Sequence[int] | None = None,
                  replicated_argnames: str | Sequence[str] | None = None,
+                 example_axes: Mapping[int | str, int] | None = None,
                  options: ResilienceOptions | None = None,
                  fault_injector: FaultInjector | None = None,
                  spare_devices: Sequence[Any] = ()):
@@ -203,7 +205,8 @@ class ResilientStep(Generic[P, R]):
         self._jit_args: dict[str, Any] = dict(
             static_argnums=static_argnums, static_argnames=static_argnames,
             donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-            replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames)
+            replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames,
+            example_axes=example_axes)
         self._convention = Convention(fn, **self._jit_args)
         functools.update_wrapper(self, fn)
         self.__wrapped__ = fn
@@ -1461,12 +1464,12 @@ class ResilientStep(Generic[P, R]):
 
     def _check_batch(self, b: _Built, batch: Any) -> None:
         self._check_host_rows(batch)
-        sizes = {x.shape[0] for x, split in zip(jax.tree.leaves(batch),
-                                                jax.tree.leaves(batch_splits(batch)),
-                                                strict=True) if split}
+        sizes = {x.shape[axis] for x, split, axis in zip(
+            jax.tree.leaves(batch), jax.tree.leaves(batch_splits(batch)),
+            jax.tree.leaves(example_axes(batch)), strict=True) if split}
         if len(sizes) > 1:
             raise BatchSplitError(
-                f"the batch leaves have different leading (example) sizes {sorted(sizes)}")
+                f"the batch leaves have different example sizes {sorted(sizes)}")
         size = sizes.pop() if sizes else None
         if b.batch_size is not None and size != b.batch_size:
             raise BatchSplitError(
@@ -1483,7 +1486,9 @@ class ResilientStep(Generic[P, R]):
                 f"{self.options.batch_axes} of width {width}{default} cannot split evenly: "
                 "give a batch that the width divides, a mesh whose batch axes divide it "
                 "(mnemojax.resilient(mesh=...)), or, for an input every device should take "
-                "whole, name it in replicated_argnames")
+                "whole (a key, a table, not examples), name it in replicated_argnames. The "
+                "examples are along each input's leading axis unless example_axes names "
+                "another (a stack of micro-batches (K, B, ...): example_axes={name: 1})")
         if b.batch_size is None:
             b.batch_size = b.examples = size
 
@@ -2032,6 +2037,7 @@ def resilient(fn: Callable[P, R], /, *, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
               replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
+              example_axes: Mapping[int | str, int] | None = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()) -> ResilientStep[P, R]: ...
@@ -2042,6 +2048,7 @@ def resilient(*, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
               replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
+              example_axes: Mapping[int | str, int] | None = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None, spare_devices: Sequence[Any] = ()
               ) -> Callable[[Callable[P, R]], ResilientStep[P, R]]: ...
@@ -2051,6 +2058,7 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
               static_argnums: _Argnums = None, static_argnames: _Argnames = None,
               donate_argnums: _Argnums = None, donate_argnames: _Argnames = None,
               replicated_argnums: _Argnums = None, replicated_argnames: _Argnames = None,
+              example_axes: Mapping[int | str, int] | None = None,
               options: ResilienceOptions | None = None,
               fault_injector: FaultInjector | None = None,
               spare_devices: Sequence[Any] = ()
@@ -2102,6 +2110,11 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
             instead of a slice of the batch (a raw PRNG key, a lookup table). 0-d typed
             keys, 0-d arrays and numbers are replicated without being named.
         replicated_argnames: the same, by name.
+        example_axes: argument (position or name) -> the axis of its arrays that holds
+            the examples, split along the data axis (default: the leading one), e.g.
+            ``{"batch": 1}`` for a stack of K micro-batches ``(K, B, ...)`` that the step
+            scans over. Truncation (``batch_policy='truncate_batch'``) cuts along it too.
+            Per-host rows (`mnemojax.data`) keep their leading axis.
         options: `ResilienceOptions`.
         fault_injector: a `mnemojax.testing.FaultInjector` to rehearse failures with.
         spare_devices: devices (or ids) kept out of the mesh to swap in for failed ones.
@@ -2127,7 +2140,8 @@ def resilient(fn: Callable[P, R] | None = None, /, *, mesh: Mesh | None = None,
     jit_args: dict[str, Any] = dict(
         static_argnums=static_argnums, static_argnames=static_argnames,
         donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-        replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames)
+        replicated_argnums=replicated_argnums, replicated_argnames=replicated_argnames,
+        example_axes=example_axes)
     if fn is not None:
         if not callable(fn):
             raise InvalidOptionError(f"resilient() got {fn!r}, which is not callable")

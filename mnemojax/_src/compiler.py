@@ -55,7 +55,7 @@ from mnemojax._src import compile_process
 from mnemojax._src import sharding as shd
 from mnemojax._src.distributed import jax_private
 from mnemojax._src.errors import MnemojaxError, UnsupportedStateError
-from mnemojax._src.step_forms import batch_splits
+from mnemojax._src.step_forms import batch_splits, example_axes
 from mnemojax._src.topology import MeshPlan
 
 log = logging.getLogger("mnemojax")
@@ -704,9 +704,10 @@ class StepCompiler:
     def batch_shardings(self, mesh: Mesh, batch_struct):
         """Split along the batch axes, or whole on every device (`batch_splits`)."""
         return jax.tree.map(
-            lambda s, split: NamedSharding(
-                mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape) if split else 0)),
-            batch_struct, batch_splits(batch_struct))
+            lambda s, split, axis: NamedSharding(
+                mesh, shd.batch_spec(mesh, self._batch_axes, len(s.shape) if split else 0,
+                                     axis)),
+            batch_struct, batch_splits(batch_struct), example_axes(batch_struct))
 
     def _setup(self, plan: MeshPlan, batch_struct) -> tuple:
         """For `plan`: its mesh, the state's and the batch's shardings, ``jit`` (a function

@@ -33,7 +33,7 @@ from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import DeviceLayer
 from mnemojax._src.distributed.worker import peer_watch
 from mnemojax._src.errors import BatchSplitError, StepHangError
-from mnemojax._src.step_forms import batch_splits
+from mnemojax._src.step_forms import batch_splits, example_axes
 from mnemojax._src.topology import MeshPlan
 
 VerdictKind = Literal["device_failure", "transient", "user"]
@@ -92,17 +92,19 @@ class DeviceProxy:
         """Splits the global host batch over the mesh along the data axis."""
         width = self.data_width()
 
-        def place(path, x, sharding, split):
-            if split and examples is not None and x.shape[0] != examples:
-                x = x.head(examples) if isinstance(x, HostRows) else x[:examples]
-            if split and sharding.spec and x.shape[0] % width:
+        def place(path, x, sharding, split, axis):
+            if split and examples is not None and x.shape[axis] != examples:
+                x = x.head(examples) if isinstance(x, HostRows) else (
+                    x[(slice(None),) * axis + (slice(examples),)])
+            if split and sharding.spec and x.shape[axis] % width:
                 raise BatchSplitError(
-                    f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[0]} examples, "
+                    f"batch leaf {jax.tree_util.keystr(path)} has {x.shape[axis]} examples, "
                     f"which the data axis of width {width} cannot split evenly")
             return self.layer.put(x, sharding)  # (`put_host`: rows of `HostRows` too)
 
         return jax.tree_util.tree_map_with_path(place, host_batch, shardings,
-                                                batch_splits(host_batch))
+                                                batch_splits(host_batch),
+                                                example_axes(host_batch))
 
     def data_width(self) -> int:
         return math.prod(int(self.mesh.shape.get(a, 1)) for a in self._batch_axes)

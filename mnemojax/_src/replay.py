@@ -11,7 +11,7 @@ import numpy as np
 
 from mnemojax._src.data import HostRows
 from mnemojax._src.errors import StateUnavailableError
-from mnemojax._src.step_forms import batch_splits
+from mnemojax._src.step_forms import batch_splits, example_axes
 
 
 class ReplayBuffer:
@@ -87,9 +87,11 @@ def _copy(batch: Any) -> Any:
 
 
 def batch_struct(batch: Any, examples: int | None) -> Any:
-    """The batch's shapes and dtypes, cut to `examples` along the leading axis (a plan of
-    ``batch_policy='truncate_batch'`` uses fewer examples per step)."""
-    def struct(x, split):
-        shape = x.shape if not split or examples is None else (examples, *x.shape[1:])
+    """The batch's shapes and dtypes, cut to `examples` along each leaf's example axis (a
+    plan of ``batch_policy='truncate_batch'`` uses fewer examples per step)."""
+    def struct(x, split, axis):
+        shape = tuple(x.shape)
+        if split and examples is not None:
+            shape = (*shape[:axis], examples, *shape[axis + 1:])
         return jax.ShapeDtypeStruct(shape, x.dtype)
-    return jax.tree.map(struct, batch, batch_splits(batch))
+    return jax.tree.map(struct, batch, batch_splits(batch), example_axes(batch))

@@ -114,11 +114,13 @@ def sharded_dims(specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...
     return out
 
 
-def batch_spec(mesh: Mesh, batch_axes: Sequence[str], ndim: int) -> PartitionSpec:
-    """The leading dimension split over the batch axes the mesh has (replicated if none)."""
+def batch_spec(mesh: Mesh, batch_axes: Sequence[str], ndim: int,
+               example_axis: int = 0) -> PartitionSpec:
+    """The example dimension (the leading one by default) split over the batch axes the
+    mesh has (replicated if none)."""
     axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-    if axes and ndim > 0:
-        return PartitionSpec(axes[0] if len(axes) == 1 else axes)
+    if axes and ndim > example_axis:
+        return PartitionSpec(*[None] * example_axis, axes[0] if len(axes) == 1 else axes)
     return PartitionSpec()
 
 

@@ -56,6 +56,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mnemojax._src import sharding as shd
+from mnemojax._src.data import HostRows
 from mnemojax._src.errors import (
     BatchSplitError,
     InvalidOptionError,
@@ -237,7 +238,7 @@ class Convention:
 
     def __init__(self, fn: Callable, *, static_argnums=None, static_argnames=None,
                  donate_argnums=None, donate_argnames=None, replicated_argnums=None,
-                 replicated_argnames=None):
+                 replicated_argnames=None, example_axes=None):
         name = getattr(fn, "__name__", repr(fn))
         if _is_jitted(fn):
             raise InvalidOptionError(
@@ -297,6 +298,29 @@ class Convention:
                 f"argument {both[0]!r} of {name} is both static and replicated: a "
                 "static argument is part of the compile key, a replicated one is a traced "
                 "input placed whole on every device; name it in one of the two")
+        # Argument (position, name) -> the axis of its arrays that holds the examples.
+        self.example_axes_by_num: dict[int, int] = {}
+        self.example_axes_by_name: dict[str, int] = {}
+        if example_axes is not None and not isinstance(example_axes, Mapping):
+            raise InvalidOptionError(
+                f"example_axes={example_axes!r} is invalid: expected a mapping of argument "
+                "(position or name) to the axis of its arrays that holds the examples, "
+                "e.g. {'batch': 1}")
+        for where, axis in (example_axes or {}).items():
+            if (not isinstance(axis, int) or isinstance(axis, bool) or axis < 0
+                    or not isinstance(where, (int, str)) or isinstance(where, bool)):
+                raise InvalidOptionError(
+                    f"example_axes={example_axes!r} is invalid: expected argument positions "
+                    f"or names mapped to axes >= 0, got {where!r}: {axis!r}")
+            nums, names = resolve(where if isinstance(where, int) else None,
+                                  where if isinstance(where, str) else None, "example_axes")
+            if nums & (self.static_argnums | self.replicated_argnums) or names & (
+                    self.static_argnames | self.replicated_argnames):
+                raise InvalidOptionError(
+                    f"example_axes names argument {where!r} of {name}, which is static or "
+                    "replicated: only inputs split along the batch have an example axis")
+            self.example_axes_by_num.update(dict.fromkeys(nums, axis))
+            self.example_axes_by_name.update(dict.fromkeys(names, axis))
 
     def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Raises `UnsupportedStateError` if `fn` cannot take these arguments."""
@@ -322,6 +346,14 @@ class Convention:
     def replicated(self, where: int | str) -> bool:
         """Whether the argument at `where` (a position or a keyword) is a replicated input."""
         return self._named(where, self.replicated_argnums, self.replicated_argnames)
+
+    def example_axis(self, where: int | str) -> int:
+        """The axis of the arrays of the argument at `where` (a position or a keyword)
+        that holds the examples: 0 unless named in ``example_axes``."""
+        if isinstance(where, int) and where in self.example_axes_by_num:
+            return self.example_axes_by_num[where]
+        name = self.arg_name(where) if isinstance(where, int) else where
+        return self.example_axes_by_name.get(name, 0)
 
     def _named(self, where: int | str, nums: frozenset[int], names: frozenset[str]) -> bool:
         if isinstance(where, int):
@@ -361,6 +393,7 @@ class _Layout:
     key_impls: tuple[Any, ...]  # per input: the PRNG impl of a typed key (as its data), or None
     replicated: tuple[bool, ...]  # per input: placed whole on every device, not split
     names: tuple[str, ...] = dataclasses.field(compare=False)  # per input, for messages
+    axes: tuple[int, ...] = ()  # per input: the axis that holds the examples (default 0)
 
     def rebuild(self, objects: Sequence[Any], inputs: Sequence[Any]
                 ) -> tuple[list[Any], dict[str, Any]]:
@@ -494,9 +527,11 @@ class StepForm(abc.ABC):
             wheres, names = self._input_places(dyn, dyn_kwargs)
             replicated = tuple(one or self.convention.replicated(where)
                                for one, where in zip(scalar, wheres, strict=True))
+            axes = tuple(self.convention.example_axis(where) for where in wheres)
             layout = self._layouts[key] = _Layout(
-                treedef, tuple(slots), tuple(weak), statics, tuple(impls), replicated, names)
-        _check_batch_sizes(inputs, layout.names, layout.replicated)
+                treedef, tuple(slots), tuple(weak), statics, tuple(impls), replicated, names,
+                axes)
+        _check_batch_sizes(inputs, layout.names, layout.replicated, layout.axes)
         return state_args, CallInputs(inputs, layout)
 
     def _where(self, where: int | str) -> str:
@@ -624,18 +659,28 @@ def _hashable(value) -> bool:
 
 
 def _check_batch_sizes(inputs: Sequence[Any], names: Sequence[str],
-                       replicated: Sequence[bool]) -> None:
+                       replicated: Sequence[bool], axes: Sequence[int]) -> None:
     sizes = {}
-    for x, name, whole in zip(inputs, names, replicated, strict=True):
-        if not whole:
-            sizes.setdefault(np.shape(x)[0], name)
+    for x, name, whole, axis in zip(inputs, names, replicated, axes, strict=True):
+        if whole:
+            continue
+        if axis and np.ndim(x) <= axis:
+            raise BatchSplitError(
+                f"input {name} has shape {tuple(np.shape(x))}, which has no example axis "
+                f"{axis} (example_axes)")
+        if axis and isinstance(x, HostRows):  # (rows are examples: axis 0)
+            raise BatchSplitError(
+                f"input {name} holds per-host rows (mnemojax.data), whose examples are "
+                f"their leading axis: example_axes cannot give it axis {axis}")
+        sizes.setdefault(np.shape(x)[axis], name)
     if len(sizes) > 1:
         (a, name_a), (b, name_b) = list(sizes.items())[:2]
         raise BatchSplitError(
             f"input {name_a} has {a} examples and input {name_b} has {b}: every input array "
             "is part of the global batch, split along the data axis, so all of them have "
-            "its size as leading dimension. Name an argument that every device takes whole "
-            "(a raw PRNG key, a table) in replicated_argnames, or keep it in the state")
+            "its size along their example axis (the leading one, unless example_axes names "
+            "another). Name an argument that every device takes whole (a raw PRNG key, a "
+            "table) in replicated_argnames, or keep it in the state")
 
 
 def batch_splits(batch: Any) -> Any:
@@ -646,6 +691,14 @@ def batch_splits(batch: Any) -> Any:
     whole = batch.layout.replicated if isinstance(batch, CallInputs) else [False] * len(leaves)
     return jax.tree.unflatten(treedef, [not w and len(np.shape(x)) > 0
                                         for x, w in zip(leaves, whole, strict=True)])
+
+
+def example_axes(batch: Any) -> Any:
+    """Per leaf of `batch` (as `batch_splits`), the axis that holds its examples: the
+    leading one unless the step's ``example_axes`` names another for its argument."""
+    leaves, treedef = jax.tree.flatten(batch)
+    axes = batch.layout.axes if isinstance(batch, CallInputs) else ()
+    return jax.tree.unflatten(treedef, list(axes) or [0] * len(leaves))
 
 
 def _closure_error(fn: Callable, exc: Exception, carried: set[int]) -> UnsupportedStateError:
