@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mnemojax._src.distributed.agreement import CopyInfo, choose_resume_step, missing_leaves
+from mnemojax._src.distributed.agreement import (
+    Agreement,
+    CopyInfo,
+    choose_resume_step,
+    missing_leaves,
+)
 
 
 def copy(origin, step, cols, generation=0, num_leaves=1):
@@ -40,3 +45,17 @@ def test_copy_info_from_a_payloads_metadata():
     assert CopyInfo.from_meta(1, meta) == CopyInfo(1, 4, 3, 2, ((1, (2, 6), ((0, 2), (3, 6))),))
     with pytest.raises(KeyError):
         CopyInfo.from_meta(1, {"step": 4})
+
+
+def test_a_world_with_no_copy_to_resume_from_is_said_as_a_checkpoint_fallback():
+    """The launchers log where a world resumes: a step, or, with no complete copy in
+    memory (``resume_step == -1``: e.g. a world formed before the first publish after a
+    restore), the persistent checkpoint (a user trial read "from step -1")."""
+    def agreement(step, lost=()):
+        return Agreement(generation=1, worker_id=0, process_id=0, num_processes=2,
+                         coordinator="h:1", resume_step=step, survivors=(0, 1),
+                         previous_members=(0, 1, 2), sources={}, lost=lost)
+    assert agreement(4).resume_said == "from step 4"
+    assert agreement(-1).resume_said == ("from the persistent checkpoint, if any (no "
+                                         "complete copy in memory)")
+    assert agreement(-1, (2,)).resume_said.endswith("memory: workers [2] lost)")

@@ -96,7 +96,7 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
     assert o.final["host_node"] == survivor
     assert o.final["coordinator"].startswith(two_nodes.host(survivor) + ":")
     stats = h.assert_job_exact(out, reference, STEPS)
-    restarted = _launcher_lines(out, survivor, "restarted into world 1 from step")
+    restarted = _launcher_lines(out, survivor, "restarted into world 1, from step")
     if victim_runs == "coordination_service":  # fresh processes: no recovery record
         node_spares = [2 * n + survivor * spares + i for i in range(spares)]
         ranks = dict(zip(range(o.victim * n, o.victim * n + n), node_spares, strict=True))

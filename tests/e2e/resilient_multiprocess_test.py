@@ -294,7 +294,7 @@ def test_a_lost_host_s_state_comes_from_its_buddy_which_an_outsider_could_not_ha
 
 
 def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_loss(
-        tmp_path, reference):
+        tmp_path, reference, caplog):
     """`mnemojax launch --spares 1` without etcd: 3 workers x 2 devices on (3, 2) and one
     warm spare (worker 3). Host 0 (worker and agent; worker 0 owns every snapshot shard)
     is lost at step 3: the spare takes its rank, and the mesh stays (3, 2). Then the
@@ -317,6 +317,10 @@ def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_l
     # (the spare's state came from its ring buddy, agent 1: its own agent died with it)
     assert set(second["fetched_from"]) == {"3"}, second
     assert second["fetched_from"]["3"] == report["agents"][1], (second, report["agents"])
+    said = caplog.text  # the launcher names each dead worker and the spare that joined
+    assert "worker 0 ended by signal 9; the others recover" in said
+    assert "spare 3 joined world 1 in place of worker 0, from step" in said
+    assert "worker 3 ended by signal 9; the others recover" in said
 
 
 def test_a_crashed_worker_restarted_as_a_spare_grows_the_job_back_to_its_first_mesh(

@@ -120,6 +120,14 @@ class Agreement:
     replaces: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     @property
+    def resume_said(self) -> str:
+        """Where the world resumes from, for a log line."""
+        if self.resume_step >= 0:
+            return f"from step {self.resume_step}"
+        return ("from the persistent checkpoint, if any (no complete copy in memory"
+                + (f": workers {list(self.lost)} lost" if self.lost else "") + ")")
+
+    @property
     def keep_from(self) -> int:
         """The oldest world whose snapshot copies a later agreement can still choose: the
         resumed copies' world, or this world when none was complete (`wire.SetBuddy`)."""

@@ -318,8 +318,8 @@ class Arbiter:
         self._record({"op": "decided", "generation": generation, "survivors": survivors,
                       "resume_step": first.resume_step, "lost": list(first.lost),
                       "replaces": {str(j): d for j, d in first.replaces.items()}})
-        logger.info("mnemojax launch: world %d: workers %s, from step %d, coordination "
-                    "service on %s", generation, survivors, first.resume_step, service.address)
+        logger.info("mnemojax launch: world %d: workers %s, %s, coordination service on %s",
+                    generation, survivors, first.resume_said, service.address)
         self._fresh[generation] = tuple(first.replaces)
         for joiner, dead_member in first.replaces.items():
             self._slots[joiner] = self._slots[dead_member]

@@ -225,9 +225,9 @@ class Launcher:
         self._record({"op": "joined", "worker_id": worker_id,
                       "generation": agreement.generation,
                       "replaces": agreement.replaces.get(worker_id)})
-        logger.warning("mnemojax launch: spare %d joined world %d in place of worker %s, "
-                       "from step %d", worker_id, agreement.generation,
-                       agreement.replaces.get(worker_id), agreement.resume_step)
+        logger.warning("mnemojax launch: spare %d joined world %d in place of worker %s, %s",
+                       worker_id, agreement.generation, agreement.replaces.get(worker_id),
+                       agreement.resume_said)
         self.roster.cv.notify_all()
 
     def _await_join(self, request: wire.AwaitJoin) -> wire.Message:
@@ -275,15 +275,14 @@ class Launcher:
             **worker_env(self.options, worker_id, coordinator="", control=self.control,
                          extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
 
-    def _restart_as_spare(self, worker_id: int, why: str) -> None:
+    def _restart_as_spare(self, worker_id: int, why: str) -> bool:
         """``max_restarts``: starts a fresh process (a new agent and a warm spare, with a
         new id) for worker ``worker_id``, which crashed or left the job (``roster.cv``
-        held). Not once the job is stopping or ending, nor past the budget."""
+        held); whether it did. Not once the job is stopping or ending, nor past the
+        budget."""
         o = self.options
-        if (len(self._restarted) >= o.max_restarts or not o.recover
-                or self.arbiter.ending() is not None or self._stop_signals
-                or self._stop_forwarded is not None or self._worker_error is not None):
-            return
+        if len(self._restarted) >= o.max_restarts or not o.recover or self._stopping_now():
+            return False
         fresh, self._next_id = self._next_id, self._next_id + 1
         self._restarted[fresh] = worker_id
         self.supervisor.start_agent(fresh)
@@ -293,6 +292,7 @@ class Launcher:
                        "(restart %d of %d); the job grows back once spares can fill every "
                        "rank it lost", worker_id, why, fresh, len(self._restarted),
                        o.max_restarts)
+        return True
 
     def _maybe_regrow(self) -> None:
         """Asks the current world to re-form at world 0's size once warm spares can fill
@@ -346,8 +346,21 @@ class Launcher:
             # The survivors may now block for up to the collective timeout.
             self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
             self._failed_code = 128 - code if code < 0 else code  # the newest failure
-        if code < 0 and worker_id not in self._finished_workers:
-            self._restart_as_spare(worker_id, f"ended by signal {-code}")
+        crashed = code < 0 and worker_id not in self._finished_workers
+        if (crashed and not self._stopping_now()
+                and not self._restart_as_spare(worker_id, f"ended by signal {-code}")):
+            self._say_died(worker_id, code)
+
+    def _stopping_now(self) -> bool:
+        """The job is stopping or ending: deaths are expected (``roster.cv`` held)."""
+        return bool(self._stop_signals or self._stop_forwarded is not None
+                    or self._worker_error is not None or self.arbiter.ending() is not None)
+
+    def _say_died(self, worker_id: int, code: int) -> None:
+        """Logs a worker's crash (``roster.cv`` held); across nodes each node says it from
+        etcd's keys instead (`node.NodeLauncher`)."""
+        logger.warning("mnemojax launch: worker %d ended by signal %d%s", worker_id, -code,
+                       "; the others recover without it" if self.options.recover else "")
 
     def _end_on_worker_error(self, worker_id: int, code: int) -> None:
         """A worker ended itself with a non-zero status: the user's exception (reported by

@@ -136,7 +136,7 @@ class NodeLauncher(Launcher):
             first = agreement_of(record, members[0]) if members else None
             logger.info("mnemojax launch: world %d: workers %s%s, coordination service on "
                         "node %s", g, list(members),
-                        "" if first is None else f", from step {first.resume_step}",
+                        "" if first is None else f", {first.resume_said}",
                         record.get("host_node"))
             if self.services.stop(g - 1):  # every survivor detached before agreeing
                 self._record({"op": "old_service_stopped", "generation": g - 1})
@@ -376,8 +376,8 @@ class NodeLauncher(Launcher):
             buddy=agents.get(nxt) if nxt is not None and len(order) > 1 else None))
         self._record({"op": "restarted", "worker_id": w, "generation": generation,
                       "resume_step": agreement.resume_step})
-        logger.warning("mnemojax launch: worker %d restarted into world %d from step %d", w,
-                       generation, agreement.resume_step)
+        logger.warning("mnemojax launch: worker %d restarted into world %d, %s", w,
+                       generation, agreement.resume_said)
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)
@@ -385,6 +385,9 @@ class NodeLauncher(Launcher):
             if self._respawning.pop(worker_id, None) is not None:  # nothing to restart it
                 self.plane.member_died(worker_id)
         super().agent_lost(worker_id)
+
+    def _say_died(self, worker_id: int, code: int) -> None:
+        del worker_id, code  # (said from etcd's keys, for every node: `_on_view`)
 
     def _spare_warm(self, worker_id: int) -> None:
         # Warm (Python and JAX loaded, waiting): only now may a world take it in

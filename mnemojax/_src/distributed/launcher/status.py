@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  live nodes: {s['live_nodes']}")
     for g, members in s["worlds"].items():
         resumed = s["resumed_from"].get(g)
-        print(f"  world {g}: {members}" + ("" if resumed is None
-                                           else f", resumed from step {resumed}"))
+        print(f"  world {g}: {members}" + (
+            "" if resumed is None else f", resumed from step {resumed}" if resumed >= 0
+            else ", resumed from the persistent checkpoint (no complete copy in memory)"))
     if s["idle_spares"]:
         print(f"  idle spares: {s['idle_spares']}")
     if s["dead"]:
