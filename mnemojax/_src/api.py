@@ -1305,7 +1305,7 @@ class ResilientStep(Generic[P, R]):
                 resumed = b.process_recovery.recover(
                     old_plan, places, step=step, last_step=self._step, reason=reason,
                     t_fault=t_fault, rules=self._rules(), spares=spares, close_s=close_s,
-                    position=f"{where}@{_worker_id(b.session)}")
+                    position=f"{where}@{_worker_id(b.session)}", regrow=not charge)
                 record = resumed.record
                 if uncharged and (record.plan_kind != "grow_back" or record.failed_processes):
                     # Told of a regrow, but the world did not only grow (a joiner left, or

@@ -454,7 +454,7 @@ class ProcessRecovery:
     def recover(self, old_plan: MeshPlan, places: Mapping[int, Place], *, step: int,
                 last_step: int, reason: str, t_fault: float, rules: ShapeRules,
                 spares: Sequence[int], close_s: float = 0.0,
-                position: str | None = None) -> Resumed:
+                position: str | None = None, regrow: bool = False) -> Resumed:
         """Agrees with the survivors, joins their world, plans its mesh, compiles and
         restores the agreed state.
 
@@ -495,8 +495,12 @@ class ProcessRecovery:
         self.built = None
         t0 = time.perf_counter()
         before = session.world
-        log.warning("mnemojax: step %d: a peer process failed (%s); recovering the world",
-                    step, reason[:200])
+        if regrow:  # (announced: no failure)
+            log.warning("mnemojax: step %d: the world re-forms larger (spares are ready to "
+                        "fill it back to its first size)", step)
+        else:
+            log.warning("mnemojax: step %d: a peer process failed (%s); recovering the "
+                        "world", step, reason[:200])
         rec = session.recover(last_step=last_step, reason=reason,
                               first_replayable=self._batches.first_step)
         if position is not None:
@@ -604,12 +608,15 @@ class ProcessRecovery:
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
             from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)),
             cause=reason[:500])
-        log.warning("mnemojax: world %d -> %d: processes %s lost%s; %d process(es), mesh %s, "
+        change = ", ".join(filter(None, [
+            f"processes {list(dead)} lost" if dead else "",
+            f"{sorted(left)} left the job" if left else "",
+            f"{sorted(rec.replaces)} joined" if rec.replaces else ""])) or "re-formed"
+        log.warning("mnemojax: world %d -> %d: %s; %d process(es), mesh %s, "
                     "ready to resume from step %d after %.2f s (%s; executable %s): %d "
                     "step(s) to replay before step %d (the recovery's total, logged once "
                     "step %d has run, counts them and that step's run)",
-                    before.generation, rec.world.generation,
-                    list(dead), f", {sorted(left)} left the job" if left else "",
+                    before.generation, rec.world.generation, change,
                     rec.world.num_processes, plan.shape, resume, sum(phases.values()),
                     ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v >= 0.005),
                     record.executable, record.steps_lost, step, step)

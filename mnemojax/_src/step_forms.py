@@ -312,13 +312,23 @@ class Convention:
                 raise InvalidOptionError(
                     f"example_axes={example_axes!r} is invalid: expected argument positions "
                     f"or names mapped to axes >= 0, got {where!r}: {axis!r}")
-            nums, names = resolve(where if isinstance(where, int) else None,
-                                  where if isinstance(where, str) else None, "example_axes")
+            try:
+                nums, names = resolve(where if isinstance(where, int) else None,
+                                      where if isinstance(where, str) else None, "example")
+            except InvalidOptionError as e:  # (its text names example_argnums/argnames)
+                raise InvalidOptionError(f"example_axes={example_axes!r}: "
+                                         f"{str(e).split(': ', 1)[-1]}") from None
             if nums & (self.static_argnums | self.replicated_argnums) or names & (
                     self.static_argnames | self.replicated_argnames):
                 raise InvalidOptionError(
                     f"example_axes names argument {where!r} of {name}, which is static or "
                     "replicated: only inputs split along the batch have an example axis")
+            clash = [*(n for n in nums if self.example_axes_by_num.get(n, axis) != axis),
+                     *(n for n in names if self.example_axes_by_name.get(n, axis) != axis)]
+            if clash:
+                raise InvalidOptionError(
+                    f"example_axes={example_axes!r} gives argument {clash[0]!r} two axes "
+                    "(by position and by name)")
             self.example_axes_by_num.update(dict.fromkeys(nums, axis))
             self.example_axes_by_name.update(dict.fromkeys(names, axis))
 

@@ -150,7 +150,7 @@ def test_the_launcher_says_which_workers_its_stop_signal_ended_with_nothing_kept
         assert launcher.run() == 128 + signal.SIGTERM
     stopper.join(5)
     assert launcher.exit_codes == {0: -signal.SIGTERM, 1: 0}
-    [said] = [r.getMessage() for r in caplog.records if "nothing was checkpointed" in r.message]
+    [said] = [r.getMessage() for r in caplog.records if "they checkpointed nothing" in r.message]
     assert said.startswith("mnemojax launch: workers [0] ended by the SIGTERM")
 
 

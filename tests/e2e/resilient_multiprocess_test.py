@@ -319,7 +319,7 @@ def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_l
     assert second["fetched_from"]["3"] == report["agents"][1], (second, report["agents"])
     said = caplog.text  # the launcher names each dead worker and the spare that joined
     assert "worker 0 ended by signal 9; the others recover" in said
-    assert "spare 3 joined world 1 in place of worker 0, from step" in said
+    assert "spare 3 joined world 1 at worker 0's rank, from step" in said
     assert "worker 3 ended by signal 9; the others recover" in said
 
 

@@ -73,20 +73,24 @@ class Arbiter:
             held); none by default.
         on_join: called with ``roster.cv`` held for each spare a world took in, with its
             agreement.
+        on_drop: called with ``roster.cv`` held for each joiner of a world that grew back
+            and never formed, before it is killed (its exit is no failure).
     """
 
     def __init__(self, members: Sequence[int], *, agree_timeout_s: float,
                  roster: AgentRoster, services: ServiceHost,
                  record: Callable[[dict[str, Any]], None],
                  spares: Callable[[], Sequence[int]] = tuple,
-                 on_join: Callable[[int, Agreement], None] | None = None):
+                 on_join: Callable[[int, Agreement], None] | None = None,
+                 on_drop: Callable[[int], None] | None = None):
         self.book = AgreementBook(0, members)
         self.worlds: dict[int, tuple[int, ...]] = {0: self.book.members}  # gen -> members
         # Member -> its rank in world 0's layout (a spare takes the one of whom it replaces).
         self._slots = {w: i for i, w in enumerate(self.book.members)}
-        self._spares, self._on_join = spares, on_join
+        self._spares, self._on_join, self._on_drop = spares, on_join, on_drop
         self._fresh: dict[int, tuple[int, ...]] = {}  # gen -> the spares that joined it
         self._regrow: set[int] = set()  # worlds asked to re-form, larger (`request_regrow`)
+        self._done: set[int] = set()  # members that exited 0 (`member_finished`)
         self._timeout_s = agree_timeout_s
         self._roster, self._services, self._record = roster, services, record
         self._barriers = BarrierBook()
@@ -124,6 +128,23 @@ class Arbiter:
         """It left the job (`wire.Leave`): out of the agreement as a dead member is."""
         self.book.mark_dead(worker_id)
 
+    def member_finished(self, worker_id: int) -> None:
+        """It exited 0 (its loop is done). An agreement it will never come to (under way,
+        asked for by a regrow, or later) leaves it out, as one that left: the others
+        replay the step it finished without it. Call with ``roster.cv`` held."""
+        self._done.add(worker_id)
+        if self.book.arrived or self.book.generation in self._regrow:
+            self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        book = self.book
+        for m in sorted(self._done & set(book.members)):
+            if m not in book.arrived and m not in book.dead:
+                self._record({"op": "finished_during_agreement", "worker_id": m,
+                              "generation": book.generation})
+                book.mark_dead(m)
+                self._roster.cv.notify_all()
+
     def live_members(self) -> list[int]:
         """The current world's members not (yet) known dead."""
         return [m for m in self.book.members if m not in self.book.dead]
@@ -152,16 +173,17 @@ class Arbiter:
         return full - arrived if len(book.members) < full else len(book.members) - arrived
 
     def regrow_due(self, warm: int) -> int | None:
-        """The current world, when it is smaller than world 0, none of its members is dead
-        or at the next agreement, it was not yet asked to re-form, and ``warm`` spares can
-        fill every free rank: the job should grow back now (call with ``roster.cv``
-        held)."""
-        book = self.book
+        """The current world, when it is smaller than world 0, has formed (its members
+        passed the barrier after their compile), none of its members is dead or at the
+        next agreement, it was not yet asked to re-form, and ``warm`` spares can fill
+        every free rank: the job should grow back now (call with ``roster.cv`` held)."""
+        book, g = self.book, self.book.generation
         if (self._ending is not None or len(book.members) >= len(self.worlds[0])
-                or book.dead or book.arrived or book.generation in self._regrow):
-            return None
+                or book.dead or book.arrived or g in self._regrow
+                or self._barriers.decided((g, compiled_barrier(g))) != ()):
+            return None  # (a world still forming: its recovery's compile would be wasted)
         free = len(self.worlds[0]) - len(book.members)  # (every member will arrive)
-        return book.generation if warm >= free else None
+        return g if warm >= free else None
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger: their watch says so
@@ -181,19 +203,26 @@ class Arbiter:
         with cv:
             book = self.book
             book.arrive(w, request.generation, request.last_step, request.first_replayable)
+            self._drop_finished()  # (members whose loop is done never come)
             cv.notify_all()
             deadline = time.monotonic() + self._timeout_s
             while book.decision is None and not book.complete():
                 if self._ending is not None:
                     break
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if (left <= 0 and book.generation in self._regrow
+                        and not set(book.dead) - self._done):
+                    # Nobody died: a member not here is alive between steps (its agent's
+                    # watchdog says so), in its own code; it comes at its next step, or
+                    # it is done and its exit takes it out (`member_finished`).
+                    deadline = time.monotonic() + self._timeout_s
+                elif left <= 0:
                     for m in book.missing():  # evict: it can never join a later world
                         self._record({"op": "evicted", "worker_id": m})
                         book.mark_dead(m)
                         self._roster.command(m, wire.KillWorker())
                     break
-                cv.wait(timeout=min(left, 0.5))
+                cv.wait(timeout=min(max(left, 0.01), 0.5))
             if book.decision is None and self._ending is not None:
                 raise AgreementError(self._ending, generation=book.generation)
             decision = book.decision if book.decision is not None else self._decide(book)
@@ -261,7 +290,8 @@ class Arbiter:
                 if failed or gone or regrow or remaining <= 0 or self._closed:
                     break
                 cv.wait(timeout=min(remaining, 0.5))
-            if regrow and not failed and not gone:  # no one died: re-form, larger
+            if regrow and not failed:  # no one died: re-form, larger (also once some
+                # members went to the agreement: it is theirs, not a failure)
                 return wire.WorldFailed(generation=g, failed=(), regrow=True)
             return wire.WorldFailed(generation=g, failed=failed, left=() if failed else gone)
 
@@ -297,6 +327,8 @@ class Arbiter:
                     book.mark_dead(joiner)
                     self._record({"op": "evicted", "worker_id": joiner,
                                   "why": f"world {g} never formed"})
+                    if self._on_drop is not None:
+                        self._on_drop(joiner)
                     self._roster.command(joiner, wire.KillWorker())
         arrived = [m for m in book.members if m in book.arrived]
         generation = g + 1

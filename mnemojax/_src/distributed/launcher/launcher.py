@@ -90,11 +90,14 @@ class Launcher:
         # `max_restarts`: workers started again as spares (fresh id -> the one it restarts),
         # and the next fresh id.
         self._restarted: dict[int, int] = {}
+        self._restarts_used = 0  # (a joiner dropped by a world that never formed: free)
+        self._dropped: set[int] = set()
         self._next_id = options.world_size + options.nnodes * options.spares
         self.arbiter: WorldArbiter = Arbiter(
             range(options.nproc), agree_timeout_s=options.agree_timeout_s,
             roster=self.roster, services=self.services, record=self._record,
-            spares=lambda: sorted(self._idle & self._warm), on_join=self._spare_joined)
+            spares=self._warm_spares, on_join=self._spare_joined,
+            on_drop=self._joiner_dropped)
         self._failed_code: int | None = None
         self._uncaught: dict[int, str] = {}  # worker id -> the exception it reported
         # The first worker that ended itself with a non-zero status (an uncaught exception,
@@ -143,7 +146,8 @@ class Launcher:
     def agent_joined(self, hello: wire.Hello, link: socket.socket) -> None:
         with self.roster.cv:
             self.roster.join(hello.worker_id, link, hello.address)
-            if hello.worker_id in self._restarted and hello.worker_id not in self._idle:
+            if (hello.worker_id in self._restarted and hello.worker_id not in self._idle
+                    and not self._stopping_now()):
                 self._start_spare(hello.worker_id)  # a restart's agent: its worker, warm
             self.roster.cv.notify_all()
         self._record(hello.to_wire())
@@ -217,6 +221,18 @@ class Launcher:
                 return wire.ErrorReply(message=str(e))
         return wire.ErrorReply(message=f"unknown op {message.OP!r}")
 
+    def _warm_spares(self) -> list[int]:
+        """The spares a world may take in now: warm and idle, none while the job stops
+        (each is being ended; ``roster.cv`` held)."""
+        return [] if self._stopping_now() else sorted(self._idle & self._warm)
+
+    def _joiner_dropped(self, worker_id: int) -> None:
+        """A joiner of a world that never formed is killed (`Arbiter._decide`): its exit
+        is no failure (``roster.cv`` held)."""
+        self._departed.add(worker_id)
+        self._dropped.add(worker_id)
+        self._leave_reasons[worker_id] = "the world it joined never formed"
+
     def _spare_joined(self, worker_id: int, agreement: Agreement) -> None:
         """A world took spare ``worker_id`` in: its `wire.AwaitJoin` gets ``agreement``
         (call with ``roster.cv`` held)."""
@@ -225,7 +241,7 @@ class Launcher:
         self._record({"op": "joined", "worker_id": worker_id,
                       "generation": agreement.generation,
                       "replaces": agreement.replaces.get(worker_id)})
-        logger.warning("mnemojax launch: spare %d joined world %d in place of worker %s, %s",
+        logger.warning("mnemojax launch: spare %d joined world %d at worker %s's rank, %s",
                        worker_id, agreement.generation, agreement.replaces.get(worker_id),
                        agreement.resume_said)
         self.roster.cv.notify_all()
@@ -275,23 +291,25 @@ class Launcher:
             **worker_env(self.options, worker_id, coordinator="", control=self.control,
                          extra_env=self.extra_env), env.SPARE: "1"}, buddy=None))
 
-    def _restart_as_spare(self, worker_id: int, why: str) -> bool:
+    def _restart_as_spare(self, worker_id: int, why: str, *, free: bool = False) -> bool:
         """``max_restarts``: starts a fresh process (a new agent and a warm spare, with a
-        new id) for worker ``worker_id``, which crashed or left the job (``roster.cv``
-        held); whether it did. Not once the job is stopping or ending, nor past the
-        budget."""
+        new id) for worker ``worker_id``, which crashed, left the job or ended as a spare
+        (``roster.cv`` held); whether it did. Not once the job is stopping or ending, nor
+        past the budget (``free``: a healthy process the launcher ended, not charged)."""
         o = self.options
-        if len(self._restarted) >= o.max_restarts or not o.recover or self._stopping_now():
+        if not o.max_restarts or not o.recover or self._stopping_now() or (
+                not free and self._restarts_used >= o.max_restarts):
             return False
+        self._restarts_used += not free
         fresh, self._next_id = self._next_id, self._next_id + 1
         self._restarted[fresh] = worker_id
         self.supervisor.start_agent(fresh)
         self._record({"op": "restarting", "worker_id": fresh, "restarts": worker_id,
-                      "why": why})
+                      "why": why, "charged": not free})
         logger.warning("mnemojax launch: worker %d %s: starting spare %d in its place "
-                       "(restart %d of %d); the job grows back once spares can fill every "
-                       "rank it lost", worker_id, why, fresh, len(self._restarted),
-                       o.max_restarts)
+                       "(%s); the job grows back once spares can fill every rank it lost",
+                       worker_id, why, fresh, "not charged" if free else
+                       f"restart {self._restarts_used} of {o.max_restarts}")
         return True
 
     def _maybe_regrow(self) -> None:
@@ -321,15 +339,23 @@ class Launcher:
             self._idle.discard(worker_id)
             self.roster.exit_codes[worker_id] = code
             self._record({"op": "spare_lost", "worker_id": worker_id, "code": code})
-            if code != 0 and self.arbiter.ending() is None:  # (not the job's end)
+            if (code != 0 and not self._stopping_now()  # (not the job's end)
+                    and not self._restart_as_spare(worker_id, f"(a spare) ended with "
+                                                   f"status {code}")):
                 logger.warning("mnemojax launch: spare %d ended (status %d) before a world "
                                "took it in: one spare fewer", worker_id, code)
             return
         self.roster.exit_codes[worker_id] = code
         if worker_id in self._departed:  # it left the job (`wire.Leave`): no failure
-            self._restart_as_spare(worker_id, "left the job")
+            dropped = worker_id in self._dropped
+            self._restart_as_spare(worker_id, "was dropped with the world it joined, which "
+                                   "never formed" if dropped else "left the job",
+                                   free=dropped)
             return
-        if code < 0 and worker_id not in self._finished_workers:
+        if code == 0 and isinstance(self.arbiter, Arbiter):
+            self.arbiter.member_finished(worker_id)  # (an agreement waits for none)
+        if (code < 0 and worker_id not in self._finished_workers
+                and worker_id in self.arbiter.live_members()):  # (not one evicted)
             self._unrecovered[worker_id] = code
         if code < 0 and worker_id in self._finished_workers:
             # (the job's status stays the others': its work was done, this is no failure
@@ -359,8 +385,9 @@ class Launcher:
     def _say_died(self, worker_id: int, code: int) -> None:
         """Logs a worker's crash (``roster.cv`` held); across nodes each node says it from
         etcd's keys instead (`node.NodeLauncher`)."""
+        others = self.options.recover and bool(self.arbiter.live_members())
         logger.warning("mnemojax launch: worker %d ended by signal %d%s", worker_id, -code,
-                       "; the others recover without it" if self.options.recover else "")
+                       "; the others recover without it" if others else "")
 
     def _end_on_worker_error(self, worker_id: int, code: int) -> None:
         """A worker ended itself with a non-zero status: the user's exception (reported by
@@ -522,11 +549,15 @@ class Launcher:
                 or self._others_running())
                and len(self._stop_signals) < 2 and time.monotonic() < deadline):
             self.roster.cv.wait(timeout=0.2)  # (a second signal of its own cuts it short)
-        if any(w not in self.roster.exit_codes for w in running):
+        if still := [w for w in running if w not in self.roster.exit_codes]:
             # Its workers outlived the grace: no world forms from now on. (A node whose
             # workers all ended says nothing: another node's survivors may still be
             # forming the world they stop in.)
             self.arbiter.end(why, signal=first)
+            if len(self._stop_signals) < 2:
+                logger.warning("mnemojax launch: workers %s still running after the stop "
+                               "grace (%.0f s, --stop-grace-s): ending them", still,
+                               self.options.stop_grace_s)
         self._record({"op": "stopped", "signal": first,
                       "exit_codes": {w: self.roster.exit_codes.get(w) for w in running}})
         if unwatched := [w for w in running if w not in spares
@@ -534,9 +565,10 @@ class Launcher:
             # A step with PersistentOptions(directory=...) takes SIGTERM over and exits 0
             # after the agreed checkpoint; ended by the signal, nothing watched it.
             logger.warning("mnemojax launch: workers %s ended by the SIGTERM, not at a step "
-                           "agreed with their peers: nothing was checkpointed (a resilient "
+                           "agreed with their peers: they checkpointed nothing (a resilient "
                            "step with PersistentOptions(directory=...) stops at an agreed "
-                           "step and checkpoints it)", unwatched)
+                           "step and checkpoints it; a process still joining its world "
+                           "cannot)", unwatched)
         return 128 + first
 
     def _others_running(self) -> bool:

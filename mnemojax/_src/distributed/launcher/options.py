@@ -108,10 +108,13 @@ class LaunchOptions:
                                      "launchers of several nodes meet in etcd)")
         if self.spares < 0:
             raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0")
-        if self.max_restarts < 0 or (self.max_restarts and self.rdzv is not None):
+        if self.max_restarts < 0 or (self.max_restarts and (
+                self.rdzv is not None or self.nproc < 2 or not self.recover)):
             raise InvalidOptionError(f"max_restarts={self.max_restarts} is invalid: expected "
                                      ">= 0, and on one machine only (across nodes a "
-                                     "restarted node rejoins with grow_back=True)")
+                                     "restarted node rejoins with grow_back=True), with "
+                                     "nproc >= 2 and recovery on (a restart joins the "
+                                     "survivors)")
         if self.grow_back and self.rdzv is None:
             raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
                                      "rejoins a job kept in etcd)")

@@ -535,6 +535,13 @@ def _await_join() -> Agreement:
     if not control or worker_id is None or secret is None:
         raise WorldConfigError(f"{SPARE}=1 needs {CONTROL}, {WORKER_ID} and the job secret: "
                                "only `mnemojax launch --spares` starts a spare")
+    # Warm before it says so: the imports are most of a fresh process's start (none
+    # starts a backend: jax.distributed is initialised once a world takes it in).
+    import flax.nnx  # noqa: F401
+    import jax.numpy  # noqa: F401
+    import optax  # noqa: F401
+
+    import mnemojax._src.api  # noqa: F401
     coordinator = LauncherCoordinator(control, int(worker_id), secret=secret)
     log.info("mnemojax: spare %s ready, waiting for a world to take it in", worker_id)
     while True:
