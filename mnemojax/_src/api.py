@@ -40,6 +40,7 @@ from mnemojax._src.compiler import (
 from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import put_host
 from mnemojax._src.distributed import env as dist_env
+from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.worker import coordination, peer_watch
 from mnemojax._src.distributed.worker import session as dist_session
 from mnemojax._src.durability import Durability
@@ -58,7 +59,6 @@ from mnemojax._src.errors import (
     StateUnavailableError,
     StepHangError,
     UnsupportedStateError,
-    WorldConfigError,
 )
 from mnemojax._src.fault_injection import FaultInjector
 from mnemojax._src.options import AUTO, RecoveryOptions, ResilienceOptions
@@ -357,11 +357,14 @@ class ResilientStep(Generic[P, R]):
             # This process left the job (the exit was caught, then the step called again).
             raise LeftJobExit(left.message, step=left.step, generation=left.generation)
         if b.session is not None and b.session.resume is not None:
-            raise WorldConfigError(
-                f"this process joined a running job (world {b.session.world.generation}, at "
-                f"step {b.session.resume.agreement.resume_step}): call "
-                "step.restore(...) with the state before the first step, and start the loop "
-                "at the step it returns")
+            # It cannot run the job's steps from the wrong place: it leaves (the others
+            # go on, and the launcher takes no more spares) rather than ending the job.
+            why = (f"this process joined a running job (world {b.session.world.generation}, "
+                   f"at step {b.session.resume.agreement.resume_step}), and its first call "
+                   "came before step.restore(...): call it with the state before the first "
+                   "step, and start the loop at the step it returns")
+            log.error("mnemojax: %s; this process leaves the job", why)
+            b.session.leave(step=self._step, reason=wire.Leave.NO_RESTORE + why)
         if isinstance(b.form, NnxForm):
             self._follow_in_place_change(b, b.form)
         try:

@@ -323,6 +323,24 @@ def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_l
     assert "worker 3 ended by signal 9; the others recover" in said
 
 
+@pytest.mark.slow  # ~25 s
+def test_a_spare_joining_a_loop_that_skips_restore_leaves_and_no_other_spare_joins(
+        tmp_path, reference):
+    """The job's loop starts at step 0 whatever `step.restore()` would say (no
+    ``--restore``), under `--spares 2`: the spare that takes worker 0's place leaves the job
+    at its first call (it would run the loop from the wrong step), the launcher takes no
+    other spare, and the survivors go on without it and end exact (the first spare's
+    error ended the job before)."""
+    report = _run(tmp_path, [ProcessFault("kill", 0, 3)], spares=2)
+    assert report["rc"] == 0, report
+    assert [e["worker_id"] for e in _launcher_events(report, "leave")] == [3]
+    [refused] = _launcher_events(report, "spares_refused")
+    assert "step.restore" in refused["why"]
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[3, 1, 2], [1, 2]], decided
+    _assert_exact(tmp_path, reference)
+
+
 def test_a_crashed_worker_restarted_as_a_spare_grows_the_job_back_to_its_first_mesh(
         tmp_path, reference):
     """`mnemojax launch --max-restarts 1` (one machine): worker 0 of 3 (it owns every

@@ -356,6 +356,10 @@ class Leave(Message):
     generation: int
     reason: str
 
+    # A reason that starts so: a joiner whose loop does not start at ``step.restore()``;
+    # no spare can join this job (the launcher takes none from then on).
+    NO_RESTORE: ClassVar[str] = "its loop does not start at step.restore(): "
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Agree(Message):

@@ -92,6 +92,7 @@ class Launcher:
         self._restarted: dict[int, int] = {}
         self._restarts_used = 0  # (a joiner dropped by a world that never formed: free)
         self._dropped: set[int] = set()
+        self._spares_refused: str | None = None  # why no spare can join (`_refuse_spares`)
         self._next_id = options.world_size + options.nnodes * options.spares
         self.arbiter: WorldArbiter = Arbiter(
             range(options.nproc), agree_timeout_s=options.agree_timeout_s,
@@ -186,6 +187,9 @@ class Launcher:
             return wire.Ok()
         if isinstance(message, wire.Leave):
             self._record(message.to_wire())
+            if message.reason.startswith(wire.Leave.NO_RESTORE):
+                with self.roster.cv:
+                    self._refuse_spares(message.reason[len(wire.Leave.NO_RESTORE):])
             logger.warning("mnemojax launch: worker %d leaves the job in world %d (%s); the "
                            "others go on without it", message.worker_id, message.generation,
                            message.reason)
@@ -223,8 +227,21 @@ class Launcher:
 
     def _warm_spares(self) -> list[int]:
         """The spares a world may take in now: warm and idle, none while the job stops
-        (each is being ended; ``roster.cv`` held)."""
-        return [] if self._stopping_now() else sorted(self._idle & self._warm)
+        (each is being ended) or once a joiner found the job's loop not starting at
+        ``step.restore()`` (``roster.cv`` held)."""
+        if self._stopping_now() or self._spares_refused is not None:
+            return []
+        return sorted(self._idle & self._warm)
+
+    def _refuse_spares(self, why: str) -> None:
+        """A spare that joined could not run the job's loop (it does not start at
+        ``step.restore()``): no spare joins from now on, none is restarted (``roster.cv``
+        held)."""
+        if self._spares_refused is None:
+            self._spares_refused = why
+            self._record({"op": "spares_refused", "why": why})
+            logger.error("mnemojax launch: no spare can join this job, none joins from now "
+                         "on (the job goes on without): %s", why)
 
     def _joiner_dropped(self, worker_id: int) -> None:
         """A joiner of a world that never formed is killed (`Arbiter._decide`): its exit
@@ -297,8 +314,9 @@ class Launcher:
         (``roster.cv`` held); whether it did. Not once the job is stopping or ending, nor
         past the budget (``free``: a healthy process the launcher ended, not charged)."""
         o = self.options
-        if not o.max_restarts or not o.recover or self._stopping_now() or (
-                not free and self._restarts_used >= o.max_restarts):
+        if (not o.max_restarts or not o.recover or self._stopping_now()
+                or self._spares_refused is not None
+                or (not free and self._restarts_used >= o.max_restarts)):
             return False
         self._restarts_used += not free
         fresh, self._next_id = self._next_id, self._next_id + 1
@@ -320,7 +338,7 @@ class Launcher:
                 self._stop_signals or self._stop_forwarded is not None
                 or self._worker_error is not None):
             return
-        warm = sorted(self._idle & self._warm)
+        warm = self._warm_spares()
         if not warm or any(m in self._finished_workers or m in self.roster.exit_codes
                            for m in arbiter.book.members):
             return  # (a member done with its loop would never come to the agreement)
