@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 import time
 
 import pytest
 
+from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.launcher.scenario import process_alive
@@ -200,3 +202,24 @@ def test_a_worker_killed_in_the_last_world_is_said_when_the_others_end_the_job_0
     [said] = [e for e in launcher.events if e["op"] == "ended_without"]
     assert said["workers"] == {1: -9}
     assert "worker 1 ended by a signal (9) in its last world" in caplog.text
+
+
+def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join():
+    """A warm spare that stops asking (`wire.AwaitJoin`, every `SPARE_POLL_S`: a frozen
+    process) is offered to no world: a trial's SIGSTOPped spare was taken in and stalled
+    the recovery for ~95 s."""
+    launcher = Launcher(LaunchOptions(nproc=2, spares=1), ["true"])
+    try:
+        with launcher.roster.cv:
+            launcher._idle.add(2)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            asking = pool.submit(launcher._await_join,
+                                 wire.AwaitJoin(worker_id=2, timeout_s=1.0))
+            time.sleep(0.3)
+            with launcher.roster.cv:
+                assert launcher._warm_spares() == [2]
+            assert asking.result(timeout=5) == wire.Joined()  # (no world took it in)
+        with launcher.roster.cv:
+            assert launcher._warm_spares() == []  # warm, idle, but not asking
+    finally:
+        launcher.cleanup()

@@ -87,6 +87,9 @@ class Launcher:
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._warm: set[int] = set()  # spares that asked to join (Python and JAX loaded)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
+        # Spares whose `wire.AwaitJoin` poll is open now: a spare that stops asking (a
+        # frozen process) is offered to no world (`_warm_spares`).
+        self._polling: dict[int, int] = {}
         # `max_restarts`: workers started again as spares (fresh id -> the one it restarts),
         # and the next fresh id.
         self._restarted: dict[int, int] = {}
@@ -226,12 +229,13 @@ class Launcher:
         return wire.ErrorReply(message=f"unknown op {message.OP!r}")
 
     def _warm_spares(self) -> list[int]:
-        """The spares a world may take in now: warm and idle, none while the job stops
-        (each is being ended) or once a joiner found the job's loop not starting at
+        """The spares a world may take in now: warm, idle and asking to join now (a frozen
+        spare stops asking within `session.SPARE_POLL_S`), none while the job stops (each
+        is being ended) or once a joiner found the job's loop not starting at
         ``step.restore()`` (``roster.cv`` held)."""
         if self._stopping_now() or self._spares_refused is not None:
             return []
-        return sorted(self._idle & self._warm)
+        return sorted(self._idle & self._warm & self._polling.keys())
 
     def _refuse_spares(self, why: str) -> None:
         """A spare that joined could not run the job's loop (it does not start at
@@ -272,15 +276,21 @@ class Launcher:
             if w in self._idle and w not in self._warm:
                 self._warm.add(w)  # only now may a world take it in: none waits on a cold
                 self._spare_warm(w)  # start
-            while (agreement := self._joins.get(w)) is None:
-                why = self._join_refused(w)
-                if why is not None:
-                    return wire.ErrorReply(message=why)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return wire.Joined()
-                cv.wait(timeout=min(left, 0.5))
-            return wire.Joined(agreement=agreement)
+            self._polling[w] = self._polling.get(w, 0) + 1
+            try:
+                while (agreement := self._joins.get(w)) is None:
+                    why = self._join_refused(w)
+                    if why is not None:
+                        return wire.ErrorReply(message=why)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return wire.Joined()
+                    cv.wait(timeout=min(left, 0.5))
+                return wire.Joined(agreement=agreement)
+            finally:
+                self._polling[w] -= 1
+                if not self._polling[w]:
+                    del self._polling[w]
 
     def _spare_warm(self, worker_id: int) -> None:
         """Spare ``worker_id`` waits, warm (call with ``roster.cv`` held): one launcher

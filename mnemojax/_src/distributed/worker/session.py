@@ -527,6 +527,11 @@ def initialize() -> DistributedSession | None:
     return session
 
 
+# A waiting spare asks the launcher again this often: one that stops asking (a frozen
+# process) is offered to no world from then on (`launcher.Launcher._warm_spares`).
+SPARE_POLL_S = 5.0
+
+
 def _await_join() -> Agreement:
     """A warm spare (``MNEMOJAX_SPARE=1``): waits until a world takes it in, then sets the
     environment of that world. When the job ends first, the process exits 0."""
@@ -546,7 +551,7 @@ def _await_join() -> Agreement:
     log.info("mnemojax: spare %s ready, waiting for a world to take it in", worker_id)
     while True:
         try:
-            agreement = coordinator.await_join(timeout_s=60.0)
+            agreement = coordinator.await_join(timeout_s=SPARE_POLL_S)
         except AgreementError as e:
             log.info("mnemojax: spare %s not needed: %s", worker_id, e)
             raise SystemExit(0) from None
