@@ -2,7 +2,8 @@
 
 python -m tests.jobs.mp_measure --fault kill --victim 1 --collective-timeout-s 10 [--nproc 3]
     [--no-peer-watch] [--step-sleep-s S] [--then-after-decision W]
-    [--precompile [--ahead-losses 2]]
+    [--precompile [--ahead-losses 2]] [--spares N] [--compare-precompile R]
+    [--compare-spares R]
 
 Runs `tests.jobs.mp_resilient_job` under the launcher, kills the victim once it has
 published --at-step, and prints, in seconds from the kill: when the launcher knew (its
@@ -26,10 +27,12 @@ from mnemojax.testing import ProcessFault, run_scenario
 def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
             at_step: int = 4, steps: int = 10, peer_watch: bool = True,
             step_sleep_s: float = 0.2, precompile: bool = False,
-            then_after_decision: int | None = None, ahead_losses: int = 1) -> dict:
+            then_after_decision: int | None = None, ahead_losses: int = 1,
+            spares: int = 0) -> dict:
     out = tempfile.mkdtemp(prefix="mnemojax-mp-")
     cmd = [sys.executable, "-m", "tests.jobs.mp_resilient_job", "--out", out,
-           "--steps", str(steps), "--step-sleep-s", str(step_sleep_s)]
+           "--steps", str(steps), "--step-sleep-s", str(step_sleep_s),
+           *(["--restore"] if spares else [])]  # (a spare starts its loop there)
     if precompile:  # a fresh cache: only what this job's worlds wrote
         cmd += ["--precompile-cache", tempfile.mkdtemp(prefix="mnemojax-xla-"),
                 "--ahead-losses", str(ahead_losses)]
@@ -38,11 +41,12 @@ def measure(*, fault: str, victim: int, nproc: int, collective_timeout_s: int,
                               [] if then_after_decision is None else
                               [ProcessFault("kill_after_decision", then_after_decision)]),
                           collective_timeout_s=collective_timeout_s, job_timeout_s=280,
-                          extra_env=None if peer_watch else {PEER_WATCH: "0"})
+                          extra_env=None if peer_watch else {PEER_WATCH: "0"},
+                          spares=spares)
     t_kill = report["t0"]
     result = {"fault": fault, "victim": victim, "nproc": nproc,
               "collective_timeout_s": collective_timeout_s, "peer_watch": peer_watch,
-              "step_sleep_s": step_sleep_s,
+              "step_sleep_s": step_sleep_s, "spares": spares,
               "rc": report["rc"],
               "launcher_knows_s": report.get("launcher_knows_s"), "survivors": {}}
     import glob
@@ -81,29 +85,28 @@ def _how(reason: str) -> str:
     return reason[:80]
 
 
-def _compare(repeat: int, kwargs: dict) -> int:
-    """Kill -> next good step and the recovery's compile phase, per survivor, without and
-    with the next worlds compiled ahead (alternated runs; medians and their ratio)."""
+def _compare(repeat: int, kwargs: dict, variants: dict[str, dict]) -> int:
+    """Kill -> next good step and the recovery's compile phase, per survivor, for each of
+    two ``variants`` (label -> `measure` arguments; alternated runs; medians and their
+    ratio, the first over the second)."""
     import statistics
-    figures: dict[bool, dict[str, list[float]]] = {
-        False: {"next": [], "compile": []}, True: {"next": [], "compile": []}}
+    figures: dict[str, dict[str, list[float]]] = {
+        label: {"next": [], "compile": []} for label in variants}
     for i in range(repeat):
-        for ahead in (False, True):
-            r = measure(**kwargs, precompile=ahead)
+        for label, extra in variants.items():
+            r = measure(**kwargs, **extra)
             for name, s in sorted(r["survivors"].items()):
                 if s["next_good_step_s"] is not None:
-                    figures[ahead]["next"].append(s["next_good_step_s"])
-                figures[ahead]["compile"].append(s["phases_s"].get("compile", float("nan")))
-                print(f"run {i} {'ahead' if ahead else 'plain'} {name}: rc {r['rc']}, next "
-                      f"good step {s['next_good_step_s']} s, compile "
-                      f"{s['phases_s'].get('compile')} s, executable {s['executable']}",
-                      flush=True)
+                    figures[label]["next"].append(s["next_good_step_s"])
+                figures[label]["compile"].append(s["phases_s"].get("compile", float("nan")))
+                print(f"run {i} {label} {name}: rc {r['rc']}, next good step "
+                      f"{s['next_good_step_s']} s, compile {s['phases_s'].get('compile')} s, "
+                      f"executable {s['executable']}", flush=True)
     med = {a: {k: statistics.median(v) for k, v in f.items() if v} for a, f in figures.items()}
-    print(f"median kill -> next good step: plain {med[False]['next']:.2f} s, compiled ahead "
-          f"{med[True]['next']:.2f} s ({med[False]['next'] / med[True]['next']:.2f}x)")
-    print(f"median recovery compile phase: plain {med[False]['compile']:.2f} s, compiled "
-          f"ahead {med[True]['compile']:.2f} s "
-          f"({med[False]['compile'] / med[True]['compile']:.2f}x)")
+    a, b = variants
+    for key, what in (("next", "kill -> next good step"), ("compile", "recovery compile phase")):
+        print(f"median {what}: {a} {med[a][key]:.2f} s, {b} {med[b][key]:.2f} s "
+              f"({med[a][key] / med[b][key]:.2f}x)")
     return 0
 
 
@@ -130,6 +133,12 @@ def main() -> int:
                    help="also kill worker W once the world after the first death is decided")
     p.add_argument("--ahead-losses", type=int, default=1,
                    help="with --precompile: CompileOptions(ahead_losses=N)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="warm spares (mnemojax launch --spares): the first takes the "
+                        "victim's rank, the mesh keeps its shape")
+    p.add_argument("--compare-spares", type=int, default=0, metavar="R",
+                   help="R pairs of runs, with one spare and without, alternated; prints "
+                        "the medians side by side")
     p.add_argument("--json", help="also write the result here (workers share stdout)")
     args = p.parse_args()
     kwargs = dict(fault=args.fault, victim=args.victim, nproc=args.nproc,
@@ -139,8 +148,12 @@ def main() -> int:
                   then_after_decision=args.then_after_decision,
                   ahead_losses=args.ahead_losses)
     if args.compare_precompile:
-        return _compare(args.compare_precompile, kwargs)
-    r = measure(**kwargs, precompile=args.precompile)
+        return _compare(args.compare_precompile, {**kwargs, "spares": args.spares},
+                        {"plain": {"precompile": False}, "ahead": {"precompile": True}})
+    if args.compare_spares:
+        return _compare(args.compare_spares, {**kwargs, "precompile": args.precompile},
+                        {"spare": {"spares": 1}, "shrink": {"spares": 0}})
+    r = measure(**kwargs, precompile=args.precompile, spares=args.spares)
     print(json.dumps(r, indent=1))
     if args.json:
         with open(args.json, "w") as f:
