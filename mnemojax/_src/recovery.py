@@ -592,6 +592,8 @@ class ProcessRecovery:
         phases["restore"] = rec.phases["attach"] + rec.phases["fetch"] + restore_s
         phases["replay"] = 0.0
         dead = tuple(sorted(set(rec.members) - set(agreement.survivors) - set(left)))
+        # (a joiner of a round whose world never formed is not one of this world's)
+        joined = tuple(sorted(set(rec.replaces) & set(agreement.survivors)))
         record = RecoveryRecord(
             step=step, failed_devices=(), old_mesh_shape=old_plan.shape,
             new_mesh_shape=plan.shape,
@@ -606,12 +608,12 @@ class ProcessRecovery:
             math_changed=plan.math_changed, failed_processes=dead,
             generation=rec.world.generation, fetched_from=dict(rec.state.fetched_from),
             left_processes=tuple(sorted(left)), agreement_rounds=rec.rounds,
-            from_export=exe.exported, joined_processes=tuple(sorted(rec.replaces)),
+            from_export=exe.exported, joined_processes=joined,
             cause=reason[:500])
         change = ", ".join(filter(None, [
             f"processes {list(dead)} lost" if dead else "",
-            f"{sorted(left)} left the job" if left else "",
-            f"{sorted(rec.replaces)} joined" if rec.replaces else ""])) or "re-formed"
+            f"processes {sorted(left)} left the job" if left else "",
+            f"processes {list(joined)} joined" if joined else ""])) or "re-formed"
         log.warning("mnemojax: world %d -> %d: %s; %d process(es), mesh %s, "
                     "ready to resume from step %d after %.2f s (%s; executable %s): %d "
                     "step(s) to replay before step %d (the recovery's total, logged once "

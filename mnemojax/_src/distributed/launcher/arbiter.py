@@ -218,7 +218,8 @@ class Arbiter:
                     deadline = time.monotonic() + self._timeout_s
                 elif left <= 0:
                     for m in book.missing():  # evict: it can never join a later world
-                        self._record({"op": "evicted", "worker_id": m})
+                        self._record({"op": "evicted", "worker_id": m,
+                                      "why": "not at the agreement in time"})
                         book.mark_dead(m)
                         self._roster.command(m, wire.KillWorker())
                     break
@@ -257,7 +258,8 @@ class Arbiter:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for m in self._barriers.missing(key, book.members):
-                        self._record({"op": "evicted", "worker_id": m, "barrier": request.name})
+                        self._record({"op": "evicted", "worker_id": m, "barrier": request.name,
+                                      "why": "not at the barrier in time"})
                         book.mark_dead(m)
                         self._roster.command(m, wire.KillWorker())
                     continue

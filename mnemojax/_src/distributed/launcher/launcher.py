@@ -368,8 +368,8 @@ class Launcher:
             self.roster.exit_codes[worker_id] = code
             self._record({"op": "spare_lost", "worker_id": worker_id, "code": code})
             if (code != 0 and not self._stopping_now()  # (not the job's end)
-                    and not self._restart_as_spare(worker_id, f"(a spare) ended with "
-                                                   f"status {code}")):
+                    and not self._restart_as_spare(worker_id, "(a spare) ended " + (
+                        f"by signal {-code}" if code < 0 else f"with status {code}"))):
                 logger.warning("mnemojax launch: spare %d ended (status %d) before a world "
                                "took it in: one spare fewer", worker_id, code)
             return
@@ -382,9 +382,9 @@ class Launcher:
             return
         if code == 0 and isinstance(self.arbiter, Arbiter):
             self.arbiter.member_finished(worker_id)  # (an agreement waits for none)
-        if (code < 0 and worker_id not in self._finished_workers
-                and worker_id in self.arbiter.live_members()):  # (not one evicted)
-            self._unrecovered[worker_id] = code
+        members = self.arbiter.live_members()  # (before it is marked dead below)
+        if code < 0 and worker_id not in self._finished_workers and worker_id in members:
+            self._unrecovered[worker_id] = code  # (not one evicted)
         if code < 0 and worker_id in self._finished_workers:
             # (the job's status stays the others': its work was done, this is no failure
             # of the training; but what it did at exit may not have happened)
@@ -401,18 +401,24 @@ class Launcher:
             self.roster.command_all(wire.PauseWatchdog(), but=worker_id)
             self._failed_code = 128 - code if code < 0 else code  # the newest failure
         crashed = code < 0 and worker_id not in self._finished_workers
-        if (crashed and not self._stopping_now()
-                and not self._restart_as_spare(worker_id, f"ended by signal {-code}")):
-            self._say_died(worker_id, code)
+        evicted = worker_id not in members  # (killed by the launcher: not in the world)
+        if (crashed and not self._stopping_now() and not self._restart_as_spare(
+                worker_id, "was evicted" if evicted else f"ended by signal {-code}")):
+            self._say_died(worker_id, code, evicted=evicted)
 
     def _stopping_now(self) -> bool:
         """The job is stopping or ending: deaths are expected (``roster.cv`` held)."""
         return bool(self._stop_signals or self._stop_forwarded is not None
                     or self._worker_error is not None or self.arbiter.ending() is not None)
 
-    def _say_died(self, worker_id: int, code: int) -> None:
-        """Logs a worker's crash (``roster.cv`` held); across nodes each node says it from
-        etcd's keys instead (`node.NodeLauncher`)."""
+    def _say_died(self, worker_id: int, code: int, *, evicted: bool = False) -> None:
+        """Logs a worker's crash, or the end of one the launcher evicted (``roster.cv``
+        held); across nodes each node says it from etcd's keys instead
+        (`node.NodeLauncher`)."""
+        if evicted:
+            logger.warning("mnemojax launch: worker %d, evicted (not at the agreement or a "
+                           "barrier in time), ended", worker_id)
+            return
         others = self.options.recover and bool(self.arbiter.live_members())
         logger.warning("mnemojax launch: worker %d ended by signal %d%s", worker_id, -code,
                        "; the others recover without it" if others else "")

@@ -386,8 +386,8 @@ class NodeLauncher(Launcher):
                 self.plane.member_died(worker_id)
         super().agent_lost(worker_id)
 
-    def _say_died(self, worker_id: int, code: int) -> None:
-        del worker_id, code  # (said from etcd's keys, for every node: `_on_view`)
+    def _say_died(self, worker_id: int, code: int, *, evicted: bool = False) -> None:
+        del worker_id, code, evicted  # (said from etcd's keys, for every node: `_on_view`)
 
     def _spare_warm(self, worker_id: int) -> None:
         # Warm (Python and JAX loaded, waiting): only now may a world take it in
