@@ -107,7 +107,7 @@ def _check_node_loss(o, out, reference, victim_runs, spares):
         assert stats["joined"]["how"] == ("spare" if first in node_spares else "restart")
         assert stats["joined"]["generation"] == 1
         assert stats["joined"]["members"] == o.final["members"]
-        assert len(_launcher_lines(out, survivor, "joined world 1 in place of")) == spares
+        assert len(_launcher_lines(out, survivor, "joined world 1 at worker")) == spares
         # Every process of world 1 said where it goes on (the fresh ones too): none waited
         # for the others' word in restore() (a review: 60 s each, for posts never made).
         assert not _launcher_lines(out, survivor, "where its survivors go on is not known")
