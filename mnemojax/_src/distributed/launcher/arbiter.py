@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import Agreement, compiled_barrier
 from mnemojax._src.distributed.launcher.barriers import BarrierBook
-from mnemojax._src.distributed.launcher.book import AgreementBook
+from mnemojax._src.distributed.launcher.book import AgreementBook, open_slots, takes_joiners
 from mnemojax._src.distributed.launcher.roster import AgentRoster
 from mnemojax._src.distributed.launcher.services import ServiceHost
 from mnemojax._src.errors import AgreementError
@@ -154,23 +154,14 @@ class Arbiter:
         return self._ending
 
     def _joiners(self, book: AgreementBook) -> list[int]:
-        """The spares the world after ``book``'s may take in. A spare builds its mesh from
-        the user's code, which fits world 0's size and layout only: in place of dead
-        members of a world whose every member holds its world-0 rank, or to grow a shrunk
-        world back to world 0's size and layout (`AgreementBook.decide` takes them only
-        then: a spare for every dead member or free rank, or none)."""
+        """The spares the world after ``book``'s may take in (`book.takes_joiners`)."""
         full = len(self.worlds[0])
-        if len(book.members) == full and any(self._slots.get(m) != r
-                                             for r, m in enumerate(book.members)):
-            return []
-        return list(self._spares())
+        return list(self._spares()) if takes_joiners(book.members, self._slots, full) else []
 
-    def _open_slots(self, book: AgreementBook) -> int:
-        """How many joiners the world after ``book``'s needs to take any: one per free rank
-        of world 0's layout when it is smaller, else one per dead member."""
-        arrived = sum(m in book.arrived for m in book.members)
-        full = len(self.worlds[0])
-        return full - arrived if len(book.members) < full else len(book.members) - arrived
+    def _open_slots(self, book: AgreementBook, arrived: Collection[int]) -> int:
+        """How many joiners the world after ``book``'s needs to take any, when ``arrived``
+        are its survivors (`book.open_slots`)."""
+        return len(open_slots(book.members, arrived, self._slots, len(self.worlds[0])))
 
     def regrow_due(self, warm: int) -> int | None:
         """The current world, when it is smaller than world 0, has formed (its members
@@ -182,8 +173,7 @@ class Arbiter:
                 or book.dead or book.arrived or g in self._regrow
                 or self._barriers.decided((g, compiled_barrier(g))) != ()):
             return None  # (a world still forming: its recovery's compile would be wasted)
-        free = len(self.worlds[0]) - len(book.members)  # (every member will arrive)
-        return g if warm >= free else None
+        return g if warm >= self._open_slots(book, book.members) else None  # (all come)
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger: their watch says so
@@ -336,7 +326,7 @@ class Arbiter:
         generation = g + 1
         joiners = self._joiners(book)
         # A spare for every dead member or free rank (`AgreementBook.decide`), or none.
-        need = self._open_slots(book)
+        need = self._open_slots(book, book.arrived)
         size = len(arrived) + need if need and len(joiners) >= need else len(arrived)
         service = self._services.start(generation, size)
         try:

@@ -6,7 +6,7 @@ without processes, sockets or clocks: `arbiter.Arbiter` runs it under the launch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from mnemojax._src.distributed.agreement import (
     Agreement,
@@ -151,6 +151,28 @@ class AgreementBook:
                          replaces=replaces)
             for i, w in enumerate(survivors)}
         return self.decision
+
+
+def takes_joiners(members: Sequence[int], slots: Mapping[int, int], full_size: int) -> bool:
+    """Whether the world after one of ``members`` may take spares in. A fresh process
+    builds its mesh from the user's code, which fits world 0's size and layout only: in
+    place of dead members of a world whose every member holds its world-0 rank (``slots``:
+    member -> that rank), or to grow a smaller world back to world 0's size
+    (`AgreementBook.decide` takes them only then: one for every open slot, or none)."""
+    return len(members) < full_size or all(slots.get(m) == r for r, m in enumerate(members))
+
+
+def open_slots(members: Sequence[int], arrived: Collection[int], slots: Mapping[int, int],
+               full_size: int) -> list[int]:
+    """The slots joiners may fill in the world after one of ``members`` when ``arrived``
+    are its survivors: the free ranks of world 0's layout when that world is smaller than
+    world 0 (it grows back), else the ranks of its dead members (-1 for a member without
+    one). The one count of open slots that deciding a world, placing joiners and asking
+    for a regrow use, on one machine (`arbiter`) and across nodes (`plane`)."""
+    if len(members) < full_size:
+        held = {slots.get(m) for m in arrived}
+        return [s for s in range(full_size) if s not in held]
+    return [slots.get(m, -1) for m in members if m not in arrived]
 
 
 def _needed_copies(holdings: Mapping[str, Sequence[CopyInfo]],

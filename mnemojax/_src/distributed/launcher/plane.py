@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from mnemojax._src.distributed import wire
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement, compiled_barrier
-from mnemojax._src.distributed.launcher.book import AgreementBook
+from mnemojax._src.distributed.launcher.book import AgreementBook, open_slots, takes_joiners
 from mnemojax._src.distributed.launcher.etcd_store import (
     EtcdRefusedError,
     EtcdStore,
@@ -150,10 +150,7 @@ class JobView:
         full = self.full_size()
         if any(size != full for size in self.first_sizes(generation).values()):
             return []
-        slots = self.slots()
-        if len(members) < full or all(slots.get(m) == r for r, m in enumerate(members)):
-            return self.idle_spares()
-        return []
+        return self.idle_spares() if takes_joiners(members, self.slots(), full) else []
 
     def first_sizes(self, generation: int) -> dict[int, int]:
         """Member of world ``generation`` -> the size of the first world its process ran
@@ -193,12 +190,8 @@ class JobView:
         than world 0 (it grows back), else the slots of its dead members (-1 for a member
         without one). The one count of free slots that deciding a world (`EtcdArbiter`),
         placing joiners (`placed_joiners`) and a regrow (`regrow_due`) use."""
-        members = self.worlds().get(generation, ())
-        slots = self.slots()
-        if len(members) < self.full_size():
-            held = {slots.get(m) for m in arrived}
-            return [s for s in range(self.full_size()) if s not in held]
-        return [slots.get(m, -1) for m in members if m not in arrived]
+        return open_slots(self.worlds().get(generation, ()), arrived, self.slots(),
+                          self.full_size())
 
     def full_size(self) -> int:
         """World 0's size: the size the job grows back to."""
