@@ -136,7 +136,8 @@ def _agreements(members, replaces):
 def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
     """World 0 = [0..3]; world 1: spare 4 took worker 0's rank; world 2: node 1 lost,
     [4, 1]. A rejoined node's spares 6, 7 (idle, with agents) can fill slots 2 and 3, so
-    world 2 is due to grow back; the ids used so far include the start's spares 4, 5."""
+    world 2 is due to grow back once it has formed; the ids used so far include the
+    start's spares 4, 5."""
     items = {"world/0": {"members": [0, 1, 2, 3]},
              "world/1": {"members": [4, 1, 2, 3], "agreements": _agreements([4, 1, 2, 3],
                                                                              {4: 0})},
@@ -145,6 +146,8 @@ def test_slots_follow_survivors_and_joiners_and_a_shrunk_world_may_grow_back():
              "agents/4": "a", "agents/1": "b", "agents/6": "c", "agents/7": "d",
              "spares/6": 1, "spares/7": 1, "home/6": 1, "home/7": 1, "home/4": 0,
              "rejoin/6": {"node": 1, "count": 2}}
+    assert _view(items).regrow_due() is None  # world 2 has not formed yet
+    items["outcome/2/mnemojax-compiled-2"] = []  # (its members passed the barrier)
     view = _view(items)
     assert view.slots() == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0}
     assert view.full_size() == 4 and view.joiners(2) == [6, 7]

@@ -224,11 +224,15 @@ class JobView:
         return used
 
     def regrow_due(self) -> int | None:
-        """The newest world, when it is smaller than world 0, none of its members is dead
-        and idle spares can fill every free slot: the job should grow back now."""
+        """The newest world, when it is smaller than world 0, has formed (its members
+        passed the barrier after their compile: asked sooner, the compile and restore of
+        its recovery would be thrown away), none of its members is dead and idle spares
+        can fill every free slot: the job should grow back now."""
         g = self.latest()
         members = self.worlds().get(g, ())
         if not members or len(members) >= self.full_size() or self.end() is not None:
+            return None
+        if self.outcome(g, compiled_barrier(g)) != ():
             return None
         if self.dead() & set(members) or self.items.get(f"regrow/{g}") is not None:
             return None
