@@ -344,11 +344,9 @@ class Launcher:
         """Asks the current world to re-form at world 0's size once warm spares can fill
         every rank it lost (one machine; ``roster.cv`` held)."""
         arbiter = self.arbiter
-        if not isinstance(arbiter, Arbiter) or not self.options.recover or (
-                self._stop_signals or self._stop_forwarded is not None
-                or self._worker_error is not None):
+        if not isinstance(arbiter, Arbiter) or not self.options.recover:
             return
-        warm = self._warm_spares()
+        warm = self._warm_spares()  # (none while the job stops or ends)
         if not warm or any(m in self._finished_workers or m in self.roster.exit_codes
                            for m in arbiter.book.members):
             return  # (a member done with its loop would never come to the agreement)
