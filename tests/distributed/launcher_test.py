@@ -11,6 +11,7 @@ import time
 import pytest
 
 from mnemojax._src.distributed import wire
+from mnemojax._src.distributed.launcher import launcher as launcher_module
 from mnemojax._src.distributed.launcher.launcher import Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions
 from mnemojax._src.distributed.launcher.scenario import process_alive
@@ -204,10 +205,11 @@ def test_a_worker_killed_in_the_last_world_is_said_when_the_others_end_the_job_0
     assert "worker 1 ended by a signal (9) in its last world" in caplog.text
 
 
-def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join():
+def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join(monkeypatch):
     """A warm spare that stops asking (`wire.AwaitJoin`, every `SPARE_POLL_S`: a frozen
     process) is offered to no world: a trial's SIGSTOPped spare was taken in and stalled
-    the recovery for ~95 s."""
+    the recovery for ~95 s. Between one poll's answer and the next it is still offered."""
+    monkeypatch.setattr(launcher_module, "POLL_GAP_S", 0.5)
     launcher = Launcher(LaunchOptions(nproc=2, spares=1), ["true"])
     try:
         with launcher.roster.cv:
@@ -219,6 +221,9 @@ def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join():
             with launcher.roster.cv:
                 assert launcher._warm_spares() == [2]
             assert asking.result(timeout=5) == wire.Joined()  # (no world took it in)
+        with launcher.roster.cv:
+            assert launcher._warm_spares() == [2]  # (its next poll is on its way)
+        time.sleep(0.7)
         with launcher.roster.cv:
             assert launcher._warm_spares() == []  # warm, idle, but not asking
     finally:

@@ -4,6 +4,7 @@ etcd: `make etcd`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -240,7 +241,7 @@ def cluster():
 class TwoNodes:
     """Two nodes' arbiters over one job in ``cluster``, world 0 = workers 0..3 (2 each)."""
 
-    def __init__(self, cluster, job: str):
+    def __init__(self, cluster, job: str, agree_timeout_s: float = 30):
         self.store = EtcdStore.from_url(cluster.url, job)
         self.store.put(self.store.key("world", 0), {"members": [0, 1, 2, 3],
                                                     "coordinator": "-", "host_node": 0})
@@ -249,7 +250,7 @@ class TwoNodes:
             self.store.put(self.store.key("nodes", rank), {})
             roster, services = AgentRoster(secret=b"s" * 32), ServiceHost(heartbeat_s=10)
             self.arbiters.append(EtcdArbiter(self.store, node_rank=rank, nproc=2,
-                                             agree_timeout_s=30, roster=roster,
+                                             agree_timeout_s=agree_timeout_s, roster=roster,
                                              services=services, record=lambda e: None,
                                              poll_s=0.02))
             self.hosts.append(services)
@@ -259,8 +260,9 @@ class TwoNodes:
     def of(self, worker: int) -> EtcdArbiter:
         return self.arbiters[worker // 2]
 
-    def together(self, call, workers) -> dict:
-        """``call(worker)`` from one thread per worker; worker -> result or exception."""
+    def together(self, call, workers, timeout_s: float = 60) -> dict:
+        """``call(worker)`` from one thread per worker; worker -> result or exception
+        (none for a call still running after ``timeout_s``)."""
         results: dict = {}
 
         def run(w):
@@ -272,9 +274,10 @@ class TwoNodes:
         threads = [threading.Thread(target=run, args=(w,)) for w in workers]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout_s
         for t in threads:
-            t.join(timeout=60)
-        return results
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return dict(results)
 
     def close(self):
         for a, s in zip(self.arbiters, self.hosts, strict=True):
@@ -360,6 +363,40 @@ def test_a_regrow_asked_on_one_node_is_told_to_the_other_nodes_watch(nodes):
     watcher.join(timeout=30)
     assert results["w"].failed == () and results["w"].regrow
     assert nodes.store.get(nodes.store.key("regrow", 0)) == {"by_node": 0}
+
+
+def test_a_regrows_agreement_waits_past_its_deadline_for_a_member_between_steps(cluster):
+    """World 0 re-forms larger and nobody died: a member still in its own code between
+    steps when the deadline passes is waited for, not evicted (it was killed, as on one
+    machine before: a trial), and every member is in the next world."""
+    two = TwoNodes(cluster, "regrow-waits", agree_timeout_s=1.0)
+    try:
+        with two.arbiters[0]._roster.cv:
+            two.arbiters[0].request_regrow(0)
+
+        def agree(w):
+            if w == 3:
+                time.sleep(3.0)  # (three deadlines of the others)
+            return two.of(w).agree(wire.Agree(worker_id=w, generation=0, last_step=7))
+        results = two.together(agree, (0, 1, 2, 3))
+        assert all(isinstance(results[w], Agreement) for w in range(4)), results
+        assert {results[w].survivors for w in range(4)} == {(0, 1, 2, 3)}
+        assert two.store.get(two.store.key("dead", 3)) is None
+    finally:
+        two.close()
+
+
+def test_a_member_done_with_its_loop_is_out_of_an_agreement_at_once(nodes):
+    """Worker 3 exited 0 (its loop is done) while the others go to an agreement: it never
+    comes, so they decide without it at once, not after evicting it at the deadline
+    (30 s here); it is not said dead by the other node."""
+    with nodes.arbiters[1]._roster.cv:
+        nodes.arbiters[1].publish_exit(3, 0)
+    results = nodes.together(lambda w: nodes.of(w).agree(
+        wire.Agree(worker_id=w, generation=0, last_step=7)), (0, 1, 2), timeout_s=15)
+    assert all(isinstance(results.get(w), Agreement) for w in (0, 1, 2)), results
+    assert {results[w].survivors for w in (0, 1, 2)} == {(0, 1, 2)}
+    assert nodes.store.get(nodes.store.key("dead", 3))["why"] == "not in world 1"
 
 
 def test_an_ambiguous_create_is_read_back(cluster):
@@ -708,3 +745,58 @@ def test_a_launch_that_fails_in_the_multi_process_layer_ends_with_one_line(monke
     err = capsys.readouterr().err
     assert err == ("mnemojax launch: error: node 0: waited 120 s for all 2 nodes to register "
                    "in etcd\n")
+
+
+def test_a_node_takes_back_a_spare_that_stops_asking_to_join(cluster, monkeypatch):
+    """A spare is published in etcd while it asks to join (`wire.AwaitJoin`) and taken
+    back once it stops (a frozen process), so no world across nodes takes it in and
+    stalls on it (as on one machine: a trial); it is published again once it asks again."""
+    import types
+
+    from mnemojax._src.distributed import auth
+    from mnemojax._src.distributed.launcher import launcher as launcher_module
+    from mnemojax._src.distributed.launcher.node import NodeLauncher
+
+    monkeypatch.setattr(launcher_module, "POLL_GAP_S", 0.3)
+    monkeypatch.setenv(auth.JOB_SECRET, "ab" * 32)
+    options = LaunchOptions(nproc=2, nnodes=2, node_rank=0, rdzv=cluster.url,
+                            rdzv_id="frozen-spare", spares=1)
+    launcher = NodeLauncher(options, ["true"])
+    store, [spare] = launcher.store, list(options.spare_ids)
+    lease = store.grant(30)
+    launcher._lease = types.SimpleNamespace(lease=lease,
+                                            close=lambda revoke: store.revoke(lease))
+    key = store.key("spares", spare)
+
+    def offer_until(cond, what) -> None:
+        def offered():
+            with launcher.roster.cv:
+                launcher._offer_spares()  # (the launcher's run loop, every 0.2 s)
+            return cond()
+        _wait_until(offered, what=what)
+
+    def ask() -> None:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            asking = pool.submit(launcher._await_join,
+                                 wire.AwaitJoin(worker_id=spare, timeout_s=1.0))
+            offer_until(lambda: store.get(key) == 0, "the spare published")
+            assert asking.result(timeout=5) == wire.Joined()  # (no world took it in)
+
+    try:
+        with launcher.roster.cv:
+            launcher._idle.add(spare)
+        ask()
+        offer_until(lambda: store.get(key) is None, "the frozen spare taken back")
+        assert [e["worker_id"] for e in launcher.events
+                if e["op"] == "spare_withdrawn"] == [spare]
+        ask()  # (it asks again: offered again)
+        offer_until(lambda: store.get(key) is None, "taken back once more")
+    finally:
+        launcher.cleanup()
+
+
+def _wait_until(cond, *, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.05)

@@ -43,6 +43,9 @@ logger = logging.getLogger("mnemojax")
 # ends with (`worker.session.UNCAUGHT`, the same text; the launcher imports no worker code).
 UNCAUGHT = "uncaught exception: "
 
+# A spare between two join polls (one answered, the next on its way) is still asking.
+POLL_GAP_S = 1.0
+
 
 class Launcher:
     """Runs one job. ``on_event(event)`` sees every event (tests and demos use it).
@@ -87,9 +90,11 @@ class Launcher:
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._warm: set[int] = set()  # spares that asked to join (Python and JAX loaded)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
-        # Spares whose `wire.AwaitJoin` poll is open now: a spare that stops asking (a
-        # frozen process) is offered to no world (`_warm_spares`).
+        # Spares whose `wire.AwaitJoin` poll is open now, and when each last poll ended: a
+        # spare that stops asking (a frozen process) is offered to no world
+        # (`_asking_spares`).
         self._polling: dict[int, int] = {}
+        self._asked_at: dict[int, float] = {}
         # `max_restarts`: workers started again as spares (fresh id -> the one it restarts),
         # and the next fresh id.
         self._restarted: dict[int, int] = {}
@@ -235,7 +240,19 @@ class Launcher:
         ``step.restore()`` (``roster.cv`` held)."""
         if self._stopping_now() or self._spares_refused is not None:
             return []
-        return sorted(self._idle & self._warm & self._polling.keys())
+        return sorted(self._idle & self._warm & self._asking_spares())
+
+    def _asking_spares(self) -> set[int]:
+        """Spares whose join poll is open, or ended within `POLL_GAP_S` (the moment between
+        one poll's answer and the next is no sign of a frozen process) (``roster.cv``
+        held)."""
+        now = time.monotonic()
+        return set(self._polling) | {w for w, t in self._asked_at.items()
+                                     if now - t <= POLL_GAP_S}
+
+    def _offer_spares(self) -> None:
+        """Tells the other nodes which spares a world may take in now (``roster.cv`` held):
+        one launcher has nobody to tell, its arbiter asks `_warm_spares`."""
 
     def _refuse_spares(self, why: str) -> None:
         """A spare that joined could not run the job's loop (it does not start at
@@ -273,10 +290,10 @@ class Launcher:
         w, cv = request.worker_id, self.roster.cv
         deadline = time.monotonic() + request.timeout_s
         with cv:
+            self._polling[w] = self._polling.get(w, 0) + 1
             if w in self._idle and w not in self._warm:
                 self._warm.add(w)  # only now may a world take it in: none waits on a cold
                 self._spare_warm(w)  # start
-            self._polling[w] = self._polling.get(w, 0) + 1
             try:
                 while (agreement := self._joins.get(w)) is None:
                     why = self._join_refused(w)
@@ -291,6 +308,7 @@ class Launcher:
                 self._polling[w] -= 1
                 if not self._polling[w]:
                     del self._polling[w]
+                    self._asked_at[w] = time.monotonic()
 
     def _spare_warm(self, worker_id: int) -> None:
         """Spare ``worker_id`` waits, warm (call with ``roster.cv`` held): one launcher
@@ -539,6 +557,7 @@ class Launcher:
                         self._record({"op": "job_timeout"})
                         self.arbiter.end("the job is ending: --timeout-s ran out", code=124)
                         return 124
+                    self._offer_spares()
                     self._maybe_regrow()
                     self.roster.cv.wait(timeout=0.2)
             self._ended_by_job = True

@@ -119,6 +119,8 @@ class NodeLauncher(Launcher):
         self._respawning: dict[int, int] = {}
         self._probed: dict[int, bool] = {}  # world -> its service was gone when probed
         self._regrow_asked: set[int] = set()  # worlds this node asked to grow back
+        self._offered: set[int] = set()  # spares published in etcd (`_offer_spares`)
+        self._withdrawn: set[int] = set()  # of those, taken back as frozen (said once)
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         self._progress_put: dict[int, int] = {}  # what `progress/<rank>` holds
@@ -171,8 +173,11 @@ class NodeLauncher(Launcher):
         if new := dead - self._dead_seen:
             self._dead_seen |= new
             left = new & view.left()
-            died = sorted(new - left)
-            self._record({"op": "dead", "workers": died, "left": sorted(left)})
+            exits = view.exits()  # (left out of a world after their loop was done)
+            done = {w for w in new - left if exits.get(w) == 0}
+            died = sorted(new - left - done)
+            self._record({"op": "dead", "workers": died, "left": sorted(left),
+                          "finished": sorted(done)})
             lost = sorted(view.lost_nodes())
             if died and (end := view.end()) is not None:  # (a stop, an error: expected)
                 logger.warning("mnemojax launch: workers %s ended (%s)", died,
@@ -184,6 +189,9 @@ class NodeLauncher(Launcher):
             elif died:
                 logger.warning("mnemojax launch: workers %s dead%s", died,
                                f" (nodes {lost} lost)" if lost else "")
+            if done and view.end() is None:
+                logger.warning("mnemojax launch: workers %s, done with their loop (status 0), "
+                               "are out of the next world", sorted(done))
             if left:
                 logger.warning("mnemojax launch: workers %s left the job (no device for them "
                                "in the new world, or a joiner that could not fetch the "
@@ -392,8 +400,30 @@ class NodeLauncher(Launcher):
     def _spare_warm(self, worker_id: int) -> None:
         # Warm (Python and JAX loaded, waiting): only now may a world take it in
         # (`plane.JobView.idle_spares`), so no world waits on a cold start.
-        if self._lease is not None:
-            self.plane.publish_spare(worker_id, self.options.node_rank, self._lease.lease)
+        self._offer_spares()
+
+    def _offer_spares(self) -> None:
+        """Publishes this node's spares a world may take in now (`_warm_spares`: warm, idle
+        and asking to join), and takes back those that stopped asking (a frozen process:
+        a trial's SIGSTOPped spare stalled a recovery until the agreement timeout) or may
+        join no more (the job stops); ``roster.cv`` held."""
+        if self._lease is None:
+            return
+        offer = set(self._warm_spares())
+        for w in sorted(offer - self._offered):
+            self.plane.publish_spare(w, self.options.node_rank, self._lease.lease)
+            if w in self._withdrawn:
+                self._withdrawn.discard(w)
+                logger.warning("mnemojax launch: spare %d asks to join again", w)
+        for w in sorted((self._offered - offer) & self._idle):  # (one that joined stays)
+            self.plane.withdraw_spare(w)
+            self._record({"op": "spare_withdrawn", "worker_id": w})
+            if not self._stopping_now() and self._spares_refused is None:
+                self._withdrawn.add(w)
+                logger.warning("mnemojax launch: spare %d stopped asking to join (a frozen "
+                               "or stalled process): no world takes it in until it asks "
+                               "again", w)
+        self._offered = offer | (self._offered - self._idle)
 
     def _join_refused(self, worker_id: int) -> str | None:
         why = self.plane.ending()

@@ -295,7 +295,9 @@ class JobView:
         return self.items.get("stopping")
 
     def book(self, generation: int) -> AgreementBook:
-        """World ``generation``'s agreement book as this view sees it."""
+        """World ``generation``'s agreement book as this view sees it. Once a member has
+        arrived, the members that exited 0 (their loop is done) are out of it as the dead
+        are: they never come, and the others replay the step they finished without them."""
         book = AgreementBook(generation, self.worlds().get(generation, ()))
         dead = self.dead()
         for w, a in self.arrivals(generation).items():
@@ -303,6 +305,10 @@ class JobView:
                 book.arrive(w, generation, int(a["last_step"]), a.get("first_replayable"))
         for w in dead:
             book.mark_dead(w)
+        if book.arrived:
+            for w, code in self.exits().items():
+                if code == 0 and w in book.members and w not in book.arrived:
+                    book.mark_dead(w)
         return book
 
     def failed_members(self, generation: int) -> tuple[int, ...]:
@@ -612,6 +618,12 @@ class EtcdArbiter:
                     left = deadline - time.monotonic()
                     if self.stale():  # (a full window once etcd answers again)
                         deadline = time.monotonic() + self._timeout_s
+                    elif (left <= 0 and view.regrows(g)
+                          and not view.dead() & set(book.members)):
+                        # Nobody died: a member not here is alive between steps (its
+                        # agent's watchdog says so), in its own code; it comes at its next
+                        # step, or it is done and its exit takes it out (`JobView.book`).
+                        deadline = time.monotonic() + self._timeout_s
                     elif left <= 0 and self._read_since(deadline):
                         self._evict(book.missing())
                         deadline = time.monotonic() + self._timeout_s
@@ -754,6 +766,11 @@ class EtcdArbiter:
         call with ``roster.cv`` held)."""
         self._write(lambda: self.store.put(self.store.key("spares", worker_id), node_rank,
                                            lease=lease))
+
+    def withdraw_spare(self, worker_id: int) -> None:
+        """Spare ``worker_id`` is no longer to be taken in (it stopped asking to join; call
+        with ``roster.cv`` held)."""
+        self._write(lambda: self.store.delete(self.store.key("spares", worker_id)))
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger (`JobView.regrow_due`);
