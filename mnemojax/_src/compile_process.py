@@ -44,12 +44,10 @@ process that compiles ahead). Off: ``CompileOptions(compile_process=False)``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
@@ -59,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from mnemojax._src import compile_worker
+from mnemojax._src import compile_worker, spawner
 
 log = logging.getLogger("mnemojax")
 
@@ -265,35 +263,10 @@ class CompileProcess:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
-    """Starts the child from a thread that lives as long as this process (`_spawner`): the
-    child's PR_SET_PDEATHSIG fires when the thread that started it ends, and a compile
-    thread ends with its step (`StepCompiler.close`)."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
-    _spawner().put((args, done))
-    return done.result()
-
-
-_spawns: queue.SimpleQueue | None = None
-
-
-def _spawner() -> queue.SimpleQueue:
-    global _spawns
-    with _shared_lock:
-        if _spawns is None:
-            _spawns = queue.SimpleQueue()
-            threading.Thread(target=_spawn_forever, args=(_spawns,), daemon=True,
-                             name="mnemojax-compile-spawner").start()
-        return _spawns
-
-
-def _spawn_forever(spawns: queue.SimpleQueue) -> None:
-    while True:
-        args, done = spawns.get()
-        try:
-            done.set_result(subprocess.Popen(args, stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, close_fds=True))
-        except BaseException as e:  # noqa: BLE001 - the asking thread raises it
-            done.set_exception(e)
+    """Starts the child from a thread that lives as long as this process
+    (`spawner.popen`): the child's PR_SET_PDEATHSIG fires when the thread that started it
+    ends, and a compile thread ends with its step (`StepCompiler.close`)."""
+    return spawner.popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
 
 
 def _in_child_ids(backend: Any, executable_devices: Any, options: Any, child_devices: int

@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from mnemojax._src import spawner
 from mnemojax._src.distributed import auth
 from mnemojax._src.distributed.agent.bootstrap import agent_command
 from mnemojax._src.distributed.launcher.options import LaunchOptions
@@ -54,7 +55,9 @@ class AgentSupervisor:
         """Starts the agent of worker ``w`` (it says hello to the launcher, then waits to
         be told to start its worker)."""
         o = self.options
-        self.agents[w] = subprocess.Popen(
+        # (From the spawning thread: the agent's PDEATHSIG would fire when the thread that
+        # started it ends, e.g. the link thread of the dead agent whose worker it restarts.)
+        self.agents[w] = spawner.popen(
             agent_command(
                 "--worker-id", str(w), "--launcher", self.control,
                 "--parent-pid", str(os.getpid()), "--shm-prefix", self.shm_prefix,
