@@ -358,11 +358,29 @@ def test_a_crashed_worker_restarted_as_a_spare_grows_the_job_back_to_its_first_m
     [restart] = _launcher_events(report, "restarting")
     assert (restart["worker_id"], restart["restarts"]) == (3, 0)
     assert [e["generation"] for e in _launcher_events(report, "regrow")] == [1]
+    # Worker 0's agent, whose copies the new worlds outdated, ended before the job did.
+    assert [e["workers"] for e in _launcher_events(report, "agents_retired")] == [[0]]
+    assert [e["worker_id"] for e in _launcher_events(report, "agent_ended")] == [0]
     _assert_exact(tmp_path, reference)  # (written by the spare, now process 0)
     with open(tmp_path / "mnemojax-events-w1.jsonl") as f:  # a survivor throughout
         shrink, grow = [e for e in map(json.loads, f) if e.get("kind") == "recovery"]
     assert shrink["new_mesh"] == {"data": 2, "model": 2}
     assert grow["new_mesh"] == {"data": 3, "model": 2} and grow["joined_processes"] == [3]
+
+
+@pytest.mark.slow  # ~30 s; the default test above restarts a crashed worker
+def test_a_lost_host_restarted_as_a_spare_grows_the_job_back(tmp_path, reference):
+    """As above, but worker 0's whole host is lost (its agent with it): the fresh agent
+    was started from the lost agent's link thread, which ends with it, and its PDEATHSIG
+    killed it at once (the job stayed smaller); agents now start from a thread that lives
+    as long as the launcher (`spawner.popen`)."""
+    report = _run(tmp_path, [ProcessFault("host", 0, 2)], max_restarts=1,
+                  extra=("--restore", "--step-sleep-s", "1.5"))
+    assert report["rc"] == 0, report
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[1, 2], [3, 1, 2]], decided
+    assert not _launcher_events(report, "spare_lost")
+    _assert_exact(tmp_path, reference)
 
 
 @pytest.mark.slow  # ~25 s; the default host-loss test above covers the overlapped copy

@@ -46,6 +46,13 @@ UNCAUGHT = "uncaught exception: "
 # A spare between two join polls (one answered, the next on its way) is still asking.
 POLL_GAP_S = 1.0
 
+# The agent of a worker out of the job is ended once every member of the world after it
+# has published this many snapshots (`Launcher._retire_agents`): with the default wait
+# before a slot is overwritten, each member's own agent then holds two steps of that world
+# and its buddy the first of them, so no later agreement goes back to the copies the
+# retired agent holds.
+RETIRE_AFTER_PUBLISHES = 2
+
 
 class Launcher:
     """Runs one job. ``on_event(event)`` sees every event (tests and demos use it).
@@ -83,6 +90,8 @@ class Launcher:
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
         self.steps: dict[int, int] = {}
+        self._publishes: dict[int, int] = {}  # worker -> its snapshots in the current world
+        self._retired: set[int] = set()  # agents ended as their copies were outdated
         # Proves every connection of this job (`auth`); several nodes share one.
         self.secret = auth.new_secret() if secret is None else secret
         self.roster = AgentRoster(secret=self.secret)
@@ -144,8 +153,10 @@ class Launcher:
         event = {**event, "t": time.time()}
         if event["op"] in ("decided", "world"):  # (a new world: on several nodes, only
             self._unrecovered.clear()           # the deciding node records "decided")
+            self._publishes.clear()
         if event["op"] == wire.Progress.OP:
             self.steps[event["worker_id"]] = event["step"]
+            self._publishes[event["worker_id"]] = self._publishes.get(event["worker_id"], 0) + 1
         else:
             self.events.append(event)
         if self.on_event is not None:
@@ -177,12 +188,15 @@ class Launcher:
             self.roster.cv.notify_all()
 
     def agent_lost(self, worker_id: int) -> None:
-        self._record({"op": "agent_lost", "worker_id": worker_id})
+        with self.roster.cv:
+            retired = worker_id in self._retired
+        self._record({"op": "agent_ended" if retired else "agent_lost", "worker_id": worker_id})
         with self.roster.cv:
             self.roster.leave(worker_id)
             self._worker_gone(worker_id, -signal.SIGKILL)
             self.roster.cv.notify_all()
-        self.supervisor.kill_group(worker_id, signal.SIGKILL)  # fence its worker
+        if not retired:
+            self.supervisor.kill_group(worker_id, signal.SIGKILL)  # fence its worker
 
     def request(self, message: wire.Message) -> wire.Message:
         """Answers a worker's request (`control.ControlHandler`); `wire.Agree` and
@@ -375,6 +389,31 @@ class Launcher:
                            "spares %s are ready to fill it: it re-forms, larger", g,
                            len(arbiter.book.members), len(arbiter.worlds[0]), warm)
 
+    def _retire_agents(self) -> None:
+        """Ends the agents of workers out of the job (dead, left, restarted under a new id,
+        spares that ended) once every member of the current world has published
+        `RETIRE_AFTER_PUBLISHES` snapshots in it: their copies are outdated, and each held
+        its worker's share twice and its ring predecessor's twice in host memory (with
+        ``max_restarts``, one more agent per restart). One machine; ``roster.cv`` held."""
+        arbiter = self.arbiter
+        if not isinstance(arbiter, Arbiter) or self._stopping_now():
+            return
+        book = arbiter.book
+        if book.generation == 0 or book.dead or book.arrived:
+            return  # (a recovery under way may need any copy)
+        out = [w for w in self.roster.links if w in self.roster.exit_codes
+               and w not in book.members and w not in self._retired]
+        if not out or any(self._publishes.get(m, 0) < RETIRE_AFTER_PUBLISHES
+                          for m in book.members):
+            return
+        self._retired.update(out)
+        self._record({"op": "agents_retired", "workers": out, "generation": book.generation})
+        logger.info("mnemojax launch: the agents of workers %s are ended: world %d has "
+                    "published %d snapshots on every member, their copies are outdated",
+                    out, book.generation, RETIRE_AFTER_PUBLISHES)
+        for w in out:
+            self.roster.command(w, wire.Shutdown())
+
     def _worker_gone(self, worker_id: int, code: int) -> None:
         """Its worker ended (call with ``roster.cv`` held)."""
         if worker_id in self.roster.exit_codes:
@@ -559,6 +598,7 @@ class Launcher:
                         return 124
                     self._offer_spares()
                     self._maybe_regrow()
+                    self._retire_agents()
                     self.roster.cv.wait(timeout=0.2)
             self._ended_by_job = True
             return rc
