@@ -421,3 +421,34 @@ def test_a_node_cut_off_from_etcd_alone_ends_its_part_once_it_reaches_etcd_again
         assert _launcher_lines(out, 1, "etcd says its lease ended")
         assert _launcher_lines(out, 1, "etcd refuses this launcher's writes")
         assert left == [], "a process outlived the job"
+
+
+@pytest.mark.slow  # ~60 s
+def test_a_crashed_worker_is_restarted_on_its_node_and_the_job_grows_back(tmp_path):
+    """``--max-restarts 1`` across nodes: worker 1's process (not its agent) is killed;
+    the other three go on as world 1 while node 0's launcher claims a fresh id in etcd
+    (4: every id the job used is taken) and starts it as a warm spare; once it is warm,
+    the job re-forms at world 0's size with the spare at worker 1's rank. Exact."""
+    steps, out = 16, str(tmp_path)
+    with _logs_on_failure(out):
+        with etcd_cluster(3) as cluster, two_nodes.started(
+                cluster.url, out, steps=steps, sleep_s=0.5,
+                launcher_args=("--max-restarts", "1")) as job:
+            two_nodes.wait(lambda: len(two_nodes.step_times(out).get(1, ())) >= 3, 120,
+                           "three steps of worker 1")
+            agent = job.nodes[0]["agent_pids"]["1"]
+            [worker] = subprocess.check_output(
+                ["pgrep", "-P", str(agent), "-f", "tests.jobs.mp_resilient_job"]).split()
+            os.kill(int(worker), signal.SIGKILL)
+            codes = [p.wait(timeout=240) for p in job.launchers]
+            worlds = {int(k.split("/")[1]): v["members"]
+                      for k, v in job.store.items("world/").items()}
+            claims = job.store.items("rejoin/")
+            left = two_nodes.leftover_pids(job.nodes)
+        assert codes == [0, 0]
+        assert worlds[max(worlds)] == [0, 4, 2, 3], worlds
+        assert {k.split("/")[1]: v["restarts"] for k, v in claims.items()} == {"4": 1}
+        assert _launcher_lines(out, 0, "worker 1 ended by signal 9: starting spare 4")
+        h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
+        assert left == [], "a process outlived the job"
+

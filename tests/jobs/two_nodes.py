@@ -110,7 +110,8 @@ class Job:
 
 @contextlib.contextmanager
 def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: int = 0,
-            job_args: Sequence[str] = (), urls: Mapping[int, str] | None = None):
+            job_args: Sequence[str] = (), urls: Mapping[int, str] | None = None,
+            launcher_args: Sequence[str] = ()):
     """Starts both nodes and waits for world 0; at exit kills whatever is left of them
     and removes the killed node's shared memory (its agents never could). ``urls``: a
     node's own way to the cluster (rank -> its ``--rdzv``), ``cluster_url`` otherwise."""
@@ -122,7 +123,8 @@ def started(cluster_url: str, out: str, *, steps: int, sleep_s: float, spares: i
     nodes: dict[int, dict[str, Any]] = {}
     try:
         launchers = [launch(urls[r], job, r, out, env, steps=steps, sleep_s=sleep_s,
-                            spares=spares, job_args=job_args) for r in (0, 1)]
+                            spares=spares, job_args=job_args, launcher_args=launcher_args)
+                     for r in (0, 1)]
         world0 = wait(lambda: store.get(store.key("world", 0)), 120, "world 0")
         nodes.update({r: store.get(store.key("nodes", r)) for r in (0, 1)})
 

@@ -67,10 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "member, so the mesh keeps its size (the job's loop must start "
                              "at step.restore())")
     parser.add_argument("--max-restarts", type=int, default=0,
-                        help="one machine: a worker that crashes (or leaves the job) is "
-                             "started again as a warm spare, at most this many times; the "
-                             "job grows back to its first size once spares can fill every "
-                             "rank it lost")
+                        help="a worker that crashes (or leaves the job) is started again "
+                             "as a warm spare, at most this many times (per node with "
+                             "--rdzv); the job grows back to its first size once spares "
+                             "can fill every rank it lost")
     parser.add_argument("--grow-back", action="store_true",
                         help="with --rdzv: this node may rejoin the job while it runs (a "
                              "restarted host): its processes wait as spares, and the job "

@@ -361,7 +361,18 @@ class Launcher:
                 or (not free and self._restarts_used >= o.max_restarts)):
             return False
         self._restarts_used += not free
+        self._start_fresh(worker_id, why, free=free)
+        return True
+
+    def _start_fresh(self, worker_id: int, why: str, *, free: bool) -> None:
+        """Starts the fresh process of a restart of ``worker_id`` under the next unused id
+        (``roster.cv`` held)."""
         fresh, self._next_id = self._next_id, self._next_id + 1
+        self._fresh_started(fresh, worker_id, why, free=free)
+
+    def _fresh_started(self, fresh: int, worker_id: int, why: str, *, free: bool) -> None:
+        """Starts agent ``fresh`` (its worker is started as a warm spare once it says
+        hello: `agent_joined`) in place of ``worker_id`` (``roster.cv`` held)."""
         self._restarted[fresh] = worker_id
         self.supervisor.start_agent(fresh)
         self._record({"op": "restarting", "worker_id": fresh, "restarts": worker_id,
@@ -369,8 +380,7 @@ class Launcher:
         logger.warning("mnemojax launch: worker %d %s: starting spare %d in its place "
                        "(%s); the job grows back once spares can fill every rank it lost",
                        worker_id, why, fresh, "not charged" if free else
-                       f"restart {self._restarts_used} of {o.max_restarts}")
-        return True
+                       f"restart {self._restarts_used} of {self.options.max_restarts}")
 
     def _maybe_regrow(self) -> None:
         """Asks the current world to re-form at world 0's size once warm spares can fill

@@ -48,6 +48,7 @@ from mnemojax._src.distributed import auth, env, wire
 from mnemojax._src.distributed.agreement import ANY_STEP, Agreement
 from mnemojax._src.distributed.launcher.etcd_store import (
     EtcdStore,
+    FencedOutError,
     LeaseKeeper,
     RendezvousError,
 )
@@ -145,7 +146,7 @@ class NodeLauncher(Launcher):
             for w in members:  # their steps of the world before are no news of this one
                 self.steps.pop(w, None)
             self._set_buddies(view, members, first, newest=g == view.latest())
-            for w in o.spare_ids:  # this node's spares the world takes in
+            for w in sorted(self._idle):  # this node's spares the world takes in
                 agreement = agreement_of(record, w)
                 if agreement is not None and w in self._idle:
                     self._spare_joined(w, agreement)  # answers its `wire.AwaitJoin`
@@ -201,7 +202,7 @@ class NodeLauncher(Launcher):
                 self._failed_code = 128 + 9  # --no-recover: any death ends it
                 self.plane.end(f"the job is ending: workers {died} died and recovery is off",
                                code=self._failed_code)
-        for w in dead & set(o.local_agents):  # a spare that joined is a worker like any
+        for w in dead & set(self.agents):  # a spare that joined is a worker like any
             if w not in self.roster.exit_codes and w not in self._killed | self._departed:
                 self._killed.add(w)  # evicted by another node: fence it here
                 self.roster.command(w, wire.KillWorker())
@@ -258,6 +259,9 @@ class NodeLauncher(Launcher):
             self.plane.publish_exit(worker_id, code)
             self.plane.member_died(worker_id)
             self._record({"op": "spare_lost", "worker_id": worker_id, "code": code})
+            if code != 0 and not self._stopping_now():  # (not the job's end)
+                self._restart_as_spare(worker_id, "(a spare) ended " + (
+                    f"by signal {-code}" if code < 0 else f"with status {code}"))
             return
         if code > 0 and (worker_id in self._killed or worker_id in self.plane.view.dead()):
             code = -9  # evicted elsewhere: its exit (its agreement failed) is no user error
@@ -386,6 +390,49 @@ class NodeLauncher(Launcher):
                       "resume_step": agreement.resume_step})
         logger.warning("mnemojax launch: worker %d restarted into world %d, %s", w,
                        generation, agreement.resume_said)
+
+    def agent_joined(self, hello: wire.Hello, link: socket.socket) -> None:
+        with self.roster.cv:  # a restart's agent: reachable by the others before it joins
+            if hello.worker_id in self._restarted and self._lease is not None:
+                self.plane.publish_agent(hello.worker_id, hello.address, self._lease.lease)
+        super().agent_joined(hello, link)
+
+    def _start_fresh(self, worker_id: int, why: str, *, free: bool) -> None:
+        # The id is claimed in etcd (no node may take it too), off the launcher's lock.
+        threading.Thread(target=self._claim_and_start, args=(worker_id, why, free),
+                         name="mnemojax-restart", daemon=True).start()
+
+    def _claim_and_start(self, worker_id: int, why: str, free: bool) -> None:
+        """Claims a fresh worker id for a restart of ``worker_id`` (``rejoin/<id>``, as a
+        node that rejoins claims its ids; ``home/<id>`` says it runs here), then starts its
+        agent. Tried again while etcd does not answer, up to ``etcd_outage_s``."""
+        o = self.options
+        initial = range(o.world_size, o.world_size + o.nnodes * o.spares)
+        deadline = time.monotonic() + o.etcd_outage_s
+        while True:
+            try:
+                view = JobView(self.store.items(), o.nproc)
+                if view.end() is not None:
+                    return
+                with self.roster.cv:
+                    taken = set(self.agents) | set(self._restarted)
+                fresh = max(view.used_ids(initial) | taken, default=-1) + 1
+                if self.store.create(self.store.key("rejoin", fresh), {
+                        "node": o.node_rank, "count": 1, "restarts": worker_id},
+                        unless=[self.store.key("end")]):
+                    self.store.put(self.store.key("home", fresh), o.node_rank)
+                    break
+            except FencedOutError:
+                return  # (the others took this node for lost: it restarts nothing)
+            except RendezvousError as e:
+                if time.monotonic() > deadline:
+                    logger.error("mnemojax launch: worker %d is not restarted: etcd did not "
+                                 "answer for %.0f s (%s)", worker_id, o.etcd_outage_s, e)
+                    return
+                time.sleep(0.5)
+        with self.roster.cv:
+            if not self._stopping_now():
+                self._fresh_started(fresh, worker_id, why, free=free)
 
     def agent_lost(self, worker_id: int) -> None:
         self.plane.forget_agent(worker_id)

@@ -54,11 +54,12 @@ class LaunchOptions:
             each dead member when there are enough, so it keeps its size; the spare's
             process then joins it and takes the agreed state at ``step.restore()``. On one
             machine (no ``rdzv``) too: the one launcher keeps them.
-        max_restarts: one machine (no ``rdzv``): a worker whose process crashed (a signal),
-            or left the job (no device for it in the new mesh), is started again as a warm
-            spare with a fresh id, at most this many times in the job; once warm spares can
-            fill every rank a shrunk world lost, it re-forms at its first size
-            (`Launcher`). Across nodes ``grow_back`` restarts a node instead.
+        max_restarts: a worker whose process crashed (a signal), or left the job (no
+            device for it in the new mesh), is started again as a warm spare with a fresh
+            id, at most this many times in the job (per node, across nodes: each node's
+            launcher restarts its own, the id claimed in etcd); once warm spares can fill
+            every rank a shrunk world lost, it re-forms at its first size (`Launcher`). A
+            whole node lost is restarted by its scheduler, with ``grow_back``.
         host: the address this node's agents and coordination services listen on and
             advertise (other nodes must reach it). JAX's coordination service authenticates
             no one: across hosts, keep it on a private network.
@@ -109,12 +110,10 @@ class LaunchOptions:
         if self.spares < 0:
             raise InvalidOptionError(f"spares={self.spares} is invalid: expected >= 0")
         if self.max_restarts < 0 or (self.max_restarts and (
-                self.rdzv is not None or self.nproc < 2 or not self.recover)):
+                self.world_size < 2 or not self.recover)):
             raise InvalidOptionError(f"max_restarts={self.max_restarts} is invalid: expected "
-                                     ">= 0, and on one machine only (across nodes a "
-                                     "restarted node rejoins with grow_back=True), with "
-                                     "nproc >= 2 and recovery on (a restart joins the "
-                                     "survivors)")
+                                     ">= 0, with at least 2 workers in the job and recovery "
+                                     "on (a restart joins the survivors)")
         if self.grow_back and self.rdzv is None:
             raise InvalidOptionError("grow_back=True needs rdzv=etcd://HOST:PORT (a node "
                                      "rejoins a job kept in etcd)")

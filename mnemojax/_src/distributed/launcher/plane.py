@@ -767,6 +767,12 @@ class EtcdArbiter:
         self._write(lambda: self.store.put(self.store.key("spares", worker_id), node_rank,
                                            lease=lease))
 
+    def publish_agent(self, worker_id: int, address: str, lease: int) -> None:
+        """Says where agent ``worker_id`` of this node listens (leased with its node; call
+        with ``roster.cv`` held)."""
+        self._write(lambda: self.store.put(self.store.key("agents", worker_id), address,
+                                           lease=lease))
+
     def withdraw_spare(self, worker_id: int) -> None:
         """Spare ``worker_id`` is no longer to be taken in (it stopped asking to join; call
         with ``roster.cv`` held)."""
