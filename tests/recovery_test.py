@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import mnemojax
@@ -211,3 +212,46 @@ def test_only_the_steps_own_compile_errors_become_step_compile_errors(error):
         assert fields["detail"].startswith(type(error).__name__)
     else:
         assert told.events == []
+
+
+def test_two_steps_of_one_process_recover_onto_one_device_order():
+    """A GAN's two steps in one process (a critic called three times per generator call)
+    meet two deaths on a (4, 2) mesh: the critic one at a time (a replica dropped, then a
+    spare swap with the idle device), the generator both at once (two replicas dropped,
+    their healthy devices regrouped into one). Each planned from its own mesh: the same
+    devices in other orders, and whatever one step returns to the other resharded at every
+    call (trial 47: x4 per iteration of two pure steps passing their state). The later
+    recovery takes the other step's order; the math is each step's failure-free run."""
+    faults = FaultInjector().lose_devices(5, [3]).lose_devices(6, [1])  # (the critic's calls)
+    mesh = h.mesh_of((4, 2))
+    batches = h.make_batches(8)
+    critic_model, critic_opt = h.make_mlp(seed=0)
+    gen_model, gen_opt = h.make_mlp(seed=1)
+    critic = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                                fault_injector=faults)
+    generator = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                                   fault_injector=faults)
+    try:
+        for i in range(0, 8, 4):
+            for b in batches[i:i + 3]:
+                critic(critic_model, critic_opt, b)
+            generator(gen_model, gen_opt, batches[i + 3])
+        [_, swap] = critic.statistics.recoveries
+        [both] = generator.statistics.recoveries
+        # (its own plan: [[4, 5], [6, 7], [0, 2]], the healthy devices of the rows
+        # dropped regrouped last)
+        assert (swap.plan_kind, swap.new_mesh_devices) == ("spare_swap", (0, 2, 4, 5, 6, 7))
+        assert both.failed_devices == (1, 3) and both.new_mesh_devices == (0, 2, 4, 5, 6, 7)
+        assert shd.device_ids(generator.mesh).tolist() == shd.device_ids(critic.mesh).tolist()
+    finally:
+        critic.close()
+        generator.close()
+    for (model, optimizer), seed, mine in (((critic_model, critic_opt), 0, [0, 1, 2, 4, 5, 6]),
+                                           ((gen_model, gen_opt), 1, [3, 7])):
+        ref_model, ref_opt = h.make_mlp(seed=seed)
+        plain = nnx.jit(h.train_step)
+        for i in mine:
+            plain(ref_model, ref_opt, batches[i])
+        for got, want in zip(h.host_state(model, optimizer), h.host_state(ref_model, ref_opt),
+                             strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

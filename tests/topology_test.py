@@ -9,6 +9,7 @@ import pytest
 from mnemojax._src.errors import DistributedError, InvalidOptionError, MeshTooSmallError
 from mnemojax._src.topology import (
     ShapeRules,
+    aligned_with,
     collective_groups,
     plan_after_process_loss,
     plan_reduced_mesh,
@@ -451,3 +452,32 @@ def test_when_no_single_axis_can_shrink_every_axis_narrows():
         plan_reduced_mesh(np.arange(4).reshape(2, 2), ("data", "fsdp"), {0, 1, 3},
                           data_axis="data", sharded_dims={"fsdp": (64,)}, batch_size=16,
                           max_model_shrink=1.5)
+
+
+def test_a_plan_takes_the_device_order_of_another_steps_mesh_over_the_same_devices():
+    """Two steps of one process meet the same two deaths, one at a time (a drop, then a
+    spare swap with an idle device) and both at once (a drop): the same devices in other
+    orders, and every array one step passed the other was resharded at every call
+    (trial 47: x4 per iteration of a GAN's two pure steps). The later plan takes the
+    other's order."""
+    one_at_a_time = plan_reduced_mesh(grid(8), ("data",), {3}, batch_size=8)
+    one_at_a_time = plan_reduced_mesh(one_at_a_time.device_ids, ("data",), {1, 3},
+                                      spares=one_at_a_time.idle, batch_size=8)
+    at_once = plan_reduced_mesh(grid(8), ("data",), {1, 3}, batch_size=8)
+    assert (one_at_a_time.kind, one_at_a_time.device_ids.tolist()) == ("spare_swap", [0, 5, 2, 4])
+    assert (at_once.kind, at_once.device_ids.tolist()) == ("drop_replicas", [0, 2, 4, 5])
+    aligned = aligned_with(at_once, grid(8), [one_at_a_time])
+    assert aligned.device_ids.tolist() == [0, 5, 2, 4] and aligned.kind == "drop_replicas"
+    assert aligned.groups["data"].added == ((0, 5, 2, 4),)
+    assert aligned.idle == at_once.idle and aligned.examples_per_step == 8
+    # Other devices, another shape or other axis names: the step's own plan.
+    other_devices = plan_reduced_mesh(grid(8), ("data",), {3}, batch_size=8)
+    wider = plan_reduced_mesh(grid(8), ("data",), {1, 3})  # no batch: 6 wide
+    renamed = dataclasses.replace(one_at_a_time, axis_names=("batch",))
+    for others in ([], [other_devices], [wider], [renamed], [at_once]):
+        assert aligned_with(at_once, grid(8), others) is at_once
+    # On a (4, 2) mesh: the first match among the others.
+    mesh = plan_reduced_mesh(grid(4, 2), AXES, {2, 4}, batch_size=8)
+    flipped = dataclasses.replace(mesh, device_ids=mesh.device_ids[::-1].copy())
+    assert aligned_with(mesh, grid(4, 2), [wider, flipped, mesh]).device_ids.tolist() == \
+        flipped.device_ids.tolist()

@@ -1059,6 +1059,7 @@ class ResilientStep(Generic[P, R]):
             "mesh": dict(mesh.shape), "form": form.kind, "leaves": len(values),
             "spares": spares})
         ownership.claim(self, form)
+        ownership.enter(self)
         process_recovery = ProcessRecovery(
             opts, builder, durability, self._statistics, self._batches, session,
             form.leaf_keys, origin=(runtime.plan, runtime.proxy.device_places())) \
@@ -1067,12 +1068,20 @@ class ResilientStep(Generic[P, R]):
             form=form, builder=builder, runtime=runtime, durability=durability,
             meshes=[runtime.mesh],
             session=session, sharded_dims=shd.sharded_dims(form.specs, shapes), number=number,
-            device_recovery=DeviceRecovery(opts, builder, durability, self._statistics,
-                                           self._batches),
+            device_recovery=DeviceRecovery(
+                opts, builder, durability, self._statistics, self._batches,
+                others=ownership.weak_method(self, "_other_steps_plans", default=())),
             process_recovery=process_recovery)
         # No cycle through durability: an unreferenced step is freed at once, with its claim.
         durability.committed = ownership.weak_method(self, "_committed", default=(0, None))
         return self._built
+
+    def _other_steps_plans(self) -> list[MeshPlan]:
+        """The meshes the other live steps of this process run on (a recovery takes the
+        device order of one over the same devices)."""
+        return [other._built.runtime.plan for other in ownership.others(self)
+                if isinstance(other, ResilientStep) and other._built is not None
+                and other._built.session is None]
 
     def _committed(self) -> tuple[int, list | None]:
         """The last complete step and its state leaves (None when not on the devices)."""

@@ -31,6 +31,9 @@ class Form(Protocol):
 _owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 # The live step of this process's distributed session (`claim_session`).
 _session_step: weakref.ref[Any] | None = None
+# Every live step of this process (`enter`), for what one step's recovery reads of the
+# others (the mesh they run on: `recovery.DeviceRecovery`).
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def check_unclaimed(owner: object, form: Form) -> None:
@@ -82,12 +85,24 @@ def claim_session(owner: object) -> None:
 
 def release(owner: object, *, session: bool = True) -> None:
     """Forgets every claim of `owner` (at its ``close()``); ``session=False``: its
-    objects' only (it carries others from now on, and stays the session's step)."""
+    objects' only (it carries others from now on, stays the session's step and live)."""
     global _session_step
     for key in [k for k, v in _owners.items() if v is owner]:
         _owners.pop(key, None)
-    if session and _session_step is not None and _session_step() is owner:
-        _session_step = None
+    if session:
+        _live.discard(owner)
+        if _session_step is not None and _session_step() is owner:
+            _session_step = None
+
+
+def enter(owner: object) -> None:
+    """Counts `owner` among this process's live steps until its `release`."""
+    _live.add(owner)
+
+
+def others(owner: object) -> list[Any]:
+    """This process's live steps other than `owner`."""
+    return [step for step in list(_live) if step is not owner]
 
 
 def weak_method(owner: object, name: str, *, default: Any) -> Callable[[], Any]:

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -64,6 +64,7 @@ from mnemojax._src.topology import (
     MeshPlan,
     Place,
     ShapeRules,
+    aligned_with,
     plan_after_process_loss,
     plan_reduced_mesh,
     renumber_devices,
@@ -250,13 +251,25 @@ class DeviceRecovery:
     """Recovers from the loss of devices of this process (see module docstring)."""
 
     def __init__(self, options: ResilienceOptions, builder: RuntimeBuilder,
-                 durability: Durability, statistics: Statistics, batches: ReplayBuffer):
+                 durability: Durability, statistics: Statistics, batches: ReplayBuffer,
+                 others: Callable[[], Sequence[MeshPlan]] = tuple):
+        """``others``: the plans the other live steps of this process run on now (a plan
+        takes the device order of one over the same devices: `topology.aligned_with`)."""
         self._options = options
         self._builder = builder
         self._durability = durability
         self._statistics = statistics
         self._batches = batches
+        self._others = others
         self._persistent = _PersistentFallback(durability, batches, builder.leaf_structs)
+
+    def _plan(self, runtime: Runtime, rules: ShapeRules) -> MeshPlan:
+        """The mesh without the dead devices, in the device order of another step of this
+        process already there (the arrays they pass each other then stay where they are)."""
+        old, proxy = runtime.proxy.plan, runtime.proxy
+        plan = plan_reduced_mesh(old.device_ids, old.axis_names, proxy.dead,
+                                 spares=proxy.spares, **rules.as_kwargs())
+        return aligned_with(plan, old.device_ids, self._others())
 
     def recover(self, runtime: Runtime, *, step: int, state_step: int, leaves: list,
                 failed: Collection[int], detect_s: float, rules: ShapeRules) -> Resumed:
@@ -281,8 +294,7 @@ class DeviceRecovery:
         old_plan = proxy.plan
         phases = {"detect": detect_s}
         t = time.perf_counter()
-        plan = plan_reduced_mesh(old_plan.device_ids, old_plan.axis_names, proxy.dead,
-                                 spares=proxy.spares, **rules.as_kwargs())
+        plan = self._plan(runtime, rules)
         phases["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         runtime.store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
@@ -300,7 +312,7 @@ class DeviceRecovery:
             unavailable = exc  # last resort: the persistent tier, below
         phases["reshard"] = time.perf_counter() - t
         t, planned = time.perf_counter(), phases["plan"]
-        exe, how, plan = self._compiled(runtime, plan, old_plan, rules, step, phases)
+        exe, how, plan = self._compiled(runtime, plan, rules, step, phases)
         phases["compile"] = time.perf_counter() - t - (phases["plan"] - planned)
         t = time.perf_counter()
         if host is None:
@@ -330,8 +342,8 @@ class DeviceRecovery:
         return Resumed(new_runtime, new_leaves, host.step, record)
 
 
-    def _compiled(self, runtime: Runtime, plan: MeshPlan, old_plan: MeshPlan,
-                  rules: ShapeRules, step: int, phases: dict[str, float]
+    def _compiled(self, runtime: Runtime, plan: MeshPlan, rules: ShapeRules, step: int,
+                  phases: dict[str, float]
                   ) -> tuple[Executable, str, MeshPlan]:
         """The step compiled for ``plan``; where it cannot be (`StepCompileError`: its
         trace fails for that shape, e.g. micro-batches computed from the data axis's
@@ -359,9 +371,7 @@ class DeviceRecovery:
                 rules = _refused(facts, plan, rules, step)
                 t = time.perf_counter()
                 try:
-                    plan = plan_reduced_mesh(
-                        old_plan.device_ids, old_plan.axis_names, runtime.proxy.dead,
-                        spares=runtime.proxy.spares, **rules.as_kwargs())
+                    plan = self._plan(runtime, rules)
                 except MeshTooSmallError:
                     break
                 finally:

@@ -385,6 +385,33 @@ def _shrink_axis(device_ids, axis_names, failed, healthy_spares, axis, batch_axe
     return np.moveaxis(np.stack(candidates[:width]), 0, d), examples, math_changed
 
 
+def aligned_with(plan: MeshPlan, old_ids: np.ndarray, others: Iterable[MeshPlan]) -> MeshPlan:
+    """`plan` laid out as the first of `others` (the meshes the other steps of this process
+    run on) that has its axis names, its shape and its devices in another order; else
+    `plan` unchanged.
+
+    A plan depends on the mesh it starts from, so two steps that met the same deaths in
+    other batches (one at a time: a drop, then a spare swap; both at once: a drop) pick
+    the same devices in other orders, and every array one returns to the other is
+    resharded at every call (trial 47: a GAN's pure steps, x4 per iteration). The order
+    changes no width: the plan stays valid under the step's rules.
+
+    Args:
+        plan: this step's plan (`plan_reduced_mesh`).
+        old_ids: the mesh it replaces (its group changes are recomputed against it).
+        others: the other steps' current plans.
+    """
+    chosen = sorted(int(d) for d in plan.device_ids.flat)
+    for other in others:
+        ids = np.asarray(other.device_ids, dtype=np.int64)
+        if (other.axis_names == plan.axis_names and ids.shape == plan.device_ids.shape
+                and sorted(int(d) for d in ids.flat) == chosen
+                and not np.array_equal(ids, plan.device_ids)):
+            return dataclasses.replace(plan, device_ids=ids.copy(), groups=group_changes(
+                np.asarray(old_ids, dtype=np.int64), ids, plan.axis_names))
+    return plan
+
+
 def single_failure_plans(device_ids: np.ndarray, axis_names: Sequence[str], **kwargs) -> list[MeshPlan]:
     """The distinct plans that the loss of any one device of the mesh would produce.
 
