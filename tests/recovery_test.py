@@ -255,3 +255,47 @@ def test_two_steps_of_one_process_recover_onto_one_device_order():
         for got, want in zip(h.host_state(model, optimizer), h.host_state(ref_model, ref_opt),
                              strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _critic_step(state, x):
+    w = state["critic"] - 0.1 * (x.mean(0) + jnp.tanh(state["gen"]))
+    return {**state, "critic": w}, {"loss": jnp.sum(w)}
+
+
+def _gen_step(state, x):
+    g = state["gen"] - 0.05 * (x.mean(0) * state["critic"])
+    return {**state, "gen": g}, {"loss": jnp.sum(g)}
+
+
+def test_a_step_given_state_that_another_step_moved_off_a_lost_device_recovers_first():
+    """Two pure steps of one process pass one state (a GAN's critic and generator). The
+    critic meets the loss of device 3 and recovers onto a mesh without it; the generator,
+    still on its mesh with device 3, gets the state on the critic's new mesh. Placing it
+    failed with a raw ``JaxRuntimeError`` (trial 47); now the generator recovers first,
+    from the state given, and both end equal to the failure-free run."""
+    xs = [np.random.default_rng(k).normal(size=(8, 4)).astype(np.float32) for k in range(6)]
+
+    def loop(critic, gen):
+        state = {"critic": jnp.zeros((4,)), "gen": jnp.ones((4,))}
+        for x in xs:
+            state, _ = critic(state, x)
+            state, _ = gen(state, x)
+        return jax.tree.map(np.asarray, state)
+
+    want = loop(jax.jit(_critic_step), jax.jit(_gen_step))
+    faults = FaultInjector().lose_devices(3, [3])  # (the critic's call 3 comes first)
+    critic = mnemojax.resilient(_critic_step, mesh=h.mesh_of((4, 2)),
+                                options=h.no_precompile(), fault_injector=faults)
+    gen = mnemojax.resilient(_gen_step, mesh=h.mesh_of((4, 2)), options=h.no_precompile(),
+                             fault_injector=faults)
+    try:
+        got = loop(critic, gen)
+        [mine] = gen.statistics.recoveries
+        assert mine.step == 3 and mine.failed_devices == (3,) and mine.steps_lost == 0
+        assert 3 not in mine.new_mesh_devices
+        assert shd.device_ids(gen.mesh).tolist() == shd.device_ids(critic.mesh).tolist()
+    finally:
+        critic.close()
+        gen.close()
+    for name in ("critic", "gen"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)

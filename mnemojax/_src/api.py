@@ -163,6 +163,24 @@ class _Pending:
     closed: bool = False  # recorded (`ResilientStep._close_recovery`, once)
 
 
+@dataclasses.dataclass
+class _RecoveredFirst:
+    """A recovery made before the step ran (`ResilientStep._placed`): `_run` goes on from
+    it, within the same budget."""
+
+    resumed: Resumed
+    t_fault: float
+    budget: _StepBudget
+
+
+class _LostBeforeStep(Exception):
+    """Placing the state met devices lost since the step's last call (`_place_state`)."""
+
+    def __init__(self, verdict: Verdict, error: BaseException):
+        super().__init__(str(error))
+        self.verdict, self.error = verdict, error
+
+
 class ResilientStep(Generic[P, R]):
     """A train step that survives device loss. Built by `mnemojax.resilient`.
 
@@ -390,7 +408,7 @@ class ResilientStep(Generic[P, R]):
             self._note_layout(b, batch)
         batch = self._batches.append(step, batch)  # our own copy, kept for replay
         try:
-            leaves = self._place_state(b, leaves)
+            leaves, recovered = self._placed(b, step, leaves)
             self._snapshot_outside_change(b, leaves)
             if b.session is not None and self._step == 0:
                 # Before the first compile: a peer lost in it, or in step 1, needs it.
@@ -402,7 +420,7 @@ class ResilientStep(Generic[P, R]):
                 compile_for_world(barrier, b.runtime, batch, b.examples,
                                   timeout_s=compiled_barrier_s(b.builder))
             new_leaves, metrics, finite, ran_on, packed = self._run(step, leaves, batch,
-                                                                    barrier)
+                                                                    barrier, first=recovered)
             try:
                 accepted = self._accept(step, metrics, finite)
             except BaseException:  # (a NaN raised, a bad loss_key)
@@ -1090,7 +1108,7 @@ class ResilientStep(Generic[P, R]):
     # -- one step -------------------------------------------------------------------------
     def _run(self, step: int, leaves: list, batch: Any,
              barrier: dist_session.DistributedSession | None = None, *,
-             beside: Callable[[], Any] | None = None
+             beside: Callable[[], Any] | None = None, first: _RecoveredFirst | None = None
              ) -> tuple[list, Any, Any, list, Packed | None]:
         """Runs `step` on `leaves` (the state of step - 1) and returns (new leaves,
         metrics, finiteness flags, the state it finally ran on, the new leaves packed for
@@ -1107,12 +1125,20 @@ class ResilientStep(Generic[P, R]):
         a recovery (and the replays up to step - 1) that state is written back into the
         objects before it runs again. Returns (that state, its result, None, that state,
         None).
+
+        ``first``: a recovery made before the step ran (`_placed`); the loop goes on from
+        its state (replaying the steps since, if it is older) within its budget.
         """
         b = self._require_built()
         budget = _StepBudget(self.options.recovery, step, self._run_recoveries)
         state_step = step - 1
         pending: _Pending | None = None  # the recovery whose failed step has not run yet
         publish_replayed = False
+        if first is not None:
+            budget, resumed = first.budget, first.resumed
+            leaves, state_step = resumed.leaves, resumed.state_step
+            publish_replayed = resumed.publish_replayed
+            pending = _Pending(resumed.record, first.t_fault)
         try:
             while True:
                 run_step = state_step + 1
@@ -1242,9 +1268,11 @@ class ResilientStep(Generic[P, R]):
         rec.sleep(rec.retry_backoff(retries))
 
     def _recover_devices(self, step: int, state_step: int, leaves: list, verdict: Verdict,
-                         exc: BaseException, budget: _StepBudget, *, where: str = "") -> Resumed:
+                         exc: BaseException, budget: _StepBudget, *, where: str = "",
+                         given: bool = False) -> Resumed:
         """`DeviceRecovery.recover` within the budgets; a device failure during the
-        recovery itself starts it again, over every device lost so far."""
+        recovery itself starts it again, over every device lost so far. ``given``: no step
+        ran on `leaves` (none was donated)."""
         b = self._require_built()
         failed = set(verdict.failed)
         first = exc
@@ -1259,7 +1287,8 @@ class ResilientStep(Generic[P, R]):
             try:
                 resumed = b.device_recovery.recover(
                     b.runtime, step=step, state_step=state_step, leaves=leaves,
-                    failed=failed, detect_s=verdict.detect_s, rules=self._rules())
+                    failed=failed, detect_s=verdict.detect_s, rules=self._rules(),
+                    given=given)
                 resumed.record.hang = isinstance(first, StepHangError)
                 return resumed
             except jax.errors.JaxRuntimeError as again:
@@ -1581,6 +1610,25 @@ class ResilientStep(Generic[P, R]):
             return (b.form.last_state,)
         return state_args
 
+    def _placed(self, b: _Built, step: int, leaves: list) -> tuple[list, _RecoveredFirst | None]:
+        """`_place_state`, and a recovery first when that meets devices lost since the
+        step's last call: another step of this process met their loss and recovered, and
+        returned this step's state on its new mesh (a trial's GAN ended with a raw
+        ``JaxRuntimeError``), or they died between the calls. The step then recovers onto
+        a mesh without them from the state given, read from its live copies (this step
+        has not run on it), as from a failed step."""
+        try:
+            return self._place_state(b, leaves), None
+        except _LostBeforeStep as lost:
+            t_fault = time.perf_counter()
+            budget = _StepBudget(self.options.recovery, step, self._run_recoveries)
+            budget.start()
+            resumed = self._recover_devices(step, step - 1, leaves, lost.verdict, lost.error,
+                                            budget, where="while its state was placed: ",
+                                            given=True)
+            self._adopt(resumed)
+            return resumed.leaves, _RecoveredFirst(resumed, t_fault, budget)
+
     def _place_state(self, b: _Built, leaves: list) -> list:
         last = b.last_written
         if last is not None and len(leaves) == len(last) and all(
@@ -1602,6 +1650,10 @@ class ResilientStep(Generic[P, R]):
                 outside = sorted(d.id for d in getattr(x, "sharding", s).device_set
                                  if d not in on_mesh)
                 if not outside:
+                    if b.session is None:  # (across processes a put is a collective)
+                        verdict = b.runtime.proxy.classify(e)
+                        if verdict.kind == "device_failure":  # lost since the last call
+                            raise _LostBeforeStep(verdict, e) from e
                     raise
                 # An array the caller put on devices the step lost (e.g. a checkpoint
                 # restored with the shardings of the mesh before a recovery).

@@ -272,7 +272,8 @@ class DeviceRecovery:
         return aligned_with(plan, old.device_ids, self._others())
 
     def recover(self, runtime: Runtime, *, step: int, state_step: int, leaves: list,
-                failed: Collection[int], detect_s: float, rules: ShapeRules) -> Resumed:
+                failed: Collection[int], detect_s: float, rules: ShapeRules,
+                given: bool = False) -> Resumed:
         """A runtime on a mesh without the dead devices, and the newest complete state.
 
         Args:
@@ -283,6 +284,8 @@ class DeviceRecovery:
             failed: the devices whose loss this recovery handles (for the record).
             detect_s: seconds it took to classify the failure.
             rules: the planner's rules.
+            given: no step ran on `leaves` (the state given to a call, before it ran):
+                their live copies are read even where the step donates its state.
 
         Raises:
             MeshTooSmallError: no valid mesh remains.
@@ -302,7 +305,8 @@ class DeviceRecovery:
         host: HostState | None = None
         try:
             host = gather_state(leaves, state_step, proxy.dead, runtime.store.snapshots(),
-                                runtime.layer, live_ok=not opts.compile.donate_state)
+                                runtime.layer,
+                                live_ok=given or not opts.compile.donate_state)
             self._statistics.corrupt_snapshots_detected += host.corrupt_snapshots
             if host.corrupt_snapshots:
                 self._durability.emit("fault", step=step, classification="corrupt_snapshot",
