@@ -310,6 +310,12 @@ class ResilientStep(Generic[P, R]):
             s.snapshots_taken = rt.store.taken
             s.snapshots_packed = rt.store.packed + (
                 b.session.packed_publishes if b.session is not None else 0)
+            if b.session is not None and b.session.agent is not None:
+                # Across processes each step's snapshot is this worker's shards, published
+                # to its agent (a trial read 0 bytes and 0 taken beside 60 packed).
+                s.snapshots_taken += b.session.publishes
+                s.snapshot_bytes = s.snapshot_bytes or b.session.published_nbytes
+                s.snapshot_every_steps = 0 if b.session.publish_refused else 1
             s.snapshots_replaced = rt.store.replaced
             s.corrupt_snapshots_scrubbed = rt.store.corrupt_found
             s.snapshots_over_budget = rt.store.disabled or (

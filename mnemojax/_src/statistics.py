@@ -133,6 +133,8 @@ class Statistics:
     mesh_devices: tuple[int, ...] = ()
     spare_devices: tuple[int, ...] = ()
     dead_devices: tuple[int, ...] = ()
+    # The newest snapshot's bytes and the cadence; across processes each step's snapshot
+    # is this worker's shards published to its agent (with their header).
     snapshot_bytes: int = 0
     snapshot_every_steps: int = 0
     unreplicated_state: bool = False

@@ -58,6 +58,9 @@ def _one_recovery(tmp_path, reference, report, *, nproc=3) -> dict:
                                     "replay"}
     # Its publishes after steps read from the packs the step wrote (on CPU by default).
     assert stats["snapshots_packed"] >= STEPS // 2, stats["snapshots_packed"]
+    # ... and its statistics say so (a trial read 0 taken, 0 bytes, cadence 0).
+    assert stats["snapshots_taken"] >= stats["snapshots_packed"], stats
+    assert stats["snapshot_bytes"] > 0 and stats["snapshot_every_steps"] == 1, stats
     return rec
 
 

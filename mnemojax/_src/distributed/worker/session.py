@@ -121,6 +121,7 @@ class DistributedSession:
         self._published_nbytes = 0  # its payload
         self.replication_lags = 0  # publishes that overwrote a slot the buddy lacked
         self.packed_publishes = 0  # publishes read from the packs the step wrote
+        self.publishes = 0  # snapshots handed to the agent (copies started)
         self._replication_lagging = False
         # The world whose last publish waited in series for the buddy (then the next one
         # need not wait before its copy: two waits between progress signals could add up
@@ -173,6 +174,11 @@ class DistributedSession:
                                     f"agreement) before every worker had reached barrier "
                                     f"{name!r}")
         self.phase("train")
+
+    @property
+    def published_nbytes(self) -> int:
+        """The payload of the last snapshot copied to the agent (0 before the first)."""
+        return self._published_nbytes
 
     def publish(self, step: int, leaves: Sequence[jax.Array], *,
                 packed: Packed | None = None,
@@ -235,6 +241,7 @@ class DistributedSession:
             return False
         agent, generation = self.agent, self.world.generation
         self.packed_publishes += read is not None
+        self.publishes += 1
 
         def copy() -> None:
             # The slot this copy overwrites usually holds the step before the last one:
