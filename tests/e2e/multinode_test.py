@@ -449,6 +449,9 @@ def test_a_crashed_worker_is_restarted_on_its_node_and_the_job_grows_back(tmp_pa
         assert worlds[max(worlds)] == [0, 4, 2, 3], worlds
         assert {k.split("/")[1]: v["restarts"] for k, v in claims.items()} == {"4": 1}
         assert _launcher_lines(out, 0, "worker 1 ended by signal 9: starting spare 4")
+        # Its agent ended once every member of the world after it had published twice
+        # (node 1's count read from etcd).
+        assert _launcher_lines(out, 0, "the agents of workers [1] are ended")
         h.assert_job_exact(out, h.reference_run(h.make_batches(steps)), steps)
         assert left == [], "a process outlived the job"
 

@@ -24,7 +24,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from mnemojax._src.distributed import auth, env, shm, wire
@@ -402,27 +402,41 @@ class Launcher:
     def _retire_agents(self) -> None:
         """Ends the agents of workers out of the job (dead, left, restarted under a new id,
         spares that ended) once every member of the current world has published
-        `RETIRE_AFTER_PUBLISHES` snapshots in it: their copies are outdated, and each held
-        its worker's share twice and its ring predecessor's twice in host memory (with
-        ``max_restarts``, one more agent per restart). One machine; ``roster.cv`` held."""
-        arbiter = self.arbiter
-        if not isinstance(arbiter, Arbiter) or self._stopping_now():
+        `RETIRE_AFTER_PUBLISHES` snapshots in it (`_agents_to_retire`): their copies are
+        outdated, and each held its worker's share twice and its ring predecessor's twice
+        in host memory (with ``max_restarts``, one more agent per restart). ``roster.cv``
+        held."""
+        if self._stopping_now():
             return
-        book = arbiter.book
-        if book.generation == 0 or book.dead or book.arrived:
-            return  # (a recovery under way may need any copy)
-        out = [w for w in self.roster.links if w in self.roster.exit_codes
-               and w not in book.members and w not in self._retired]
-        if not out or any(self._publishes.get(m, 0) < RETIRE_AFTER_PUBLISHES
-                          for m in book.members):
+        generation, out = self._agents_to_retire()
+        if not out:
             return
         self._retired.update(out)
-        self._record({"op": "agents_retired", "workers": out, "generation": book.generation})
+        self._record({"op": "agents_retired", "workers": out, "generation": generation})
         logger.info("mnemojax launch: the agents of workers %s are ended: world %d has "
                     "published %d snapshots on every member, their copies are outdated",
-                    out, book.generation, RETIRE_AFTER_PUBLISHES)
+                    out, generation, RETIRE_AFTER_PUBLISHES)
         for w in out:
             self.roster.command(w, wire.Shutdown())
+
+    def _out_of_the_job(self, members: Collection[int]) -> list[int]:
+        """This launcher's agents whose workers ended and are not in ``members``, not yet
+        retired (``roster.cv`` held)."""
+        return [w for w in self.roster.links if w in self.roster.exit_codes
+                and w not in members and w not in self._retired]
+
+    def _agents_to_retire(self) -> tuple[int, list[int]]:
+        """(the current world, the agents `_retire_agents` may end now), from the
+        arbiter's book and this launcher's count of publishes (``roster.cv`` held)."""
+        arbiter = self.arbiter
+        if not isinstance(arbiter, Arbiter):
+            return -1, []
+        book = arbiter.book
+        if book.generation == 0 or book.dead or book.arrived:
+            return book.generation, []  # (a recovery under way may need any copy)
+        if any(self._publishes.get(m, 0) < RETIRE_AFTER_PUBLISHES for m in book.members):
+            return book.generation, []
+        return book.generation, self._out_of_the_job(book.members)
 
     def _worker_gone(self, worker_id: int, code: int) -> None:
         """Its worker ended (call with ``roster.cv`` held)."""

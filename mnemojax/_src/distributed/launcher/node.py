@@ -52,7 +52,7 @@ from mnemojax._src.distributed.launcher.etcd_store import (
     LeaseKeeper,
     RendezvousError,
 )
-from mnemojax._src.distributed.launcher.launcher import Launcher
+from mnemojax._src.distributed.launcher.launcher import RETIRE_AFTER_PUBLISHES, Launcher
 from mnemojax._src.distributed.launcher.options import LaunchOptions, worker_env
 from mnemojax._src.distributed.launcher.plane import (
     EtcdArbiter,
@@ -124,7 +124,7 @@ class NodeLauncher(Launcher):
         self._withdrawn: set[int] = set()  # of those, taken back as frozen (said once)
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
-        self._progress_put: dict[int, int] = {}  # what `progress/<rank>` holds
+        self._progress_put: tuple = ()  # what `progress/<rank>` holds
 
     # -- the mirror's news (``roster.cv`` held) -----------------------------------------------
     def _on_view(self, view: JobView) -> None:
@@ -390,6 +390,20 @@ class NodeLauncher(Launcher):
                       "resume_step": agreement.resume_step})
         logger.warning("mnemojax launch: worker %d restarted into world %d, %s", w,
                        generation, agreement.resume_said)
+
+    def _agents_to_retire(self) -> tuple[int, list[int]]:
+        # Every member's publishes in the current world: this node's from its own count,
+        # the others' from their ``progress/<rank>`` (written every `PROGRESS_EVERY_S`).
+        view = self.plane.view
+        g = view.latest()
+        members = view.worlds().get(g, ())
+        if (g <= 0 or g != self._world_seen or not members or view.arrivals(g)
+                or view.dead() & set(members) or view.regrows(g)):
+            return g, []  # (a recovery under way may need any copy)
+        counts = {**view.publishes(g), **self._publishes}
+        if any(counts.get(m, 0) < RETIRE_AFTER_PUBLISHES for m in members):
+            return g, []
+        return g, [w for w in self._out_of_the_job(members) if w not in self._respawning]
 
     def agent_joined(self, hello: wire.Hello, link: socket.socket) -> None:
         with self.roster.cv:  # a restart's agent: reachable by the others before it joins
@@ -722,17 +736,23 @@ class NodeLauncher(Launcher):
             self._put_progress(retry_s=PROGRESS_EVERY_S)
 
     def _put_progress(self, *, retry_s: float) -> None:
-        steps = dict(self.steps)
-        if not steps or steps == self._progress_put:
+        with self.roster.cv:
+            steps = dict(self.steps)
+            # Its workers' publishes in the current world, for the other nodes'
+            # `_agents_to_retire`.
+            counted = (self._world_seen, dict(self._publishes))
+        if not steps or (steps, counted) == self._progress_put:
             return
         try:
             self.store.put(self.store.key("progress", self.options.node_rank),
                            {"steps": {str(w): s for w, s in sorted(steps.items())},
+                            "generation": counted[0],
+                            "publishes": {str(w): n for w, n in sorted(counted[1].items())},
                             "t": time.time()}, retry_s=retry_s)
         except RendezvousError as e:  # etcd out of reach: the next round tries again
             logger.debug("mnemojax launch: progress not written: %s", e)
         else:
-            self._progress_put = steps
+            self._progress_put = (steps, counted)
 
     def _stopping(self) -> bool:
         """A stop signal reached this node or another (call with ``roster.cv`` held)."""

@@ -242,6 +242,15 @@ class JobView:
             return None
         return g
 
+    def publishes(self, generation: int) -> dict[int, int]:
+        """Worker -> the snapshots it has published in world ``generation``, as its node
+        last wrote them (``progress/<rank>``, every few seconds)."""
+        out: dict[int, int] = {}
+        for record in self._under("progress/").values():
+            if isinstance(record, dict) and record.get("generation") == generation:
+                out.update({int(w): int(n) for w, n in record.get("publishes", {}).items()})
+        return out
+
     def regrows(self, generation: int) -> bool:
         """World ``generation`` is to re-form, larger (`regrow_due`), and has not yet."""
         return (self.items.get(f"regrow/{generation}") is not None
