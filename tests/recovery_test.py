@@ -299,3 +299,96 @@ def test_a_step_given_state_that_another_step_moved_off_a_lost_device_recovers_f
         gen.close()
     for name in ("critic", "gen"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_step_given_state_on_another_steps_spare_recovers_first_too():
+    """As above, but the critic swapped device 3 for the spare: the state given sits on a
+    device outside the generator's mesh, which was taken for the caller's placement
+    (`UnsupportedStateError`, a review). The loss is classified first."""
+    devices = jax.devices()
+    mesh = h.mesh_of((4,), names=("data",), devices=devices[:4])
+    faults = FaultInjector().lose_devices(3, [3])
+    steps = [mnemojax.resilient(fn, mesh=mesh, options=h.no_precompile(), fault_injector=faults,
+                                spare_devices=devices[4:5]) for fn in (_critic_step, _gen_step)]
+    state = {"critic": jnp.zeros((4,)), "gen": jnp.ones((4,))}
+    try:
+        for k in range(4):
+            for step in steps:
+                state, _ = step(state, np.full((8, 4), k, np.float32))
+        assert [[(r.plan_kind, r.new_mesh_devices) for r in s.statistics.recoveries]
+                for s in steps] == [[("spare_swap", (0, 1, 2, 4))]] * 2
+    finally:
+        for step in steps:
+            step.close()
+
+
+def _sum_step(state, x):
+    return {"w": state["w"] + x.mean()}, {"loss": jnp.sum(state["w"])}
+
+
+@pytest.mark.parametrize("given", ["on_the_lost_device", "host"])
+def test_a_changed_state_given_after_a_loss_is_read_whole_or_refused(given):
+    """A device died between calls (another step met it) and the state given to this step
+    is not the one it returned. Held on the host, it is read whole. Held only on the lost
+    device, no snapshot of this step holds it: a typed error naming why, where the
+    recovery had mixed the step's own older snapshot in, silently (a review)."""
+    mesh = h.mesh_of((4,), names=("data",))
+    faults = FaultInjector().lose_devices(3, [0])  # (the other step's call 3)
+    other = mnemojax.resilient(_sum_step, mesh=mesh, options=h.no_precompile(),
+                               fault_injector=faults)
+    step = mnemojax.resilient(_sum_step, mesh=mesh, options=h.no_precompile(),
+                              fault_injector=faults)
+    ones = np.ones((8, 4), np.float32)
+    state, mine = {"w": jnp.zeros((4,))}, {"w": jnp.zeros((4,))}
+    try:
+        for _ in range(2):
+            state, _ = other(state, ones)
+            mine, _ = step(mine, ones)
+        other(state, ones)  # (device 0 dies in it; this step's mesh still holds it)
+        changed = np.full((4,), 100.0, np.float32)
+        if given == "host":
+            mine, _ = step({"w": changed}, ones)
+            np.testing.assert_allclose(np.asarray(mine["w"]), changed + 1.0)
+            [rec] = step.statistics.recoveries
+            assert rec.failed_devices == (0,) and rec.source_step == 2 and rec.steps_lost == 0
+        else:
+            on_lost = jax.device_put(changed, jax.devices()[0])
+            with pytest.raises(StateUnavailableError, match="not the state this step last "
+                                                            "wrote"):
+                step({"w": on_lost}, ones)
+    finally:
+        other.close()
+        step.close()
+
+
+def test_guarded_work_after_another_steps_loss_still_recovers():
+    """A step's guarded eval after another step met a device loss, with one of its
+    objects' arrays replaced by the user (on one device): recovered as before, not a
+    private error escaping (a review's regression)."""
+    faults = FaultInjector().lose_devices(3, [3])
+    mesh = h.mesh_of((4, 2))
+    batches = h.make_batches(3)
+    (m1, o1), (m2, o2) = h.make_mlp(seed=0), h.make_mlp(seed=1)
+    a = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                           fault_injector=faults)
+    b = mnemojax.resilient(h.train_step, mesh=mesh, options=h.no_precompile(),
+                           fault_injector=faults)
+
+    @b.guard
+    def evaluate(model, batch):
+        return model(b.place(batch)["x"]).sum()
+
+    try:
+        for i in range(2):
+            a(m1, o1, batches[i])
+            b(m2, o2, batches[i])
+        a(m1, o1, batches[2])  # (device 3 dies in it)
+        leaf = jax.tree.leaves(nnx.state(m2, nnx.Param),
+                               is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        leaf.set_value(jnp.asarray(np.asarray(leaf.get_value())))  # the same values, one device
+        assert np.isfinite(float(evaluate(m2, h.EVAL_BATCH)))
+        [rec] = b.statistics.recoveries
+        assert rec.failed_devices == (3,) and rec.guarded
+    finally:
+        a.close()
+        b.close()

@@ -58,7 +58,7 @@ from mnemojax._src.persistent import PersistentTier
 from mnemojax._src.replay import ReplayBuffer, batch_struct
 from mnemojax._src.retry import Attempts, StopRule
 from mnemojax._src.runtime import Runtime, RuntimeBuilder
-from mnemojax._src.state_source import HostState, gather_state
+from mnemojax._src.state_source import HostState, gather_given, gather_state
 from mnemojax._src.statistics import RecoveryRecord, Statistics
 from mnemojax._src.topology import (
     MeshPlan,
@@ -284,8 +284,12 @@ class DeviceRecovery:
             failed: the devices whose loss this recovery handles (for the record).
             detect_s: seconds it took to classify the failure.
             rules: the planner's rules.
-            given: no step ran on `leaves` (the state given to a call, before it ran):
-                their live copies are read even where the step donates its state.
+            given: `leaves` are the state given to a call before it ran, not the state
+                the step last wrote (another step returned it, or the caller changed it):
+                only their live copies (and host arrays) hold them, and a shard lost with
+                every replica ends the recovery with `StateUnavailableError` (the step's
+                snapshots, or a checkpoint, are of its own older state: mixing them in
+                would lose the change silently, a review's finding).
 
         Raises:
             MeshTooSmallError: no valid mesh remains.
@@ -303,10 +307,12 @@ class DeviceRecovery:
         runtime.store.wait_idle(timeout_s=60)  # a copy in flight either completes or fails
         unavailable: StateUnavailableError | None = None
         host: HostState | None = None
+        if given:  # (no fallback: see above)
+            host = gather_given(leaves, state_step, proxy.dead, runtime.layer)
         try:
-            host = gather_state(leaves, state_step, proxy.dead, runtime.store.snapshots(),
-                                runtime.layer,
-                                live_ok=given or not opts.compile.donate_state)
+            if host is None:
+                host = gather_state(leaves, state_step, proxy.dead, runtime.store.snapshots(),
+                                    runtime.layer, live_ok=not opts.compile.donate_state)
             self._statistics.corrupt_snapshots_detected += host.corrupt_snapshots
             if host.corrupt_snapshots:
                 self._durability.emit("fault", step=step, classification="corrupt_snapshot",

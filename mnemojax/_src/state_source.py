@@ -50,10 +50,14 @@ class _NeedsRollback(Exception):
     pass
 
 
-def _from_live(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
+def _from_live(leaves: Sequence[jax.Array | np.ndarray], step: int, dead: Collection[int],
                same_step: Sequence[HostSnapshot], layer, corrupt: list) -> HostState:
     out, read, used_snapshot = [], 0, False
     for i, x in enumerate(leaves):
+        if not isinstance(x, jax.Array):  # a host array given to a call: whole already
+            out.append(np.asarray(x))
+            read += out[-1].nbytes
+            continue
         host = np.empty(x.shape, x.dtype)
         by_index: dict = {}
         for shard in x.addressable_shards:
@@ -92,6 +96,26 @@ def _from_snapshots(snapshots: Sequence[HostSnapshot], leaf: int, key,
             log.warning("mnemojax: %s; never restored", exc)
             corrupt.append(snap)
     raise _NeedsRollback
+
+
+def gather_given(leaves: Sequence[jax.Array | np.ndarray], step: int, dead: Collection[int],
+                 layer) -> HostState:
+    """The state given to a call, before it ran, read whole from its live copies (and host
+    arrays): it is not what the step last wrote (another step returned it, the caller
+    changed it), so no snapshot of the step's holds it.
+
+    Raises:
+        StateUnavailableError: a shard of it lost every copy with ``dead``.
+    """
+    try:
+        return _from_live(leaves, step, dead, [], layer, [])
+    except _NeedsRollback:
+        raise StateUnavailableError(
+            f"the state given to step {step + 1} lost a shard with every replica (devices "
+            f"{sorted(dead)} died), and it is not the state this step last wrote (another "
+            "step returned it, or the caller changed it): no snapshot of this step holds "
+            "it. Keep a replica of each shard on another device (a replicated axis), or "
+            "give the step state from a checkpoint") from None
 
 
 def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
