@@ -10,6 +10,7 @@ it, which lives until the process exits.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import subprocess
 import threading
@@ -35,6 +36,15 @@ def _queue() -> queue.SimpleQueue:
             threading.Thread(target=_serve, args=(_requests,), daemon=True,
                              name="mnemojax-spawner").start()
         return _requests
+
+
+def _forget() -> None:
+    """In a forked child: the parent's spawning thread is not there."""
+    global _lock, _requests
+    _lock, _requests = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def _serve(requests: queue.SimpleQueue) -> None:

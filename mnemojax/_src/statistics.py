@@ -134,7 +134,8 @@ class Statistics:
     spare_devices: tuple[int, ...] = ()
     dead_devices: tuple[int, ...] = ()
     # The newest snapshot's bytes and the cadence; across processes each step's snapshot
-    # is this worker's shards published to its agent (with their header).
+    # is this worker's shards published to its agent (with their header), every step, and
+    # `snapshots_taken` counts the copies started (one in the background may still fail).
     snapshot_bytes: int = 0
     snapshot_every_steps: int = 0
     unreplicated_state: bool = False

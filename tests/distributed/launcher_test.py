@@ -209,7 +209,7 @@ def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join(monkeypatch):
     """A warm spare that stops asking (`wire.AwaitJoin`, every `SPARE_POLL_S`: a frozen
     process) is offered to no world: a trial's SIGSTOPped spare was taken in and stalled
     the recovery for ~95 s. Between one poll's answer and the next it is still offered."""
-    monkeypatch.setattr(launcher_module, "POLL_GAP_S", 0.5)
+    monkeypatch.setattr(launcher_module, "POLL_GAP_S", 2.0)
     launcher = Launcher(LaunchOptions(nproc=2, spares=1), ["true"])
     try:
         with launcher.roster.cv:
@@ -223,7 +223,7 @@ def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join(monkeypatch):
             assert asking.result(timeout=5) == wire.Joined()  # (no world took it in)
         with launcher.roster.cv:
             assert launcher._warm_spares() == [2]  # (its next poll is on its way)
-        time.sleep(0.7)
+        time.sleep(2.3)
         with launcher.roster.cv:
             assert launcher._warm_spares() == []  # warm, idle, but not asking
     finally:

@@ -429,7 +429,7 @@ def test_a_crashed_worker_is_restarted_on_its_node_and_the_job_grows_back(tmp_pa
     the other three go on as world 1 while node 0's launcher claims a fresh id in etcd
     (4: every id the job used is taken) and starts it as a warm spare; once it is warm,
     the job re-forms at world 0's size with the spare at worker 1's rank. Exact."""
-    steps, out = 16, str(tmp_path)
+    steps, out = 28, str(tmp_path)  # (room for the claim, the spare's start, the regrow)
     with _logs_on_failure(out):
         with etcd_cluster(3) as cluster, two_nodes.started(
                 cluster.url, out, steps=steps, sleep_s=0.5,

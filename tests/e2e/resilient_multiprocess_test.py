@@ -378,7 +378,8 @@ def test_a_lost_host_restarted_as_a_spare_grows_the_job_back(tmp_path, reference
     killed it at once (the job stayed smaller); agents now start from a thread that lives
     as long as the launcher (`spawner.popen`)."""
     report = _run(tmp_path, [ProcessFault("host", 0, 2)], max_restarts=1,
-                  extra=("--restore", "--step-sleep-s", "1.5"))
+                  extra=("--restore", "--step-sleep-s", "1.5"),
+                  extra_env={"MP_JOB_SPARE_DELAY_S": "3"})  # (ready after the agreement)
     assert report["rc"] == 0, report
     decided = _launcher_events(report, "decided")
     assert [d["survivors"] for d in decided] == [[1, 2], [3, 1, 2]], decided

@@ -43,14 +43,16 @@ logger = logging.getLogger("mnemojax")
 # ends with (`worker.session.UNCAUGHT`, the same text; the launcher imports no worker code).
 UNCAUGHT = "uncaught exception: "
 
-# A spare between two join polls (one answered, the next on its way) is still asking.
-POLL_GAP_S = 1.0
+# A spare between two join polls (one answered, the next on its way: a new connection and
+# its handshake, slower on a loaded host) is still asking.
+POLL_GAP_S = 3.0
 
 # The agent of a worker out of the job is ended once every member of the world after it
-# has published this many snapshots (`Launcher._retire_agents`): with the default wait
-# before a slot is overwritten, each member's own agent then holds two steps of that world
-# and its buddy the first of them, so no later agreement goes back to the copies the
-# retired agent holds.
+# has published this many steps after the one that world resumed from
+# (`Launcher._retire_agents`): with the default wait before a slot is overwritten, each
+# member's own agent then holds two steps of that world and its buddy the first of them,
+# so no later agreement goes back to the copies the retired agent holds. (Distinct steps:
+# a late publish of the world before, one step ahead at most, cannot count twice.)
 RETIRE_AFTER_PUBLISHES = 2
 
 
@@ -90,7 +92,10 @@ class Launcher:
         self.on_event = on_event
         self.events: list[dict[str, Any]] = []
         self.steps: dict[int, int] = {}
-        self._publishes: dict[int, int] = {}  # worker -> its snapshots in the current world
+        # Worker -> the steps it has published in the current world after its resume step
+        # (`_retire_agents`), and that step.
+        self._published: dict[int, set[int]] = {}
+        self._resume_step = -1
         self._retired: set[int] = set()  # agents ended as their copies were outdated
         # Proves every connection of this job (`auth`); several nodes share one.
         self.secret = auth.new_secret() if secret is None else secret
@@ -151,13 +156,19 @@ class Launcher:
 
     def _record(self, event: dict[str, Any]) -> None:
         event = {**event, "t": time.time()}
-        if event["op"] in ("decided", "world"):  # (a new world: on several nodes, only
-            self._unrecovered.clear()           # the deciding node records "decided")
-            self._publishes.clear()
         if event["op"] == wire.Progress.OP:
-            self.steps[event["worker_id"]] = event["step"]
-            self._publishes[event["worker_id"]] = self._publishes.get(event["worker_id"], 0) + 1
-        else:
+            with self.roster.cv:  # (`_published` is cleared under it, below)
+                w, step = event["worker_id"], event["step"]
+                self.steps[w] = step
+                if step > self._resume_step:
+                    self._published.setdefault(w, set()).add(step)
+        elif event["op"] in ("decided", "world"):  # (a new world: on several nodes, only
+            with self.roster.cv:                   # the deciding node records "decided")
+                self._unrecovered.clear()
+                self._published.clear()
+                resume = event.get("resume_step")
+                self._resume_step = resume if isinstance(resume, int) else -1
+        if event["op"] != wire.Progress.OP:
             self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)
@@ -408,6 +419,9 @@ class Launcher:
         held."""
         if self._stopping_now():
             return
+        for w in self._retired:  # (reaped: no zombie until the end)
+            if (proc := self.agents.get(w)) is not None:
+                proc.poll()
         generation, out = self._agents_to_retire()
         if not out:
             return
@@ -434,7 +448,8 @@ class Launcher:
         book = arbiter.book
         if book.generation == 0 or book.dead or book.arrived:
             return book.generation, []  # (a recovery under way may need any copy)
-        if any(self._publishes.get(m, 0) < RETIRE_AFTER_PUBLISHES for m in book.members):
+        if any(len(self._published.get(m, ())) < RETIRE_AFTER_PUBLISHES
+               for m in book.members):
             return book.generation, []
         return book.generation, self._out_of_the_job(book.members)
 

@@ -132,11 +132,12 @@ class NodeLauncher(Launcher):
         for g in sorted(g for g in view.worlds() if g > self._world_seen):
             self._world_seen = g
             record = view.world(g) or {}
-            self._record({"op": "world", "generation": g, "members": record.get("members"),
-                          "coordinator": record.get("coordinator"),
-                          "host_node": record.get("host_node")})
             members = view.worlds()[g]
             first = agreement_of(record, members[0]) if members else None
+            self._record({"op": "world", "generation": g, "members": record.get("members"),
+                          "coordinator": record.get("coordinator"),
+                          "host_node": record.get("host_node"),
+                          "resume_step": None if first is None else first.resume_step})
             logger.info("mnemojax launch: world %d: workers %s%s, coordination service on "
                         "node %s", g, list(members),
                         "" if first is None else f", {first.resume_said}",
@@ -400,7 +401,7 @@ class NodeLauncher(Launcher):
         if (g <= 0 or g != self._world_seen or not members or view.arrivals(g)
                 or view.dead() & set(members) or view.regrows(g)):
             return g, []  # (a recovery under way may need any copy)
-        counts = {**view.publishes(g), **self._publishes}
+        counts = {**view.publishes(g), **{w: len(s) for w, s in self._published.items()}}
         if any(counts.get(m, 0) < RETIRE_AFTER_PUBLISHES for m in members):
             return g, []
         return g, [w for w in self._out_of_the_job(members) if w not in self._respawning]
@@ -426,7 +427,9 @@ class NodeLauncher(Launcher):
         while True:
             try:
                 view = JobView(self.store.items(), o.nproc)
-                if view.end() is not None:
+                if view.end() is not None or view.stopping() is not None:
+                    logger.info("mnemojax launch: worker %d is not restarted: the job is "
+                                "ending", worker_id)
                     return
                 with self.roster.cv:
                     taken = set(self.agents) | set(self._restarted)
@@ -437,15 +440,17 @@ class NodeLauncher(Launcher):
                     self.store.put(self.store.key("home", fresh), o.node_rank)
                     break
             except FencedOutError:
-                return  # (the others took this node for lost: it restarts nothing)
+                logger.warning("mnemojax launch: worker %d is not restarted: the other nodes "
+                               "took this node for lost", worker_id)
+                return
             except RendezvousError as e:
                 if time.monotonic() > deadline:
                     logger.error("mnemojax launch: worker %d is not restarted: etcd did not "
                                  "answer for %.0f s (%s)", worker_id, o.etcd_outage_s, e)
                     return
                 time.sleep(0.5)
-        with self.roster.cv:
-            if not self._stopping_now():
+        with self.roster.cv:  # (the launcher may be past its loop: no agent to start then)
+            if not self._stopping_now() and not self.plane.closed:
                 self._fresh_started(fresh, worker_id, why, free=free)
 
     def agent_lost(self, worker_id: int) -> None:
@@ -740,7 +745,7 @@ class NodeLauncher(Launcher):
             steps = dict(self.steps)
             # Its workers' publishes in the current world, for the other nodes'
             # `_agents_to_retire`.
-            counted = (self._world_seen, dict(self._publishes))
+            counted = (self._world_seen, {w: len(s) for w, s in self._published.items()})
         if not steps or (steps, counted) == self._progress_put:
             return
         try:

@@ -22,7 +22,10 @@ The job's keys (under ``/mnemojax/<job>/``)::
     regrow/<g>                world g is smaller than world 0 and idle spares can fill it:
                               its members re-form it, larger (created once)
     rejoin/<first id>         a node that rejoined the running job (``--grow-back``) took
-                              the ids from there (created once)
+                              the ids from there, or a node restarted a worker under that
+                              id (``--max-restarts``; created once)
+    progress/<rank>           that node's workers' newest published steps, and their
+                              publishes in the world it saw last (every few seconds)
     dead/<worker>             declared dead (crashed, evicted, or left the job); permanent
     exit/<worker>             its worker's exit status; permanent
     end                       the job is ending (why; a worker's error status), created once
