@@ -536,7 +536,7 @@ def initialize() -> DistributedSession | None:
 
 # A waiting spare asks the launcher again this often: one that stops asking (a frozen
 # process) is offered to no world from then on (`launcher.Launcher._warm_spares`).
-SPARE_POLL_S = 5.0
+SPARE_POLL_S = 2.0
 
 
 def _await_join() -> Agreement:
