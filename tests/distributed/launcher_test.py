@@ -228,3 +228,29 @@ def test_a_spare_is_offered_to_a_world_only_while_it_asks_to_join(monkeypatch):
             assert launcher._warm_spares() == []  # warm, idle, but not asking
     finally:
         launcher.cleanup()
+
+
+def test_a_restart_past_the_budget_is_said_and_none_once_a_worker_finished(caplog):
+    """`--max-restarts`: a crash past the budget was passed over in silence (a trial: the
+    job went on at half its size with only "workers [4] dead"); it is said now. Once a
+    worker of the job has exited 0 (its loop is done) nothing is restarted (a trial's
+    worker killed after its last step got a charged restart and "the job grows back"),
+    but a worker that left the job with status 0 does not count as done."""
+    launcher = Launcher(LaunchOptions(nproc=2, max_restarts=1), ["true"])
+    try:
+        with launcher.roster.cv:
+            launcher._restarts_used = 1
+            assert not launcher._restart_as_spare(0, "ended by signal 9")
+            assert [e["worker_id"] for e in launcher.events
+                    if e["op"] == "restarts_used"] == [0]
+            assert "worker 0 ended by signal 9: not restarted, all 1 restarts" in caplog.text
+            launcher._restarts_used = 0
+            launcher._departed.add(1)
+            launcher.roster.exit_codes[1] = 0  # (it left the job)
+            assert not launcher._loop_done()
+            launcher._departed.clear()  # (its loop was done)
+            assert launcher._loop_done()
+            assert not launcher._restart_as_spare(0, "ended by signal 9")
+            assert launcher._restarts_used == 0
+    finally:
+        launcher.cleanup()

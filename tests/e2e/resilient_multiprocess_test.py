@@ -326,6 +326,26 @@ def test_a_spare_on_one_machine_keeps_the_mesh_and_its_replica_covers_the_next_l
     assert "worker 3 ended by signal 9; the others recover" in said
 
 
+@pytest.mark.slow  # ~35 s
+def test_a_spare_frozen_as_it_is_taken_in_is_declared_dead_and_the_world_forms_without_it(
+        tmp_path, reference, caplog):
+    """The spare freezes (SIGSTOP) as worker 1 dies, still offered to the next world, which
+    takes it in. It never says it has its agreement: after `JOIN_ACK_S` the launcher
+    declares it dead and the survivors form a world without it (a trial's stalled ~1.5 x
+    the agreement timeout, 97 s by default). Exact at the end."""
+    report = _run(tmp_path, [ProcessFault("freeze_spares", 1, 3), ProcessFault("kill", 1, 3)],
+                  spares=1, extra=("--restore",))
+    assert report["rc"] == 0, report
+    [frozen] = [f for f in report["fired"] if f["kind"] == "freeze_spares"]
+    assert frozen["frozen"] == 1
+    decided = _launcher_events(report, "decided")
+    assert [d["survivors"] for d in decided] == [[0, 3, 2], [0, 2]], decided
+    assert [(e["worker_id"], e["why"]) for e in _launcher_events(report, "evicted")] \
+        == [(3, "joined, then silent")]
+    assert "spare 3, taken into world 1, did not say it has its agreement" in caplog.text
+    _assert_exact(tmp_path, reference)
+
+
 @pytest.mark.slow  # ~25 s
 def test_a_spare_joining_a_loop_that_skips_restore_leaves_and_no_other_spare_joins(
         tmp_path, reference):

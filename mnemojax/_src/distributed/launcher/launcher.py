@@ -47,6 +47,11 @@ UNCAUGHT = "uncaught exception: "
 # its handshake, slower on a loaded host) is still asking.
 POLL_GAP_S = 3.0
 
+# A spare a world took in must say it has its agreement (`wire.AwaitJoin` once more) this
+# long after: one that does not (frozen, stalled) is declared dead, and the world forms
+# again without it, instead of waiting for it at the agreement's and barriers' timeouts.
+JOIN_ACK_S = 10.0
+
 # The agent of a worker out of the job is ended once every member of the world after it
 # has published this many steps after the one that world resumed from
 # (`Launcher._retire_agents`): with the default wait before a slot is overwritten, each
@@ -104,6 +109,9 @@ class Launcher:
         self._idle: set[int] = set()  # warm spares waiting for a world (`wire.AwaitJoin`)
         self._warm: set[int] = set()  # spares that asked to join (Python and JAX loaded)
         self._joins: dict[int, Agreement] = {}  # spare -> the world that took it in
+        # Spares taken in that have not said they have their agreement: when they were
+        # taken in, and whether it was handed to them once (`_check_joins`).
+        self._unacked: dict[int, tuple[float, bool]] = {}
         # Spares whose `wire.AwaitJoin` poll is open now, and when each last poll ended: a
         # spare that stops asking (a frozen process) is offered to no world
         # (`_asking_spares`).
@@ -275,6 +283,30 @@ class Launcher:
         return set(self._polling) | {w for w, t in self._asked_at.items()
                                      if now - t <= POLL_GAP_S}
 
+    def _check_joins(self) -> None:
+        """A spare taken into a world that has not said it has its agreement within
+        `JOIN_ACK_S` (a frozen process: a trial's stalled a recovery for ~1.5 x the
+        agreement timeout) is declared dead and killed: the members meet its death at
+        their barrier and form the world again without it (``roster.cv`` held)."""
+        now = time.monotonic()
+        for w, (since, handed) in list(self._unacked.items()):
+            if w in self.roster.exit_codes:
+                del self._unacked[w]
+            elif now - since > JOIN_ACK_S:
+                del self._unacked[w]
+                self._record({"op": "evicted", "worker_id": w, "why": "joined, then silent"})
+                logger.warning(
+                    "mnemojax launch: spare %d, taken into world %d, did not say it has its "
+                    "agreement within %.0f s (%s): it is declared dead and the world forms "
+                    "again without it", w, self._joins[w].generation, JOIN_ACK_S,
+                    "it never asked for it" if not handed else "frozen or stalled since")
+                self._evict_joiner(w)
+
+    def _evict_joiner(self, worker_id: int) -> None:
+        """Declares a spare that joined dead and kills it (``roster.cv`` held)."""
+        self.arbiter.member_died(worker_id)
+        self.roster.command(worker_id, wire.KillWorker())
+
     def _offer_spares(self) -> None:
         """Tells the other nodes which spares a world may take in now (``roster.cv`` held):
         one launcher has nobody to tell, its arbiter asks `_warm_spares`."""
@@ -301,6 +333,7 @@ class Launcher:
         (call with ``roster.cv`` held)."""
         self._idle.discard(worker_id)
         self._joins[worker_id] = agreement
+        self._unacked[worker_id] = (time.monotonic(), False)
         self._record({"op": "joined", "worker_id": worker_id,
                       "generation": agreement.generation,
                       "replaces": agreement.replaces.get(worker_id)})
@@ -328,6 +361,11 @@ class Launcher:
                     if left <= 0:
                         return wire.Joined()
                     cv.wait(timeout=min(left, 0.5))
+                if (unacked := self._unacked.get(w)) is not None:
+                    if unacked[1]:  # asked again with its agreement in hand: alive
+                        del self._unacked[w]
+                    else:
+                        self._unacked[w] = (unacked[0], True)
                 return wire.Joined(agreement=agreement)
             finally:
                 self._polling[w] -= 1
@@ -365,15 +403,33 @@ class Launcher:
         """``max_restarts``: starts a fresh process (a new agent and a warm spare, with a
         new id) for worker ``worker_id``, which crashed, left the job or ended as a spare
         (``roster.cv`` held); whether it did. Not once the job is stopping or ending, nor
-        past the budget (``free``: a healthy process the launcher ended, not charged)."""
+        past the budget (``free``: a healthy process the launcher ended, not charged), nor
+        once a worker has finished its loop (the job is ending 0)."""
         o = self.options
         if (not o.max_restarts or not o.recover or self._stopping_now()
-                or self._spares_refused is not None
-                or (not free and self._restarts_used >= o.max_restarts)):
+                or self._spares_refused is not None or self._loop_done()):
+            return False
+        if not free and self._restarts_used >= o.max_restarts:
+            self._record({"op": "restarts_used", "worker_id": worker_id})
+            logger.warning("mnemojax launch: worker %d %s: not restarted, all %d restarts "
+                           "(--max-restarts%s) are used; the job goes on without it",
+                           worker_id, why, o.max_restarts,
+                           ", per node" if o.nnodes > 1 else "")
             return False
         self._restarts_used += not free
         self._start_fresh(worker_id, why, free=free)
         return True
+
+    def _loop_done(self) -> bool:
+        """A worker of the job exited 0 other than by leaving it: its loop is done, the job
+        is ending (``roster.cv`` held)."""
+        left = self._departed | self._left_elsewhere()
+        return bool(self._finished_workers) or any(
+            code == 0 and w not in left for w, code in self._exit_codes().items())
+
+    def _left_elsewhere(self) -> set[int]:
+        """Workers of other launchers that left the job (``roster.cv`` held)."""
+        return set()
 
     def _start_fresh(self, worker_id: int, why: str, *, free: bool) -> None:
         """Starts the fresh process of a restart of ``worker_id`` under the next unused id
@@ -636,11 +692,13 @@ class Launcher:
                         self.arbiter.end("the job is ending: --timeout-s ran out", code=124)
                         return 124
                     self._offer_spares()
+                    self._check_joins()
                     self._maybe_regrow()
                     self._retire_agents()
                     self.roster.cv.wait(timeout=0.2)
             self._ended_by_job = True
-            return rc
+            logger.info("mnemojax launch: the job ended, status %d", rc)  # (a trial: the
+            return rc                                      # launchers never said it)
         except KeyboardInterrupt:
             return 130
         finally:

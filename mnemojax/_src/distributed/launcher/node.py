@@ -497,6 +497,9 @@ class NodeLauncher(Launcher):
             why = f"spare {worker_id} is dead"
         return why
 
+    def _left_elsewhere(self) -> set[int]:
+        return self.plane.view.left()
+
     def _exit_codes(self) -> dict[int, int]:
         return {**self.plane.view.exits(), **self.roster.exit_codes}
 

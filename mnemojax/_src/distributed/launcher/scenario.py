@@ -12,7 +12,9 @@ launcher has decided a new world that includes it (the others must agree again),
 worker's ``compile`` phase on to the launcher): the others are compiling too, or waiting
 at the barrier after the compile.
 ``stop_in_agreement`` is the scheduler's preemption notice (SIGTERM to the launcher) as
-the victim calls ``agree`` in a recovery.
+the victim calls ``agree`` in a recovery. ``freeze_spares`` stops every idle spare
+(SIGSTOP) once the victim has published ``at_step``: listed with a kill at the same step,
+the spares freeze as the worker dies, still offered to the world formed after it.
 ``intrude`` harms nothing by itself: an outsider without the job secret connects to the
 launcher's port and to the victim's agent and sends forged requests (a ``hello`` that would
 replace the agent's link, an ``agree``, an ``alloc`` that would wipe the replicas, a ``get``
@@ -42,7 +44,7 @@ from mnemojax._src.distributed.shm import SnapshotBuffer
 from mnemojax._src.errors import InvalidOptionError, ProtocolError
 
 KINDS = ("kill", "host", "hang", "corrupt", "kill_in_agreement", "kill_after_decision",
-         "kill_in_compile", "intrude", "stop_in_agreement")
+         "kill_in_compile", "intrude", "stop_in_agreement", "freeze_spares")
 # Kinds that fire on an event of the recovery path, once every earlier fault has fired.
 ORDERED_KINDS = ("kill_in_agreement", "kill_after_decision", "kill_in_compile",
                  "stop_in_agreement")
@@ -54,8 +56,8 @@ class ProcessFault:
 
     Attributes:
         kind: ``kill``, ``host``, ``hang``, ``corrupt``, ``kill_in_agreement``,
-            ``kill_after_decision``, ``kill_in_compile``, ``stop_in_agreement`` or
-            ``intrude`` (module docstring).
+            ``kill_after_decision``, ``kill_in_compile``, ``stop_in_agreement``,
+            ``freeze_spares`` or ``intrude`` (module docstring).
         victim: the worker's stable id (its process id at launch).
         at_step: the step after which it fires (ignored by the agreement kinds and
             ``kill_in_compile``).
@@ -166,6 +168,15 @@ def run_scenario(cmd: Sequence[str], *, nproc: int, devices_per_proc: int = 2,
             with launcher.roster.cv:
                 launcher._stop_signals.append(signal.SIGTERM)
                 launcher.roster.cv.notify_all()
+            fired.append(record)
+            return
+        if fault.kind == "freeze_spares":
+            with launcher.roster.cv:
+                idle = [launcher.worker_pids[w] for w in sorted(launcher._idle)
+                        if w in launcher.worker_pids]
+            for pid in idle:
+                os.kill(pid, signal.SIGSTOP)
+            record["frozen"] = len(idle)
             fired.append(record)
             return
         if fault.kind == "intrude":

@@ -564,6 +564,10 @@ def _await_join() -> Agreement:
             raise SystemExit(0) from None
         if agreement is not None:
             break
+    # It has its agreement: says so (asking once more answers it again at once), or the
+    # launcher takes it for frozen and the world forms without it (`Launcher._check_joins`).
+    with contextlib.suppress(AgreementError):
+        coordinator.await_join(timeout_s=0.0)
     os.environ.update({COORDINATOR: agreement.coordinator,
                        PROCESS_ID: str(agreement.process_id),
                        NUM_PROCESSES: str(agreement.num_processes),
