@@ -627,6 +627,11 @@ def test_status_shows_the_newest_step_of_every_member_and_where_each_world_resum
     assert 2 <= s["progress_age_s"] < 10  # the newest record's age
     assert status.summary_of({**items, "progress/0": {"steps": {"0": 9}, "t": 0}})[
         "step"] is None  # worker 1 has not published: no step is every member's
+    # `--max-restarts`: which fresh id restarted which worker (a trial: not shown); a node
+    # that rejoined (`--grow-back`) claimed its ids restarting no one.
+    claims = {"rejoin/4": {"node": 1, "count": 1, "restarts": 2},
+              "rejoin/5": {"node": 0, "count": 4}}
+    assert status.summary_of({**items, **claims})["restarts"] == {4: 2}
 
 
 def test_a_member_that_left_is_seen_as_left_by_both_nodes_at_once_with_its_death(nodes):

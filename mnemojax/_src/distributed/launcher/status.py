@@ -50,6 +50,10 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
             "dead": sorted(view.dead() - left), "left": sorted(left),
             "idle_spares": view.idle_spares(), "exits": exits, "end": view.end(),
+            # Fresh id -> the worker it restarted (`--max-restarts`; a trial: not shown).
+            "restarts": {int(k.split("/", 1)[1]): int(v["restarts"])
+                         for k, v in sorted(items.items()) if k.startswith("rejoin/")
+                         and isinstance(v, dict) and "restarts" in v},
             "stopping": view.stopping(),
             # Every member of the last world exited 0, with no stop told: done (no node
             # writes an end then, as one node's end is not the job's).
@@ -103,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
             else ", resumed from the persistent checkpoint (no complete copy in memory)"))
     if s["idle_spares"]:
         print(f"  idle spares: {s['idle_spares']}")
+    if s["restarts"]:
+        print("  restarted: " + ", ".join(f"worker {old} as {new}"
+                                          for new, old in s["restarts"].items()))
     if s["dead"]:
         print(f"  dead workers: {s['dead']}")
     if s["left"]:
