@@ -412,7 +412,7 @@ class Launcher:
         if not free and self._restarts_used >= o.max_restarts:
             self._record({"op": "restarts_used", "worker_id": worker_id})
             logger.warning("mnemojax launch: worker %d %s: not restarted, all %d restarts "
-                           "(--max-restarts%s) are used; the job goes on without it",
+                           "(--max-restarts%s) are used (a spare may still take its rank)",
                            worker_id, why, o.max_restarts,
                            ", per node" if o.nnodes > 1 else "")
             return False
