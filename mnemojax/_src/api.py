@@ -419,10 +419,8 @@ class ResilientStep(Generic[P, R]):
             if b.session is not None and self._step == 0:
                 # Before the first compile: a peer lost in it, or in step 1, needs it.
                 self._publish(0, leaves)
-            if (b.snapshot_every is None and b.session is None
-                    and (recovered is None or recovered.resumed.state_step == self._step)):
-                # (a recovery first from an older state: the replay's commits snapshot)
-                self._snapshot_initial(b, leaves)
+            if b.snapshot_every is None and b.session is None:
+                self._snapshot_initial(b, leaves)  # (after `_placed`'s recovery: of step - 1)
             barrier = b.session if b.session is not None and b.exe is None else None
             if barrier is not None:  # `_run` waits at its barrier (a peer lost: recovered)
                 compile_for_world(barrier, b.runtime, batch, b.examples,
@@ -1625,7 +1623,8 @@ class ResilientStep(Generic[P, R]):
         ``JaxRuntimeError``), or they died between the calls. The step then recovers onto
         a mesh without them from the state given, read whole from its live copies: it is
         not the state the step last wrote (that one is never placed again), so no snapshot
-        of the step's holds it (`DeviceRecovery.recover`, ``given``)."""
+        of the step's holds it (`DeviceRecovery.recover`, ``given``). So the recovered
+        state is always of step - 1, or the call raises `StateUnavailableError`."""
         try:
             return self._place_state(b, leaves, recover_first=True), None
         except _LostBeforeStep as lost:
