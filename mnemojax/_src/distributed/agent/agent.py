@@ -114,7 +114,10 @@ class Agent:
             # The launcher killed first (this is its PDEATHSIG): the last agent out removes
             # what is left of the job's shared memory, its lock file at least. The signal
             # may come before the dying launcher's last thread lets go of the lock.
-            launcher_gone = os.getppid() != self._launcher_pid
+            # A signal (the PDEATHSIG) may also come from the end of the launcher's thread
+            # that started this agent while the rest of the dying launcher still holds the
+            # lock (its parent pid unchanged yet): wait for the lock then too.
+            launcher_gone = os.getppid() != self._launcher_pid or self._stop_requested
             shm.sweep_if_orphaned(self._shm_prefix, wait_s=2.0 if launcher_gone else 0.0)
         return 0
 
