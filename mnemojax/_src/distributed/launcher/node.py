@@ -489,7 +489,7 @@ class NodeLauncher(Launcher):
                 logger.warning("mnemojax launch: spare %d stopped asking to join (a frozen "
                                "or stalled process): no world takes it in until it asks "
                                "again", w)
-        self._offered = offer | (self._offered - self._idle)
+        self._offered = offer  # (a spare that joined is no longer offered, nor taken back)
 
     def _join_refused(self, worker_id: int) -> str | None:
         why = self.plane.ending()
