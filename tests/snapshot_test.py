@@ -67,6 +67,18 @@ def test_buffers_are_reused_and_double_buffered(arrays):
     store.close()
 
 
+class _CountingLayer(JaxDeviceLayer):
+    """Counts the device reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def fetch_into(self, piece, device_id, out):
+        self.reads += 1
+        super().fetch_into(piece, device_id, out)
+
+
 class _GatedLayer(JaxDeviceLayer):
     """Blocks inside a copy until released, to look at the store mid-copy."""
 
@@ -154,9 +166,9 @@ def test_a_flipped_bit_in_any_shard_is_caught_by_shard_and_assemble(arrays):
     store.close()
 
 
-def _taken(store, dev, step: int = 1):
+def _taken(store, dev, step: int = 1, kept=()):
     """Submits `dev` as the snapshot of `step` and returns it once copied."""
-    store.submit(step, dev)
+    assert store.submit(step, dev, kept=kept)
     assert store.wait_idle(10)
     return store.latest()
 
@@ -236,3 +248,96 @@ def test_a_corrupt_snapshot_is_reported_when_the_layout_changes(arrays):
     assert store.wait_idle(10)
     assert found == [1] and store.latest().step == 3
     store.close()
+
+
+# -- shared leaves (a frozen base the step returns as given: `SnapshotStore.share`) ------
+
+def test_a_kept_shared_leaf_is_copied_once_and_held_by_both_slots(arrays):
+    host, dev = arrays
+    layer = _CountingLayer()
+    store = SnapshotStore(layer, ["params", "opt_state"], budget_bytes=1 << 30)
+    assert store.share([0])
+    first = _taken(store, dev)
+    reads = layer.reads
+    second = _taken(store, [dev[0], dev[1] * 2], 2, kept=[0])
+    # Only leaf 1's one shard was read again; leaf 0's copy is the one the first holds.
+    assert layer.reads - reads == 1
+    assert second.leaves[0] is first.leaves[0] and second.leaves[1] is not first.leaves[1]
+    np.testing.assert_array_equal(second.assemble(0), host[0])
+    np.testing.assert_array_equal(second.assemble(1), host[1] * 2)
+    np.testing.assert_array_equal(first.assemble(1), host[1])
+    # Host memory: each slot's own leaf, and the shared leaf once.
+    assert store.shared_bytes == host[0].nbytes
+    assert store.host_bytes == 2 * host[1].nbytes + host[0].nbytes
+    store.close()
+
+
+def test_a_shared_leaf_not_kept_gets_a_new_copy_and_the_older_snapshot_keeps_its_own(arrays):
+    """A frozen base changed between steps (new weights loaded) is copied anew; the copy
+    the other slot holds is never written over, so that older snapshot still restores
+    the value it was taken of."""
+    host, dev = arrays
+    store = _store()
+    assert store.share([0])
+    first = _taken(store, dev)
+    changed = [dev[0] + 1, dev[1]]
+    second = _taken(store, changed, 2)  # (nothing kept: a new value)
+    assert second.leaves[0] is not first.leaves[0]
+    np.testing.assert_array_equal(second.assemble(0), host[0] + 1)
+    np.testing.assert_array_equal(first.assemble(0), host[0])
+    third = _taken(store, changed, 3, kept=[0])  # over the first slot: the new copy kept
+    assert third is first and third.leaves[0] is second.leaves[0]
+    np.testing.assert_array_equal(third.assemble(0), host[0] + 1)
+    store.close()
+
+
+def test_a_shared_leaf_on_another_mesh_is_copied_again_even_if_kept(arrays):
+    host, dev = arrays
+    store = _store()
+    assert store.share([0])
+    first = _taken(store, dev)
+    mesh = h.mesh_of((2, 4))
+    other = [jax.device_put(x, NamedSharding(mesh, s))
+             for x, s in zip(host, [P("model", None), P()], strict=True)]
+    second = _taken(store, other, 2, kept=[0])
+    assert second.leaves[0] is not first.leaves[0] and len(second.leaves[0].shards) == 4
+    np.testing.assert_array_equal(second.assemble(0), host[0])
+    store.close()
+
+
+def test_the_budget_counts_a_shared_leaf_once(arrays):
+    host, dev = arrays
+    need = 2 * host[1].nbytes + host[0].nbytes  # (under 2 x the whole state)
+    store = SnapshotStore(JaxDeviceLayer(), ["params", "opt_state"], budget_bytes=need)
+    assert store.share([0])
+    assert store.submit(1, dev) and store.wait_idle(10) and not store.disabled
+    store.close()
+    store = SnapshotStore(JaxDeviceLayer(), ["params", "opt_state"], budget_bytes=need - 1)
+    assert store.share([0])
+    with pytest.warns(SnapshotBudgetWarning, match=r"2 x 24 bytes \(and 192 bytes copied once"):
+        assert store.submit(1, dev) is False
+    store.close()
+
+
+def test_leaves_are_shared_only_before_the_first_snapshot(arrays):
+    _, dev = arrays
+    store = _store()
+    _taken(store, dev)
+    assert not store.share([0])
+    second = _taken(store, dev, 2, kept=[0])
+    assert second.leaves[0] is not store.snapshots()[1].leaves[0]  # (each slot its own)
+    store.close()
+
+
+def test_a_corrupt_shared_copy_is_caught_on_restore(arrays):
+    _, dev = arrays
+    store = _store()
+    assert store.share([0])
+    _taken(store, dev)
+    snap = _taken(store, dev, 2, kept=[0])
+    next(iter(snap.leaves[0].shards.values())).view(np.uint8)[0] ^= 0x01
+    for held in store.snapshots():  # (both slots hold that copy)
+        with pytest.raises(SnapshotCorruptError, match="leaf 0"):
+            held.assemble(0)
+    store.close()
+    assert store.corrupt_found == 1  # (and said at close, as a retired slot's would be)

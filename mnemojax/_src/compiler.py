@@ -122,6 +122,9 @@ class Executable:
     # Per pack the step also writes (`pack_groups`), the state leaves it holds; () when
     # it writes none. Its fourth output is the packs, in this order.
     pack_members: tuple[tuple[int, ...], ...] = ()
+    # The shared state leaves (`StepCompiler.shared_leaves`) this executable returns as
+    # given (traced here; () when lowered from an export): their snapshot copy is kept.
+    kept: frozenset[int] = frozenset()
 
 
 def _axes_of(spec: PartitionSpec) -> set[str]:
@@ -184,6 +187,9 @@ class StepFacts:
     # trace or compile failed there: a shape computed from an axis's width): later plans
     # take another (`DeviceRecovery.recover`).
     refused_shapes: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
+    # The state leaves the step returns as given (the very value it was passed: a frozen
+    # base the optimizer does not update), from its first trace. None until a trace tells.
+    forwarded: frozenset[int] | None = None
 
 
 # The name scope the user's step is traced in, inside mnemojax's own wrapper (whose
@@ -564,6 +570,12 @@ class GivenUp(Exception):
     nothing."""
 
 
+def _forwarded(checked: Callable) -> frozenset[int]:
+    """The shared leaves the trace of ``checked`` (`StepCompiler._checked_for`) found
+    returned as given: `Executable.kept`."""
+    return checked.__dict__.get("forwarded", frozenset())
+
+
 def _source_function(fn: Callable | None) -> Callable | None:
     """The plain Python function `fn` is, under partials and wrappers (what JAX's trace
     errors can point at with a file and line), or None."""
@@ -597,16 +609,22 @@ class StepCompiler:
                  leaf_names: Sequence[str] | None = None,
                  facts: StepFacts | None = None, left: LeftCompiles | None = None,
                  traced_as: Callable | None = None,
-                 pack: Callable[[Mesh, bool, int], bool] | None = None,
+                 pack: Callable[[Mesh, bool, int, int], bool] | None = None,
+                 share_forwarded: bool = False,
                  in_child: bool = False, child_nice: int = 0):
         self._pure = pure
+        # Whether the leaves the step returns as given are snapshotted once and left out
+        # of the packs (`shared_leaves`); fixed at its first use.
+        self._share_forwarded = share_forwarded
+        self._shared: frozenset[int] | None = None
+        self._first_trace: tuple[tuple, Any, Any] | None = None  # (`trace_first`)
         # Compiles ahead of time in the compile process where it applies (`compile_process`,
         # `CompileOptions.compile_process`).
         self._in_child = in_child
         self._child_nice = child_nice
         # Whether the step also writes the state packed for the snapshot's copy, given the
-        # mesh, whether its state has single-copy shards and the state's bytes
-        # (`snapshot.Packed`).
+        # mesh, whether its state has single-copy shards, the state's bytes and of them
+        # the shared leaves' (`snapshot.Packed`).
         self._pack = pack
         self._traced_as = _source_function(traced_as)
         self._left = left if left is not None else LeftCompiles()
@@ -638,16 +656,49 @@ class StepCompiler:
         self.compiled_ahead = 0
         self.compiled_in_child = 0  # compiles ahead done in the compile process
 
+    def shared_leaves(self) -> frozenset[int]:
+        """The state leaves snapshotted once (`snapshot.SnapshotStore.share`) and left out
+        of the packs: those the step returns as given (`StepFacts.forwarded`), where
+        ``share_forwarded``. Fixed at the first call: the packs of every executable, and
+        the store, agree on them (before the first trace: none)."""
+        if self._shared is None:
+            self._shared = (self.facts.forwarded or frozenset()) if self._share_forwarded \
+                else frozenset()
+        return self._shared
+
     def packs_for(self, mesh: Mesh) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-        """The packs the step writes on `mesh` (`pack_groups`): none where `pack` says no.
-        The same on every mesh a recovery plans (their axes divide every dimension they
-        split), so a step exported for one mesh returns as many packs on another."""
+        """The packs the step writes on `mesh` (`pack_groups`): none where `pack` says no;
+        never a shared leaf (`shared_leaves`: copied once, not every step). The same on
+        every mesh a recovery plans (their axes divide every dimension they split), so a
+        step exported for one mesh returns as many packs on another."""
+        shared = self.shared_leaves()
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize
+                 for shape, dtype in self.leaf_structs]
         if (self._pack is None
-                or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(
-                    int(np.prod(shape)) * np.dtype(dtype).itemsize
-                    for shape, dtype in self.leaf_structs))):
+                or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(sizes),
+                                  sum(sizes[i] for i in shared))):
             return []
-        return pack_groups(self._specs, self.leaf_structs, mesh) or []
+        own = [i for i in range(len(self._specs)) if i not in shared]
+        groups = pack_groups([self._specs[i] for i in own],
+                             [self.leaf_structs[i] for i in own], mesh)
+        return [(axes, tuple(own[j] for j in members)) for axes, members in groups or []]
+
+    def trace_first(self, plan: MeshPlan, batch_struct) -> None:
+        """Traces the step for `plan` now (its first compile then lowers this trace), so
+        that `StepFacts.forwarded` is known before the first snapshot is laid out. In one
+        process only (with exports the first trace is watched: `_lower`). A trace that
+        fails is left to the compile, which raises it where it always did."""
+        if self._exports is not None or self.facts.forwarded is not None:
+            return
+        key = self.key(plan, batch_struct)
+        mesh, _, _, jit, args = self._setup(plan, batch_struct)
+        try:
+            with jax.set_mesh(mesh), _pmap_style_told(mesh):
+                fn = self._checked_for(mesh)
+                self._first_trace = (key, self._traced(jit(fn), args), fn)
+        except Exception:  # noqa: BLE001 - raised again by the compile's own trace
+            log.debug("mnemojax: the step's first trace failed; its compile traces again",
+                      exc_info=True)
 
     def _checked_for(self, mesh: Mesh):
         """The step, plus per-device flags: is every float of the new state's local shards
@@ -655,19 +706,11 @@ class StepCompiler:
         checks only its own shards: no collective, unlike a global ``jnp.all`` per leaf
         (compared in ``python -m mnemojax._src.bench.micro``). Fourth, the new state packed
         for the snapshot's copy (`packs_for`; an empty list where it is not packed)."""
-        packers = [(packer(mesh, [self._specs[i] for i in members], axes), members)
-                   for axes, members in self.packs_for(mesh)]
-        floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
-                  if self._check_state and jnp.issubdtype(dtype, jnp.inexact)]
         everywhere = PartitionSpec(tuple(mesh.axis_names))
 
         def local_flags(*xs):
             ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
             return jnp.reshape(ok, (1,))
-
-        check = jax.shard_map(local_flags, mesh=mesh,
-                              in_specs=tuple(self._specs[i] for i in floats),
-                              out_specs=everywhere, check_vma=False)
 
         explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                     if t == jax.sharding.AxisType.Explicit}
@@ -675,18 +718,34 @@ class StepCompiler:
         def checked(leaves, batch):
             with jax.named_scope(USER_SCOPE):
                 new, metrics = self._pure(leaves, batch)
+            # The leaves returned as given (the same tracer): unchanged by the step, so
+            # neither checked for NaN/Inf (they are as finite as they came) nor packed
+            # where they are shared (`shared_leaves`).
+            forwarded = frozenset(i for i, (x, y) in enumerate(zip(leaves, new, strict=False))
+                                  if x is y)
+            if self.facts.forwarded is None:
+                self.facts.forwarded = forwarded
+            checked.__dict__["forwarded"] = forwarded & self.shared_leaves()
             # On Explicit axes a leaf the step resharded itself is read in the state's
             # layout (where the step's out_shardings put it too); shard_map refuses another.
             read = [jax.sharding.reshard(x, shd.explicit_part(spec, explicit))
                     for x, spec in zip(new, self._specs, strict=True)] if explicit else new
-            packs = [pack(*(read[i] for i in members)) for pack, members in packers]
+            packs = [packer(mesh, [self._specs[i] for i in members], axes)(
+                *(read[i] for i in members)) for axes, members in self.packs_for(mesh)]
+            floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
+                      if self._check_state and jnp.issubdtype(dtype, jnp.inexact)
+                      and i not in forwarded]
             if not floats:
                 return new, metrics, jnp.ones((1,), bool), packs
+            check = jax.shard_map(local_flags, mesh=mesh,
+                                  in_specs=tuple(self._specs[i] for i in floats),
+                                  out_specs=everywhere, check_vma=False)
             finite = [read[i] for i in floats]
             if multi_process:  # every process must see the same verdict: one global flag
                 return new, metrics, jnp.all(check(*finite)), packs
             return new, metrics, check(*finite), packs
 
+        checked.__dict__["forwarded"] = frozenset()  # (set by its trace: `_forwarded`)
         multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         if self._traced_as is not None:
             # JAX names the traced function in its trace errors ("while tracing the
@@ -742,7 +801,7 @@ class StepCompiler:
         mesh, state_sh, batch_sh, jit, args = self._setup(plan, batch_struct)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh), _pmap_style_told(mesh):
-            lowered, exported = self._lower(jit, mesh, args, key, ahead)
+            lowered, exported, kept = self._lower(jit, mesh, args, key, ahead)
         t1 = time.perf_counter()
         if self.facts.host_callbacks is None:
             self.facts.host_callbacks = jax_private.has_host_callbacks(lowered)
@@ -757,8 +816,9 @@ class StepCompiler:
             log.warning("mnemojax: compiling the step for mesh %s from its export failed "
                         "(%s: %s); tracing it", plan.shape, type(e).__name__, e)
             with jax.set_mesh(mesh):
-                lowered = self._traced(jit(self._checked_for(mesh)), args).lower()
-                exported = False
+                fn = self._checked_for(mesh)
+                lowered = self._traced(jit(fn), args).lower()
+                exported, kept = False, _forwarded(fn)
             compiled, in_child = self._xla_compile(lowered, key, plan.shape, ahead)
         t2 = time.perf_counter()
         from_cache = getattr(_hits, "count", 0) > hits
@@ -776,7 +836,8 @@ class StepCompiler:
                  else "")
         return Executable(compiled, mesh, state_sh, batch_sh, t1 - t0, t2 - t1, ahead,
                           from_cache, exported,
-                          pack_members=self._pack_members(compiled, mesh, plan.shape))
+                          pack_members=self._pack_members(compiled, mesh, plan.shape),
+                          kept=kept)
 
     def _pack_members(self, compiled, mesh: Mesh, shape) -> tuple[tuple[int, ...], ...]:
         """The members of the packs `compiled` returns (its fourth output): those
@@ -872,17 +933,26 @@ class StepCompiler:
             "feed it back; cast in the step (e.g. a statistic promoted by float64 inputs), "
             "or create the state with the type the step gives it")
 
-    def _lower(self, jit, mesh: Mesh, args, key: tuple, ahead: bool) -> tuple[Any, bool]:
+    def _lower(self, jit, mesh: Mesh, args, key: tuple, ahead: bool
+               ) -> tuple[Any, bool, frozenset[int]]:
         """Lowers the step for `mesh`: from its export when one is kept for `key` (and,
-        compiling ahead with `exports`, exports it first), else by tracing it. Returns the
-        lowered step and whether it came from an export."""
+        compiling ahead with `exports`, exports it first), else by tracing it (or from
+        `trace_first`'s trace). Returns the lowered step, whether it came from an export,
+        and the shared leaves it returns as given (`Executable.kept`; none from an
+        export)."""
         exported = self._exported(jit, mesh, args, key, ahead)
         if exported is not None:
             try:
-                return jit(exported.call).lower(*args), True
+                return jit(exported.call).lower(*args), True, frozenset()
             except Exception as e:  # noqa: BLE001 - never worse than tracing
                 log.warning("mnemojax: lowering the step for mesh %s from its export failed "
                             "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
+        first = self._first_trace
+        if first is not None and first[0] == key:
+            self._first_trace = None
+            _, traced, fn = first
+            return traced.lower(), False, _forwarded(fn)
+        fn = self._checked_for(mesh)
         exports = self._exports
         if (exports is not None and not exports.watched and exports.refused is None
                 and jax.process_index() == 0):
@@ -890,10 +960,10 @@ class StepCompiler:
             # first trace, the world's first compile, is watched here, off the
             # candidates' path (the watch makes a trace ~2.4x slower).
             # (A read refuses exports; the lowering itself is right for this world.)
-            step = jit(self._checked_for(mesh))  # (outside: mnemojax's own reads)
+            step = jit(fn)  # (outside: mnemojax's own reads)
             lowered, _ = self._watched(exports, lambda: self._traced(step, args).lower())
-            return lowered, False
-        return self._traced(jit(self._checked_for(mesh)), args).lower(), False
+            return lowered, False, _forwarded(fn)
+        return self._traced(jit(fn), args).lower(), False, _forwarded(fn)
 
     def _traced(self, step, args) -> Any:
         """``step`` traced with ``args``; the first trace tells the step's facts

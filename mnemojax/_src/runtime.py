@@ -145,15 +145,19 @@ class RuntimeBuilder:
                 switch_interval_s=opts.compile.background_switch_interval_s,
                 leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
                 traced_as=self._traced_as, pack=self._packs_on,
+                share_forwarded=not self._publishes,
                 in_child=opts.compile.compile_process,
                 child_nice=opts.compile.compile_process_nice)
             store = self.snapshot_store(layer, self._entries)
+            if self.facts.forwarded is not None:  # (else after the first trace: `trace_first`)
+                store.share(compiler.shared_leaves())
             grads_store = None
         proxy = DeviceProxy(layer, plan, mesh, spares, batch_axes=opts.batch_axes,
                             probe_timeout_s=opts.recovery.probe_timeout_s, dead=dead)
         return Runtime(layer, proxy, compiler, store, grads_store)
 
-    def _packs_on(self, mesh: Mesh, single_copy: bool, state_bytes: int) -> bool:
+    def _packs_on(self, mesh: Mesh, single_copy: bool, state_bytes: int,
+                  shared_bytes: int = 0) -> bool:
         """Whether the step writes its state packed for the snapshot's copy on `mesh`
         (`SnapshotOptions.pack_copies`): only where a copy is taken every step (the packs
         are written every step: a publish to the agent after each step across processes,
@@ -166,7 +170,7 @@ class RuntimeBuilder:
         # for a share as large as the whole state, which it may be: one process can own
         # every replicated leaf).
         needs = agent_peak_bytes(state_bytes, state_bytes, in_series=snap.replicate_in_series) \
-            if self._publishes else 2 * state_bytes
+            if self._publishes else 2 * state_bytes - shared_bytes  # (shared: copied once)
         if every != 1 or snap.pack_copies is False or needs > snap.host_memory_budget_bytes:
             return False
         return snap.pack_copies is True or all(d.platform == "cpu" for d in mesh.devices.flat)

@@ -35,7 +35,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -137,14 +137,15 @@ class HostSnapshot:
     leaves: list[LeafCopy]
     verify: bool = True
     corrupt: bool = False  # a checksum failed (and was reported)
-    # The cached layouts the buffers were allocated for (`SnapshotStore._layout`): the same
-    # objects, in the same order, mean the buffers fit (an identity check per leaf).
-    layouts: list[LeafLayout] = dataclasses.field(default_factory=list, repr=False)
+    # What the slot's buffers were laid out for (`SnapshotStore._slot_key`): a slot with
+    # the same key is filled in place.
+    key: tuple = ()
+    # Every shard buffer of the leaves the slot copies itself (checked before reuse), and
+    # of those the ones read per shard; the rest are views into the pack buffers.
     fills: list[Fill] = dataclasses.field(default_factory=list, repr=False)
-    # A packed snapshot (`Packed`): the pack buffers to fill, and what they were laid out
-    # for (the packs' shardings and members: compared as `layouts` are).
+    leaf_fills: list[Fill] = dataclasses.field(default_factory=list, repr=False)
+    # A packed snapshot (`Packed`): the pack buffers to fill.
     pack_fills: list[PackFill] = dataclasses.field(default_factory=list, repr=False)
-    pack_key: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -220,7 +221,7 @@ class SnapshotStore:
         self._verify = verify
         self._name = name
         self._cv = threading.Condition()
-        self._pending: tuple[int, list[jax.Array], Packed | None] | None = None
+        self._pending: tuple[int, list[jax.Array], Packed | None, tuple[int, ...]] | None = None
         self._busy = False
         self._slots: list[HostSnapshot | None] = [None, None]
         self._complete: int | None = None
@@ -236,41 +237,91 @@ class SnapshotStore:
         self.failed = 0
         self.copy_seconds: list[float] = []
         self._layouts: dict[tuple[Any, tuple[int, ...], np.dtype], LeafLayout] = {}
+        # Shared leaves (`share`): one host copy each, held by both slots while the leaf
+        # keeps its value. Per leaf, a version that a submit not keeping it advances, and
+        # the newest copy: (version, layout, copy).
+        self._shared: frozenset[int] = frozenset()
+        self._versions: list[int] = []
+        self._shared_copies: dict[int, tuple[int, LeafLayout, LeafCopy]] = {}
+        self.shared_bytes = 0  # of `state_bytes`, the shared leaves' (copied once)
+        self.shared_copied = 0  # copies of a shared leaf read (not taken from the last)
         self._on_corrupt = on_corrupt  # called (step) from the copy thread
         self.corrupt_found = 0
 
     # -- producer side (training thread) -------------------------------------------
+    def share(self, leaves: Collection[int]) -> bool:
+        """Copies the state leaves at these positions once, not into each slot: both
+        slots hold the same host copy while `submit` says the leaf kept its value (a
+        frozen base the step returns as given: `compiler.StepFacts.forwarded`). Such a
+        copy is never written over; a leaf that changes gets a new one (the older stays
+        with the slot that holds it until that slot is filled again). Called before the
+        first `submit`; later, nothing is shared (returns False: the leaves are copied
+        into each slot, as any other)."""
+        if self._pending is not None or self._complete is not None or self._busy:
+            return False
+        self._shared = frozenset(int(i) for i in leaves)
+        self.state_bytes = None  # (the budget is checked again with them)
+        return True
+
     def submit(self, step: int, leaves: Sequence[jax.Array],
-               packed: Packed | None = None) -> bool:
+               packed: Packed | None = None, kept: Collection[int] = ()) -> bool:
         """Queues a snapshot of `leaves` (the state after `step`), read from ``packed``
-        when given (the same state packed by the step, every leaf in one pack); never
-        blocks."""
+        where it holds a leaf (the same state packed by the step); never blocks. ``kept``:
+        the shared leaves (`share`) whose value is that of the previous submit (the step
+        returned them as given, and nothing else changed them since): their host copy
+        is the one already held."""
         if self.disabled or self._closed:
             return False
         mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
         if self.state_bytes is None or mesh is not self._bytes_mesh:
             # Checked once per mesh, on the training thread, so a warning reaches the caller.
             self._bytes_mesh = mesh
-            self.state_bytes = sum(
-                x.dtype.itemsize * int(np.prod([b - a for a, b in key]))
-                for x in leaves for _, key, _ in self._layout(x))
-            if 2 * self.state_bytes > self._budget:
+            sizes = [sum(x.dtype.itemsize * int(np.prod([b - a for a, b in key]))
+                         for _, key, _ in self._layout(x)) for x in leaves]
+            self.state_bytes = sum(sizes)
+            self.shared_bytes = sum(n for i, n in enumerate(sizes) if i in self._shared)
+            own = self.state_bytes - self.shared_bytes
+            if 2 * own + self.shared_bytes > self._budget:
                 self.disabled = True
+                need = (f"2 x {own} bytes (and {self.shared_bytes} bytes copied once, of "
+                        "leaves the step returns unchanged)" if self.shared_bytes
+                        else f"2 x {own} bytes")
                 warnings.warn(
-                    f"mnemojax: {self._name} snapshots need 2 x {self.state_bytes} bytes of "
-                    f"host memory, over host_memory_budget_bytes={self._budget}; snapshots "
-                    "are off", SnapshotBudgetWarning, stacklevel=3)
+                    f"mnemojax: {self._name} snapshots need {need} of host memory, over "
+                    f"host_memory_budget_bytes={self._budget}; snapshots are off",
+                    SnapshotBudgetWarning, stacklevel=3)
                 return False
+        if len(self._versions) != len(leaves):
+            self._versions = [0] * len(leaves)
+        for i in self._shared:
+            if i not in kept:
+                self._versions[i] += 1
         with self._cv:
             if self._pending is not None:
                 self.replaced += 1
-            self._pending = (step, list(leaves), packed)
+            self._pending = (step, list(leaves), packed, tuple(self._versions))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"mnemojax-snapshot-{self._name}")
                 self._thread.start()
             self._cv.notify_all()
         return True
+
+    @property
+    def host_bytes(self) -> int:
+        """The host memory the snapshots hold: each slot's own buffers, and each shared
+        copy once."""
+        with self._cv:
+            slots = [s for s in self._slots if s is not None]
+        seen: set[int] = set()
+        total = 0
+        for snap in slots:
+            for copy in snap.leaves:
+                if id(copy) not in seen:
+                    seen.add(id(copy))
+                    total += sum(b.nbytes for b in copy.shards.values())
+        # (views into one pack buffer are counted once each: the views are disjoint)
+        return total
 
     def latest(self) -> HostSnapshot | None:
         """The newest complete snapshot, or None."""
@@ -304,6 +355,14 @@ class SnapshotStore:
         for slot, intact in zip(self._slots, self._intact, strict=True):
             if intact:
                 self._scrub(slot)  # a corruption that no restore or reuse met
+        for _, _, copy in self._shared_copies.values():
+            # (never written over, so never checked by a reuse)
+            if self._verify and any(checksums.checksum(buf) != copy.crcs[k]
+                                    for k, buf in copy.shards.items()):
+                self.corrupt_found += 1
+                log.warning("mnemojax: a snapshot copy shared by both slots failed its %s "
+                            "check at close (host memory corruption)", checksums.NAME)
+                break
 
     def median_copy_s(self) -> float:
         return statistics.median(self.copy_seconds) if self.copy_seconds else 0.0
@@ -316,7 +375,7 @@ class SnapshotStore:
                 pending = self._pending
                 if self._closed or pending is None:
                     return
-                step, leaves, packed = pending
+                step, leaves, packed, versions = pending
                 self._pending = None
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
@@ -324,8 +383,7 @@ class SnapshotStore:
                 retiring = self._intact[target]
                 self._intact[target] = False  # being overwritten from now on
             try:
-                snap = (self._copy(step, leaves, reuse, scrub=retiring) if packed is None
-                        else self._copy_packed(step, leaves, packed, reuse, scrub=retiring))
+                snap = self._copy(step, leaves, packed, versions, reuse, scrub=retiring)
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
                 log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
                 self.failed += 1
@@ -370,114 +428,128 @@ class SnapshotStore:
             layout = self._layouts[k] = _leaf_layout(x)
         return layout
 
-    def _allocate(self, leaves: Sequence[jax.Array],
-                  layouts: list[LeafLayout]) -> HostSnapshot:
-        copies, fills = [], []
-        for leaf, (x, entry, picks) in enumerate(zip(leaves, self._entries, layouts,
-                                                     strict=True)):
-            copy = LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry,
-                            {key: np.empty([b - a for a, b in key], x.dtype)
-                             for _, key, _ in picks})
-            copies.append(copy)
-            fills += [(leaf, i, device_id, key, copy.shards[key], copy.crcs)
-                      for i, key, device_id in picks]
-        return HostSnapshot(-1, copies, verify=self._verify, layouts=layouts, fills=fills)
+    def _slot_key(self, leaves: Sequence[jax.Array], packed: Packed | None) -> tuple:
+        """What a slot's buffers were laid out for: its own leaves' layouts (cached: the
+        same object for the same layout) and the packs' members and shardings. A slot
+        whose key is this one is filled in place."""
+        own = tuple(id(self._layout(x)) for i, x in enumerate(leaves) if i not in self._shared)
+        if packed is None:
+            return own, None
+        return own, (tuple(tuple(m) for m in packed.members),
+                     tuple((a.sharding, a.shape, a.dtype) for a in packed.arrays))
 
-    def _copy(self, step: int, leaves: Sequence[jax.Array], reuse: HostSnapshot | None, *,
+    def _allocate(self, leaves: Sequence[jax.Array], packed: Packed | None,
+                  key: tuple) -> HostSnapshot:
+        """Host buffers for the leaves this slot copies itself (not `_shared`): views into
+        one buffer per replica-0 pack shard for those in ``packed`` (`pack_pieces`), one
+        buffer per replica-0 shard for the others. Shared leaves get theirs at each copy
+        (`_attach_shared`)."""
+        copies = [LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry, {})
+                  for x, entry in zip(leaves, self._entries, strict=True)]
+        fills: list[Fill] = []
+        pack_fills: list[PackFill] = []
+        in_packs: set[int] = set()
+        if packed is not None:
+            layout = pack_pieces(leaves, packed)
+            if layout is None:
+                raise ValueError("the packs' members do not fill their shards")
+            for p, position, device, pieces in layout:
+                pack = packed.arrays[p]
+                buf = np.empty(pack.sharding.shard_shape(tuple(pack.shape)), pack.dtype)
+                flat, views = buf.reshape(-1), []
+                for leaf, key_, offset, extent in pieces:
+                    view = flat[offset:offset + int(np.prod(extent))].reshape(extent)
+                    copies[leaf].shards[key_] = view
+                    views.append((leaf, -1, device.id, key_, view, copies[leaf].crcs))
+                fills += views
+                pack_fills.append((p, position, device.id, buf, views))
+            in_packs = {leaf for members in packed.members for leaf in members}
+            for leaf in in_packs:
+                wanted = {k for _, k, _ in self._layout(leaves[leaf])}
+                if set(copies[leaf].shards) != wanted:
+                    raise ValueError(f"the packs hold shards {sorted(copies[leaf].shards)} of "
+                                     f"leaf {leaf}, its replica-0 shards are {sorted(wanted)}")
+        leaf_fills: list[Fill] = []
+        for leaf, (x, copy) in enumerate(zip(leaves, copies, strict=True)):
+            if leaf in in_packs or leaf in self._shared:
+                continue
+            for position, key_, device_id in self._layout(x):
+                copy.shards[key_] = np.empty([b - a for a, b in key_], x.dtype)
+                leaf_fills.append((leaf, position, device_id, key_, copy.shards[key_],
+                                   copy.crcs))
+        return HostSnapshot(-1, copies, verify=self._verify, fills=fills + leaf_fills,
+                            leaf_fills=leaf_fills, pack_fills=pack_fills, key=key)
+
+    def _copy(self, step: int, leaves: Sequence[jax.Array], packed: Packed | None,
+              versions: Sequence[int], reuse: HostSnapshot | None, *,
               scrub: bool) -> HostSnapshot:
         """Copies `leaves` into `reuse`'s buffers (new ones if the layout changed) and
-        checksums each shard.
+        checksums each shard: one device read per pack shard where ``packed`` holds a leaf
+        (its shards are views into it), one per shard for the others; the shared leaves
+        last (`_attach_shared`).
 
         With `scrub`, `reuse` is the complete snapshot being retired: each buffer's old
         checksum is checked (`_scrub`) just before the buffer is overwritten, while it is
         in cache anyway, instead of in a pass of its own.
         """
         t0 = time.perf_counter()
-        layouts = [self._layout(x) for x in leaves]
-        if reuse is None or reuse.pack_fills or len(reuse.layouts) != len(layouts) or any(
-                a is not b for a, b in zip(reuse.layouts, layouts, strict=True)):
+        key = self._slot_key(leaves, packed)
+        if reuse is None or reuse.key != key:
             if scrub:
                 self._scrub(reuse)
-            reuse, scrub = self._allocate(leaves, layouts), False
+            reuse, scrub = self._allocate(leaves, packed, key), False
         scrub = scrub and self._verify and not reuse.corrupt
         fetch_into, checksum = self._layer.fetch_into, checksums.checksum
-        fills, n = reuse.fills, 0
+        pack_fills, fills = reuse.pack_fills, reuse.leaf_fills
+        at_pack = at_leaf = -1  # the fill being copied (for the scrub of those not reached)
         try:
-            for n in range(len(fills)):
-                leaf, position, device_id, key, buf, crcs = fills[n]
-                if scrub and checksum(buf) != crcs[key]:
-                    scrub = False
-                    self._retired_corrupt(reuse)
-                fetch_into(leaves[leaf].addressable_data(position), device_id, buf)
-                crcs[key] = checksum(buf)
-        except BaseException:
-            if scrub:  # the buffers not reached still hold the retired snapshot
-                self._scrub(reuse, fills[n + 1:])
-            raise
-        reuse.step = step
-        reuse.corrupt = False
-        self.copy_seconds.append(time.perf_counter() - t0)
-        return reuse
-
-    def _allocate_packed(self, leaves: Sequence[jax.Array], packed: Packed,
-                         key: tuple) -> HostSnapshot:
-        """Host buffers for ``packed``'s replica-0 shards, and each leaf's shards as views
-        into them (`pack_pieces`)."""
-        copies = [LeafCopy(tuple(x.shape), np.dtype(x.dtype), entry, {})
-                  for x, entry in zip(leaves, self._entries, strict=True)]
-        fills: list[Fill] = []
-        pack_fills: list[PackFill] = []
-        layout = pack_pieces(leaves, packed)
-        if layout is None:
-            raise ValueError("the packs' members do not fill their shards")
-        for p, position, device, pieces in layout:
-            pack = packed.arrays[p]
-            buf = np.empty(pack.sharding.shard_shape(tuple(pack.shape)), pack.dtype)
-            flat, views = buf.reshape(-1), []
-            for leaf, key_, offset, extent in pieces:
-                view = flat[offset:offset + int(np.prod(extent))].reshape(extent)
-                copies[leaf].shards[key_] = view
-                views.append((leaf, -1, device.id, key_, view, copies[leaf].crcs))
-            fills += views
-            pack_fills.append((p, position, device.id, buf, views))
-        for leaf, (x, copy) in enumerate(zip(leaves, copies, strict=True)):
-            wanted = {k for _, k, _ in self._layout(x)}
-            if set(copy.shards) != wanted:
-                raise ValueError(f"the packs hold shards {sorted(copy.shards)} of leaf {leaf}, "
-                                 f"its replica-0 shards are {sorted(wanted)}")
-        return HostSnapshot(-1, copies, verify=self._verify, fills=fills,
-                            pack_fills=pack_fills, pack_key=key)
-
-    def _copy_packed(self, step: int, leaves: Sequence[jax.Array], packed: Packed,
-                     reuse: HostSnapshot | None, *, scrub: bool) -> HostSnapshot:
-        """`_copy` from ``packed``: one device read per pack shard, then a checksum per
-        leaf shard (a view into it), the retired slot's checked just before."""
-        t0 = time.perf_counter()
-        key = (tuple(tuple(m) for m in packed.members),
-               tuple((a.sharding, a.shape, a.dtype) for a in packed.arrays),
-               tuple(id(self._layout(x)) for x in leaves))
-        if reuse is None or reuse.pack_key != key:
-            if scrub:
-                self._scrub(reuse)
-            reuse, scrub = self._allocate_packed(leaves, packed, key), False
-        scrub = scrub and self._verify and not reuse.corrupt
-        fetch_into, checksum = self._layer.fetch_into, checksums.checksum
-        pack_fills, n = reuse.pack_fills, 0
-        try:
-            for n in range(len(pack_fills)):
-                p, position, device_id, buf, views = pack_fills[n]
+            for at_pack in range(len(pack_fills)):
+                p, position, device_id, buf, views = pack_fills[at_pack]
                 if scrub and any(checksum(v) != crcs[k] for _, _, _, k, v, crcs in views):
                     scrub = False
                     self._retired_corrupt(reuse)
+                assert packed is not None  # (the key has packs)
                 fetch_into(packed.arrays[p].addressable_data(position), device_id, buf)
                 for _, _, _, k, view, crcs in views:
                     crcs[k] = checksum(view)
+            at_pack = len(pack_fills)
+            for at_leaf in range(len(fills)):
+                leaf, position, device_id, k, buf, crcs = fills[at_leaf]
+                if scrub and checksum(buf) != crcs[k]:
+                    scrub = False
+                    self._retired_corrupt(reuse)
+                fetch_into(leaves[leaf].addressable_data(position), device_id, buf)
+                crcs[k] = checksum(buf)
         except BaseException:
             if scrub:  # the buffers not reached still hold the retired snapshot
-                self._scrub(reuse, [f for *_, views in pack_fills[n + 1:] for f in views])
+                self._scrub(reuse, [f for *_, views in pack_fills[at_pack + 1:] for f in views]
+                            + fills[at_leaf + 1:])
             raise
+        self._attach_shared(reuse, leaves, versions)
         reuse.step = step
         reuse.corrupt = False
-        self.packed += 1
+        if pack_fills:
+            self.packed += 1
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse
+
+    def _attach_shared(self, snap: HostSnapshot, leaves: Sequence[jax.Array],
+                       versions: Sequence[int]) -> None:
+        """Gives `snap` the copy of each shared leaf at its version: the one already held
+        where the version and layout are the same (nothing read), else a new one read now.
+        A copy is never written over: the slot that still holds an older one keeps it
+        until that slot is laid out again."""
+        fetch_into, checksum = self._layer.fetch_into, checksums.checksum
+        for leaf in sorted(self._shared):
+            x = leaves[leaf]
+            layout = self._layout(x)
+            held = self._shared_copies.get(leaf)
+            if held is None or held[0] != versions[leaf] or held[1] is not layout:
+                copy = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf], {})
+                for position, k, device_id in layout:
+                    buf = copy.shards[k] = np.empty([b - a for a, b in k], x.dtype)
+                    fetch_into(x.addressable_data(position), device_id, buf)
+                    copy.crcs[k] = checksum(buf)
+                held = self._shared_copies[leaf] = (versions[leaf], layout, copy)
+                self.shared_copied += 1
+            snap.leaves[leaf] = held[2]

@@ -145,6 +145,11 @@ class Statistics:
     # snapshots taken in one process, or of the publishes to the agent across processes.
     snapshots_packed: int = 0
     snapshots_replaced: int = 0
+    # One process: of `snapshot_bytes`, the leaves the step returns unchanged (a frozen
+    # base), held once by both snapshots and copied again only when they change; and the
+    # host memory the snapshots hold (each shared copy once).
+    snapshot_shared_bytes: int = 0
+    snapshot_host_bytes: int = 0
     snapshot_copy_median_s: float = 0.0
     grads_snapshot_step: int | None = None
     grads_snapshot_bytes: int = 0

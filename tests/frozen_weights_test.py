@@ -1,0 +1,141 @@
+"""Frozen weights (a LoRA fine-tune's base): the leaves a step returns as given are copied
+to host memory once, held by both snapshots, and copied again only when they change.
+
+A user trial's LoRA fine-tune (trial 46) had 81 % of every snapshot in its frozen base: a
+memory budget over twice what trains still turned snapshots off, and the next loss of a
+donated state ended the run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mnemojax
+from mnemojax.testing import FaultInjector
+from tests import helpers as h
+
+pytestmark = pytest.mark.needs8
+
+STEPS = 12
+CHANGED_AFTER = 6  # the caller loads a new base between steps 6 and 7
+
+
+class _LoRAModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.LoRA(16, 4, 32, base_module=nnx.Linear(16, 32, rngs=rngs), rngs=rngs)
+        self.out = nnx.LoRA(32, 4, 4, base_module=nnx.Linear(32, 4, rngs=rngs), rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.up(x)))
+
+
+def _make():
+    model = _LoRAModel(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+
+def _step(model, optimizer, batch):
+    def loss(m):
+        return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+
+    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    optimizer.update(model, grads)
+    return {"loss": value}
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(24, 16)).astype(np.float32),
+             "y": rng.normal(size=(24, 4)).astype(np.float32)} for _ in range(STEPS)]
+
+
+def _load_new_base(model):
+    kernel = model.up.base_module.kernel
+    kernel[...] = kernel[...] * 0.5
+
+
+def _run(step, model, optimizer, batches):
+    for i, batch in enumerate(batches, start=1):
+        step(model, optimizer, batch)
+        if i == CHANGED_AFTER:
+            _load_new_base(model)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+
+def _base_bytes(model) -> int:
+    frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    return sum(x.nbytes for x in jax.tree.leaves(frozen))
+
+
+def test_a_frozen_base_is_copied_once_and_restored_with_its_change():
+    """Donated state, a snapshot every 2 steps, two device losses (each restored from the
+    host snapshot) and a new base loaded between steps: equal to the plain run, within a
+    budget that the whole state twice would exceed."""
+    batches = _batches()
+    want = _run(nnx.jit(_step), *_make(), batches)
+
+    model, optimizer = _make()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
+    shared = _base_bytes(model)
+    budget = 2 * (state_bytes - shared) + shared  # (2 x state_bytes before: snapshots off)
+    options = h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(every_steps=2, unreplicated_every_steps=2,
+                                          host_memory_budget_bytes=budget),
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    # Step 7 is the first with the new base; step 9 restores the snapshot of step 8.
+    faults = FaultInjector().lose_devices(5, [3], surface="block") \
+        .lose_devices(9, [6], surface="block")
+    step = mnemojax.resilient(_step, mesh=h.mesh_of((4, 2)), options=options,
+                              fault_injector=faults)
+    try:
+        got = _run(step, model, optimizer, batches)
+        stats = step.statistics
+    finally:
+        step.close()
+    assert [r.source for r in stats.recoveries] == ["host_snapshot", "host_snapshot"]
+    assert not stats.snapshots_over_budget
+    assert stats.snapshot_bytes == state_bytes and stats.snapshot_shared_bytes == shared
+    # Both slots hold one copy of the base again once two snapshots were taken since the
+    # last recovery (steps 10 and 12; until then the older slot holds the copy it took).
+    assert stats.snapshot_host_bytes == 2 * (state_bytes - shared) + shared
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _pure_step(state, x):
+    lora = state["lora"] - 0.1 * jnp.tanh(x.mean(0) @ state["base"])
+    return {**state, "lora": lora}, {"loss": jnp.sum(lora)}
+
+
+def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_caller_changes():
+    """The pure form: ``base`` is returned as given, so its copy is kept; the caller then
+    passes a new ``base``, which is copied before the step (a change outside it), and a
+    device lost after it restores the new one."""
+    xs = [np.random.default_rng(k).normal(size=(8, 4)).astype(np.float32) for k in range(6)]
+
+    def loop(step):
+        state = {"base": jnp.ones((4, 4)), "lora": jnp.zeros((4,))}
+        for k, x in enumerate(xs):
+            if k == 3:
+                state = {**state, "base": state["base"] * 2}
+            state, _ = step(state, x)
+        return jax.tree.map(np.asarray, state)
+
+    want = loop(jax.jit(_pure_step))
+    options = h.no_precompile(
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    faults = FaultInjector().lose_devices(5, [3], surface="block")
+    step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)), options=options,
+                              fault_injector=faults)
+    try:
+        got = loop(step)
+        stats = step.statistics
+    finally:
+        step.close()
+    [recovery] = stats.recoveries
+    assert recovery.source == "host_snapshot"
+    assert stats.snapshot_shared_bytes == 4 * 4 * 4  # the base (float32)
+    for name in ("base", "lora"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
