@@ -109,10 +109,13 @@ def _pure_step(state, x):
     return {**state, "lora": lora}, {"loss": jnp.sum(lora)}
 
 
-def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_caller_changes():
+@pytest.mark.parametrize("share", [True, False])
+def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_caller_changes(
+        share):
     """The pure form: ``base`` is returned as given, so its copy is kept; the caller then
     passes a new ``base``, which is copied before the step (a change outside it), and a
-    device lost after it restores the new one."""
+    device lost after it restores the new one. With ``share_unchanged_leaves=False`` each
+    snapshot copies it, as before."""
     xs = [np.random.default_rng(k).normal(size=(8, 4)).astype(np.float32) for k in range(6)]
 
     def loop(step):
@@ -125,6 +128,7 @@ def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_cal
 
     want = loop(jax.jit(_pure_step))
     options = h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(share_unchanged_leaves=share),
         compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
     faults = FaultInjector().lose_devices(5, [3], surface="block")
     step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)), options=options,
@@ -136,6 +140,6 @@ def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_cal
         step.close()
     [recovery] = stats.recoveries
     assert recovery.source == "host_snapshot"
-    assert stats.snapshot_shared_bytes == 4 * 4 * 4  # the base (float32)
+    assert stats.snapshot_shared_bytes == (4 * 4 * 4 if share else 0)  # the base (float32)
     for name in ("base", "lora"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6)

@@ -163,6 +163,15 @@ class SnapshotOptions:
             many small device-to-host transfers by a few large ones, on the training
             thread across processes); False: off. Not where a leaf's shards differ in
             size.
+        share_unchanged_leaves: in one process, the state leaves the step returns exactly
+            as given (a frozen base: ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``,
+            found at the step's first trace) are copied to host memory once and held by
+            both snapshots, copied again only when they change (a change made between
+            steps, a recovery); they are not packed, and ``host_memory_budget_bytes``
+            counts them once. False: every snapshot copies them, as any leaf (two
+            independent host copies). Not yet across processes (the publishes to the
+            agents copy the whole state). (Either way, such a leaf is not checked for
+            NaN/Inf after the step: it is as finite as it came.)
     """
 
     every_steps: int = 20
@@ -174,6 +183,7 @@ class SnapshotOptions:
     overlap_publish: bool = False
     replicate_in_series: bool = False
     pack_copies: bool | None = None
+    share_unchanged_leaves: bool = True
 
     def __post_init__(self):
         _check_types(self)

@@ -145,7 +145,7 @@ class RuntimeBuilder:
                 switch_interval_s=opts.compile.background_switch_interval_s,
                 leaf_names=self._leaf_names, facts=self.facts, left=self.left_compiles,
                 traced_as=self._traced_as, pack=self._packs_on,
-                share_forwarded=not self._publishes,
+                share_forwarded=opts.snapshot.share_unchanged_leaves and not self._publishes,
                 in_child=opts.compile.compile_process,
                 child_nice=opts.compile.compile_process_nice)
             store = self.snapshot_store(layer, self._entries)

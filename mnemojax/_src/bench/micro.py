@@ -1,7 +1,7 @@
 """Micro-benchmarks behind design decisions in WORKSPACE_NOTES.md, side by side in one run.
 
     python -m mnemojax._src.bench.micro            # all sections
-    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-9)
+    python -m mnemojax._src.bench.micro 4          # only section 4 (any subset of 1-10)
 
 1. NNX state plumbing per call: ``nnx.split`` + ``nnx.update``, the live ``Variable``
    objects through ``get_value``/``set_value``, and the resilient step's `NnxForm`
@@ -52,6 +52,13 @@
    them on a thread (``compile_process=False``) and in the compile process at nice 0
    (the default), 10 and 19 (``compile_process_nice``); no persistent cache; in a
    process of its own.
+
+10. Frozen weights (a LoRA fine-tune: four 256 x 256 layers frozen, rank-8 LoRA on each
+    trained with Adam, ``nnx.Optimizer(..., wrt=nnx.LoRAParam)``; 84 % of the state
+    frozen): every-step snapshots with the frozen base copied once and shared by both
+    slots (`SnapshotOptions.share_unchanged_leaves`, the default) against copied every
+    time, and no snapshots: step time (alternating blocks), each copy's time, and the
+    host memory the snapshots hold.
 
 Sections 1-5 and 7-9: tiny GPT (470 k params), mesh data=4 x model=2, 8 CPU devices. Medians; rounds alternate.
 """
@@ -397,6 +404,80 @@ def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> 
     return lines
 
 
+def _frozen_weights(mesh, *, rounds: int, block_steps: int) -> list[str]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import mnemojax
+    from mnemojax._src.timing import interleaved_block_means
+
+    width, layers, rank = 256, 4, 8
+
+    class LoRAMLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.layers = nnx.List([
+                nnx.LoRA(width, rank, width, base_module=nnx.Linear(width, width, rngs=rngs),
+                         rngs=rngs) for _ in range(layers)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.tanh(layer(x))
+            return x
+
+    def train_step(model, optimizer, batch):
+        def loss(m):
+            return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+
+        value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        optimizer.update(model, grads)
+        return {"loss": value}
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(64, width)).astype(np.float32),
+                "y": rng.normal(size=(64, width)).astype(np.float32)} for _ in range(16)]
+    configs = {"no snapshots": mnemojax.SnapshotOptions(every_steps=0,
+                                                        unreplicated_every_steps=0),
+               "every step, base copied each time": mnemojax.SnapshotOptions(
+                   every_steps=1, unreplicated_every_steps=1, share_unchanged_leaves=False),
+               "every step, base copied once": mnemojax.SnapshotOptions(
+                   every_steps=1, unreplicated_every_steps=1)}
+    runs = {}
+    for name, snap in configs.items():
+        options = mnemojax.ResilienceOptions(
+            snapshot=snap, compile=mnemojax.CompileOptions(precompile=False, cache_dir=None))
+        model = LoRAMLP(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
+        step = mnemojax.resilient(train_step, mesh=mesh, options=options)
+        float(step(model, optimizer, batches[0])["loss"])
+        runs[name] = (step, model, optimizer)
+
+    def run_block(name: str, r: int) -> int:
+        step, m, o = runs[name]
+        for i in range(block_steps):
+            float(step(m, o, batches[1 + (r * block_steps + i) % (len(batches) - 1)])["loss"])
+        step.wait_snapshots()  # a copy still in flight belongs to this block
+        return block_steps
+
+    means = interleaved_block_means(list(runs), rounds, run_block)
+    base = statistics.median(means["no snapshots"])
+    lines = [f"10. frozen weights, every-step snapshots (LoRA MLP {layers} x {width}^2 frozen, "
+             f"rank {rank}; median of {rounds} alternating blocks of {block_steps} steps)"]
+    for name, ms in means.items():
+        med = statistics.median(ms)
+        stats = runs[name][0].statistics
+        extra = "" if not stats.snapshot_bytes else (
+            f"   copy {1e3 * stats.snapshot_copy_median_s:6.2f} ms   snapshot "
+            f"{stats.snapshot_bytes / 1e6:.2f} MB (frozen {stats.snapshot_shared_bytes / 1e6:.2f}"
+            f" MB shared)   host {stats.snapshot_host_bytes / 1e6:.2f} MB")
+        lines.append(f"   {name:<34} {1e3 * med:7.2f} ms   x{med / base:.3f}{extra}")
+    for step, _, _ in runs.values():
+        step.close()
+    return lines
+
+
 def _host_outputs(mesh, *, rounds: int, block_steps: int) -> list[str]:
     import jax
     import numpy as np
@@ -631,18 +712,19 @@ def _first_export_lowering(*, rounds: int = 3) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mnemojax._src.bench.micro")
-    parser.add_argument("sections", nargs="*", type=int, choices=[1, 2, 3, 4, 5, 6, 7, 8, 9],
+    parser.add_argument("sections", nargs="*", type=int,
+                        choices=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
                         help="sections to run (default: all)")
     parser.add_argument("--rounds", type=int, default=15,
-                        help="sections 4 and 6: rounds of alternating blocks (default 15)")
+                        help="sections 4, 6 and 10: rounds of alternating blocks (default 15)")
     parser.add_argument("--block-steps", type=int, default=10,
-                        help="sections 4 and 6: steps per block (default 10)")
+                        help="sections 4, 6 and 10: steps per block (default 10)")
     parser.add_argument("--first-lowering-child", choices=["cold", "warm"],
                         help=argparse.SUPPRESS)  # section 7's fresh processes
     parser.add_argument("--section-child", action="store_true",
                         help=argparse.SUPPRESS)  # sections 8 and 9's fresh processes
     args = parser.parse_args(argv)
-    sections = args.sections or [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    sections = args.sections or [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
     import jax
 
@@ -662,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
            5: lambda: _lowering(cfg, mesh, batches),
            6: lambda: _host_outputs(mesh, rounds=args.rounds, block_steps=args.block_steps),
            7: lambda: _first_export_lowering(),
-           8: lambda: _section_in_child(8), 9: lambda: _section_in_child(9)}
+           8: lambda: _section_in_child(8), 9: lambda: _section_in_child(9),
+           10: lambda: _frozen_weights(mesh, rounds=args.rounds, block_steps=args.block_steps)}
     if args.section_child:
         import json
 
