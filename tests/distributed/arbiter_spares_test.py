@@ -113,9 +113,10 @@ def test_a_formed_shrunk_world_regrows_once_spares_fill_it_and_its_watch_says_so
     _form(arbiter)
     with roster.cv:
         assert arbiter.regrow_due(0) is None  # a free rank, no spare
-        assert arbiter.regrow_due(1) == 1
+        assert arbiter.regrow_due(1) == 1 and arbiter.regrow_pending() is None
         arbiter.request_regrow(1)
         assert arbiter.regrow_due(1) is None  # asked once
+        assert arbiter.regrow_pending() == 1  # (said if the job ends before it re-forms)
     watch = wire.WatchWorld(worker_id=1, generation=1, timeout_s=5)
     assert arbiter.watch(watch).regrow
     spares.append(3)
@@ -129,6 +130,8 @@ def test_a_formed_shrunk_world_regrows_once_spares_fill_it_and_its_watch_says_so
     assert [a.survivors for a in mine] == [(3, 1, 2)] * 2
     assert [a.process_id for a in mine] == [1, 2] and joined[0][1].replaces == {3: 0}
     assert services.sizes[2] == 3
+    with roster.cv:
+        assert arbiter.regrow_pending() is None  # re-formed
 
 
 def test_a_regrow_agreement_waits_for_a_member_between_steps_and_drops_one_that_finished():

@@ -583,7 +583,11 @@ def test_a_worker_that_left_is_out_of_the_agreement_but_not_reported_dead():
     view = _view(items)
     assert view.dead() == {2, 3} and view.left() == {2}
     s = status.summary_of(items)
-    assert s["dead"] == [3] and s["left"] == [2]
+    assert s["dead"] == [3] and s["left"] == [2] and s["dead_why"] == {}
+    # An eviction says why (trial 49: a spare evicted as silent showed only exit -9).
+    why = "evicted: taken into world 1, it did not say it has its agreement within 10 s"
+    s = status.summary_of({**items, "dead/3": {"by_node": 1, "why": why}})
+    assert s["dead"] == [3] and s["dead_why"] == {3: why}
 
 
 def test_status_tells_a_finished_job_and_no_job_from_one_still_starting():
@@ -760,6 +764,7 @@ def test_a_node_takes_back_a_spare_that_stops_asking_to_join(cluster, monkeypatc
 
     from mnemojax._src.distributed import auth
     from mnemojax._src.distributed.launcher import launcher as launcher_module
+    from mnemojax._src.distributed.launcher import status
     from mnemojax._src.distributed.launcher.node import NodeLauncher
 
     monkeypatch.setattr(launcher_module, "POLL_GAP_S", 0.3)
@@ -786,6 +791,7 @@ def test_a_node_takes_back_a_spare_that_stops_asking_to_join(cluster, monkeypatc
                                  wire.AwaitJoin(worker_id=spare, timeout_s=1.0))
             offer_until(lambda: store.get(key) == 0, "the spare published")
             assert asking.result(timeout=5) == wire.Joined()  # (no world took it in)
+        assert status.summary(store)["quiet_spares"] == []
 
     try:
         with launcher.roster.cv:
@@ -794,8 +800,11 @@ def test_a_node_takes_back_a_spare_that_stops_asking_to_join(cluster, monkeypatc
         offer_until(lambda: store.get(key) is None, "the frozen spare taken back")
         assert [e["worker_id"] for e in launcher.events
                 if e["op"] == "spare_withdrawn"] == [spare]
+        # `mnemojax status` shows it (trial 49: nothing did) until it asks again.
+        assert status.summary(store)["quiet_spares"] == [spare]
         ask()  # (it asks again: offered again)
         offer_until(lambda: store.get(key) is None, "taken back once more")
+        assert status.summary(store)["quiet_spares"] == [spare]
     finally:
         launcher.cleanup()
 

@@ -44,7 +44,7 @@ class WorldArbiter(Protocol):
 
     def watch(self, request: wire.WatchWorld) -> wire.WorldFailed: ...
 
-    def member_died(self, worker_id: int) -> None: ...
+    def member_died(self, worker_id: int, why: str = "") -> None: ...
 
     def member_left(self, worker_id: int) -> None: ...
 
@@ -56,6 +56,8 @@ class WorldArbiter(Protocol):
             signal: int | None = None) -> None: ...
 
     def stopping(self, why: str, *, signal: int) -> None: ...
+
+    def regrow_pending(self) -> int | None: ...
 
     def close(self) -> None: ...
 
@@ -121,7 +123,8 @@ class Arbiter:
         self._closed = True
         self.end("the launcher is shutting down")
 
-    def member_died(self, worker_id: int) -> None:
+    def member_died(self, worker_id: int, why: str = "") -> None:
+        del why  # (the launcher's log and record say it on one machine)
         self.book.mark_dead(worker_id)
 
     def member_left(self, worker_id: int) -> None:
@@ -174,6 +177,11 @@ class Arbiter:
                 or self._barriers.decided((g, compiled_barrier(g))) != ()):
             return None  # (a world still forming: its recovery's compile would be wasted)
         return g if warm >= self._open_slots(book, book.members) else None  # (all come)
+
+    def regrow_pending(self) -> int | None:
+        """The current world, if it was asked to re-form larger and has not yet."""
+        g = self.book.generation
+        return g if g in self._regrow else None
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger: their watch says so

@@ -304,7 +304,9 @@ class Launcher:
 
     def _evict_joiner(self, worker_id: int) -> None:
         """Declares a spare that joined dead and kills it (``roster.cv`` held)."""
-        self.arbiter.member_died(worker_id)
+        self.arbiter.member_died(worker_id, (
+            f"evicted: taken into world {self._joins[worker_id].generation}, it did not say "
+            f"it has its agreement within {JOIN_ACK_S:.0f} s (frozen or stalled)"))
         self.roster.command(worker_id, wire.KillWorker())
 
     def _offer_spares(self) -> None:
@@ -697,6 +699,9 @@ class Launcher:
                     self._retire_agents()
                     self.roster.cv.wait(timeout=0.2)
             self._ended_by_job = True
+            if (g := self.arbiter.regrow_pending()) is not None:  # (a trial: not said)
+                logger.info("mnemojax launch: world %d was to re-form larger with the spares; "
+                            "the job ended first", g)
             logger.info("mnemojax launch: the job ended, status %d", rc)  # (a trial: the
             return rc                                      # launchers never said it)
         except KeyboardInterrupt:

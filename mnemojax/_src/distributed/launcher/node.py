@@ -480,11 +480,13 @@ class NodeLauncher(Launcher):
             self.plane.publish_spare(w, self.options.node_rank, self._lease.lease)
             if w in self._withdrawn:
                 self._withdrawn.discard(w)
+                self.plane.spare_asks_again(w)
                 logger.warning("mnemojax launch: spare %d asks to join again", w)
         for w in sorted((self._offered - offer) & self._idle):  # (one that joined stays)
-            self.plane.withdraw_spare(w)
+            quiet = not self._stopping_now() and self._spares_refused is None
+            self.plane.withdraw_spare(w, quiet_lease=self._lease.lease if quiet else None)
             self._record({"op": "spare_withdrawn", "worker_id": w})
-            if not self._stopping_now() and self._spares_refused is None:
+            if quiet:
                 self._withdrawn.add(w)
                 logger.warning("mnemojax launch: spare %d stopped asking to join (a frozen "
                                "or stalled process): no world takes it in until it asks "

@@ -142,6 +142,17 @@ class JobView:
         return sorted(w for w in map(int, self._under("spares/"))
                       if w not in used and w in agents)
 
+    def quiet_spares(self) -> list[int]:
+        """Spares taken back because they stopped asking to join (frozen or stalled:
+        `EtcdArbiter.withdraw_spare`), not since in a world nor dead."""
+        used = {w for g in self.worlds().values() for w in g} | self.dead()
+        return sorted(w for w in map(int, self._under("quiet/")) if w not in used)
+
+    def dead_why(self) -> dict[int, str]:
+        """Why a worker was declared dead, where its exit does not say it (an eviction)."""
+        return {int(w): str(r["why"]) for w, r in self._under("dead/").items()
+                if isinstance(r, dict) and r.get("why")}
+
     def joiners(self, generation: int) -> list[int]:
         """The spares world ``generation + 1`` may take in. A fresh process builds its mesh
         from the user's code, which fits the survivors' only at world 0's size and layout:
@@ -486,12 +497,16 @@ class EtcdArbiter:
             self._writes.submit(run)
 
     # -- what the launcher calls --------------------------------------------------------------
-    def member_died(self, worker_id: int) -> None:
+    def member_died(self, worker_id: int, why: str = "") -> None:
+        """Declares ``worker_id`` dead (``dead/<id>``; ``why``, where its exit does not say
+        it, for `mnemojax status`: a spare evicted as silent showed only exit -9)."""
         if worker_id not in self._local_dead:
             self._local_dead.add(worker_id)
             self.view = dataclasses.replace(self.view, local_dead=frozenset(self._local_dead))
-            self._write(lambda: self.store.put(self.store.key("dead", worker_id),
-                                               {"by_node": self.node_rank}))
+            record: dict[str, Any] = {"by_node": self.node_rank}
+            if why:
+                record["why"] = why
+            self._write(lambda: self.store.put(self.store.key("dead", worker_id), record))
 
     def member_left(self, worker_id: int) -> None:
         """This node's worker left the job (`wire.Leave`): out of the agreement as a dead
@@ -585,9 +600,10 @@ class EtcdArbiter:
                                  generation=generation)
 
     def _evict(self, members: Sequence[int], **why: Any) -> None:
+        where = f"the barrier {why['barrier']!r}" if "barrier" in why else "the agreement"
         for m in members:
             self._record({"op": "evicted", "worker_id": m, **why})
-            self.member_died(m)
+            self.member_died(m, f"evicted: did not come to {where} in time")
 
     def agree(self, request: wire.Agree) -> Agreement:
         """Barrier, then the decision, as `arbiter.Arbiter.agree`; any node decides, etcd
@@ -785,10 +801,24 @@ class EtcdArbiter:
         self._write(lambda: self.store.put(self.store.key("agents", worker_id), address,
                                            lease=lease))
 
-    def withdraw_spare(self, worker_id: int) -> None:
-        """Spare ``worker_id`` is no longer to be taken in (it stopped asking to join; call
-        with ``roster.cv`` held)."""
+    def withdraw_spare(self, worker_id: int, *, quiet_lease: int | None = None) -> None:
+        """Spare ``worker_id`` is no longer to be taken in; with ``quiet_lease`` because it
+        stopped asking to join (``quiet/<id>``, leased with its node, for `mnemojax status`
+        until it asks again: `publish_spare`). Call with ``roster.cv`` held."""
         self._write(lambda: self.store.delete(self.store.key("spares", worker_id)))
+        if quiet_lease is not None:
+            self._write(lambda: self.store.put(self.store.key("quiet", worker_id),
+                                               self.node_rank, lease=quiet_lease))
+
+    def spare_asks_again(self, worker_id: int) -> None:
+        """A spare taken back as quiet (`withdraw_spare`) asks to join again (call with
+        ``roster.cv`` held)."""
+        self._write(lambda: self.store.delete(self.store.key("quiet", worker_id)))
+
+    def regrow_pending(self) -> int | None:
+        """The newest world, if it was asked to re-form larger and has not yet."""
+        g = self.view.latest()
+        return g if self.view.regrows(g) else None
 
     def request_regrow(self, generation: int) -> None:
         """Asks world ``generation``'s members to re-form it, larger (`JobView.regrow_due`);

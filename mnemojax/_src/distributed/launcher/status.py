@@ -50,6 +50,9 @@ def summary_of(items: dict[str, Any], nproc: int | None = None) -> dict[str, Any
             "worlds": {g: list(m) for g, m in sorted(view.worlds().items())},
             "dead": sorted(view.dead() - left), "left": sorted(left),
             "idle_spares": view.idle_spares(), "exits": exits, "end": view.end(),
+            # Spares taken back as they stopped asking to join (a trial: not shown), and
+            # why a worker was declared dead where its exit does not say (an eviction).
+            "quiet_spares": view.quiet_spares(), "dead_why": view.dead_why(),
             # Fresh id -> the worker it restarted (`--max-restarts`; a trial: not shown).
             "restarts": {int(k.split("/", 1)[1]): int(v["restarts"])
                          for k, v in sorted(items.items()) if k.startswith("rejoin/")
@@ -110,8 +113,12 @@ def run(args: argparse.Namespace) -> int:
     if s["restarts"]:
         print("  restarted: " + ", ".join(f"worker {old} as {new}"
                                           for new, old in s["restarts"].items()))
+    if s["quiet_spares"]:
+        print(f"  spares that stopped asking to join (frozen or stalled?): {s['quiet_spares']}")
     if s["dead"]:
-        print(f"  dead workers: {s['dead']}")
+        why = s["dead_why"]
+        print(f"  dead workers: {s['dead']}" + "".join(
+            f"\n    worker {w}: {why[w]}" for w in s["dead"] if w in why))
     if s["left"]:
         print(f"  workers that left the job: {s['left']}")
     if s["exits"]:
