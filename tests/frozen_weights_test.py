@@ -143,3 +143,22 @@ def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_cal
     assert stats.snapshot_shared_bytes == (4 * 4 * 4 if share else 0)  # the base (float32)
     for name in ("base", "lora"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+
+
+def test_the_first_call_traces_the_step_once():
+    """The step is traced before the first snapshot (to find what it returns as given),
+    and that trace is what its first compile lowers: no second trace."""
+    traces = []
+
+    def counted(model, optimizer, batch):
+        traces.append(1)
+        return h.train_step(model, optimizer, batch)
+
+    model, optimizer = h.make_mlp()
+    step = mnemojax.resilient(counted, mesh=h.mesh_of((4, 2)), options=h.no_precompile())
+    try:
+        for batch in h.make_batches(3):
+            step(model, optimizer, batch)
+        assert len(traces) == 1 and step.statistics.compiles == 1
+    finally:
+        step.close()

@@ -947,9 +947,9 @@ class StepCompiler:
             except Exception as e:  # noqa: BLE001 - never worse than tracing
                 log.warning("mnemojax: lowering the step for mesh %s from its export failed "
                             "(%s: %s); tracing it", dict(mesh.shape), type(e).__name__, e)
-        first = self._first_trace
+        # (the first lowering is the first call's compile: the trace is for it or for none)
+        first, self._first_trace = self._first_trace, None
         if first is not None and first[0] == key:
-            self._first_trace = None
             _, traced, fn = first
             return traced.lower(), False, _forwarded(fn)
         fn = self._checked_for(mesh)
