@@ -280,8 +280,9 @@ class Launcher:
         one poll's answer and the next is no sign of a frozen process) (``roster.cv``
         held)."""
         now = time.monotonic()
-        return set(self._polling) | {w for w, t in self._asked_at.items()
-                                     if now - t <= POLL_GAP_S}
+        for w in [w for w, t in self._asked_at.items() if now - t > POLL_GAP_S]:
+            del self._asked_at[w]  # (else one entry per spare that ever polled)
+        return set(self._polling) | set(self._asked_at)
 
     def _check_joins(self) -> None:
         """A spare taken into a world that has not said it has its agreement within
