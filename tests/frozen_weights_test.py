@@ -162,3 +162,50 @@ def test_the_first_call_traces_the_step_once():
         assert len(traces) == 1 and step.statistics.compiles == 1
     finally:
         step.close()
+
+
+def _two_task_step(state, batch):
+    lora = state["lora"] - 0.1 * jnp.tanh(batch["x"].mean(0) @ state["base"])
+    base = state["base"]
+    if "task" in batch:  # batches of a second task train the base too
+        base = base + 0.5 * jnp.outer(batch["x"].mean(0), batch["task"].mean(0))
+    return {"base": base, "lora": lora}, {"loss": jnp.sum(lora)}
+
+
+def test_a_leaf_another_batch_layout_changes_is_copied_again():
+    """The first batch layout returns ``base`` as given, so it is shared; every fourth
+    batch carries a second task's input and its executable trains ``base``. With a
+    snapshot every 2 steps, the snapshot of step 4 (first layout) must not keep the copy
+    of step 2: step 3 changed ``base`` (review 31: it did, and the recovery in step 5
+    restored the old base, 0.05 off)."""
+
+    def batch(k):
+        rng = np.random.default_rng(k)
+        out = {"x": rng.normal(size=(8, 4)).astype(np.float32)}
+        if k % 4 == 3:
+            out["task"] = rng.normal(size=(8, 4)).astype(np.float32)
+        return out
+
+    batches = [batch(k) for k in range(1, 8)]
+
+    def loop(step):
+        state = {"base": jnp.ones((4, 4)), "lora": jnp.zeros((4,))}
+        for b in batches:
+            state, _ = step(state, b)
+        return jax.tree.map(np.asarray, state)
+
+    want = loop(jax.jit(_two_task_step))
+    options = h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(every_steps=2, unreplicated_every_steps=2),
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    step = mnemojax.resilient(_two_task_step, mesh=h.mesh_of((4, 2)), options=options,
+                              fault_injector=FaultInjector().lose_devices(5, [3], surface="block"))
+    try:
+        got = loop(step)
+        stats = step.statistics
+    finally:
+        step.close()
+    [recovery] = stats.recoveries
+    assert recovery.source == "host_snapshot" and stats.snapshot_shared_bytes == 4 * 4 * 4
+    for name in ("base", "lora"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)

@@ -341,3 +341,60 @@ def test_a_corrupt_shared_copy_is_caught_on_restore(arrays):
             held.assemble(0)
     store.close()
     assert store.corrupt_found == 1  # (and said at close, as a retired slot's would be)
+
+
+def test_a_corrupt_shared_copy_is_read_again_at_the_next_snapshot(arrays):
+    """Review 31: both slots hold the one copy, so a flipped bit left no fallback. Each
+    snapshot that reuses it checks it: found, said, the older snapshot marked corrupt, and
+    the copy read again from the devices."""
+    host, dev = arrays
+    found = []
+    store = _store(on_corrupt=found.append)
+    assert store.share([0])
+    _taken(store, dev)
+    older = _taken(store, dev, 2, kept=[0])
+    bad = older.leaves[0]
+    next(iter(bad.shards.values())).view(np.uint8)[0] ^= 0x01
+    newest = _taken(store, dev, 3, kept=[0])
+    assert store.corrupt_found == 1 and found == [2] and older.corrupt
+    assert newest.leaves[0] is not bad and not newest.corrupt
+    np.testing.assert_array_equal(newest.assemble(0), host[0])
+    store.close()
+
+
+def test_a_shared_leaf_that_keeps_changing_has_at_most_two_copies(arrays):
+    """Review 31: each new value got new buffers while the older stayed with a slot and the
+    retiring one: up to three copies. A new value now goes into the retiring slot's own
+    copy where the complete slot does not hold it."""
+    host, dev = arrays
+    store = _store()
+    assert store.share([0])
+    first = _taken(store, dev)
+    copy = first.leaves[0]
+    for step in (2, 3, 4, 5):
+        _taken(store, [dev[0] + step, dev[1]], step)
+        assert store.host_bytes == 2 * host[0].nbytes + 2 * host[1].nbytes
+    # (steps 3 and 5 went to the first slot: into its own copy, written over)
+    assert store.latest().leaves[0] is copy and store.snapshots()[1].leaves[0] is not copy
+    np.testing.assert_array_equal(store.latest().assemble(0), host[0] + 5)
+    np.testing.assert_array_equal(store.snapshots()[1].assemble(0), host[0] + 4)
+    store.close()
+
+
+def test_a_tight_budget_gives_up_the_older_snapshot_for_a_new_shared_copy(arrays):
+    """A budget with room for one copy of the shared leaf (2 x the rest + it): a new value
+    gives up the older snapshot first, so the host never holds two."""
+    host, dev = arrays
+    need = 2 * host[1].nbytes + host[0].nbytes
+    store = SnapshotStore(JaxDeviceLayer(), ["params", "opt_state"], budget_bytes=need)
+    assert store.share([0])
+    _taken(store, dev)
+    _taken(store, dev, 2, kept=[0])
+    assert len(store.snapshots()) == 2 and store.gave_up == 0
+    newest = _taken(store, [dev[0] + 1, dev[1]], 3)
+    assert store.gave_up == 1 and store.snapshots() == [newest]
+    assert store.host_bytes == need
+    np.testing.assert_array_equal(newest.assemble(0), host[0] + 1)
+    fourth = _taken(store, [dev[0] + 1, dev[1] * 2], 4, kept=[0])
+    assert len(store.snapshots()) == 2 and fourth.leaves[0] is newest.leaves[0]
+    store.close()

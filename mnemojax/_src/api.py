@@ -239,6 +239,9 @@ class ResilientStep(Generic[P, R]):
         self._step_times: collections.deque[float] = collections.deque(maxlen=100)
         self._run_recoveries: list[float] = []  # budget clock of every recovery this run
         self._recoveries_at_snapshot = 0  # (`_kept`)
+        # The shared leaves every step committed since the last snapshot returned as given
+        # (`_note_kept`); None: no step since.
+        self._kept_since: frozenset[int] | None = None
         snap = self.options.snapshot
         self._batches = ReplayBuffer(max(snap.every_steps, snap.unreplicated_every_steps,
                                          self.options.persistent.every_steps, 1) + 1)
@@ -1770,6 +1773,7 @@ class ResilientStep(Generic[P, R]):
         if b.snapshot_every is None:
             b.snapshot_every = self._snapshot_cadence(new_leaves)
         rt = b.runtime
+        self._note_kept(b)
         if b.snapshot_every and step % b.snapshot_every == 0:
             self._wait_snapshot(rt, step)
             rt.store.submit(step, new_leaves, packed, kept=self._kept(b))
@@ -1829,15 +1833,25 @@ class ResilientStep(Generic[P, R]):
         rt.store.share(rt.compiler.shared_leaves())
 
     def _kept(self, b: _Built) -> frozenset[int]:
-        """The shared leaves whose snapshot copy stays (`SnapshotStore.submit`): those the
-        step that ran returns as given (`Executable.kept`), unless a recovery ran since the
-        last snapshot (its state came from elsewhere: copied again). A change made between
-        steps is snapshotted before the step (`_snapshot_outside_change`), as a new value."""
+        """The shared leaves whose snapshot copy stays (`SnapshotStore.submit`): those that
+        every step committed since the last snapshot returned as given (`_note_kept`: with
+        a snapshot every N steps, another batch layout's executable in between may change
+        them: review 31), unless a recovery ran since (its state came from elsewhere:
+        copied again). A change made between steps is snapshotted before the step
+        (`_snapshot_outside_change`), as a new value."""
         recoveries = len(self._run_recoveries)
-        kept = b.exe.kept if (b.exe is not None
-                              and recoveries == self._recoveries_at_snapshot) else frozenset()
+        kept = self._kept_since if (self._kept_since is not None
+                                    and recoveries == self._recoveries_at_snapshot) \
+            else frozenset()
         self._recoveries_at_snapshot = recoveries
+        self._kept_since = None
         return kept
+
+    def _note_kept(self, b: _Built) -> None:
+        """A step committed: the shared leaves still unchanged since the last snapshot are
+        those its executable returned as given too (`_kept`)."""
+        kept = b.exe.kept if b.exe is not None else frozenset()
+        self._kept_since = kept if self._kept_since is None else self._kept_since & kept
 
     def _snapshot_initial(self, b: _Built, leaves: list) -> None:
         """The snapshot of the state the first call starts from. Complete before it runs

@@ -718,9 +718,9 @@ class StepCompiler:
         def checked(leaves, batch):
             with jax.named_scope(USER_SCOPE):
                 new, metrics = self._pure(leaves, batch)
-            # The leaves returned as given (the same tracer): unchanged by the step, so
-            # neither checked for NaN/Inf (they are as finite as they came) nor packed
-            # where they are shared (`shared_leaves`).
+            # The leaves returned as given (the same tracer): unchanged by the step, so not
+            # packed where they are shared (`shared_leaves`: copied once). Still checked
+            # for NaN/Inf: one given so (loaded between steps) is caught as before.
             forwarded = frozenset(i for i, (x, y) in enumerate(zip(leaves, new, strict=False))
                                   if x is y)
             if self.facts.forwarded is None:
@@ -733,8 +733,7 @@ class StepCompiler:
             packs = [packer(mesh, [self._specs[i] for i in members], axes)(
                 *(read[i] for i in members)) for axes, members in self.packs_for(mesh)]
             floats = [i for i, (_, dtype) in enumerate(self.leaf_structs)
-                      if self._check_state and jnp.issubdtype(dtype, jnp.inexact)
-                      and i not in forwarded]
+                      if self._check_state and jnp.issubdtype(dtype, jnp.inexact)]
             if not floats:
                 return new, metrics, jnp.ones((1,), bool), packs
             check = jax.shard_map(local_flags, mesh=mesh,

@@ -170,8 +170,7 @@ class SnapshotOptions:
             steps, a recovery); they are not packed, and ``host_memory_budget_bytes``
             counts them once. False: every snapshot copies them, as any leaf (two
             independent host copies). Not yet across processes (the publishes to the
-            agents copy the whole state). (Either way, such a leaf is not checked for
-            NaN/Inf after the step: it is as finite as it came.)
+            agents copy the whole state).
     """
 
     every_steps: int = 20

@@ -24,7 +24,14 @@ side in one flat array (`compiler.StepCompiler`), so the thread reads one buffer
 device instead of one per leaf and device. Each leaf's shard is then a view into its pack's
 host buffer, checksummed on its own as before: what a snapshot holds, and how it is read and
 verified, does not change. (Across processes the publish to the agent reads the same packs:
-`state_transfer.packed_shards`.)
+`state_transfer.packed_shards`.) A leaf in no pack is read per shard, as without packs.
+
+Shared leaves (`SnapshotStore.share`: leaves the step returns as given, a frozen base) are
+the exception to "each slot its own buffers": both slots hold one host copy while the leaf
+keeps its value, checked against its checksums at each snapshot that reuses it. A new
+value is read into the slot's own older copy where the complete slot does not hold it,
+else into new buffers (at most two copies; one where the budget has no room for two: the
+older snapshot is given up first).
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ class Packed:
     Attributes:
         arrays: one array per pack, shaped (the sizes of its mesh axes..., -1): on each
             device, the device's shards of its member leaves, flattened and side by side.
-        members: per pack, the state leaves it holds, in their order in the pack.
+        members: per pack, the state leaves it holds, in their order in the pack (not
+            every leaf: never a shared one, `SnapshotStore.share`).
     """
 
     arrays: Sequence[jax.Array]
@@ -195,6 +203,12 @@ def _leaf_layout(x: jax.Array) -> LeafLayout:
             for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
 
 
+def _fits(copy: LeafCopy, x: jax.Array, layout: LeafLayout) -> bool:
+    """Whether `copy`'s buffers hold `x`'s replica-0 shards (`layout`)."""
+    return (copy.shape == tuple(x.shape) and copy.dtype == np.dtype(x.dtype)
+            and set(copy.shards) == {k for _, k, _ in layout})
+
+
 def has_single_copy_shards(leaves: Sequence[jax.Array]) -> bool:
     """True if some shard of some leaf is held by one device only (no live replica)."""
     seen: set[tuple[Any, tuple[int, ...]]] = set()
@@ -245,6 +259,10 @@ class SnapshotStore:
         self._shared_copies: dict[int, tuple[int, LeafLayout, LeafCopy]] = {}
         self.shared_bytes = 0  # of `state_bytes`, the shared leaves' (copied once)
         self.shared_copied = 0  # copies of a shared leaf read (not taken from the last)
+        # No room in the budget for two copies of the shared leaves: a new copy gives up
+        # the older snapshot first (`_give_up`).
+        self._tight = False
+        self.gave_up = 0
         self._on_corrupt = on_corrupt  # called (step) from the copy thread
         self.corrupt_found = 0
 
@@ -281,6 +299,7 @@ class SnapshotStore:
             self.state_bytes = sum(sizes)
             self.shared_bytes = sum(n for i, n in enumerate(sizes) if i in self._shared)
             own = self.state_bytes - self.shared_bytes
+            self._tight = 2 * self.state_bytes > self._budget
             if 2 * own + self.shared_bytes > self._budget:
                 self.disabled = True
                 need = (f"2 x {own} bytes (and {self.shared_bytes} bytes copied once, of "
@@ -293,6 +312,7 @@ class SnapshotStore:
                 return False
         if len(self._versions) != len(leaves):
             self._versions = [0] * len(leaves)
+            self._shared_copies.clear()  # (no copy of another count of leaves is reused)
         for i in self._shared:
             if i not in kept:
                 self._versions[i] += 1
@@ -380,17 +400,18 @@ class SnapshotStore:
                 self._busy = True
                 target = 0 if self._complete is None else 1 - self._complete
                 reuse = self._slots[target]
+                keep = self._slots[1 - target] if self._intact[1 - target] else None
                 retiring = self._intact[target]
                 self._intact[target] = False  # being overwritten from now on
             try:
-                snap = self._copy(step, leaves, packed, versions, reuse, scrub=retiring)
+                snap = self._copy(step, leaves, packed, versions, reuse, keep, scrub=retiring)
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
                 log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
                 self.failed += 1
                 snap = None
             # The arrays copied (a step's state, its packs) go now, not at the next
             # submit: they would otherwise be on the devices beside the next step's.
-            del pending, leaves, packed
+            del pending, leaves, packed, keep
             with self._cv:
                 if snap is not None:
                     self._slots[target] = snap
@@ -481,8 +502,8 @@ class SnapshotStore:
                             leaf_fills=leaf_fills, pack_fills=pack_fills, key=key)
 
     def _copy(self, step: int, leaves: Sequence[jax.Array], packed: Packed | None,
-              versions: Sequence[int], reuse: HostSnapshot | None, *,
-              scrub: bool) -> HostSnapshot:
+              versions: Sequence[int], reuse: HostSnapshot | None,
+              keep: HostSnapshot | None = None, *, scrub: bool) -> HostSnapshot:
         """Copies `leaves` into `reuse`'s buffers (new ones if the layout changed) and
         checksums each shard: one device read per pack shard where ``packed`` holds a leaf
         (its shards are views into it), one per shard for the others; the shared leaves
@@ -525,7 +546,7 @@ class SnapshotStore:
                 self._scrub(reuse, [f for *_, views in pack_fills[at_pack + 1:] for f in views]
                             + fills[at_leaf + 1:])
             raise
-        self._attach_shared(reuse, leaves, versions)
+        self._attach_shared(reuse, keep, leaves, versions)
         reuse.step = step
         reuse.corrupt = False
         if pack_fills:
@@ -533,23 +554,69 @@ class SnapshotStore:
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse
 
-    def _attach_shared(self, snap: HostSnapshot, leaves: Sequence[jax.Array],
-                       versions: Sequence[int]) -> None:
+    def _attach_shared(self, snap: HostSnapshot, keep: HostSnapshot | None,
+                       leaves: Sequence[jax.Array], versions: Sequence[int]) -> None:
         """Gives `snap` the copy of each shared leaf at its version: the one already held
-        where the version and layout are the same (nothing read), else a new one read now.
-        A copy is never written over: the slot that still holds an older one keeps it
-        until that slot is laid out again."""
+        where the version and layout are the same (nothing read; its checksums are checked
+        again, so a corruption of the one copy both slots hold is found within a snapshot
+        and read anew, not met at a restore with no fallback), else one read now: into
+        the copy `snap` held before where `keep` (the complete slot, not written over)
+        does not hold it too, else into new buffers: at most two copies of a shared leaf.
+        Where the budget has no room for two (`_tight`), `keep` is given up first (its
+        copies let go: until this copy completes there is no complete snapshot)."""
         fetch_into, checksum = self._layer.fetch_into, checksums.checksum
         for leaf in sorted(self._shared):
             x = leaves[leaf]
             layout = self._layout(x)
             held = self._shared_copies.get(leaf)
-            if held is None or held[0] != versions[leaf] or held[1] is not layout:
-                copy = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf], {})
-                for position, k, device_id in layout:
-                    buf = copy.shards[k] = np.empty([b - a for a, b in k], x.dtype)
-                    fetch_into(x.addressable_data(position), device_id, buf)
-                    copy.crcs[k] = checksum(buf)
-                held = self._shared_copies[leaf] = (versions[leaf], layout, copy)
-                self.shared_copied += 1
-            snap.leaves[leaf] = held[2]
+            if held is not None and held[0] == versions[leaf] and held[1] is layout:
+                if not self._verify or all(checksum(buf) == held[2].crcs[k]
+                                           for k, buf in held[2].shards.items()):
+                    snap.leaves[leaf] = held[2]
+                    continue
+                self._shared_corrupt(keep, leaf, held[2])  # read again below
+            if self._tight and keep is not None:  # (no room for two copies of it)
+                self._give_up(keep)
+                keep = None
+            mine = snap.leaves[leaf]
+            if (keep is not None and keep.leaves[leaf] is mine) or not _fits(mine, x, layout):
+                mine = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf],
+                                {k: np.empty([b - a for a, b in k], x.dtype)
+                                 for _, k, _ in layout})
+            elif self._verify and any(checksum(buf) != mine.crcs.get(k)
+                                      for k, buf in mine.shards.items()):
+                self._retired_corrupt(snap)  # (its own older copy, about to be written over)
+            for position, k, device_id in layout:
+                fetch_into(x.addressable_data(position), device_id, mine.shards[k])
+                mine.crcs[k] = checksum(mine.shards[k])
+            self._shared_copies[leaf] = (versions[leaf], layout, mine)
+            self.shared_copied += 1
+            snap.leaves[leaf] = mine
+
+    def _shared_corrupt(self, keep: HostSnapshot | None, leaf: int, copy: LeafCopy) -> None:
+        """The one copy of shared leaf `leaf` failed its checksum: said, and the complete
+        snapshot holding it is marked corrupt (never restored)."""
+        self.corrupt_found += 1
+        log.warning("mnemojax: the host copy of state leaf %d that both snapshots share "
+                    "failed its %s check (host memory corruption); it is read again from "
+                    "the devices", leaf, checksums.NAME)
+        if keep is not None and keep.leaves[leaf] is copy and not keep.corrupt:
+            keep.corrupt = True
+            if self._on_corrupt is not None:
+                self._on_corrupt(keep.step)
+
+    def _give_up(self, keep: HostSnapshot) -> None:
+        """Makes room for a new copy of the shared leaves within the budget (`_tight`): the
+        complete snapshot `keep` is no longer offered, and its copies of the shared leaves
+        go (the next copy writes over its slot anyway)."""
+        with self._cv:
+            index = self._slots.index(keep)
+            self._intact[index] = False
+            if self._complete == index:
+                self._complete = None
+        for leaf in self._shared:
+            copy = keep.leaves[leaf]
+            keep.leaves[leaf] = LeafCopy(copy.shape, copy.dtype, copy.entry, {})
+        self.gave_up += 1
+        log.info("mnemojax: the snapshot of step %d is given up to copy the shared leaves "
+                 "anew within host_memory_budget_bytes", keep.step)
