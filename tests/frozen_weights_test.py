@@ -209,3 +209,28 @@ def test_a_leaf_another_batch_layout_changes_is_copied_again():
     assert recovery.source == "host_snapshot" and stats.snapshot_shared_bytes == 4 * 4 * 4
     for name in ("base", "lora"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+def test_snapshots_off_by_the_budget_say_so_in_the_statistics_and_at_the_loss():
+    """Trial 50: with the budget short even of one copy of the frozen leaves, the
+    statistics still read a cadence of 1, and the loss's error advised a lower cadence.
+    Now the cadence reads 0 and the error names the budget."""
+    from mnemojax._src.errors import SnapshotBudgetWarning, StateUnavailableError
+
+    options = h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=64),
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)), options=options,
+                              fault_injector=FaultInjector().lose_devices(2, [3],
+                                                                          surface="block"))
+    state = {"base": jnp.ones((4, 4)), "lora": jnp.zeros((4,))}
+    x = np.ones((8, 4), np.float32)
+    try:
+        with pytest.warns(SnapshotBudgetWarning, match="host_memory_budget_bytes=64"):
+            state, _ = step(state, x)
+        stats = step.statistics
+        assert stats.snapshots_over_budget and stats.snapshot_every_steps == 0
+        with pytest.raises(StateUnavailableError, match="Raise SnapshotOptions.host_memory_"):
+            step(state, x)
+    finally:
+        step.close()

@@ -326,6 +326,8 @@ class ResilientStep(Generic[P, R]):
             s.corrupt_snapshots_scrubbed = rt.store.corrupt_found
             s.snapshots_over_budget = rt.store.disabled or (
                 b.session is not None and b.session.publish_refused)
+            if rt.store.disabled:  # (a trial: the cadence still read 1 with snapshots off)
+                s.snapshot_every_steps = 0
             s.jit_checkpoints = b.durability.jit_checkpoints
             grads = rt.grads_store.latest() if rt.grads_store is not None else None
             s.grads_snapshot_step = grads.step if grads else None

@@ -312,7 +312,8 @@ class DeviceRecovery:
         try:
             if host is None:
                 host = gather_state(leaves, state_step, proxy.dead, runtime.store.snapshots(),
-                                    runtime.layer, live_ok=not opts.compile.donate_state)
+                                    runtime.layer, live_ok=not opts.compile.donate_state,
+                                    snapshots_off=runtime.store.disabled_why)
             self._statistics.corrupt_snapshots_detected += host.corrupt_snapshots
             if host.corrupt_snapshots:
                 self._durability.emit("fault", step=step, classification="corrupt_snapshot",

@@ -243,6 +243,7 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.disabled = False
+        self.disabled_why: str | None = None  # (the budget's warning, for a recovery's error)
         self.state_bytes: int | None = None
         self._bytes_mesh: object = None
         self.taken = 0
@@ -305,10 +306,10 @@ class SnapshotStore:
                 need = (f"2 x {own} bytes (and {self.shared_bytes} bytes copied once, of "
                         "leaves the step returns unchanged)" if self.shared_bytes
                         else f"2 x {own} bytes")
-                warnings.warn(
-                    f"mnemojax: {self._name} snapshots need {need} of host memory, over "
-                    f"host_memory_budget_bytes={self._budget}; snapshots are off",
-                    SnapshotBudgetWarning, stacklevel=3)
+                self.disabled_why = (f"{self._name} snapshots need {need} of host memory, "
+                                     f"over host_memory_budget_bytes={self._budget}")
+                warnings.warn(f"mnemojax: {self.disabled_why}; snapshots are off",
+                              SnapshotBudgetWarning, stacklevel=3)
                 return False
         if len(self._versions) != len(leaves):
             self._versions = [0] * len(leaves)

@@ -119,7 +119,8 @@ def gather_given(leaves: Sequence[jax.Array | np.ndarray], step: int, dead: Coll
 
 
 def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
-                 snapshots: Sequence[HostSnapshot], layer, *, live_ok: bool) -> HostState:
+                 snapshots: Sequence[HostSnapshot], layer, *, live_ok: bool,
+                 snapshots_off: str | None = None) -> HostState:
     """The newest complete state on the host, from live replicas and/or snapshots.
 
     Args:
@@ -129,6 +130,7 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
         snapshots: complete host snapshots, any steps.
         layer: the device layer to read shards through.
         live_ok: False when the live state may have been donated.
+        snapshots_off: why no snapshot is taken (the host memory budget), if so.
 
     Raises:
         StateUnavailableError: no complete copy of any step survives.
@@ -154,6 +156,11 @@ def gather_state(leaves: Sequence[jax.Array], step: int, dead: Collection[int],
             else f"the live state of step {step} was donated to the step that failed")
     held = (f"{len(corrupt)} host snapshot(s) failed their checksums" if corrupt
             else "no host snapshot is complete")
+    if snapshots_off is not None and not snapshots:  # (a trial: it said "lower the cadence")
+        raise StateUnavailableError(
+            f"no complete copy of the state survives: {live}, and no host snapshot is "
+            f"taken: {snapshots_off}. Raise SnapshotOptions.host_memory_budget_bytes, or "
+            "keep persistent checkpoints (PersistentOptions)", corrupt=0)
     raise StateUnavailableError(
         f"no complete copy of the state survives: {live}, and {held}. Snapshots are "
         "taken of the state the first step starts from, then every SnapshotOptions."
