@@ -1,12 +1,15 @@
 """Model + optimizer construction and the (un-jitted) train steps: the GPT language model
-(demo, bench) and the MLP classifier (tests, chaos soak, test jobs). Each step is defined
-here once; its users bind sizes and optimizers."""
+(demo, bench), the MLP classifier (tests, chaos soak, test jobs) and a LoRA fine-tune of
+frozen layers (micro-benchmark 10, tests). Each step is defined here once; its users bind
+sizes and optimizers."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -73,3 +76,40 @@ def shard_onto(model, optimizer, mesh) -> None:
     shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     nnx.update((model, optimizer), jax.device_put(state, shardings))
+
+
+class LoRAMLP(nnx.Module):
+    """Frozen `nnx.Linear` layers of ``widths`` (tanh between them), each with a rank-
+    ``rank`` `nnx.LoRA` beside it: the shape of a LoRA fine-tune, whose optimizer updates
+    only the `nnx.LoRAParam`s (`build_lora_mlp`), so the step returns the base as given."""
+
+    def __init__(self, widths: Sequence[int], rank: int, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([
+            nnx.LoRA(a, rank, b, base_module=nnx.Linear(a, b, rngs=rngs), rngs=rngs)
+            for a, b in zip(widths[:-1], widths[1:], strict=True)])
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = jax.nn.tanh(x)
+        return x
+
+
+def build_lora_mlp(*, widths: Sequence[int] = (16, 32, 4), rank: int = 4, seed: int = 0,
+                   learning_rate: float = 1e-2):
+    """A `LoRAMLP` and its Adam optimizer over the LoRA parameters only."""
+    model = LoRAMLP(widths, rank, rngs=nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.LoRAParam)
+
+
+def regression_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def lora_train_step(model, optimizer, batch):
+    """One step on the LoRA parameters (the gradient of the rest is never taken)."""
+    value, grads = nnx.value_and_grad(
+        regression_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": value}

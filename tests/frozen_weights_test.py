@@ -8,11 +8,11 @@ donated state ended the run."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import mnemojax
+from mnemojax.models.tasks import build_lora_mlp, lora_train_step
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
 
@@ -22,27 +22,15 @@ STEPS = 12
 CHANGED_AFTER = 6  # the caller loads a new base between steps 6 and 7
 
 
-class _LoRAModel(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.LoRA(16, 4, 32, base_module=nnx.Linear(16, 32, rngs=rngs), rngs=rngs)
-        self.out = nnx.LoRA(32, 4, 4, base_module=nnx.Linear(32, 4, rngs=rngs), rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.up(x)))
-
-
 def _make():
-    model = _LoRAModel(nnx.Rngs(0))
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    return build_lora_mlp(widths=(16, 32, 4), rank=4)
 
 
-def _step(model, optimizer, batch):
-    def loss(m):
-        return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
-
-    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-    optimizer.update(model, grads)
-    return {"loss": value}
+def _donating(**snapshot) -> mnemojax.ResilienceOptions:
+    """Test options with the state donated (a recovery restores from the host snapshot)."""
+    return h.no_precompile(
+        snapshot=mnemojax.SnapshotOptions(**snapshot),
+        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
 
 
 def _batches():
@@ -52,7 +40,7 @@ def _batches():
 
 
 def _load_new_base(model):
-    kernel = model.up.base_module.kernel
+    kernel = model.layers[0].base_module.kernel
     kernel[...] = kernel[...] * 0.5
 
 
@@ -74,20 +62,18 @@ def test_a_frozen_base_is_copied_once_and_restored_with_its_change():
     host snapshot) and a new base loaded between steps: equal to the plain run, within a
     budget that the whole state twice would exceed."""
     batches = _batches()
-    want = _run(nnx.jit(_step), *_make(), batches)
+    want = _run(nnx.jit(lora_train_step), *_make(), batches)
 
     model, optimizer = _make()
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
     shared = _base_bytes(model)
     budget = 2 * (state_bytes - shared) + shared  # (2 x state_bytes before: snapshots off)
-    options = h.no_precompile(
-        snapshot=mnemojax.SnapshotOptions(every_steps=2, unreplicated_every_steps=2,
-                                          host_memory_budget_bytes=budget),
-        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    options = _donating(every_steps=2, unreplicated_every_steps=2,
+                        host_memory_budget_bytes=budget)
     # Step 7 is the first with the new base; step 9 restores the snapshot of step 8.
     faults = FaultInjector().lose_devices(5, [3], surface="block") \
         .lose_devices(9, [6], surface="block")
-    step = mnemojax.resilient(_step, mesh=h.mesh_of((4, 2)), options=options,
+    step = mnemojax.resilient(lora_train_step, mesh=h.mesh_of((4, 2)), options=options,
                               fault_injector=faults)
     try:
         got = _run(step, model, optimizer, batches)
@@ -127,22 +113,25 @@ def test_a_pure_step_shares_the_leaf_it_returns_as_given_and_copies_what_the_cal
         return jax.tree.map(np.asarray, state)
 
     want = loop(jax.jit(_pure_step))
-    options = h.no_precompile(
-        snapshot=mnemojax.SnapshotOptions(share_unchanged_leaves=share),
-        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    options = _donating(share_unchanged_leaves=share)
     faults = FaultInjector().lose_devices(5, [3], surface="block")
     step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)), options=options,
                               fault_injector=faults)
+    _assert_one_restore_from_the_host(step, loop, want, shared=4 * 4 * 4 if share else 0)
+
+
+def _assert_one_restore_from_the_host(step, loop, want, *, shared: int) -> None:
+    """Runs `loop` on `step`: one recovery, from the host snapshot, `shared` bytes shared
+    (the base, float32, or none), and the failure-free result."""
     try:
         got = loop(step)
         stats = step.statistics
     finally:
         step.close()
     [recovery] = stats.recoveries
-    assert recovery.source == "host_snapshot"
-    assert stats.snapshot_shared_bytes == (4 * 4 * 4 if share else 0)  # the base (float32)
+    assert recovery.source == "host_snapshot" and stats.snapshot_shared_bytes == shared
     for name in ("base", "lora"):
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
 
 
 def test_the_first_call_traces_the_step_once():
@@ -195,20 +184,10 @@ def test_a_leaf_another_batch_layout_changes_is_copied_again():
         return jax.tree.map(np.asarray, state)
 
     want = loop(jax.jit(_two_task_step))
-    options = h.no_precompile(
-        snapshot=mnemojax.SnapshotOptions(every_steps=2, unreplicated_every_steps=2),
-        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    options = _donating(every_steps=2, unreplicated_every_steps=2)
     step = mnemojax.resilient(_two_task_step, mesh=h.mesh_of((4, 2)), options=options,
                               fault_injector=FaultInjector().lose_devices(5, [3], surface="block"))
-    try:
-        got = loop(step)
-        stats = step.statistics
-    finally:
-        step.close()
-    [recovery] = stats.recoveries
-    assert recovery.source == "host_snapshot" and stats.snapshot_shared_bytes == 4 * 4 * 4
-    for name in ("base", "lora"):
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+    _assert_one_restore_from_the_host(step, loop, want, shared=4 * 4 * 4)
 
 
 def test_snapshots_off_by_the_budget_say_so_in_the_statistics_and_at_the_loss():
@@ -217,9 +196,7 @@ def test_snapshots_off_by_the_budget_say_so_in_the_statistics_and_at_the_loss():
     Now the cadence reads 0 and the error names the budget."""
     from mnemojax._src.errors import SnapshotBudgetWarning, StateUnavailableError
 
-    options = h.no_precompile(
-        snapshot=mnemojax.SnapshotOptions(host_memory_budget_bytes=64),
-        compile=mnemojax.CompileOptions(precompile=False, cache_dir=None, donate_state=True))
+    options = _donating(host_memory_budget_bytes=64)
     step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)), options=options,
                               fault_injector=FaultInjector().lose_devices(2, [3],
                                                                           surface="block"))

@@ -405,35 +405,14 @@ def _snapshot_overhead(cfg, mesh, batches, *, rounds: int, block_steps: int) -> 
 
 
 def _frozen_weights(mesh, *, rounds: int, block_steps: int) -> list[str]:
-    import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
-    from flax import nnx
 
     import mnemojax
     from mnemojax._src.timing import interleaved_block_means
+    from mnemojax.models.tasks import build_lora_mlp, lora_train_step
 
     width, layers, rank = 256, 4, 8
-
-    class LoRAMLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.layers = nnx.List([
-                nnx.LoRA(width, rank, width, base_module=nnx.Linear(width, width, rngs=rngs),
-                         rngs=rngs) for _ in range(layers)])
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = jax.nn.tanh(layer(x))
-            return x
-
-    def train_step(model, optimizer, batch):
-        def loss(m):
-            return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
-
-        value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-        optimizer.update(model, grads)
-        return {"loss": value}
+    widths = (width,) * (layers + 1)
 
     rng = np.random.default_rng(0)
     batches = [{"x": rng.normal(size=(64, width)).astype(np.float32),
@@ -448,9 +427,8 @@ def _frozen_weights(mesh, *, rounds: int, block_steps: int) -> list[str]:
     for name, snap in configs.items():
         options = mnemojax.ResilienceOptions(
             snapshot=snap, compile=mnemojax.CompileOptions(precompile=False, cache_dir=None))
-        model = LoRAMLP(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
-        step = mnemojax.resilient(train_step, mesh=mesh, options=options)
+        model, optimizer = build_lora_mlp(widths=widths, rank=rank, learning_rate=1e-3)
+        step = mnemojax.resilient(lora_train_step, mesh=mesh, options=options)
         float(step(model, optimizer, batches[0])["loss"])
         runs[name] = (step, model, optimizer)
 
