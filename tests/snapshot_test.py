@@ -398,3 +398,17 @@ def test_a_tight_budget_gives_up_the_older_snapshot_for_a_new_shared_copy(arrays
     fourth = _taken(store, [dev[0] + 1, dev[1] * 2], 4, kept=[0])
     assert len(store.snapshots()) == 2 and fourth.leaves[0] is newest.leaves[0]
     store.close()
+
+
+def test_a_corrupt_older_shared_copy_is_reported_before_it_is_written_over(arrays):
+    host, dev = arrays
+    found = []
+    store = _store(on_corrupt=found.append)
+    assert store.share([0])
+    first = _taken(store, dev)
+    _taken(store, [dev[0] + 1, dev[1]], 2)  # a new value: the other slot's own copy
+    next(iter(first.leaves[0].shards.values())).view(np.uint8)[0] ^= 0x01
+    third = _taken(store, [dev[0] + 2, dev[1]], 3)  # into the first slot's copy, in place
+    assert third is first and found == [1] and store.corrupt_found == 1
+    np.testing.assert_array_equal(third.assemble(0), host[0] + 2)
+    store.close()

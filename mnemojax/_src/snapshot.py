@@ -547,7 +547,7 @@ class SnapshotStore:
                 self._scrub(reuse, [f for *_, views in pack_fills[at_pack + 1:] for f in views]
                             + fills[at_leaf + 1:])
             raise
-        self._attach_shared(reuse, keep, leaves, versions)
+        self._attach_shared(reuse, keep, leaves, versions, scrub=scrub)
         reuse.step = step
         reuse.corrupt = False
         if pack_fills:
@@ -556,7 +556,8 @@ class SnapshotStore:
         return reuse
 
     def _attach_shared(self, snap: HostSnapshot, keep: HostSnapshot | None,
-                       leaves: Sequence[jax.Array], versions: Sequence[int]) -> None:
+                       leaves: Sequence[jax.Array], versions: Sequence[int], *,
+                       scrub: bool = False) -> None:
         """Gives `snap` the copy of each shared leaf at its version: the one already held
         where the version and layout are the same (nothing read; its checksums are checked
         again, so a corruption of the one copy both slots hold is found within a snapshot
@@ -564,7 +565,9 @@ class SnapshotStore:
         the copy `snap` held before where `keep` (the complete slot, not written over)
         does not hold it too, else into new buffers: at most two copies of a shared leaf.
         Where the budget has no room for two (`_tight`), `keep` is given up first (its
-        copies let go: until this copy completes there is no complete snapshot)."""
+        copies let go: until this copy completes there is no complete snapshot). With
+        `scrub` (`snap` was complete: `_copy`), its own older copy is checked before it
+        is written over (a copy that failed midway left it without valid checksums)."""
         fetch_into, checksum = self._layer.fetch_into, checksums.checksum
         for leaf in sorted(self._shared):
             x = leaves[leaf]
@@ -584,7 +587,7 @@ class SnapshotStore:
                 mine = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf],
                                 {k: np.empty([b - a for a, b in k], x.dtype)
                                  for _, k, _ in layout})
-            elif self._verify and any(checksum(buf) != mine.crcs.get(k)
+            elif scrub and any(checksum(buf) != mine.crcs.get(k)
                                       for k, buf in mine.shards.items()):
                 self._retired_corrupt(snap)  # (its own older copy, about to be written over)
             for position, k, device_id in layout:
