@@ -1832,7 +1832,15 @@ class ResilientStep(Generic[P, R]):
         fine-tune: 81 % of each snapshot was the frozen base, copied every time)."""
         rt = b.runtime
         rt.compiler.trace_first(rt.plan, batch_struct(batch, b.examples))
-        rt.store.share(rt.compiler.shared_leaves())
+        shared = rt.compiler.shared_leaves()
+        if rt.store.share(shared) and shared:
+            structs = b.builder.leaf_structs
+            nbytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in structs]
+            log.info("mnemojax: the step returns %d of its %d state leaves as given (%d of "
+                     "%d bytes, e.g. %s): their host snapshot is copied once, and again only "
+                     "when they change (SnapshotOptions.share_unchanged_leaves)", len(shared),
+                     len(structs), sum(nbytes[i] for i in shared), sum(nbytes),
+                     b.form.leaf_paths[min(shared)])
 
     def _kept(self, b: _Built) -> frozenset[int]:
         """The shared leaves whose snapshot copy stays (`SnapshotStore.submit`): those that
