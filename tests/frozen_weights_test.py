@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import mnemojax
+from mnemojax.errors import NonFiniteLossError
 from mnemojax.models.tasks import build_lora_mlp, lora_train_step
 from mnemojax.testing import FaultInjector
 from tests import helpers as h
@@ -89,6 +90,10 @@ def test_a_frozen_base_is_copied_once_and_restored_with_its_change(caplog):
         "(SnapshotOptions.share_unchanged_leaves)"]
     assert [r.source for r in stats.recoveries] == ["host_snapshot", "host_snapshot"]
     assert not stats.snapshots_over_budget
+    # The budget has room for one copy of the base: only its change gave the older
+    # snapshot up; the recoveries (replayed, the base replicated) kept its copy (review
+    # 32: each recovery copied it again and gave up the snapshot it had just used).
+    assert stats.snapshots_given_up == 1
     assert stats.snapshot_bytes == state_bytes and stats.snapshot_shared_bytes == shared
     # Both slots hold one copy of the base again once two snapshots were taken since the
     # last recovery (steps 10 and 12; until then the older slot holds the copy it took).
@@ -216,5 +221,53 @@ def test_snapshots_off_by_the_budget_say_so_in_the_statistics_and_at_the_loss():
         assert stats.snapshots_over_budget and stats.snapshot_every_steps == 0
         with pytest.raises(StateUnavailableError, match="Raise SnapshotOptions.host_memory_"):
             step(state, x)
+    finally:
+        step.close()
+
+
+def test_a_change_between_steps_to_another_leaf_keeps_the_shared_copy():
+    """Review 32: a change made between steps to one leaf copied every shared leaf again
+    (and, under a budget with room for one copy of them, gave up the older snapshot each
+    time). The caller here sets ``lora`` anew before every step; ``base`` is the array the
+    step returned."""
+    xs = [np.random.default_rng(k).normal(size=(8, 4)).astype(np.float32) for k in range(5)]
+
+    def loop(step):
+        state = {"base": jnp.ones((4, 4)), "lora": jnp.zeros((4,))}
+        for x in xs:
+            state, _ = step({**state, "lora": state["lora"] * 0.5}, x)
+        return jax.tree.map(np.asarray, state)
+
+    want = loop(jax.jit(_pure_step))
+    step = mnemojax.resilient(_pure_step, mesh=h.mesh_of((4, 2)),
+                              options=_donating(host_memory_budget_bytes=2 * 16 + 64))
+    try:
+        got = loop(step)
+        stats = step.statistics
+        copied = step._built.runtime.store.shared_copied  # noqa: SLF001 - the store's count
+    finally:
+        step.close()
+    assert stats.snapshot_shared_bytes == 64 and stats.snapshots_given_up == 0
+    assert copied == 1  # (the base, once)
+    for name in ("base", "lora"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+
+
+def _masked_step(state, x):
+    lora = state["lora"] - 0.1 * jnp.tanh(x.mean(0) @ state["base"][:, :2])
+    return {**state, "lora": lora}, {"loss": jnp.sum(lora)}
+
+
+def test_a_nan_in_a_leaf_the_step_returns_as_given_is_still_caught():
+    """A NaN in a part of the frozen base the step never reads: only the check of the new
+    state sees it (review 32: a first version left such leaves out of it)."""
+    base = np.ones((4, 4), np.float32)
+    base[0, 3] = np.nan
+    step = mnemojax.resilient(_masked_step, mesh=h.mesh_of((4, 2)),
+                              options=h.no_precompile(nonfinite="raise"))
+    try:
+        with pytest.raises(NonFiniteLossError, match="NaN/Inf"):
+            step({"base": jnp.asarray(base), "lora": jnp.zeros((2,))},
+                 np.ones((8, 4), np.float32))
     finally:
         step.close()

@@ -412,3 +412,49 @@ def test_a_corrupt_older_shared_copy_is_reported_before_it_is_written_over(array
     assert third is first and found == [1] and store.corrupt_found == 1
     np.testing.assert_array_equal(third.assemble(0), host[0] + 2)
     store.close()
+
+
+def test_a_tight_budget_gives_up_by_identity_with_an_own_leaf_first(arrays):
+    """Review 32: the slot given up was found by equality, which compared two snapshots of
+    the same step down to their numpy buffers and raised: every later copy was abandoned.
+    Here the shared leaf is the second, and a change made between steps is snapshotted at
+    the step of the snapshot before it."""
+    host, dev = arrays
+    store = SnapshotStore(JaxDeviceLayer(), ["params", "opt_state"],
+                          budget_bytes=2 * host[0].nbytes + host[1].nbytes)
+    assert store.share([1])
+    _taken(store, dev, 0)
+    _taken(store, dev, 1, kept=[1])
+    _taken(store, dev, 2, kept=[1])
+    _taken(store, [dev[0], dev[1] + 1], 2)  # a change between steps, at step 2 again
+    for step in (3, 4, 5):
+        _taken(store, [dev[0] * 2, dev[1] + 2], step, kept=[1] if step > 3 else ())
+    assert store.failed == 0 and store.latest().step == 5 and store.gave_up == 2
+    np.testing.assert_array_equal(store.latest().assemble(1), host[1] + 2)
+    store.close()
+
+
+def test_the_older_snapshot_is_given_up_before_the_copy_and_its_copy_never_written(arrays):
+    """Review 32: under a tight budget the older snapshot was given up in the middle of the
+    copy, and its shared copy written over in place: a recovery that had it (its wait for
+    the copy timed out) read a mixed or empty state. It is given up before the copy
+    starts, and the new value goes to new buffers."""
+    host, dev = arrays
+    layer = _GatedLayer()
+    layer.gate.set()
+    store = SnapshotStore(layer, ["params", "opt_state"],
+                          budget_bytes=2 * host[1].nbytes + host[0].nbytes)
+    assert store.share([0])
+    _taken(store, dev)
+    held = _taken(store, dev, 2, kept=[0]).leaves[0]  # (a reader's copy of the base)
+    layer.gate.clear()
+    layer.entered.clear()
+    assert store.submit(3, [dev[0] + 1, dev[1]])
+    assert layer.entered.wait(10)
+    assert store.snapshots() == [] and store.gave_up == 1  # (before anything was read)
+    layer.gate.set()
+    assert store.wait_idle(10)
+    for k, buf in held.shards.items():  # never written over
+        np.testing.assert_array_equal(buf, host[0][tuple(slice(a, b) for a, b in k)])
+    np.testing.assert_array_equal(store.latest().assemble(0), host[0] + 1)
+    store.close()

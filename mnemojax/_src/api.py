@@ -238,7 +238,7 @@ class ResilientStep(Generic[P, R]):
         self._step = 0
         self._step_times: collections.deque[float] = collections.deque(maxlen=100)
         self._run_recoveries: list[float] = []  # budget clock of every recovery this run
-        self._recoveries_at_snapshot = 0  # (`_kept`)
+        self._records_at_snapshot = 0  # (`_kept`: the recoveries recorded by then)
         # The shared leaves every step committed since the last snapshot returned as given
         # (`_note_kept`); None: no step since.
         self._kept_since: frozenset[int] | None = None
@@ -323,6 +323,7 @@ class ResilientStep(Generic[P, R]):
             s.snapshots_replaced = rt.store.replaced
             s.snapshot_shared_bytes = rt.store.shared_bytes if snap else 0
             s.snapshot_host_bytes = rt.store.host_bytes
+            s.snapshots_given_up = rt.store.gave_up
             s.corrupt_snapshots_scrubbed = rt.store.corrupt_found
             s.snapshots_over_budget = rt.store.disabled or (
                 b.session is not None and b.session.publish_refused)
@@ -695,21 +696,30 @@ class ResilientStep(Generic[P, R]):
         if b.session is not None or b.last_written is None or not b.snapshot_every:
             return
         if isinstance(form, NnxForm):
-            if not self._changed_leaves(b, form, leaves):
+            changed = self._changed_leaves(b, form, leaves)
+            if not changed:
                 return
             form.mark_written()  # (the step's state now: snapshotted below)
+            same = set(range(len(leaves))) - set(changed)
         elif not _replaced(leaves, b.last_written):
             return
-        elif not self._said_pure_change:
-            self._said_pure_change = True
-            log.warning("mnemojax: step %d: the state given is not what the step returned "
-                        "(the caller changed it, or another step returned it): it is copied "
-                        "to host memory before the step, so that a recovery keeps the "
-                        "change, at each such call (said once)", self._step + 1)
+        else:
+            same = {i for i, (x, y) in enumerate(zip(leaves, b.last_written, strict=True))
+                    if x is y}
+            if not self._said_pure_change:
+                self._said_pure_change = True
+                log.warning("mnemojax: step %d: the state given is not what the step "
+                            "returned (the caller changed it, or another step returned "
+                            "it): it is copied to host memory before the step, so that a "
+                            "recovery keeps the change, at each such call (said once)",
+                            self._step + 1)
         b.last_written = leaves
         rt = b.runtime
         self._wait_snapshot(rt, self._step)
-        rt.store.submit(self._step, leaves)
+        # The shared leaves not changed keep their copy (review 32: a change to one leaf
+        # copied every shared leaf again, and gave up the older snapshot under a tight
+        # budget).
+        rt.store.submit(self._step, leaves, kept=self._kept(b) & same)
         rt.store.wait_idle()  # (the step may donate these buffers, or lose a device)
 
     def _on_carried_state(self, form: NnxForm, fn: Callable[..., R2], args: tuple,
@@ -1846,14 +1856,19 @@ class ResilientStep(Generic[P, R]):
         """The shared leaves whose snapshot copy stays (`SnapshotStore.submit`): those that
         every step committed since the last snapshot returned as given (`_note_kept`: with
         a snapshot every N steps, another batch layout's executable in between may change
-        them: review 31), unless a recovery ran since (its state came from elsewhere:
-        copied again). A change made between steps is snapshotted before the step
+        them: review 31); all of them if no step was. None after a recovery that rolled
+        the state back (steps lost, or the persistent tier: an older value); one that
+        replayed what it restored gives every leaf the value it had (review 32: copying
+        them again after every recovery gave up the snapshot it had just used, under a
+        tight budget). A change made between steps is snapshotted before the step
         (`_snapshot_outside_change`), as a new value."""
-        recoveries = len(self._run_recoveries)
-        kept = self._kept_since if (self._kept_since is not None
-                                    and recoveries == self._recoveries_at_snapshot) \
-            else frozenset()
-        self._recoveries_at_snapshot = recoveries
+        records = self._statistics.recoveries
+        rolled_back = any(r.steps_lost or r.source == "persistent"
+                          for r in records[self._records_at_snapshot:])
+        kept = frozenset() if rolled_back else (
+            self._kept_since if self._kept_since is not None
+            else b.runtime.compiler.shared_leaves())
+        self._records_at_snapshot = len(records)
         self._kept_since = None
         return kept
 

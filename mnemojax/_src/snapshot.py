@@ -137,7 +137,7 @@ class LeafCopy:
     crcs: dict[IndexKey, int] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (compared by identity: its fields hold numpy arrays)
 class HostSnapshot:
     """A complete, checksummed host copy of the state after `step`."""
 
@@ -203,6 +203,12 @@ def _leaf_layout(x: jax.Array) -> LeafLayout:
             for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
 
 
+def _keys(layout: LeafLayout) -> tuple[IndexKey, ...]:
+    """Where a layout's shards lie in the global array (what a host copy holds, whatever
+    the devices)."""
+    return tuple(k for _, k, _ in layout)
+
+
 def _fits(copy: LeafCopy, x: jax.Array, layout: LeafLayout) -> bool:
     """Whether `copy`'s buffers hold `x`'s replica-0 shards (`layout`)."""
     return (copy.shape == tuple(x.shape) and copy.dtype == np.dtype(x.dtype)
@@ -254,10 +260,10 @@ class SnapshotStore:
         self._layouts: dict[tuple[Any, tuple[int, ...], np.dtype], LeafLayout] = {}
         # Shared leaves (`share`): one host copy each, held by both slots while the leaf
         # keeps its value. Per leaf, a version that a submit not keeping it advances, and
-        # the newest copy: (version, layout, copy).
+        # the newest copy: (version, its shards' index keys, copy).
         self._shared: frozenset[int] = frozenset()
         self._versions: list[int] = []
-        self._shared_copies: dict[int, tuple[int, LeafLayout, LeafCopy]] = {}
+        self._shared_copies: dict[int, tuple[int, tuple[IndexKey, ...], LeafCopy]] = {}
         self.shared_bytes = 0  # of `state_bytes`, the shared leaves' (copied once)
         self.shared_copied = 0  # copies of a shared leaf read (not taken from the last)
         # No room in the budget for two copies of the shared leaves: a new copy gives up
@@ -404,8 +410,16 @@ class SnapshotStore:
                 keep = self._slots[1 - target] if self._intact[1 - target] else None
                 retiring = self._intact[target]
                 self._intact[target] = False  # being overwritten from now on
+                fresh = False
+                if keep is not None and self._tight and self._changes_shared(leaves, versions):
+                    # No room for two copies of a shared leaf: the older snapshot goes
+                    # before the copy starts, under the lock (a reader that got it before
+                    # meets empty copies, never one written over: `fresh`).
+                    self._give_up(keep)
+                    keep, fresh = None, True
             try:
-                snap = self._copy(step, leaves, packed, versions, reuse, keep, scrub=retiring)
+                snap = self._copy(step, leaves, packed, versions, reuse, keep, scrub=retiring,
+                                  fresh=fresh)
             except Exception as exc:  # noqa: BLE001 - a failed copy is simply not published
                 log.warning("mnemojax: snapshot of step %d abandoned: %s", step, exc)
                 self.failed += 1
@@ -504,7 +518,8 @@ class SnapshotStore:
 
     def _copy(self, step: int, leaves: Sequence[jax.Array], packed: Packed | None,
               versions: Sequence[int], reuse: HostSnapshot | None,
-              keep: HostSnapshot | None = None, *, scrub: bool) -> HostSnapshot:
+              keep: HostSnapshot | None = None, *, scrub: bool,
+              fresh: bool = False) -> HostSnapshot:
         """Copies `leaves` into `reuse`'s buffers (new ones if the layout changed) and
         checksums each shard: one device read per pack shard where ``packed`` holds a leaf
         (its shards are views into it), one per shard for the others; the shared leaves
@@ -547,7 +562,7 @@ class SnapshotStore:
                 self._scrub(reuse, [f for *_, views in pack_fills[at_pack + 1:] for f in views]
                             + fills[at_leaf + 1:])
             raise
-        self._attach_shared(reuse, keep, leaves, versions, scrub=scrub)
+        self._attach_shared(reuse, keep, leaves, versions, scrub=scrub, fresh=fresh)
         reuse.step = step
         reuse.corrupt = False
         if pack_fills:
@@ -555,45 +570,60 @@ class SnapshotStore:
         self.copy_seconds.append(time.perf_counter() - t0)
         return reuse
 
+    def _changes_shared(self, leaves: Sequence[jax.Array], versions: Sequence[int]) -> bool:
+        """Whether a copy of ``leaves`` reads some shared leaf anew (another version, or
+        shards at other positions)."""
+        for leaf in self._shared:
+            held = self._shared_copies.get(leaf)
+            if held is None or held[0] != versions[leaf] or held[1] != _keys(
+                    self._layout(leaves[leaf])):
+                return True
+        return False
+
     def _attach_shared(self, snap: HostSnapshot, keep: HostSnapshot | None,
                        leaves: Sequence[jax.Array], versions: Sequence[int], *,
-                       scrub: bool = False) -> None:
+                       scrub: bool = False, fresh: bool = False) -> None:
         """Gives `snap` the copy of each shared leaf at its version: the one already held
-        where the version and layout are the same (nothing read; its checksums are checked
-        again, so a corruption of the one copy both slots hold is found within a snapshot
-        and read anew, not met at a restore with no fallback), else one read now: into
-        the copy `snap` held before where `keep` (the complete slot, not written over)
-        does not hold it too, else into new buffers: at most two copies of a shared leaf.
-        Where the budget has no room for two (`_tight`), `keep` is given up first (its
-        copies let go: until this copy completes there is no complete snapshot). With
-        `scrub` (`snap` was complete: `_copy`), its own older copy is checked before it
-        is written over (a copy that failed midway left it without valid checksums)."""
+        where the version and the shards' positions are the same (nothing read; a mesh
+        change that keeps them, a replicated leaf's, keeps the copy; its checksums are
+        checked again, so a corruption of the one copy both slots hold is found within a
+        snapshot and read anew, not met at a restore with no fallback), else one read now:
+        into the copy `snap` held before where `keep` (the complete slot, not written
+        over) does not hold it and no reader may (not ``fresh``: `_run` gave up the older
+        snapshot), else into new buffers, the older copy let go first: at most two
+        copies of a shared leaf, one where `_run` gave up the older snapshot. With `scrub`
+        (`snap` was complete: `_copy`), its own older copy is checked before it is written
+        over (a copy that failed midway left it without valid checksums)."""
         fetch_into, checksum = self._layer.fetch_into, checksums.checksum
         for leaf in sorted(self._shared):
             x = leaves[leaf]
             layout = self._layout(x)
+            keys = _keys(layout)
             held = self._shared_copies.get(leaf)
-            if held is not None and held[0] == versions[leaf] and held[1] is layout:
+            if held is not None and held[0] == versions[leaf] and held[1] == keys:
                 if not self._verify or all(checksum(buf) == held[2].crcs[k]
                                            for k, buf in held[2].shards.items()):
                     snap.leaves[leaf] = held[2]
                     continue
                 self._shared_corrupt(keep, leaf, held[2])  # read again below
-            if self._tight and keep is not None:  # (no room for two copies of it)
-                self._give_up(keep)
-                keep = None
             mine = snap.leaves[leaf]
-            if (keep is not None and keep.leaves[leaf] is mine) or not _fits(mine, x, layout):
+            # (an entry being written is never reused: versions only grow, but a torn copy
+            # is better not named at all)
+            self._shared_copies.pop(leaf, None)
+            if fresh or (keep is not None and keep.leaves[leaf] is mine) \
+                    or not _fits(mine, x, layout):
+                snap.leaves[leaf] = LeafCopy(mine.shape, mine.dtype, mine.entry, {})
+                del mine, held  # (its memory goes now, unless the other slot holds it)
                 mine = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf],
                                 {k: np.empty([b - a for a, b in k], x.dtype)
                                  for _, k, _ in layout})
             elif scrub and any(checksum(buf) != mine.crcs.get(k)
-                                      for k, buf in mine.shards.items()):
+                               for k, buf in mine.shards.items()):
                 self._retired_corrupt(snap)  # (its own older copy, about to be written over)
             for position, k, device_id in layout:
                 fetch_into(x.addressable_data(position), device_id, mine.shards[k])
                 mine.crcs[k] = checksum(mine.shards[k])
-            self._shared_copies[leaf] = (versions[leaf], layout, mine)
+            self._shared_copies[leaf] = (versions[leaf], keys, mine)
             self.shared_copied += 1
             snap.leaves[leaf] = mine
 
@@ -612,15 +642,20 @@ class SnapshotStore:
     def _give_up(self, keep: HostSnapshot) -> None:
         """Makes room for a new copy of the shared leaves within the budget (`_tight`): the
         complete snapshot `keep` is no longer offered, and its copies of the shared leaves
-        go (the next copy writes over its slot anyway)."""
-        with self._cv:
-            index = self._slots.index(keep)
-            self._intact[index] = False
-            if self._complete == index:
-                self._complete = None
+        go (the next copy writes over its slot anyway). Called with ``_cv`` held."""
+        index = next(i for i, slot in enumerate(self._slots) if slot is keep)
+        self._intact[index] = False
+        if self._complete == index:
+            self._complete = None
         for leaf in self._shared:
             copy = keep.leaves[leaf]
             keep.leaves[leaf] = LeafCopy(copy.shape, copy.dtype, copy.entry, {})
         self.gave_up += 1
         log.info("mnemojax: the snapshot of step %d is given up to copy the shared leaves "
                  "anew within host_memory_budget_bytes", keep.step)
+        if self.gave_up == 1:
+            log.warning("mnemojax: %s snapshots: host_memory_budget_bytes=%d has room for one "
+                        "copy of the leaves the step returns unchanged, not two: each time "
+                        "they change (a recovery onto other shards, a change between steps), "
+                        "the older snapshot is given up while they are copied anew (said "
+                        "once; Statistics.snapshots_given_up)", self._name, self._budget)

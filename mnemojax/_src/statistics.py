@@ -150,6 +150,9 @@ class Statistics:
     # host memory the snapshots hold (each shared copy once).
     snapshot_shared_bytes: int = 0
     snapshot_host_bytes: int = 0
+    # Older snapshots given up to copy changed shared leaves within a budget with room for
+    # one copy of them (`SnapshotStore._give_up`).
+    snapshots_given_up: int = 0
     snapshot_copy_median_s: float = 0.0
     grads_snapshot_step: int | None = None
     grads_snapshot_bytes: int = 0
