@@ -166,11 +166,14 @@ class SnapshotOptions:
         share_unchanged_leaves: in one process, the state leaves the step returns exactly
             as given (a frozen base: ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``,
             found at the step's first trace) are copied to host memory once and held by
-            both snapshots, copied again only when they change (a change made between
-            steps, a recovery); they are not packed, and ``host_memory_budget_bytes``
-            counts them once. False: every snapshot copies them, as any leaf (two
-            independent host copies). Not yet across processes (the publishes to the
-            agents copy the whole state).
+            both snapshots, copied again only when they may have changed (a change made
+            between steps to them, a step of another batch layout that changes them, a
+            recovery onto other shards or one that rolled back); they are not packed, and
+            ``host_memory_budget_bytes`` counts them once. Where the budget has no room
+            for two copies of them, a change gives up the older snapshot while they are
+            copied anew (said once; ``Statistics.snapshots_given_up``). False: every
+            snapshot copies them, as any leaf (two independent host copies). Not yet
+            across processes (the publishes to the agents copy the whole state).
     """
 
     every_steps: int = 20
