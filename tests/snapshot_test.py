@@ -458,3 +458,16 @@ def test_the_older_snapshot_is_given_up_before_the_copy_and_its_copy_never_writt
         np.testing.assert_array_equal(buf, host[0][tuple(slice(a, b) for a, b in k)])
     np.testing.assert_array_equal(store.latest().assemble(0), host[0] + 1)
     store.close()
+
+
+def test_close_checks_every_shared_copy_a_complete_snapshot_holds(arrays):
+    """Review 32: `close` checked only the newest shared copies; the older snapshot's own
+    copy of a leaf that changed went unchecked."""
+    _, dev = arrays
+    store = _store()
+    assert store.share([0])
+    older = _taken(store, dev)
+    _taken(store, [dev[0] + 1, dev[1]], 2)  # a new value: its own copy
+    next(iter(older.leaves[0].shards.values())).view(np.uint8)[0] ^= 0x01
+    store.close()
+    assert store.corrupt_found == 1

@@ -382,14 +382,16 @@ class SnapshotStore:
         for slot, intact in zip(self._slots, self._intact, strict=True):
             if intact:
                 self._scrub(slot)  # a corruption that no restore or reuse met
-        for _, _, copy in self._shared_copies.values():
-            # (never written over, so never checked by a reuse)
+        # The shared copies the complete slots hold (not in their own checks; each once).
+        held = {id(c): c for slot, intact in zip(self._slots, self._intact, strict=True)
+                if intact and slot is not None for i, c in enumerate(slot.leaves)
+                if i in self._shared}
+        for copy in held.values():
             if self._verify and any(checksums.checksum(buf) != copy.crcs[k]
                                     for k, buf in copy.shards.items()):
                 self.corrupt_found += 1
-                log.warning("mnemojax: a snapshot copy shared by both slots failed its %s "
-                            "check at close (host memory corruption)", checksums.NAME)
-                break
+                log.warning("mnemojax: a host copy of a shared state leaf failed its %s check "
+                            "at close (host memory corruption)", checksums.NAME)
 
     def median_copy_s(self) -> float:
         return statistics.median(self.copy_seconds) if self.copy_seconds else 0.0
@@ -600,12 +602,14 @@ class SnapshotStore:
             layout = self._layout(x)
             keys = _keys(layout)
             held = self._shared_copies.get(leaf)
+            check = scrub
             if held is not None and held[0] == versions[leaf] and held[1] == keys:
                 if not self._verify or all(checksum(buf) == held[2].crcs[k]
                                            for k, buf in held[2].shards.items()):
                     snap.leaves[leaf] = held[2]
                     continue
                 self._shared_corrupt(keep, leaf, held[2])  # read again below
+                check = False  # (said once)
             mine = snap.leaves[leaf]
             # (an entry being written is never reused: versions only grow, but a torn copy
             # is better not named at all)
@@ -617,7 +621,7 @@ class SnapshotStore:
                 mine = LeafCopy(tuple(x.shape), np.dtype(x.dtype), self._entries[leaf],
                                 {k: np.empty([b - a for a, b in k], x.dtype)
                                  for _, k, _ in layout})
-            elif scrub and any(checksum(buf) != mine.crcs.get(k)
+            elif check and any(checksum(buf) != mine.crcs.get(k)
                                for k, buf in mine.shards.items()):
                 self._retired_corrupt(snap)  # (its own older copy, about to be written over)
             for position, k, device_id in layout:
