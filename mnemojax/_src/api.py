@@ -36,6 +36,7 @@ from mnemojax._src.compiler import (
     compiles_ahead_here,
     enable_persistent_cache,
     layout_key,
+    leaf_nbytes,
 )
 from mnemojax._src.data import HostRows
 from mnemojax._src.device_layer import put_host
@@ -1844,12 +1845,11 @@ class ResilientStep(Generic[P, R]):
         rt.compiler.trace_first(rt.plan, batch_struct(batch, b.examples))
         shared = rt.compiler.shared_leaves()
         if rt.store.share(shared) and shared:
-            structs = b.builder.leaf_structs
-            nbytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in structs]
+            nbytes = leaf_nbytes(b.builder.leaf_structs)
             log.info("mnemojax: the step returns %d of its %d state leaves as given (%d of "
                      "%d bytes, e.g. %s): their host snapshot is copied once, and again only "
                      "when they change (SnapshotOptions.share_unchanged_leaves)", len(shared),
-                     len(structs), sum(nbytes[i] for i in shared), sum(nbytes),
+                     len(nbytes), sum(nbytes[i] for i in shared), sum(nbytes),
                      b.form.leaf_paths[min(shared)])
 
     def _kept(self, b: _Built) -> frozenset[int]:

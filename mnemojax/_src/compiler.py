@@ -127,6 +127,11 @@ class Executable:
     kept: frozenset[int] = frozenset()
 
 
+def leaf_nbytes(leaf_structs) -> list[int]:
+    """Each state leaf's global bytes, from its (shape, dtype)."""
+    return [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in leaf_structs]
+
+
 def _axes_of(spec: PartitionSpec) -> set[str]:
     return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
 
@@ -672,8 +677,7 @@ class StepCompiler:
         every mesh a recovery plans (their axes divide every dimension they split), so a
         step exported for one mesh returns as many packs on another."""
         shared = self.shared_leaves()
-        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize
-                 for shape, dtype in self.leaf_structs]
+        sizes = leaf_nbytes(self.leaf_structs)
         if (self._pack is None
                 or not self._pack(mesh, single_copy_state(self._specs, mesh), sum(sizes),
                                   sum(sizes[i] for i in shared))):

@@ -21,14 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
-import numpy as np
 
 from mnemojax._src import monitoring
 from mnemojax._src.compiler import (
@@ -37,6 +35,7 @@ from mnemojax._src.compiler import (
     StepFacts,
     cache_dir,
     export_name,
+    leaf_nbytes,
     shares_cache_entries,
 )
 from mnemojax._src.distributed import env as dist_env
@@ -215,8 +214,7 @@ def compile_for_world(session: DistributedSession, runtime: Runtime, batch: Any,
 def compiled_barrier_s(builder: RuntimeBuilder) -> float:
     """The compile barrier's timeout for a world of ``builder``'s state (the constants
     above): the same in every process."""
-    nbytes = sum(math.prod(shape) * np.dtype(dtype).itemsize
-                 for shape, dtype in builder.leaf_structs)
+    nbytes = sum(leaf_nbytes(builder.leaf_structs))
     return min(COMPILED_BARRIER_S + nbytes / FETCH_FLOOR_BYTES_PER_S, COMPILED_BARRIER_MAX_S)
 
 
